@@ -1,0 +1,109 @@
+import pickle
+
+import numpy as np
+import pytest
+import timm
+import torch
+from safetensors.torch import save_file
+
+from mepo_stream.backbone import (
+    BackboneConfig,
+    create_backbone,
+    load_backbone_weights,
+    read_state_dict,
+)
+from tests.conftest import TINY
+
+
+def trained_state(img_size: int = 32) -> dict[str, torch.Tensor]:
+    torch.manual_seed(123)
+    return timm.create_model("test_vit", pretrained=False, num_classes=10, img_size=img_size).state_dict()
+
+
+def same_backbone(model, state) -> bool:
+    return all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_safetensors_and_pth_sources(tmp_path):
+    state = trained_state()
+    save_file(state, str(tmp_path / "w.safetensors"))
+    torch.save({"model": state}, tmp_path / "w.pth")  # common wrapper, unwrapped on load
+    for name in ("w.safetensors", "w.pth"):
+        model = create_backbone(BackboneConfig("test_vit", str(tmp_path / name), 32))
+        assert same_backbone(model, state)
+
+
+def test_mepo_release_format_loads_without_head(tmp_path):
+    """vit_*_meta_k.pth: a backbone state dict without head keys, loaded non-strictly."""
+    state = {k: v for k, v in trained_state().items() if not k.startswith("head.")}
+    torch.save(state, tmp_path / "vit_test_meta_5.pth")
+    assert same_backbone(create_backbone(BackboneConfig("test_vit", str(tmp_path / "vit_test_meta_5.pth"), 32)), state)
+
+
+def test_missing_backbone_keys_fail_loudly(tmp_path):
+    state = {k: v for k, v in trained_state().items() if not k.startswith("blocks.3.")}
+    torch.save(state, tmp_path / "broken.pth")
+    with pytest.raises(ValueError, match="missing.*blocks.3"):
+        create_backbone(BackboneConfig("test_vit", str(tmp_path / "broken.pth"), 32))
+
+
+def test_pickled_objects_are_refused(tmp_path):
+    class Payload:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    with open(tmp_path / "evil.pth", "wb") as f:
+        pickle.dump({"w": Payload()}, f)
+    with pytest.raises(ValueError, match="refused to unpickle"):
+        read_state_dict(tmp_path / "evil.pth")
+
+
+def test_position_table_is_resampled_to_the_image_size(tmp_path):
+    state = trained_state(img_size=32)  # 4x4 grid of 8-px patches
+    model = create_backbone(BackboneConfig("test_vit", None, 64))  # 8x8 grid
+    load_backbone_weights(model, state)
+    assert model.pos_embed.shape[1] == 1 + 64
+    assert torch.equal(model.cls_token, state["cls_token"])
+
+
+def test_google_npz_goes_through_timms_loader(tmp_path):
+    """A Google-format npz written from a known model must load back to the same weights."""
+    model = timm.create_model("test_vit", pretrained=False, num_classes=0, img_size=32)
+    np.savez(tmp_path / "ViT.npz", **google_npz(model))
+    loaded = create_backbone(BackboneConfig("test_vit", str(tmp_path / "ViT.npz"), 32))
+    x = torch.randn(2, 3, 32, 32)
+    assert torch.allclose(model.eval().forward_features(x), loaded.eval().forward_features(x), atol=1e-5)
+
+
+def google_npz(model) -> dict[str, np.ndarray]:
+    """Inverse of timm's npz reader for a plain ViT (big_vision/jax layout), for the test above."""
+    n = lambda t: t.detach().numpy()  # noqa: E731
+    d, h = model.embed_dim, model.blocks[0].attn.num_heads
+    out = {"embedding/kernel": n(model.patch_embed.proj.weight.permute(2, 3, 1, 0)),
+           "embedding/bias": n(model.patch_embed.proj.bias), "cls": n(model.cls_token),
+           "Transformer/posembed_input/pos_embedding": n(model.pos_embed),
+           "Transformer/encoder_norm/scale": n(model.norm.weight), "Transformer/encoder_norm/bias": n(model.norm.bias)}
+    for i, blk in enumerate(model.blocks):
+        p = f"Transformer/encoderblock_{i}/"
+        q, k, v = blk.attn.qkv.weight.chunk(3)
+        qb, kb, vb = blk.attn.qkv.bias.chunk(3)
+        out |= {p + "LayerNorm_0/scale": n(blk.norm1.weight), p + "LayerNorm_0/bias": n(blk.norm1.bias),
+                p + "LayerNorm_2/scale": n(blk.norm2.weight), p + "LayerNorm_2/bias": n(blk.norm2.bias),
+                p + "MultiHeadDotProductAttention_1/out/kernel": n(blk.attn.proj.weight.T.reshape(h, d // h, d)),
+                p + "MultiHeadDotProductAttention_1/out/bias": n(blk.attn.proj.bias)}
+        for name, w, b in (("query", q, qb), ("key", k, kb), ("value", v, vb)):
+            out[p + f"MultiHeadDotProductAttention_1/{name}/kernel"] = n(w.T.reshape(d, h, d // h))
+            out[p + f"MultiHeadDotProductAttention_1/{name}/bias"] = n(b.reshape(h, d // h))
+        for j, fc in enumerate((blk.mlp.fc1, blk.mlp.fc2)):
+            out[p + f"MlpBlock_3/Dense_{j}/kernel"] = n(fc.weight.T)
+            out[p + f"MlpBlock_3/Dense_{j}/bias"] = n(fc.bias)
+    return out
+
+
+def test_random_init_needs_no_files():
+    assert create_backbone(TINY).num_features == 64
+
+
+def test_non_vit_is_rejected():
+    with pytest.raises(TypeError, match="VisionTransformer"):
+        create_backbone(BackboneConfig("resnet18", None, 32))

@@ -1,0 +1,73 @@
+import pytest
+import torch
+
+from mepo_stream.alignment import FeatureAlignment
+from mepo_stream.learner import LearnerConfig, OnlineLearner
+from mepo_stream.methods import create_method
+from tests.conftest import color_images
+
+CFG = LearnerConfig(batch_size=16, online_iter=3, lr=5e-3, samples_per_slot=10_000, autoaugment=None)
+
+
+def make_learner(backbone, n_classes=8, alignment=None, cfg=CFG):
+    return OnlineLearner(create_method("misa", backbone, n_classes, alignment), n_classes, cfg)
+
+
+def accuracy(learner, labels, mode="running"):
+    return (learner.predict(color_images(labels), (mode,))[mode] == labels).float().mean().item()
+
+
+@pytest.mark.parametrize("with_cov", [False, True])
+def test_learner_learns_a_stream_in_one_pass(tiny_backbone, with_cov):
+    align = FeatureAlignment(torch.eye(64, dtype=torch.float64), alpha=0.5) if with_cov else None
+    learner = make_learner(tiny_backbone, alignment=align)
+    g = torch.Generator().manual_seed(1)
+    stream = torch.randint(0, 4, (320,), generator=g)
+    test = torch.arange(4).repeat(16)
+    losses = []
+    for start in range(0, len(stream), 16):
+        y = stream[start:start + 16]
+        losses.append(learner.observe(color_images(y), y).loss)
+    assert sum(losses[-4:]) / 4 < 0.5 * sum(losses[:4]) / 4
+    assert accuracy(learner, test) > 0.9  # chance is 0.25
+    assert learner.samples_seen == 320 and sorted(learner.exposed) == [0, 1, 2, 3]
+
+
+def test_labels_are_remapped_by_first_appearance(tiny_backbone):
+    learner = make_learner(tiny_backbone)
+    learner.observe(color_images(torch.tensor([5, 2, 5])), torch.tensor([5, 2, 5]))
+    learner.observe(color_images(torch.tensor([7, 2])), torch.tensor([7, 2]))
+    assert learner.exposed == [5, 2, 7]
+    with pytest.raises(ValueError, match="outputs"):
+        make_learner(tiny_backbone, n_classes=2).observe(color_images(torch.tensor([0, 1, 3])), torch.tensor([0, 1, 3]))
+
+
+def test_backbone_stays_frozen_and_only_the_slot_prompt_trains(tiny_backbone):
+    learner = make_learner(tiny_backbone, cfg=LearnerConfig(batch_size=8, samples_per_slot=8, autoaugment=None))
+    before = {k: v.clone() for k, v in learner.method.state_dict().items()}
+    y = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
+    learner.observe(color_images(y), y)  # slot 0
+    learner.observe(color_images(y), y)  # slot 1
+    after = learner.method.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("backbone."))
+    changed = [i for i in range(10) if not torch.equal(before["e_prompt.prompts"][i], after["e_prompt.prompts"][i])]
+    assert changed == [0, 1]  # the reference's index bug would only ever train prompts[0]
+    keys_changed = [i for i in range(10) if not torch.equal(before["e_prompt.keys"][i], after["e_prompt.keys"][i])]
+    assert keys_changed == [0, 1]
+
+
+def test_batch_mask_only_trains_present_classes(tiny_backbone):
+    learner = make_learner(tiny_backbone)
+    bias_before = learner.method.head.bias.detach().clone()
+    y = torch.tensor([3, 3, 1, 1])
+    learner.observe(color_images(y), y)
+    moved = (learner.method.head.bias.detach() != bias_before).nonzero().squeeze(1).tolist()
+    assert moved == [0, 1]  # head outputs of the two classes seen (remapped 3 -> 0, 1 -> 1)
+
+
+def test_seen_class_eval_mask_never_predicts_unseen_outputs(tiny_backbone):
+    learner = make_learner(tiny_backbone, cfg=LearnerConfig(eval_mask="seen", autoaugment=None))
+    y = torch.tensor([4, 6])
+    learner.observe(color_images(y), y)
+    preds = learner.predict(color_images(torch.arange(8)), ("batch",))["batch"]
+    assert set(preds.tolist()) <= {4, 6}
