@@ -109,7 +109,12 @@ def weights_path(weights: str | None) -> Path | None:
 def build_vit(name: str, img_size: int | None = None) -> VisionTransformer:
     """A headless timm ViT with random weights (``img_size`` None keeps the model's default)."""
     kwargs = {} if img_size is None else {"img_size": img_size}
-    model = timm.create_model(name, pretrained=False, num_classes=0, **kwargs)
+    if not timm.is_model(name):
+        raise ValueError(f"unknown timm model {name!r} (see timm.list_models('vit_*'))")
+    try:
+        model = timm.create_model(name, pretrained=False, num_classes=0, **kwargs)
+    except TypeError as e:  # e.g. a CNN, which takes no img_size
+        raise TypeError(f"{name} cannot be built as a timm VisionTransformer: {e}") from e
     if not isinstance(model, VisionTransformer):
         raise TypeError(f"{name} is a {type(model).__name__}; mepo-stream needs a timm VisionTransformer")
     return model
@@ -118,6 +123,9 @@ def build_vit(name: str, img_size: int | None = None) -> VisionTransformer:
 def load_weights(model: VisionTransformer, path: Path) -> None:
     """Load any supported weight source into ``model``."""
     if path.is_dir():
+        arch = read_manifest(path).get("backbone", {}).get("name")
+        if arch and arch != model.pretrained_cfg.get("architecture", arch):
+            raise ValueError(f"{path} holds a {arch} backbone, not a {model.pretrained_cfg['architecture']}")
         load_backbone_weights(model, load_part(path, BACKBONE))
     elif path.suffix == ".npz":
         model.load_pretrained(str(path))

@@ -11,7 +11,7 @@ Writes ``results.json`` (every run's curves and metrics), ``table.md`` (mean ± 
 ``anytime_accuracy.png`` into ``out``.
 
 Example:
-    mepo evaluate --data.dataset cifar10 --seeds 1-3 --mepo_cov runs/sigma_pre --out runs/eval-cifar10
+    mepo evaluate --data.dataset cifar10 --seeds 1-3 --mepo runs/refined --out runs/eval-cifar10
 """
 
 from __future__ import annotations
@@ -153,6 +153,8 @@ def evaluate(
     out: Path = Path("runs/evaluate"),
     seeds: str = "1-5",
     method: str = "misa",
+    mepo: Path | None = None,
+    mepo_rep: Path | None = None,
     mepo_cov: Path | None = None,
     data: DataConfig = DataConfig(),
     stream: SiBlurryConfig = SiBlurryConfig(),
@@ -168,8 +170,10 @@ def evaluate(
         out: Output folder.
         seeds: Seeds to run, e.g. "1-5" or "1,3" (each seed gives its own stream order).
         method: Host method (misa).
-        mepo_cov: Meta Cov: a bundle holding Sigma_pre (mepo covariance / refine) or a MePo cov_*.npy.
-            Without it the host runs alone.
+        mepo: A MePo bundle (mepo refine): Meta Rep (its backbone) and Meta Cov (its Sigma_pre) together.
+        mepo_rep: Meta Rep only: a bundle whose backbone replaces --backbone.weights (ablation).
+        mepo_cov: Meta Cov only: a bundle holding Sigma_pre, or a MePo release cov_*.npy (ablation).
+            Without any of the three the host runs alone.
         data: Downstream dataset.
         stream: Si-Blurry stream settings (the seed field is replaced by each of --seeds).
         backbone: Pretrained backbone.
@@ -178,6 +182,9 @@ def evaluate(
         alignment: Meta Cov alignment settings (used only with --mepo_cov).
         protocol: Evaluation protocol settings.
     """
+    mepo_rep, mepo_cov = mepo_rep or mepo, mepo_cov or mepo
+    if mepo_rep is not None:
+        backbone = replace(backbone, weights=str(mepo_rep))
     out.mkdir(parents=True, exist_ok=True)
     train, test = load_split(data, "train"), load_split(data, "test")
     base = create_backbone(backbone)
@@ -191,9 +198,11 @@ def evaluate(
                              alignment, protocol))
         log.info("seed %d: %s", seed, {m: {k: round(runs[-1]["curves"][m][k], 4) for k in ("A_auc", "A_last")}
                                        for m in modes})
-    title = f"{method}{' + Meta Cov' if sigma is not None else ''} on {data.dataset} ({backbone.name} @ {backbone.img_size}px)"
+    parts = [p for p, on in (("Meta Rep", mepo_rep), ("Meta Cov", mepo_cov)) if on is not None]
+    title = f"{' + '.join([method, *parts])} on {data.dataset} ({backbone.name} @ {backbone.img_size}px)"
     result = {
-        "config": {"method": method, "mepo_cov": None if mepo_cov is None else str(mepo_cov), "data": asdict(data),
+        "config": {"method": method, "mepo_rep": None if mepo_rep is None else str(mepo_rep),
+                   "mepo_cov": None if mepo_cov is None else str(mepo_cov), "data": asdict(data),
                    "stream": asdict(stream), "backbone": provenance(backbone), "misa": asdict(misa),
                    "learner": asdict(learner), "alignment": asdict(alignment), "protocol": asdict(protocol),
                    "n_train": len(train), "n_test": len(test)},

@@ -59,10 +59,11 @@ def test_pickled_objects_are_refused(tmp_path):
 
 
 def test_position_table_is_resampled_to_the_image_size(tmp_path):
-    state = trained_state(img_size=32)  # 4x4 grid of 8-px patches
-    model = create_backbone(BackboneConfig("test_vit", None, 64))  # 8x8 grid
+    state = trained_state(img_size=32)  # 2x2 grid of 16-px patches
+    model = create_backbone(BackboneConfig("test_vit", None, 64))  # 4x4 grid
     load_backbone_weights(model, state)
-    assert model.pos_embed.shape[1] == 1 + 64
+    assert state["pos_embed"].shape[1] == 1 + 4 and model.pos_embed.shape[1] == 1 + 16
+    assert torch.equal(model.pos_embed[:, :1], state["pos_embed"][:, :1])  # the CLS position is kept as is
     assert torch.equal(model.cls_token, state["cls_token"])
 
 
@@ -104,6 +105,8 @@ def test_random_init_needs_no_files():
     assert create_backbone(TINY).num_features == 64
 
 
-def test_non_vit_is_rejected():
+def test_non_vit_and_unknown_names_are_rejected():
     with pytest.raises(TypeError, match="VisionTransformer"):
         create_backbone(BackboneConfig("resnet18", None, 32))
+    with pytest.raises(ValueError, match="unknown timm model"):
+        create_backbone(BackboneConfig("vit_does_not_exist", None, 32))
