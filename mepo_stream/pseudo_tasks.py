@@ -12,15 +12,16 @@ Everything is drawn from a generator seeded by ``(seed, meta_epoch)``, so a resu
 distributed rank rebuild the very same plan.
 
 Example:
-    >>> plan = meta_epoch_plan([0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3], PseudoTaskConfig(2, 2, 3, 1 / 3), seed=1, meta_epoch=1)
+    >>> cfg = PseudoTaskConfig(classes_per_group=2, n_tasks=2, samples_per_class=3, val_ratio=1 / 3)
+    >>> plan = meta_epoch_plan([0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3], cfg, seed=1, meta_epoch=1)
     >>> len(plan), [len(t) for t in plan[0].tasks], len(plan[0].joint)
     (2, [2, 2], 2)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 

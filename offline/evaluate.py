@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mepo_stream.alignment import AlignMode, AlignmentConfig, FeatureAlignment
+from mepo_stream.alignment import AlignmentConfig, AlignMode, FeatureAlignment
 from mepo_stream.artifacts import load_sigma_pre
 from mepo_stream.backbone import BackboneConfig, create_backbone, device, provenance
 from mepo_stream.data import DataConfig, ImageSet, load_split

@@ -35,5 +35,5 @@ def test_round_trip_through_dict():
     curve.add_anytime(10, 0.5)
     curve.add_end_of_task(0.5, {1: 0.5})
     d = curve.to_dict()
-    assert d["A_auc"] == 0.5 and AnytimeCurve(**{k: d[k] for k in
-                                                 ("samples", "accuracy", "task_accuracy", "task_class_accuracy")}) == curve
+    fields = ("samples", "accuracy", "task_accuracy", "task_class_accuracy")
+    assert d["A_auc"] == 0.5 and AnytimeCurve(**{k: d[k] for k in fields}) == curve

@@ -1,0 +1,100 @@
+"""Refine throughput: ``mepo refine``'s training step against a bare PyTorch SGD loop on the same machine.
+
+Both loops train the same backbone + meta head with the same SGD optimizer, batch size and resolution, side
+by side in one process (alternating rounds, so drift in machine load hits both equally). The bare loop feeds
+pre-normalised float tensors already in memory and does forward, cross-entropy, backward and step only; the
+refine step also indexes uint8 images, augments them, masks the logits to the group and does the DDP-ready loss
+scaling. The ratio refine/bare is the cost of everything around the model's own compute.
+
+Usage:
+    python benchmarks/refine_throughput.py --img_size 84 --batch_size 64 --steps 10
+Writes ``benchmarks/results/refine_throughput.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mepo_stream.backbone import BackboneConfig, create_backbone, normalization
+from mepo_stream.data import ImageSet
+from mepo_stream.transforms import test_transform, train_transform
+from offline.refine import Distributed, MetaModel, RefineConfig, Trainer
+
+
+def _optimizer(model: MetaModel, cfg: RefineConfig) -> torch.optim.SGD:
+    return torch.optim.SGD([{"params": model.backbone.parameters(), "lr": cfg.lr_backbone},
+                            {"params": model.head.parameters(), "lr": cfg.lr_head}], momentum=cfg.momentum)
+
+
+def main(model: str = "vit_small_patch14_dinov2", weights: str | None = None, img_size: int = 84,
+         batch_size: int = 64, steps: int = 10, rounds: int = 3, n_classes: int = 100,
+         out: Path = Path("benchmarks/results/refine_throughput.json")) -> dict:
+    """Measure images/s of the refine step and of a bare SGD loop; write the JSON result.
+
+    Args:
+        model: timm ViT name.
+        weights: Backbone weights (null = random init; speed does not depend on the values).
+        img_size: Input resolution.
+        batch_size: Global batch size.
+        steps: Timed steps per round and loop.
+        rounds: Alternating rounds (the best round of each loop is reported).
+        n_classes: Meta-head outputs.
+        out: JSON result path.
+    """
+    torch.manual_seed(0)
+    cfg = RefineConfig(batch_size=batch_size)
+    backbone = BackboneConfig(model, weights, img_size)
+    images = ImageSet(torch.randint(0, 256, (batch_size * 4, 3, 64, 64), dtype=torch.uint8),
+                      torch.randint(0, n_classes, (batch_size * 4,)), [str(c) for c in range(n_classes)], [])
+    ours = MetaModel(create_backbone(backbone), n_classes)
+    mean, std = normalization(ours.backbone)
+    trainer = Trainer(ours, ours, _optimizer(ours, cfg), images, cfg, Distributed(),
+                      train_transform(img_size, mean, std, None), test_transform(img_size, mean, std))
+    group = torch.arange(n_classes)
+    bare = MetaModel(create_backbone(backbone), n_classes)
+    bare_opt = _optimizer(bare, cfg)
+    x = test_transform(img_size, mean, std)(images.images[:batch_size])  # [B, 3, S, S] float, in memory
+    y = images.targets[:batch_size]
+
+    def run_ours() -> None:
+        for s in range(steps):
+            trainer.step(list(range(s % 4 * batch_size, (s % 4 + 1) * batch_size)), group, trainer.train_tf)
+
+    def run_bare() -> None:
+        for _ in range(steps):
+            loss = F.cross_entropy(bare(x), y)
+            bare_opt.zero_grad(set_to_none=True)
+            loss.backward()
+            bare_opt.step()
+
+    timings: dict[str, list[float]] = {"refine": [], "bare": []}
+    run_ours(), run_bare()  # warm-up
+    for _ in range(rounds):
+        for name, fn in (("refine", run_ours), ("bare", run_bare)):
+            start = time.perf_counter()
+            fn()
+            timings[name].append(steps * batch_size / (time.perf_counter() - start))
+    result = {
+        "benchmark": "refine_throughput", "model": model, "img_size": img_size, "batch_size": batch_size,
+        "steps_per_round": steps, "rounds": rounds,
+        "refine_images_per_s": max(timings["refine"]), "bare_images_per_s": max(timings["bare"]),
+        "ratio": max(timings["refine"]) / max(timings["bare"]), "all_rounds": timings,
+        "machine": {"processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                    "device": "cuda" if torch.cuda.is_available() else "cpu", "torch": torch.__version__},
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k != "all_rounds"}, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    from jsonargparse import CLI
+
+    CLI(main, as_positional=False)
