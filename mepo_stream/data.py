@@ -148,8 +148,18 @@ def _decode(path: Path, size: int | None) -> np.ndarray:
         return np.asarray(img).transpose(2, 0, 1)  # [3, H, W]
 
 
-def load_split(cfg: DataConfig, split: str) -> ImageSet:
-    """Decode the ``train`` or ``test`` split of ``cfg`` into memory (class-sorted dataset order)."""
+@dataclass(frozen=True)
+class FileList:
+    """A split as image files in dataset order (class-sorted), before decoding."""
+
+    files: list[Path]
+    targets: list[int]
+    classes: list[str]
+    class_names: list[str]
+
+
+def list_files(cfg: DataConfig, split: str) -> FileList:
+    """The ``train`` or ``test`` split of ``cfg`` as files, in dataset order (what the producer replays)."""
     root, class_slice = _resolve(cfg)
     split_root = _split_dir(root, split)
     folders = sorted(p.name for p in split_root.iterdir() if p.is_dir())[class_slice]
@@ -161,9 +171,16 @@ def load_split(cfg: DataConfig, split: str) -> ImageSet:
         targets += [label] * len(paths[:per_class])
     if not files:
         raise ValueError(f"{split_root}: no images found")
+    return FileList(files, targets, folders, _class_names(root, folders))
+
+
+def load_split(cfg: DataConfig, split: str) -> ImageSet:
+    """Decode the ``train`` or ``test`` split of ``cfg`` into memory (class-sorted dataset order)."""
+    listing = list_files(cfg, split)
     with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
-        arrays = list(pool.map(lambda p: _decode(p, cfg.load_size), files))
+        arrays = list(pool.map(lambda p: _decode(p, cfg.load_size), listing.files))
     shapes = {a.shape for a in arrays}
     if len(shapes) > 1:
-        raise ValueError(f"{split_root}: images have different sizes {sorted(shapes)[:3]}; set --data.load_size")
-    return ImageSet(torch.from_numpy(np.stack(arrays)), torch.tensor(targets), folders, _class_names(root, folders))
+        raise ValueError(f"{cfg.dataset}: images have different sizes {sorted(shapes)[:3]}; set --data.load_size")
+    return ImageSet(torch.from_numpy(np.stack(arrays)), torch.tensor(listing.targets), listing.classes,
+                    listing.class_names)

@@ -31,9 +31,10 @@ from mepo_stream.alignment import AlignmentConfig, AlignMode, FeatureAlignment
 from mepo_stream.artifacts import load_sigma_pre
 from mepo_stream.backbone import BackboneConfig, create_backbone, device, provenance
 from mepo_stream.data import DataConfig, ImageSet, load_split
+from mepo_stream.evaluation import evaluate_seen
 from mepo_stream.learner import LearnerConfig, OnlineLearner
 from mepo_stream.methods import MISAConfig, create_method
-from mepo_stream.metrics import AnytimeCurve, per_class_accuracy
+from mepo_stream.metrics import AnytimeCurve
 from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
 
 log = logging.getLogger(__name__)
@@ -59,24 +60,6 @@ def parse_seeds(spec: str) -> list[int]:
     return seeds
 
 
-@torch.no_grad()
-def evaluate_seen(learner: OnlineLearner, test: ImageSet, batch_size: int) -> dict[AlignMode, tuple]:
-    """Micro accuracy and per-class accuracy on the test images of the classes seen so far, per mode."""
-    seen = torch.tensor(learner.exposed, dtype=torch.long)
-    keep = torch.isin(test.targets, seen).nonzero().squeeze(1)  # dataset order, as the reference
-    preds: dict[AlignMode, list[torch.Tensor]] = {m: [] for m in MODES}
-    for start in range(0, len(keep), batch_size):
-        idx = keep[start : start + batch_size]
-        for mode, p in learner.predict(test.images[idx], MODES).items():
-            preds[mode].append(p)
-    target = test.targets[keep]
-    out = {}
-    for mode, p in preds.items():
-        p = torch.cat(p)
-        out[mode] = ((p == target).float().mean().item(), per_class_accuracy(p, target))
-    return out
-
-
 def run_seed(seed: int, base_backbone, train: ImageSet, test: ImageSet, sigma: torch.Tensor | None,
              stream_cfg: SiBlurryConfig, method: str, misa: MISAConfig, learner_cfg: LearnerConfig,
              alignment: AlignmentConfig, protocol: ProtocolConfig) -> dict:
@@ -96,11 +79,11 @@ def run_seed(seed: int, base_backbone, train: ImageSet, test: ImageSet, sigma: t
             bar.update(len(idx))
             bar.set_postfix(loss=f"{stats.loss:.3f}", classes=len(learner.exposed))
             if learner.samples_seen + len(idx) > next_eval:
-                for mode, (acc, _) in evaluate_seen(learner, test, protocol.eval_batch_size).items():
+                for mode, (acc, _) in evaluate_seen(learner, test, protocol.eval_batch_size, MODES).items():
                     curves[mode].add_anytime(next_eval, acc)
                 next_eval += protocol.eval_period
         if learner.exposed:
-            for mode, (acc, class_acc) in evaluate_seen(learner, test, protocol.eval_batch_size).items():
+            for mode, (acc, class_acc) in evaluate_seen(learner, test, protocol.eval_batch_size, MODES).items():
                 curves[mode].add_end_of_task(acc, class_acc)
     bar.close()
     return {"seed": seed, "wall_time_s": round(time.time() - start, 1), "stream_length": len(stream.order),
