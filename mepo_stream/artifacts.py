@@ -14,7 +14,7 @@ a message naming the file on any mismatch; nothing is ever unpickled.
 Example:
     >>> import tempfile
     >>> d = Path(tempfile.mkdtemp()) / "b"
-    >>> write_bundle(d, {"sigma_pre": {"sigma_pre": torch.eye(2, dtype=torch.float64)}}, {"note": "demo"})
+    >>> _ = write_bundle(d, {"sigma_pre": {"sigma_pre": torch.eye(2, dtype=torch.float64)}}, {"note": "demo"})
     >>> read_manifest(d)["note"], load_sigma_pre(d).dtype
     ('demo', torch.float64)
 """

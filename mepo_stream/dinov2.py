@@ -14,8 +14,8 @@ The conversion maps one-to-one onto timm ``vit_small_patch14_dinov2``:
   518 px (37x37). It is stored at that native grid; ``backbone.load_backbone_weights`` resamples it to the
   model's image size.
 
-Example:
-    >>> path = dinov2_weights()  # doctest: +SKIP  (converts once, then reuses the cached safetensors file)
+Example (the first call converts, later calls reuse the cached safetensors file):
+    >>> path = dinov2_weights()  # doctest: +SKIP
 """
 
 from __future__ import annotations

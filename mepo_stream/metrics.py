@@ -13,7 +13,7 @@ Example:
     >>> curve.add_anytime(1000, 0.5); curve.add_anytime(2000, 0.7)
     >>> curve.add_end_of_task(0.6, {0: 1.0, 1: 0.2}); curve.add_end_of_task(0.4, {0: 0.5, 1: 0.3, 2: 0.4})
     >>> round(curve.a_auc, 3), curve.a_last, curve.a_avg, round(curve.f_last, 3)
-    (0.6, 0.4, 0.5, 0.25)
+    (0.6, 0.4, 0.5, 0.2)
 """
 
 from __future__ import annotations
