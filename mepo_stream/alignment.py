@@ -98,6 +98,7 @@ class FeatureAlignment(nn.Module):
         self.register_buffer("running_mean", torch.zeros(dim, dtype=torch.float64))  # E[h]
         self.register_buffer("running_second", torch.zeros(dim, dim, dtype=torch.float64))  # E[h h^T]
         self.register_buffer("running_batches", torch.zeros((), dtype=torch.long))
+        self._running_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @torch.no_grad()
     def update_running(self, h: torch.Tensor) -> None:
@@ -108,11 +109,18 @@ class FeatureAlignment(nn.Module):
         self.running_mean.lerp_(mean, m)
         self.running_second.lerp_(second, m)
         self.running_batches += 1
+        self._running_cache = None
 
     def running_factor(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Running mean [D] and Cholesky factor [D, D] of the running covariance."""
-        cov = self.running_second - torch.outer(self.running_mean, self.running_mean)
-        return self.running_mean.float(), cholesky(cov, self.eps)
+        """Running mean [D] and Cholesky factor [D, D] of the running covariance (cached until the next update)."""
+        if self._running_cache is None:
+            cov = self.running_second - torch.outer(self.running_mean, self.running_mean)
+            self._running_cache = (self.running_mean.float(), cholesky(cov, self.eps))
+        return self._running_cache
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._running_cache = None
+        super()._load_from_state_dict(*args, **kwargs)
 
     def forward(self, h: torch.Tensor, mode: AlignMode = "batch") -> torch.Tensor:
         """Align features [B, D]; training batches also update the running statistics."""

@@ -123,6 +123,21 @@ class OnlineLearner:
         self.samples_seen += len(labels)
         return StepStats(sum(losses) / len(losses), correct, new)
 
+    def state_dict(self) -> dict:
+        """Everything the learner changes: trainable tensors (not the frozen backbone), optimizer, label map."""
+        trainable = {k: v for k, v in self.method.state_dict().items() if not k.startswith("backbone.")}
+        return {"method": trainable, "optimizer": self.optimizer.state_dict(), "exposed": list(self.exposed),
+                "samples_seen": self.samples_seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        missing, unexpected = self.method.load_state_dict(state["method"], strict=False)
+        if unexpected or any(not k.startswith("backbone.") for k in missing):
+            raise ValueError(f"learner state does not fit the method: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.exposed = [int(y) for y in state["exposed"]]
+        self._index = {y: i for i, y in enumerate(self.exposed)}
+        self.samples_seen = int(state["samples_seen"])
+
     def _labels(self, index: torch.Tensor) -> torch.Tensor:
         """Head outputs -> original labels (-1 for outputs no class has been mapped to yet)."""
         table = torch.full((self.n_classes,), -1, dtype=torch.long)

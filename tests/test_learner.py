@@ -71,3 +71,39 @@ def test_seen_class_eval_mask_never_predicts_unseen_outputs(tiny_backbone):
     learner.observe(color_images(y), y)
     preds = learner.predict(color_images(torch.arange(8)), ("batch",))["batch"]
     assert set(preds.tolist()) <= {4, 6}
+
+
+def test_state_round_trip_continues_identically(tiny_backbone):
+    import copy
+
+    y = torch.tensor([0, 1, 2, 3] * 4)
+    a = make_learner(tiny_backbone, alignment=FeatureAlignment(torch.eye(64, dtype=torch.float64), alpha=0.5))
+    a.observe(color_images(y), y)
+    b = make_learner(copy.deepcopy(tiny_backbone),
+                     alignment=FeatureAlignment(torch.eye(64, dtype=torch.float64), alpha=0.5))
+    b.load_state_dict(a.state_dict())
+    assert b.exposed == a.exposed and b.samples_seen == 16
+    torch.manual_seed(5)
+    a.observe(color_images(y), y)
+    torch.manual_seed(5)
+    b.observe(color_images(y), y)
+    for k, v in a.method.state_dict().items():
+        assert torch.equal(v, b.method.state_dict()[k]), k
+
+
+def test_snapshot_is_isolated_from_further_learning(tiny_backbone):
+    from mepo_stream.snapshot import take_snapshot
+
+    learner = make_learner(tiny_backbone, alignment=FeatureAlignment(torch.eye(64, dtype=torch.float64)))
+    y = torch.tensor([0, 1, 2, 3] * 4)
+    learner.observe(color_images(y), y)
+    snap = take_snapshot(learner, version=1)
+    images = color_images(y)
+    before = snap.probabilities(images)
+    learner.observe(images, y)
+    assert torch.equal(snap.probabilities(images), before)  # the snapshot did not move
+    assert snap.method.backbone is learner.method.backbone  # the frozen backbone is shared, not copied
+    one = snap.probabilities(images[:1])[0]
+    assert torch.allclose(one, before[0], atol=1e-5)  # non-transductive: alone or in a batch, same answer
+    top = snap.predict(images[:2], top_k=2)
+    assert len(top) == 2 and len(top[0]) == 2 and {lbl for lbl, _ in top[0]} <= {0, 1, 2, 3}

@@ -1,0 +1,106 @@
+"""Prequential (test-then-train) accuracy and drift detection on the live stream, with river.
+
+Each mini-batch is predicted *before* the learner trains on it (river's ``progressive_val_score``
+contract), and the outcomes feed a cumulative ``metrics.Accuracy``, a ``utils.Rolling`` accuracy over the
+last ``rolling_window`` samples, and a river drift detector on the 0/1 error stream. This is **not** the
+paper's A_AUC (that needs a held-out test set; see ``mepo_stream.evaluation``).
+
+State for checkpoints is plain tensors and lists, never pickled river objects: cumulative counts, the last
+``rolling_window`` outcomes and the detector's current window of errors, replayed into fresh river objects on
+restore (the rolling accuracy and the cumulative accuracy come back exactly; the detector's window contents
+come back, its internal bucket layout may differ).
+
+Example:
+    >>> monitor = StreamMonitor(MonitorConfig(rolling_window=2))
+    >>> monitor.update([1, 2, 3], [1, 2, 0], samples_seen=3)
+    []
+    >>> round(monitor.cumulative, 3), monitor.rolling
+    (0.667, 0.5)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from river import drift, metrics, utils
+
+MAX_REPLAY = 20_000  # most errors replayed into a restored detector
+DETECTORS = {"ADWIN": drift.ADWIN, "PageHinkley": drift.PageHinkley, "KSWIN": drift.KSWIN}
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """Live-stream quality signals."""
+
+    rolling_window: int = 1000
+    """Samples in the rolling prequential accuracy."""
+    detector: str = "ADWIN"
+    """river drift detector on the 0/1 error stream: ADWIN, PageHinkley or KSWIN."""
+    max_events: int = 100
+    """Most recent drift events kept for /v1/status."""
+
+
+class StreamMonitor:
+    def __init__(self, cfg: MonitorConfig = MonitorConfig()):
+        if cfg.detector not in DETECTORS:
+            raise ValueError(f"unknown drift detector {cfg.detector!r}; use one of {sorted(DETECTORS)}")
+        self.cfg = cfg
+        self.accuracy = metrics.Accuracy()
+        self.rolling_accuracy = utils.Rolling(metrics.Accuracy, window_size=cfg.rolling_window)
+        self.detector = DETECTORS[cfg.detector]()
+        self.correct, self.total = 0, 0
+        self.recent: list[int] = []  # last rolling_window outcomes, 1 = correct
+        self.errors: list[int] = []  # errors since the last detection (the detector's window)
+        self.events: list[dict] = []
+
+    @property
+    def cumulative(self) -> float:
+        return self.accuracy.get()
+
+    @property
+    def rolling(self) -> float:
+        return self.rolling_accuracy.get()
+
+    def _observe(self, correct: int) -> bool:
+        self.accuracy.update(1, correct)
+        self.rolling_accuracy.update(1, correct)
+        self.detector.update(1 - correct)
+        self.correct, self.total = self.correct + correct, self.total + 1
+        self.recent = (self.recent + [correct])[-self.cfg.rolling_window :]
+        self.errors.append(1 - correct)
+        detected = self.detector.drift_detected
+        if detected:  # the detector dropped its old data: keep what it still holds (ADWIN: its width)
+            keep = int(getattr(self.detector, "width", 0))
+            self.errors = self.errors[-keep:] if keep else []
+        self.errors = self.errors[-MAX_REPLAY:]
+        return detected
+
+    def update(self, y_true: list[int], y_pred: list[int], samples_seen: int) -> list[dict]:
+        """Record predictions made before learning; returns the drift events this batch raised."""
+        new = []
+        for t, p in zip(y_true, y_pred, strict=True):
+            if self._observe(int(t == p)):
+                new.append({"samples_seen": samples_seen, "detector": self.cfg.detector,
+                            "rolling_accuracy": self.rolling})
+        self.events = (self.events + new)[-self.cfg.max_events :]
+        return new
+
+    def state_dict(self) -> dict:
+        return {"correct": self.correct, "total": self.total, "recent": torch.tensor(self.recent, dtype=torch.int8),
+                "errors": torch.tensor(self.errors, dtype=torch.int8), "events": self.events}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.__init__(self.cfg)
+        correct, total = int(state["correct"]), int(state["total"])
+        if correct:  # the cumulative accuracy with the same counts, as two weighted updates
+            self.accuracy.update(1, 1, w=correct)
+        if total - correct:
+            self.accuracy.update(1, 0, w=total - correct)
+        self.recent = state["recent"].tolist()
+        for c in self.recent:
+            self.rolling_accuracy.update(1, c)
+        self.errors = state["errors"].tolist()
+        for e in self.errors:
+            self.detector.update(e)
+        self.correct, self.total, self.events = correct, total, list(state["events"])

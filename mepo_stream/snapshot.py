@@ -1,0 +1,58 @@
+"""Immutable model snapshots for serving while the learner keeps training.
+
+A snapshot is a frozen copy of everything the learner trains (prompts, keys, head, alignment statistics)
+that shares the frozen backbone with the learner, plus the label map. The learner publishes a new snapshot
+after each update by swapping one reference, so a request always sees one consistent model, never a
+half-updated one. Predictions use the ``running`` alignment statistics (non-transductive: an image's
+prediction does not depend on the other images in its request) and only the classes seen so far.
+
+Example:
+    >>> snap = take_snapshot(learner, version=1)       # doctest: +SKIP
+    >>> snap.predict(images_uint8, top_k=3)            # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from mepo_stream.learner import OnlineLearner
+from mepo_stream.methods.base import ContinualMethod
+from mepo_stream.transforms import Transform
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    method: ContinualMethod
+    exposed: tuple[int, ...]
+    version: int
+    samples_seen: int
+    transform: Transform
+    device: torch.device
+
+    @torch.no_grad()
+    def probabilities(self, images: torch.Tensor) -> torch.Tensor:
+        """Class probabilities [B, n_seen] over the seen classes (in ``exposed`` order) for uint8 images."""
+        if not self.exposed:
+            raise LookupError("the model has not learned any class yet")
+        h, _ = self.method.encode(self.transform(images.to(self.device)))  # [B, D]
+        logits = self.method.logits(h, "running")[:, : len(self.exposed)]  # [B, n_seen]
+        return logits.softmax(dim=1).cpu()
+
+    def predict(self, images: torch.Tensor, top_k: int = 5) -> list[list[tuple[int, float]]]:
+        """Top-k (original label, probability) pairs for each image."""
+        probs = self.probabilities(images)
+        values, index = probs.topk(min(top_k, probs.shape[1]), dim=1)
+        return [[(self.exposed[i], p) for i, p in zip(row_i.tolist(), row_p.tolist(), strict=True)]
+                for row_i, row_p in zip(index, values, strict=True)]
+
+
+def take_snapshot(learner: OnlineLearner, version: int) -> Snapshot:
+    """Copy the learner's trainable state (sharing its frozen backbone) into an eval-mode snapshot."""
+    method = learner.method
+    frozen = copy.deepcopy(method, memo={id(method.backbone): method.backbone}).eval()
+    if frozen.alignment is not None and int(frozen.alignment.running_batches) > 0:
+        frozen.alignment.running_factor()  # factorise once here, not on every request
+    return Snapshot(frozen, tuple(learner.exposed), version, learner.samples_seen, learner.test_tf, learner.device)
