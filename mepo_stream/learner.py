@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Literal
 
@@ -132,8 +133,9 @@ class OnlineLearner:
     def load_state_dict(self, state: dict) -> None:
         missing, unexpected = self.method.load_state_dict(state["method"], strict=False)
         if unexpected or any(not k.startswith("backbone.") for k in missing):
-            raise ValueError(f"learner state does not fit the method: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        self.optimizer.load_state_dict(state["optimizer"])
+            raise ValueError(f"learner state does not fit the method: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))  # never alias another learner's moments
         self.exposed = [int(y) for y in state["exposed"]]
         self._index = {y: i for i, y in enumerate(self.exposed)}
         self.samples_seen = int(state["samples_seen"])
