@@ -87,8 +87,10 @@ def test_state_round_trip_continues_identically(tiny_backbone):
     a.observe(color_images(y), y)
     torch.manual_seed(5)
     b.observe(color_images(y), y)
-    for k, v in a.method.state_dict().items():  # equal up to float summation order
-        assert torch.allclose(v, b.method.state_dict()[k], atol=1e-5), k
+    # equal up to float summation order, which Adam can amplify to about one step (lr 5e-3) on tiny gradients;
+    # a learner that had not restored the state would differ by the init scale (~0.5)
+    for k, v in a.method.state_dict().items():
+        assert torch.allclose(v, b.method.state_dict()[k], atol=1e-2), k
 
 
 def test_snapshot_is_isolated_from_further_learning(tiny_backbone):
