@@ -1,0 +1,1 @@
+"""Kafka producers that replay datasets as labelled image streams (``mepo produce``)."""

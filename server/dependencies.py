@@ -1,0 +1,56 @@
+"""FastAPI dependencies shared by the routers: settings, the running service, admin auth, errors."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from server.config import ServeConfig
+from server.state import ServiceState
+from server.stream import LearnerLoop
+
+
+class ApiError(HTTPException):
+    """An HTTP error with a short machine-readable reason, rendered as {"error": ..., "reason": ...}."""
+
+    def __init__(self, status: int, message: str, reason: str):
+        super().__init__(status, message)
+        self.reason = reason
+
+
+def error_response(status: int, message: str, reason: str) -> JSONResponse:
+    return JSONResponse({"error": message, "reason": reason}, status_code=status)
+
+
+@dataclass
+class Service:
+    state: ServiceState
+    loop: LearnerLoop
+
+
+def get_settings(request: Request) -> ServeConfig:
+    """The service settings (tests override this with ``app.dependency_overrides[get_settings]``)."""
+    return request.app.state.settings
+
+
+def get_service(request: Request) -> Service:
+    service = getattr(request.app.state, "service", None)
+    if service is None:
+        raise ApiError(503, "the model is still loading", "not_ready")
+    return service
+
+
+def require_admin(request: Request) -> None:
+    """Bearer-token check for admin routes, compared in constant time."""
+    token = get_settings(request).admin_token
+    if not token:
+        raise ApiError(403, "admin routes are disabled: no admin token is configured", "admin_disabled")
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        raise ApiError(401, "missing bearer token", "unauthorized")
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        raise ApiError(403, "invalid bearer token", "forbidden")

@@ -1,0 +1,45 @@
+"""Request-side prediction shared by the v1 and Open Inference Protocol routes: validate, decode, predict."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from mepo_stream.images import ImageError, decode_image
+from server.config import ServeConfig
+from server.dependencies import ApiError, Service
+
+STATUS_BY_REASON = {"too_large": 413, "too_many_pixels": 413}
+
+
+def decode_all(items: list[tuple[str, bytes]], settings: ServeConfig) -> torch.Tensor:
+    """uint8 images [N, 3, S, S]; the first bad one fails the request with a 4xx naming it."""
+    if not items:
+        raise ApiError(400, "no image in the request", "no_image")
+    if len(items) > settings.max_files:
+        raise ApiError(413, f"{len(items)} images in one request; the limit is {settings.max_files}",
+                       "too_many_files")
+    images = []
+    for name, data in items:
+        try:
+            images.append(decode_image(data, settings.limits))
+        except ImageError as e:
+            raise ApiError(STATUS_BY_REASON.get(e.reason, 422), f"{name}: {e.message}", e.reason) from e
+    return torch.stack(images)
+
+
+def predict_images(service: Service, images: torch.Tensor, top_k: int) -> tuple[dict, list[list[dict]]]:
+    """Top-k labels per image from the current snapshot, and the snapshot's identity."""
+    snapshot = service.state.snapshot  # one reference read: the whole request sees one model version
+    start = time.perf_counter()
+    try:
+        top = snapshot.predict(images, top_k)
+    except LookupError as e:
+        raise ApiError(503, str(e), "no_classes_yet") from e
+    finally:
+        service.state.metrics.predict_seconds.observe(time.perf_counter() - start)
+    names = service.state.class_names
+    rows = [[{"label": label, "name": names.get(label, str(label)), "probability": round(p, 6)} for label, p in r]
+            for r in top]
+    return {"model_version": snapshot.version, "samples_seen": snapshot.samples_seen}, rows

