@@ -139,7 +139,8 @@ def test_learns_the_stream_serves_predictions_and_dead_letters(broker, tmp_path)
         assert r.status_code == 200, r.text
         body = r.json()
         assert len(body["predictions"]) == 2 and len(body["predictions"][0]["top_k"]) == 3
-        assert body["model_version"] >= 1 and body["predictions"][0]["top_k"][0]["name"] in list_files(DATA, "train").class_names
+        names = list_files(DATA, "train").class_names
+        assert body["model_version"] >= 1 and body["predictions"][0]["top_k"][0]["name"] in names
         raw = http.post("/v1/predict", content=jpeg(), headers={"content-type": "image/jpeg"})
         assert raw.status_code == 200
         produce(DATA, STREAM, cfg.kafka, ReplayConfig())  # the rest (the first 100 are replays: skipped)
