@@ -1,4 +1,4 @@
-# Two entry points on a fresh machine: `make demo` (set up + run the main job on bundled data and weights)
+# Two entry points on a fresh machine: `make demo` (set up + stream bundled data through the learner and API)
 # and `make test` (set up + run the test suite). Everything installs from PyPI into .venv.
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,10 +18,7 @@ $(BIN)/mepo: pyproject.toml
 setup: $(BIN)/mepo
 
 demo: setup
-	$(BIN)/mepo covariance --out $(DEMO_OUT)/sigma_pre --backbone.img_size 84 --cov.data.train_per_class 50
-	$(BIN)/mepo evaluate --out $(DEMO_OUT)/evaluate --seeds 1 --mepo-cov $(DEMO_OUT)/sigma_pre \
-		--data.dataset cifar10 --data.train_per_class 100 --data.test_per_class 20 \
-		--backbone.img_size 84 --protocol.eval_period 250 --learner.samples_per_slot 200 --learner.autoaugment cifar10
+	$(BIN)/mepo demo --until_done true --train_per_class 50 --test_per_class 20 --out $(DEMO_OUT)
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
 
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kafka").setLevel(logging.WARNING)  # kafka-python narrates every connection at INFO
     args = _underscore_options(sys.argv[1:] if argv is None else argv)
     CLI(commands(), args=args, as_positional=False, prog="mepo",
         description="MePo streaming continual learner: refine, evaluate, serve.")

@@ -35,6 +35,9 @@ class ServerMetrics:
                              registry=r)
         self.a_auc = Gauge("mepo_anytime_accuracy_auc_ratio", "A_AUC: mean of the any-time accuracies so far",
                            registry=r)
+        self.last_accuracy = Gauge("mepo_last_accuracy_ratio",
+                                   "Accuracy on seen-class test images when the stream last went idle (A_last)",
+                                   registry=r)
         self.anytime_evals = Counter("mepo_anytime_evaluations", "Any-time evaluations run", registry=r)
         self.seen_classes = Gauge("mepo_seen_classes", "Classes seen in the stream", registry=r)
         self.lag = Gauge("mepo_kafka_consumer_lag_records", "Records behind the partition's high watermark",

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import uvicorn
+from fastapi import FastAPI
 
-from mepo_stream.data import DataConfig
+from mepo_stream.data import DataConfig, list_files
 from mepo_stream.records import KafkaConfig
 from server.app import create_app
 from server.broker import EmbeddedBroker
@@ -29,6 +33,17 @@ def serve(cfg: ServeConfig = ServeConfig()) -> None:
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="info")
 
 
+def _stop_when_learned(app: FastAPI, server: uvicorn.Server, producer: subprocess.Popen, expected: int) -> None:
+    """Ask the server to exit once the producer is done and the learner has learned and evaluated it all."""
+    while not server.should_exit:
+        service = getattr(app.state, "service", None)
+        if producer.poll() is not None and service is not None:
+            state = service.state
+            if state.learner.samples_seen >= expected and not state.idle_evaluation_due:
+                server.should_exit = True
+        time.sleep(1.0)
+
+
 def demo(
     dataset: str = "cifar10",
     train_per_class: int = 50,
@@ -37,6 +52,7 @@ def demo(
     img_size: int = 84,
     port: int = 8000,
     rate: float | None = None,
+    until_done: bool = False,
     out: Path = Path("runs/demo-serve"),
 ) -> None:
     """Start a local broker, replay a Si-Blurry stream of bundled data into it, and serve the learner.
@@ -49,24 +65,37 @@ def demo(
         img_size: Backbone input resolution.
         port: HTTP port.
         rate: Producer records per second (null: as fast as possible).
-        out: Folder for the checkpoint and the broker log.
+        until_done: Exit (and print a summary) once the whole stream is learned, instead of serving on.
+        out: Folder for the checkpoint and the broker log (a previous demo's checkpoint is removed).
     """
     out.mkdir(parents=True, exist_ok=True)
+    (out / "checkpoint" / "learner.pt").unlink(missing_ok=True)  # the in-memory broker starts empty too
+    data = DataConfig(dataset, train_per_class=train_per_class, test_per_class=test_per_class)
     with EmbeddedBroker(log_path=out / "broker.log") as broker:
         kafka = KafkaConfig(bootstrap_servers=broker.bootstrap)
         ensure_topics(kafka)
         produce = [sys.executable, "-m", "mepo_stream.cli", "produce", "--data.dataset", dataset,
                    "--data.train_per_class", str(train_per_class), "--kafka.bootstrap_servers", broker.bootstrap]
-        if rate:
-            produce += ["--replay.rate", str(rate)]
-        producer = subprocess.Popen(produce)
-        cfg = ServeConfig(kafka=kafka, data=DataConfig(dataset, test_per_class=test_per_class), mepo=mepo,
-                          checkpoint_dir=out / "checkpoint", port=port, eval_period=250, checkpoint_every=256)
+        producer = subprocess.Popen(produce + (["--replay.rate", str(rate)] if rate else []))
+        cfg = ServeConfig(kafka=kafka, data=data, mepo=mepo, checkpoint_dir=out / "checkpoint", port=port,
+                          eval_period=250, checkpoint_every=256)
         cfg = replace(cfg, backbone=replace(cfg.backbone, img_size=img_size))
-        print(f"broker {broker.bootstrap}; API http://127.0.0.1:{port}/docs ; status http://127.0.0.1:{port}/v1/status "
-              f"; metrics http://127.0.0.1:{port}/metrics", flush=True)
+        app = create_app(cfg)
+        server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=port, log_level="warning"))
+        if until_done:
+            expected = len(list_files(data, "train").files)
+            threading.Thread(target=_stop_when_learned, args=(app, server, producer, expected), daemon=True).start()
+        print(f"broker {broker.bootstrap} (pid {broker.process.pid}); API docs http://127.0.0.1:{port}/docs ; "
+              f"status http://127.0.0.1:{port}/v1/status ; metrics http://127.0.0.1:{port}/metrics", flush=True)
+        start = time.monotonic()
         try:
-            serve(cfg)
+            server.run()
         finally:
             producer.terminate()
             producer.wait()
+        service = getattr(app.state, "service", None)
+        if service is not None:
+            status = service.state.status()
+            status["wall_time_s"] = round(time.monotonic() - start, 1)
+            keys = ("samples_seen", "classes_seen", "a_last", "dead_lettered", "wall_time_s")
+            print(json.dumps({k: status[k] for k in keys} | {"a_auc": status["anytime_accuracy"]["a_auc"]}))

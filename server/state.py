@@ -213,6 +213,8 @@ class ServiceState:
         if self.book.anytime_accuracy:
             m.anytime.set(self.book.anytime_accuracy[-1])
             m.a_auc.set(self.a_auc)
+        if not math.isnan(self.book.last_accuracy):
+            m.last_accuracy.set(self.book.last_accuracy)
 
     def status(self) -> dict:
         b = self.book
@@ -223,8 +225,8 @@ class ServiceState:
             "anytime_accuracy": {"last": b.anytime_accuracy[-1] if b.anytime_accuracy else None,
                                  "a_auc": None if math.isnan(self.a_auc) else self.a_auc,
                                  "evaluations": len(b.anytime_accuracy), "samples": b.anytime_samples,
-                                 "accuracy": b.anytime_accuracy,
-                                 "at_last_idle": None if math.isnan(b.last_accuracy) else b.last_accuracy},
+                                 "accuracy": b.anytime_accuracy},
+            "a_last": None if math.isnan(b.last_accuracy) else b.last_accuracy,
             "prequential_accuracy": {"cumulative": self.monitor.cumulative if self.monitor.total else None,
                                      "rolling": self.monitor.rolling if self.monitor.total else None,
                                      "samples": self.monitor.total},
