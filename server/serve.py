@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -53,6 +54,7 @@ def demo(
     port: int = 8000,
     rate: float | None = None,
     until_done: bool = False,
+    bootstrap_servers: str | None = None,
     out: Path = Path("runs/demo-serve"),
 ) -> None:
     """Start a local broker, replay a Si-Blurry stream of bundled data into it, and serve the learner.
@@ -66,16 +68,18 @@ def demo(
         port: HTTP port.
         rate: Producer records per second (null: as fast as possible).
         until_done: Exit (and print a summary) once the whole stream is learned, instead of serving on.
+        bootstrap_servers: Use this Kafka cluster instead of starting the embedded broker.
         out: Folder for the checkpoint and the broker log (a previous demo's checkpoint is removed).
     """
     out.mkdir(parents=True, exist_ok=True)
     (out / "checkpoint" / "learner.pt").unlink(missing_ok=True)  # the in-memory broker starts empty too
     data = DataConfig(dataset, train_per_class=train_per_class, test_per_class=test_per_class)
-    with EmbeddedBroker(log_path=out / "broker.log") as broker:
-        kafka = KafkaConfig(bootstrap_servers=broker.bootstrap)
+    broker = EmbeddedBroker(log_path=out / "broker.log") if bootstrap_servers is None else nullcontext()
+    with broker:
+        kafka = KafkaConfig(bootstrap_servers=bootstrap_servers or broker.bootstrap)
         ensure_topics(kafka)
         produce = [sys.executable, "-m", "mepo_stream.cli", "produce", "--data.dataset", dataset,
-                   "--data.train_per_class", str(train_per_class), "--kafka.bootstrap_servers", broker.bootstrap]
+                   "--data.train_per_class", str(train_per_class), "--kafka.bootstrap_servers", kafka.bootstrap_servers]
         producer = subprocess.Popen(produce + (["--replay.rate", str(rate)] if rate else []))
         cfg = ServeConfig(kafka=kafka, data=data, mepo=mepo, checkpoint_dir=out / "checkpoint", port=port,
                           eval_period=250, checkpoint_every=256)
@@ -85,8 +89,10 @@ def demo(
         if until_done:
             expected = len(list_files(data, "train").files)
             threading.Thread(target=_stop_when_learned, args=(app, server, producer, expected), daemon=True).start()
-        print(f"broker {broker.bootstrap} (pid {broker.process.pid}); API docs http://127.0.0.1:{port}/docs ; "
-              f"status http://127.0.0.1:{port}/v1/status ; metrics http://127.0.0.1:{port}/metrics", flush=True)
+        where = f"embedded broker {broker.bootstrap} (pid {broker.process.pid})" if bootstrap_servers is None \
+            else f"Kafka {bootstrap_servers}"
+        print(f"{where}; API docs http://127.0.0.1:{port}/docs ; status http://127.0.0.1:{port}/v1/status ; "
+              f"metrics http://127.0.0.1:{port}/metrics", flush=True)
         start = time.monotonic()
         try:
             server.run()

@@ -234,3 +234,15 @@ def test_kill_9_mid_stream_loses_nothing_and_learns_nothing_twice(broker, tmp_pa
     learned = state["learned"][stream_id(DATA, STREAM)].tolist()
     assert sorted(learned) == sorted(set(learned)) and len(learned) == 200  # every sample, once
     assert int(state["learner"]["samples_seen"]) == 200  # and no sample learned twice
+
+
+def test_demo_runs_the_whole_pipeline_and_exits_when_done(tmp_path):
+    """`mepo demo --until_done`: embedded broker, producer process, service; prints a summary and stops."""
+    out = subprocess.run(
+        [sys.executable, "-m", "mepo_stream.cli", "demo", "--train_per_class", "2", "--test_per_class", "1",
+         "--img_size", "28", "--until_done", "true", "--port", str(free_port()), "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = [line for line in out.stdout.splitlines() if line.startswith("{")][-1]
+    assert '"samples_seen": 20' in summary and '"classes_seen": 10' in summary
+    assert "embedded broker 127.0.0.1:" in out.stdout
