@@ -12,81 +12,22 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-import uuid
-from dataclasses import replace
 from pathlib import Path
 
-import httpx
-import pytest
-import uvicorn
 from kafka import KafkaConsumer, KafkaProducer
 from PIL import Image
 
 from mepo_stream.checkpoint import load_checkpoint
-from mepo_stream.data import DataConfig, list_files
-from mepo_stream.images import ImageLimits
-from mepo_stream.learner import LearnerConfig
-from mepo_stream.records import KafkaConfig, record_headers
+from mepo_stream.data import list_files
+from mepo_stream.records import record_headers
 from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce, stream_id
-from server.app import create_app
-from server.broker import EmbeddedBroker, free_port
+from server.broker import free_port
 from server.config import ServeConfig
-from tests.conftest import TINY
+from tests.conftest import DATA, LiveServer, settings, wait_for
 
-DATA = DataConfig(dataset="cifar10", train_per_class=20, test_per_class=5)  # a 200-image stream
 STREAM = SiBlurryConfig(seed=1)
-
-
-@pytest.fixture(scope="module")
-def broker():
-    with EmbeddedBroker() as b:
-        yield b
-
-
-def settings(broker, tmp_path: Path, **kw) -> ServeConfig:
-    name = uuid.uuid4().hex[:8]
-    kafka = KafkaConfig(bootstrap_servers=broker.bootstrap, topic=f"images-{name}", dead_letter_topic=f"dlq-{name}",
-                        group_id=f"learner-{name}")
-    cfg = ServeConfig(kafka=kafka, data=DATA, backbone=TINY, checkpoint_dir=tmp_path / "ckpt", eval_period=64,
-                      checkpoint_every=32, limits=ImageLimits(size=32), admin_token="s3cret",
-                      learner=LearnerConfig(batch_size=16, online_iter=1, autoaugment=None, samples_per_slot=64))
-    return replace(cfg, **kw)
-
-
-class LiveServer:
-    """uvicorn serving the app on a free port in a background thread."""
-
-    def __init__(self, cfg: ServeConfig):
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> httpx.Client:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.1)
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=30)
-        return self.client
-
-    def __exit__(self, *exc) -> None:
-        self.client.close()
-        self.server.should_exit = True
-        self.thread.join(60)
-
-
-def wait_for(predicate, timeout: float = 180.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def jpeg(color: str = "red") -> bytes:

@@ -1,0 +1,166 @@
+"""Deployment files checked for real: promtool on the config and rules, a real Prometheus scraping a running
+learner, the Grafana dashboard against the server's metric names, and the compose file's wiring."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from prometheus_client import generate_latest
+
+from mepo_stream.sampler import SiBlurryConfig
+from producers.siblurry import ReplayConfig, produce
+from server.broker import free_port
+from server.metrics import ServerMetrics
+from tests.conftest import DATA, LiveServer, settings, wait_for
+
+ROOT = Path(__file__).parents[1]
+DEPLOY = ROOT / "deploy"
+PROMETHEUS = DEPLOY / "prometheus"
+
+
+def tool(name: str) -> str:
+    """Path of a Prometheus binary; CI installs Debian's package, a developer machine may lack it."""
+    path = shutil.which(name)
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} is not installed (.ci/run installs Debian's prometheus package)")
+        pytest.skip(f"{name} is not installed (apt-get install prometheus)")
+    return path
+
+
+def test_promtool_checks_config_and_rules():
+    promtool = tool("promtool")
+    subprocess.run([promtool, "check", "config", str(PROMETHEUS / "prometheus.yml")], check=True, capture_output=True)
+    subprocess.run([promtool, "check", "rules", str(PROMETHEUS / "rules" / "mepo.rules.yml")], check=True,
+                   capture_output=True)
+
+
+def test_every_alert_fires_when_it_should_and_only_then():
+    out = subprocess.run([tool("promtool"), "test", "rules", "mepo.rules.test.yml"], cwd=PROMETHEUS / "rules",
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rules = yaml.safe_load((PROMETHEUS / "rules" / "mepo.rules.yml").read_text())
+    tests = (PROMETHEUS / "rules" / "mepo.rules.test.yml").read_text()
+    for rule in rules["groups"][0]["rules"]:
+        assert f"alertname: {rule['alert']}" in tests  # every alert has a test
+
+
+def server_metric_names() -> set[str]:
+    """Every series name the server exports, from its own registry (labelled families included)."""
+    text = generate_latest(ServerMetrics().registry).decode()
+    names = set()
+    for family, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M):
+        suffixes = {"counter": ["_total", "_created"], "histogram": ["_bucket", "_sum", "_count", "_created"],
+                    "info": ["_info"]}.get(kind, [""])
+        names |= {family + s for s in suffixes} | {family}
+    return names
+
+
+def dashboard() -> dict:
+    return json.loads((DEPLOY / "grafana" / "dashboards" / "mepo.json").read_text())
+
+
+def test_dashboard_is_valid_and_uses_only_real_metrics():
+    dash = dashboard()
+    datasource = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/datasource.yml").read_text())
+    uid = datasource["datasources"][0]["uid"]
+    assert dash["uid"] and dash["title"] and isinstance(dash["schemaVersion"], int)
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    exprs = [a["expr"] for a in dash["annotations"]["list"]]
+    for p in dash["panels"]:
+        assert {"x", "y", "w", "h"} <= set(p["gridPos"]) and p["type"] in {"timeseries", "stat"}
+        assert p["datasource"]["uid"] == uid and p["targets"]
+        exprs += [t["expr"] for t in p["targets"]]
+    known = server_metric_names()
+    used = {m for e in exprs for m in re.findall(r"\bmepo_[a-z_]+", e)}
+    assert used and used <= known, f"unknown metrics in the dashboard: {sorted(used - known)}"
+    for name in ("mepo_anytime_accuracy_ratio", "mepo_anytime_accuracy_auc_ratio", "mepo_prequential_accuracy_ratio",
+                 "mepo_rolling_accuracy_ratio", "mepo_kafka_consumer_lag_records", "mepo_records_dead_lettered_total",
+                 "mepo_drift_detections_total", "mepo_model_version", "mepo_learn_step_duration_seconds_bucket",
+                 "mepo_predict_duration_seconds_bucket", "mepo_samples_learned_total"):
+        assert name in used, f"the dashboard does not show {name}"
+    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/dashboard.yml").read_text())
+    assert provider["providers"][0]["type"] == "file"
+
+
+def test_rules_use_only_real_metrics():
+    rules = (PROMETHEUS / "rules" / "mepo.rules.yml").read_text()
+    used = set(re.findall(r"\bmepo_[a-z_]+", rules))
+    assert used <= server_metric_names(), sorted(used - server_metric_names())
+
+
+def test_compose_wiring_agrees_with_prometheus_grafana_and_readme():
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    services = compose["services"]
+    assert set(services) == {"broker", "learner", "producer", "prometheus", "grafana"}
+    scrape = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())["scrape_configs"][0]
+    host, port = scrape["static_configs"][0]["targets"][0].split(":")
+    assert host in services and f"{port}:{port}" in services[host]["ports"]
+    assert f"--cfg.port {port}" in " ".join(services["learner"]["command"])
+    declared = set(compose["volumes"])
+    for name, svc in services.items():
+        for volume in svc.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (DEPLOY / source).exists(), f"{name} mounts missing {source}"
+            elif not source.startswith(("$", "/", "..")):
+                assert source in declared, f"{name} uses undeclared volume {source}"
+        check = svc.get("healthcheck", {})
+        assert check.get("test") or check.get("disable") or name == "learner"  # the image's HEALTHCHECK covers it
+    grafana_mounts = " ".join(services["grafana"]["volumes"])
+    assert "./grafana/provisioning:/etc/grafana/provisioning" in grafana_mounts
+    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/dashboard.yml").read_text())
+    assert f"./grafana/dashboards:{provider['providers'][0]['options']['path']}" in grafana_mounts
+    readme = (ROOT / "README.md").read_text()
+    assert "docker compose -f deploy/compose.yaml up" in readme
+    for svc, port in (("learner", 8000), ("prometheus", 9090), ("grafana", 3000)):
+        assert f"{port}:{port}" in services[svc]["ports"] and f":{port}" in readme
+    assert "HEALTHCHECK" in (ROOT / "Dockerfile").read_text() and "/readyz" in (ROOT / "Dockerfile").read_text()
+    assert "USER mepo" in (ROOT / "Dockerfile").read_text()
+
+
+def query(prom: str, expr: str) -> list[dict]:
+    r = httpx.get(f"{prom}/api/v1/query", params={"query": expr}, timeout=10)
+    r.raise_for_status()
+    return r.json()["data"]["result"]
+
+
+def test_a_real_prometheus_scrapes_the_learner(broker, tmp_path):
+    """The shipped Prometheus config, pointed at a running learner: accuracy series in [0, 1], learning grows."""
+    binary = tool("prometheus")
+    cfg = settings(broker, tmp_path, eval_period=48)
+    with LiveServer(cfg) as http:
+        config = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
+        config["scrape_configs"][0]["static_configs"][0]["targets"] = [f"127.0.0.1:{http.base_url.port}"]
+        config["global"]["scrape_interval"] = "1s"
+        config["rule_files"] = [str(PROMETHEUS / "rules" / "mepo.rules.yml")]
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+        port = free_port()
+        prom = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+                                stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "wb"))
+        url = f"http://127.0.0.1:{port}"
+        try:
+            produce(DATA, SiBlurryConfig(seed=1), cfg.kafka, ReplayConfig(limit=96))
+            first = wait_for(lambda: query(url, "mepo_samples_learned_total"), 120, "a scrape of samples learned")
+            produce(DATA, SiBlurryConfig(seed=1), cfg.kafka, ReplayConfig())
+            wait_for(lambda: http.get("/v1/status").json()["samples_seen"] >= 200, 180, "the whole stream")
+            last = wait_for(lambda: [r for r in query(url, "mepo_samples_learned_total")
+                                     if float(r["value"][1]) >= 200], 60, "a scrape after the stream")
+            assert float(last[0]["value"][1]) > float(first[0]["value"][1])
+            for name in ("mepo_anytime_accuracy_ratio", "mepo_anytime_accuracy_auc_ratio"):
+                series = wait_for(lambda n=name: query(url, n), 60, name)
+                assert 0.0 <= float(series[0]["value"][1]) <= 1.0
+            assert query(url, 'up{job="mepo-learner"}')[0]["value"][1] == "1"
+        finally:
+            prom.terminate()
+            prom.wait(30)
