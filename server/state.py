@@ -135,8 +135,8 @@ class ServiceState:
             return math.nan
         with self._lock:
             acc = evaluate_seen(self.learner, self.test, self.cfg.eval_batch_size, ("running",))["running"][0]
-        self.book.last_accuracy = acc
         if final:
+            self.book.last_accuracy = acc
             self._idle_eval_at = self.learner.samples_seen
         else:
             self.book.anytime_samples.append(self.learner.samples_seen)
