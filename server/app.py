@@ -1,5 +1,5 @@
-"""The FastAPI application: routers, a lifespan that loads the model and starts the learner, a settings
-dependency that tests override.
+"""The FastAPI application: routers, a lifespan that loads the model and starts the learner, and the settings
+dependency (``server.dependencies.get_settings``) that tests override.
 
 Example:
     >>> app = create_app(ServeConfig())   # doctest: +SKIP
@@ -27,7 +27,8 @@ from server.stream import LearnerLoop
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: ServeConfig, start_learner: bool = True) -> FastAPI:
+def create_app(settings: ServeConfig) -> FastAPI:
+    """The app for ``settings``; the model loads (and the learner starts) in the lifespan, not here."""
     metrics = ServerMetrics()
 
     @asynccontextmanager
@@ -35,12 +36,9 @@ def create_app(settings: ServeConfig, start_learner: bool = True) -> FastAPI:
         state = ServiceState(settings, metrics)
         loop = LearnerLoop(state)
         app.state.service = Service(state, loop)
-        if start_learner:
-            loop.start()
+        loop.start()
         yield
-        loop.stop()
-        if not start_learner:
-            state.save(loop.consumed)
+        loop.stop()  # finishes the batch in hand, checkpoints, commits
 
     app = FastAPI(title="mepo-stream", version="0.1.0", lifespan=lifespan,
                   description="Streaming continual learner (MePo) with a real-time prediction API.")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
@@ -44,9 +45,9 @@ def get_service(request: Request) -> Service:
     return service
 
 
-def require_admin(request: Request) -> None:
+def require_admin(request: Request, settings: Annotated[ServeConfig, Depends(get_settings)]) -> None:
     """Bearer-token check for admin routes, compared in constant time."""
-    token = get_settings(request).admin_token
+    token = settings.admin_token
     if not token:
         raise ApiError(403, "admin routes are disabled: no admin token is configured", "admin_disabled")
     scheme, _, given = request.headers.get("authorization", "").partition(" ")

@@ -76,8 +76,8 @@ class LiveServer:
 
     def __init__(self, cfg: ServeConfig):
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
+        self.app = create_app(cfg)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> httpx.Client:

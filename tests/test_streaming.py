@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from kafka import KafkaConsumer, KafkaProducer
@@ -25,6 +26,7 @@ from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce, stream_id
 from server.broker import free_port
 from server.config import ServeConfig
+from server.dependencies import get_settings
 from tests.conftest import DATA, LiveServer, settings, wait_for
 
 STREAM = SiBlurryConfig(seed=1)
@@ -102,7 +104,8 @@ def test_learns_the_stream_serves_predictions_and_dead_letters(broker, tmp_path)
 
 def test_http_errors_are_json_4xx_and_admin_needs_the_token(broker, tmp_path):
     cfg = settings(broker, tmp_path)
-    with LiveServer(cfg) as http:
+    live = LiveServer(cfg)
+    with live as http:
         assert http.post("/v1/predict", content=b"x", headers={"content-type": "text/plain"}).status_code == 415
         r = http.post("/v1/predict", content=b"garbage", headers={"content-type": "image/png"})
         assert r.status_code == 422 and r.json()["reason"] == "not_an_image"
@@ -114,6 +117,10 @@ def test_http_errors_are_json_4xx_and_admin_needs_the_token(broker, tmp_path):
         assert http.post("/v1/admin/pause", headers={"authorization": "Bearer wrong"}).status_code == 403
         assert http.post("/v1/admin/pause", headers={"authorization": "Bearer s3cret"}).json()["status"] == "paused"
         assert http.get("/v1/status").json()["paused"] is True
+        live.app.dependency_overrides[get_settings] = lambda: replace(cfg, admin_token=None)  # the settings seam
+        assert http.post("/v1/admin/resume", headers={"authorization": "Bearer s3cret"}).json()["reason"] == \
+            "admin_disabled"
+        live.app.dependency_overrides.clear()
         assert http.get("/v2/models/other").status_code == 404
         assert http.get("/v2/health/live").json() == {"live": True}
         assert "/v1/predict" in http.get("/openapi.json").json()["paths"]
