@@ -88,6 +88,7 @@ class LearnerLoop:
         self.producer: KafkaProducer | None = None
         self.pending: list[tuple[TopicPartition, int, Sample]] = []
         self.consumed: dict[str, int] = dict(state.book.offsets)  # next offset per partition, all handled
+        self.read_upto: dict[str, int] = {}  # next offset per partition, read (handled or pending)
         self.lag: dict[str, int] = {}
         self.thread = threading.Thread(target=self._run, name="mepo-learner", daemon=True)
         self._checkpoint_request = threading.Event()
@@ -172,6 +173,7 @@ class LearnerLoop:
 
     def _accept(self, record) -> None:
         tp = TopicPartition(record.topic, record.partition)
+        self.read_upto[tp_key(tp)] = record.offset + 1
         self.state.metrics.records_consumed.inc()
         try:
             meta = parse_headers(record.headers, self.state.n_classes)
@@ -196,9 +198,8 @@ class LearnerLoop:
         if not self.pending:
             return
         self.state.learn([s for _, _, s in self.pending])
-        for tp, offset, _ in self.pending:
-            self.consumed[tp_key(tp)] = max(self.consumed.get(tp_key(tp), 0), offset + 1)
         self.pending.clear()
+        self.consumed.update(self.read_upto)  # nothing is pending: every record read so far is handled
 
     def _dead_letter(self, record, reason: str, message: str) -> None:
         headers = [("error", reason.encode()), ("error_message", message[:500].encode("utf-8", "replace")),
