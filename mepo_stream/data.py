@@ -108,7 +108,7 @@ def extract(name: str, source_dir: Path | None = None) -> Path:
     if digest != archive.sha256:
         raise ValueError(f"{src}: sha256 {digest} does not match the expected {archive.sha256}")
     root.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(root) as tmp, tarfile.open(src) as tar:
+    with atomic_path(root, replace=False) as tmp, tarfile.open(src) as tar:
         tar.extractall(tmp, filter="data")
     return root / archive.top
 

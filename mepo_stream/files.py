@@ -28,11 +28,12 @@ def _fsync_dir(path: Path) -> None:
 
 
 @contextmanager
-def atomic_path(final: str | Path) -> Iterator[Path]:
+def atomic_path(final: str | Path, replace: bool = True) -> Iterator[Path]:
     """Yield a temporary path next to ``final``; on success fsync it and rename it into place.
 
     Works for a file or a folder written at the temporary path. A crash leaves ``final`` either absent or
-    complete, never half-written.
+    complete, never half-written. With ``replace=False`` an existing ``final`` wins (for caches that several
+    processes may fill at once: the first complete copy stays, later ones are dropped).
     """
     final = Path(final)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
@@ -42,6 +43,8 @@ def atomic_path(final: str | Path) -> Iterator[Path]:
         for f in [tmp] if tmp.is_file() else [p for p in tmp.rglob("*") if p.is_file()]:
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+        if final.exists() and not replace:
+            return
         if final.is_dir():
             shutil.rmtree(final)
         os.replace(tmp, final)

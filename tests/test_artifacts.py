@@ -57,3 +57,16 @@ def test_mepo_release_npy_covariance(tmp_path):
     np.save(tmp_path / "bad.npy", np.array([{"x": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(ValueError):
         load_sigma_pre(tmp_path / "bad.npy")  # object arrays would need pickle: refused
+
+
+def test_atomic_path_keeps_the_first_copy_when_asked(tmp_path):
+    from mepo_stream.files import atomic_path
+
+    with atomic_path(tmp_path / "cache", replace=False) as tmp:
+        tmp.mkdir()
+        (tmp / "a").write_text("first")
+    with atomic_path(tmp_path / "cache", replace=False) as tmp:
+        tmp.mkdir()
+        (tmp / "a").write_text("second")
+    assert (tmp_path / "cache" / "a").read_text() == "first"
+    assert [p.name for p in tmp_path.iterdir()] == ["cache"]
