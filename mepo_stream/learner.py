@@ -71,7 +71,7 @@ class OnlineLearner:
         mean, std = normalization(method.backbone)
         self.train_tf: Transform = train_transform(img_size, mean, std, cfg.autoaugment)
         self.test_tf: Transform = test_transform(img_size, mean, std)
-        self.optimizer = torch.optim.Adam([p for p in method.parameters() if p.requires_grad], lr=cfg.lr)
+        self.optimizer = torch.optim.Adam(method.param_groups(cfg.lr), lr=cfg.lr)
         self.exposed: list[int] = []  # original label of head output k
         self._index: dict[int, int] = {}
         self.samples_seen = 0
@@ -125,8 +125,10 @@ class OnlineLearner:
         return StepStats(sum(losses) / len(losses), correct, new)
 
     def state_dict(self) -> dict:
-        """Everything the learner changes: trainable tensors (not the frozen backbone), optimizer, label map."""
-        trainable = {k: v for k, v in self.method.state_dict().items() if not k.startswith("backbone.")}
+        """Everything the learner changes: trainable tensors (the backbone only if it trains), optimizer, labels."""
+        keep_backbone = self.method.trains_backbone
+        trainable = {k: v for k, v in self.method.state_dict().items()
+                     if keep_backbone or not k.startswith("backbone.")}
         return {"method": trainable, "optimizer": self.optimizer.state_dict(), "exposed": list(self.exposed),
                 "samples_seen": self.samples_seen}
 

@@ -1,10 +1,11 @@
 """Immutable model snapshots for serving while the learner keeps training.
 
-A snapshot is a frozen copy of everything the learner trains (prompts, keys, head, alignment statistics)
-that shares the frozen backbone with the learner, plus the label map. The learner publishes a new snapshot
-after each update by swapping one reference, so a request always sees one consistent model, never a
-half-updated one. Predictions use the ``running`` alignment statistics (non-transductive: an image's
-prediction does not depend on the other images in its request) and only the classes seen so far.
+A snapshot is a frozen copy of everything the learner trains (prompts, keys, head, alignment statistics;
+the backbone too for methods that fine-tune it, otherwise the frozen backbone is shared), plus the label
+map. The learner publishes a new snapshot after each update by swapping one reference, so a request always
+sees one consistent model, never a half-updated one. Predictions use the ``running`` alignment statistics
+(non-transductive: an image's prediction does not depend on the other images in its request) and only the
+classes seen so far.
 
 Example:
     >>> snap = take_snapshot(learner, version=1)       # doctest: +SKIP
@@ -50,9 +51,10 @@ class Snapshot:
 
 
 def take_snapshot(learner: OnlineLearner, version: int) -> Snapshot:
-    """Copy the learner's trainable state (sharing its frozen backbone) into an eval-mode snapshot."""
+    """Copy the learner's trainable state (sharing its backbone when that is frozen) into an eval-mode snapshot."""
     method = learner.method
-    frozen = copy.deepcopy(method, memo={id(method.backbone): method.backbone}).eval()
+    memo = {} if method.trains_backbone else {id(method.backbone): method.backbone}
+    frozen = copy.deepcopy(method, memo=memo).eval()
     if frozen.alignment is not None and int(frozen.alignment.running_batches) > 0:
         frozen.alignment.running_factor()  # factorise once here, not on every request
     return Snapshot(frozen, tuple(learner.exposed), version, learner.samples_seen, learner.test_tf, learner.device)

@@ -33,7 +33,7 @@ from mepo_stream.backbone import BackboneConfig, create_backbone, device, proven
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.evaluation import evaluate_seen
 from mepo_stream.learner import LearnerConfig, OnlineLearner
-from mepo_stream.methods import MISAConfig, create_method
+from mepo_stream.methods import MethodsConfig, create_method
 from mepo_stream.metrics import AnytimeCurve
 from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
 
@@ -61,13 +61,13 @@ def parse_seeds(spec: str) -> list[int]:
 
 
 def run_seed(seed: int, base_backbone, train: ImageSet, test: ImageSet, sigma: torch.Tensor | None,
-             stream_cfg: SiBlurryConfig, method: str, misa: MISAConfig, learner_cfg: LearnerConfig,
+             stream_cfg: SiBlurryConfig, method: str, methods: MethodsConfig, learner_cfg: LearnerConfig,
              alignment: AlignmentConfig, protocol: ProtocolConfig) -> dict:
     """One seed of the protocol; returns the curves per alignment mode and the wall time."""
     torch.manual_seed(seed)
     stream = si_blurry_stream(train.targets.tolist(), stream_cfg.n_tasks, stream_cfg.n, stream_cfg.m, seed)
     align = None if sigma is None else FeatureAlignment(sigma, alignment.alpha, alignment.eps, alignment.momentum)
-    model = create_method(method, copy.deepcopy(base_backbone), len(train.classes), align, cfg=misa)
+    model = create_method(method, copy.deepcopy(base_backbone), len(train.classes), align, methods)
     learner = OnlineLearner(model, len(train.classes), learner_cfg, device())
     curves = {m: AnytimeCurve() for m in MODES}
     next_eval, start = protocol.eval_period, time.time()
@@ -142,7 +142,7 @@ def evaluate(
     data: DataConfig = DataConfig(),
     stream: SiBlurryConfig = SiBlurryConfig(),
     backbone: BackboneConfig = BackboneConfig(),
-    misa: MISAConfig = MISAConfig(),
+    methods: MethodsConfig = MethodsConfig(),
     learner: LearnerConfig = LearnerConfig(),
     alignment: AlignmentConfig = AlignmentConfig(),
     protocol: ProtocolConfig = ProtocolConfig(),
@@ -152,7 +152,7 @@ def evaluate(
     Args:
         out: Output folder.
         seeds: Seeds to run, e.g. "1-5" or "1,3" (each seed gives its own stream order).
-        method: Host method (misa).
+        method: Host method: misa, linear_probe, seq_ft, seq_ft_sl.
         mepo: A MePo bundle (mepo refine): Meta Rep (its backbone) and Meta Cov (its Sigma_pre) together.
         mepo_rep: Meta Rep only: a bundle whose backbone replaces --backbone.weights (ablation).
         mepo_cov: Meta Cov only: a bundle holding Sigma_pre, or a MePo release cov_*.npy (ablation).
@@ -160,7 +160,7 @@ def evaluate(
         data: Downstream dataset.
         stream: Si-Blurry stream settings (the seed field is replaced by each of --seeds).
         backbone: Pretrained backbone.
-        misa: Prompt layout of the MISA host.
+        methods: Per-method hyperparameters (--methods.misa.e_pool, --methods.seq_ft_sl.backbone_lr_scale, ...).
         learner: Online learning settings.
         alignment: Meta Cov alignment settings (used only with --mepo_cov).
         protocol: Evaluation protocol settings.
@@ -177,7 +177,7 @@ def evaluate(
     modes = MODES if sigma is not None else MODES[:1]  # without Meta Cov both modes are the same model
     runs = []
     for seed in tqdm(parse_seeds(seeds), desc="seeds", unit="run"):
-        runs.append(run_seed(seed, base, train, test, sigma, replace(stream, seed=seed), method, misa, learner,
+        runs.append(run_seed(seed, base, train, test, sigma, replace(stream, seed=seed), method, methods, learner,
                              alignment, protocol))
         log.info("seed %d: %s", seed, {m: {k: round(runs[-1]["curves"][m][k], 4) for k in ("A_auc", "A_last")}
                                        for m in modes})
@@ -186,7 +186,7 @@ def evaluate(
     result = {
         "config": {"method": method, "mepo_rep": None if mepo_rep is None else str(mepo_rep),
                    "mepo_cov": None if mepo_cov is None else str(mepo_cov), "data": asdict(data),
-                   "stream": asdict(stream), "backbone": provenance(backbone), "misa": asdict(misa),
+                   "stream": asdict(stream), "backbone": provenance(backbone), "methods": asdict(methods),
                    "learner": asdict(learner), "alignment": asdict(alignment), "protocol": asdict(protocol),
                    "n_train": len(train), "n_test": len(test)},
         "runs": runs,

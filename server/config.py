@@ -10,7 +10,7 @@ from mepo_stream.backbone import BackboneConfig
 from mepo_stream.data import DataConfig
 from mepo_stream.images import ImageLimits
 from mepo_stream.learner import LearnerConfig
-from mepo_stream.methods import MISAConfig
+from mepo_stream.methods import MethodsConfig
 from mepo_stream.monitor import MonitorConfig
 from mepo_stream.records import KafkaConfig
 
@@ -30,8 +30,8 @@ class ServeConfig:
     """MePo bundle (mepo refine / covariance): its backbone (if any) and Sigma_pre."""
     method: str = "misa"
     """Host method."""
-    misa: MISAConfig = MISAConfig()
-    """Prompt layout of the MISA host."""
+    methods: MethodsConfig = MethodsConfig()
+    """Per-method hyperparameters (--cfg.methods.misa.e_pool, ...)."""
     learner: LearnerConfig = LearnerConfig()
     """Online learning settings (mini-batch size, steps per mini-batch, lr)."""
     alignment: AlignmentConfig = AlignmentConfig()

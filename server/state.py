@@ -67,7 +67,7 @@ def build_learner(cfg: ServeConfig, n_classes: int) -> OnlineLearner:
     backbone = create_backbone(backbone_cfg)
     a = cfg.alignment
     align = None if sigma is None else FeatureAlignment(sigma, a.alpha, a.eps, a.momentum)
-    method = create_method(cfg.method, backbone, n_classes, align, cfg=cfg.misa)
+    method = create_method(cfg.method, backbone, n_classes, align, cfg.methods)
     return OnlineLearner(method, n_classes, cfg.learner, device())
 
 

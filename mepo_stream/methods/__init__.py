@@ -1,22 +1,47 @@
-"""Host methods, found by name. Each is a small module subclassing ``ContinualMethod``.
+"""Host methods, found by name. Each is a small module subclassing ``ContinualMethod``; each method's
+hyperparameters live in one config dataclass, grouped in ``MethodsConfig``.
 
 Example:
     >>> sorted(METHODS)
-    ['misa']
+    ['linear_probe', 'misa', 'seq_ft', 'seq_ft_sl']
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from mepo_stream.methods.base import ContinualMethod
+from mepo_stream.methods.finetune import FineTuneConfig, LinearProbe, SequentialFineTune
 from mepo_stream.methods.misa import MISA, MISAConfig
 
-METHODS: dict[str, type[ContinualMethod]] = {"misa": MISA}
-
-__all__ = ["METHODS", "MISA", "ContinualMethod", "MISAConfig", "create_method"]
+__all__ = ["METHODS", "MISA", "ContinualMethod", "FineTuneConfig", "MISAConfig", "MethodsConfig", "create_method"]
 
 
-def create_method(name: str, backbone, n_classes: int, alignment=None, **kwargs) -> ContinualMethod:
-    """Instantiate the host method ``name`` around ``backbone``."""
+@dataclass(frozen=True)
+class MethodsConfig:
+    """Per-method hyperparameters (defaults: the paper's and the reference's values)."""
+
+    misa: MISAConfig = MISAConfig()
+    """MISA: DualPrompt-style prompt layout."""
+    seq_ft: FineTuneConfig = FineTuneConfig(backbone_lr_scale=1.0)
+    """Sequential fine-tuning of the whole model."""
+    seq_ft_sl: FineTuneConfig = FineTuneConfig(backbone_lr_scale=0.01)
+    """Sequential fine-tuning with a slow learner (SLCA's backbone/head learning-rate ratio)."""
+
+
+# name -> (class, the MethodsConfig field holding its config, or None)
+METHODS: dict[str, tuple[type[ContinualMethod], str | None]] = {
+    "misa": (MISA, "misa"),
+    "linear_probe": (LinearProbe, None),
+    "seq_ft": (SequentialFineTune, "seq_ft"),
+    "seq_ft_sl": (SequentialFineTune, "seq_ft_sl"),
+}
+
+
+def create_method(name: str, backbone, n_classes: int, alignment=None,
+                  configs: MethodsConfig = MethodsConfig()) -> ContinualMethod:
+    """Instantiate the host method ``name`` around ``backbone`` with its config from ``configs``."""
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
-    return METHODS[name](backbone, n_classes, alignment, **kwargs)
+    cls, field = METHODS[name]
+    return cls(backbone, n_classes, alignment, cfg=None if field is None else getattr(configs, field))

@@ -28,6 +28,14 @@ class ContinualMethod(nn.Module):
     def encode(self, x: torch.Tensor, slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def param_groups(self, lr: float) -> list[dict]:
+        """Optimizer parameter groups: every trainable parameter at ``lr`` (methods override to differ)."""
+        return [{"params": [p for p in self.parameters() if p.requires_grad], "lr": lr}]
+
+    @property
+    def trains_backbone(self) -> bool:
+        return any(p.requires_grad for p in self.backbone.parameters())
+
     def logits(self, h: torch.Tensor, align_mode: AlignMode = "batch") -> torch.Tensor:
         """Class logits [B, C] from features [B, D], aligned first when Meta Cov is on."""
         if self.alignment is not None:

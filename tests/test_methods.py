@@ -1,0 +1,65 @@
+"""Each host method learns a tiny stream in one pass and keeps its defining mechanism."""
+
+import copy
+
+import pytest
+import torch
+
+from mepo_stream.learner import LearnerConfig, OnlineLearner
+from mepo_stream.methods import METHODS, create_method
+from mepo_stream.snapshot import take_snapshot
+from tests.conftest import color_images
+
+CFG = LearnerConfig(batch_size=16, online_iter=3, samples_per_slot=10_000, autoaugment=None)
+
+
+def learn_stream(method: str, backbone, lr: float = 5e-3) -> OnlineLearner:
+    learner = OnlineLearner(create_method(method, backbone, 8), 8, LearnerConfig(**{**CFG.__dict__, "lr": lr}))
+    stream = torch.randint(0, 4, (320,), generator=torch.Generator().manual_seed(1))
+    for start in range(0, len(stream), 16):
+        y = stream[start:start + 16]
+        learner.observe(color_images(y), y)
+    return learner
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_learns_above_chance(method, tiny_backbone):
+    lr = 1e-3 if method == "seq_ft" else 5e-3  # the whole model at 5e-3 Adam diverges even on colours
+    learner = learn_stream(method, tiny_backbone, lr)
+    test = torch.arange(4).repeat(16)
+    acc = (learner.predict(color_images(test), ("batch",))["batch"] == test).float().mean().item()
+    assert acc > 0.5  # chance is 0.25
+
+
+def backbone_shift(learner: OnlineLearner, start: dict[str, torch.Tensor]) -> float:
+    now = learner.method.backbone.state_dict()
+    return sum((now[k] - v).norm().item() for k, v in start.items())
+
+
+def test_linear_probe_never_changes_the_backbone(tiny_backbone):
+    start = copy.deepcopy(tiny_backbone.state_dict())
+    assert backbone_shift(learn_stream("linear_probe", tiny_backbone), start) == 0.0
+
+
+def test_slow_learner_moves_the_backbone_less_than_seq_ft(tiny_backbone):
+    start = copy.deepcopy(tiny_backbone.state_dict())
+    fast = backbone_shift(learn_stream("seq_ft", copy.deepcopy(tiny_backbone), 1e-3), start)
+    slow = backbone_shift(learn_stream("seq_ft_sl", copy.deepcopy(tiny_backbone), 1e-3), start)
+    assert 0 < slow < 0.2 * fast
+
+
+def test_fine_tuned_backbones_are_snapshotted_and_checkpointed(tiny_backbone):
+    learner = learn_stream("seq_ft", tiny_backbone, 1e-3)
+    snap = take_snapshot(learner, 1)
+    assert snap.method.backbone is not learner.method.backbone  # predictions must not see a moving backbone
+    images = color_images(torch.arange(4))
+    before = snap.probabilities(images)
+    y = torch.arange(4).repeat(4)
+    learner.observe(color_images(y), y)
+    assert torch.equal(snap.probabilities(images), before)
+    assert any(k.startswith("backbone.") for k in learner.state_dict()["method"])
+
+
+def test_unknown_method():
+    with pytest.raises(ValueError, match="available"):
+        create_method("nope", None, 2)
