@@ -1,9 +1,12 @@
-"""Prompt pools and the prompt-tuning forward pass through a frozen timm ViT.
+"""Prompt pools and the two ways of feeding prompts to a frozen timm ViT.
 
-Prompt tuning (what the MISA/MePo code runs, confirmed by the released prompt shapes) rather than the paper's
-prefix tuning: at each prompted block the layer's prompt tokens (plus the CLS position embedding) are appended
-to the token sequence, the block runs, and the sequence is truncated back to its original length, so prompts
-influence the other tokens through attention but do not carry over to the next block.
+* Prompt tuning (``prompted_forward``; what the MISA/MePo code runs, confirmed by the released prompt shapes):
+  at each prompted block the layer's prompt tokens (plus the CLS position embedding) are appended to the token
+  sequence, the block runs, and the sequence is truncated back to its original length, so prompts influence
+  the other tokens through attention but do not carry over to the next block.
+* Prefix tuning (``prefix_forward``; the paper's choice for all PTM-based methods, Deep L2P as CODA-P
+  re-implements it): learned keys and values are prepended to each prompted block's attention keys and values
+  after the qkv projection; the token sequence keeps its length.
 """
 
 from __future__ import annotations
@@ -36,13 +39,51 @@ class PromptPool(nn.Module):
         return {layer: chosen[:, i] for i, layer in enumerate(self.layers)}
 
 
+def embed(vit: VisionTransformer, x: torch.Tensor) -> torch.Tensor:
+    """Patch embedding, CLS token and position embedding: the tokens [B, N, D] entering block 0."""
+    return vit.norm_pre(vit.patch_drop(vit._pos_embed(vit.patch_embed(x))))
+
+
 def prompted_forward(vit: VisionTransformer, x: torch.Tensor, prompts: dict[int, torch.Tensor]) -> torch.Tensor:
     """Token features [B, N, D] after the final norm, with prompt tuning at the layers in ``prompts``."""
-    tokens = vit.norm_pre(vit.patch_drop(vit._pos_embed(vit.patch_embed(x))))  # [B, N, D]
+    tokens = embed(vit, x)  # [B, N, D]
     n_tokens = tokens.shape[1]
     prompt_pos = 0.0 if vit.no_embed_class else vit.pos_embed[:, :1]  # the CLS position, [1, 1, D]
     for i, block in enumerate(vit.blocks):
         if i in prompts:
             tokens = torch.cat([tokens, prompts[i] + prompt_pos], dim=1)  # [B, N + L, D]
         tokens = block(tokens)[:, :n_tokens]
+    return vit.norm(tokens)
+
+
+def prefix_attention(attn: nn.Module, x: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor) -> torch.Tensor:
+    """timm ``Attention`` with learned keys/values [B, L, D] prepended after the qkv projection (prefix tuning)."""
+    if getattr(attn, "gate", None) is not None:
+        raise NotImplementedError("prefix tuning of gated attention")
+    b, n, _ = x.shape
+    qkv = attn.qkv(x).reshape(b, n, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.unbind(0)  # [B, H, N, hd]
+
+    def heads(t: torch.Tensor) -> torch.Tensor:  # [B, L, D] -> [B, H, L, hd]
+        return t.reshape(b, -1, attn.num_heads, attn.head_dim).transpose(1, 2)
+
+    k = torch.cat([heads(prefix_k), k], dim=2)  # [B, H, L + N, hd]
+    v = torch.cat([heads(prefix_v), v], dim=2)
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    out = nn.functional.scaled_dot_product_attention(q, k, v)  # [B, H, N, hd]
+    out = attn.norm(out.transpose(1, 2).reshape(b, n, attn.attn_dim))
+    return attn.proj_drop(attn.proj(out))
+
+
+def prefix_forward(vit: VisionTransformer, x: torch.Tensor, prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]]
+                   ) -> torch.Tensor:
+    """Token features [B, N, D] after the final norm, with prefix tuning (keys, values) at the given blocks."""
+    tokens = embed(vit, x)  # [B, N, D]
+    for i, block in enumerate(vit.blocks):
+        if i not in prefixes:
+            tokens = block(tokens)
+            continue
+        attn_out = prefix_attention(block.attn, block.norm1(tokens), *prefixes[i])
+        tokens = tokens + block.drop_path1(block.ls1(attn_out))
+        tokens = tokens + block.drop_path2(block.ls2(block.mlp(block.norm2(tokens))))
     return vit.norm(tokens)

@@ -63,3 +63,33 @@ def test_fine_tuned_backbones_are_snapshotted_and_checkpointed(tiny_backbone):
 def test_unknown_method():
     with pytest.raises(ValueError, match="available"):
         create_method("nope", None, 2)
+
+
+def test_prefix_tuning_touches_only_the_configured_blocks(tiny_backbone):
+    """Prefixes at block 2 leave blocks 0-1 as the plain ViT computes them, and change what follows."""
+    from mepo_stream.prompts import embed, prefix_forward
+
+    vit = tiny_backbone.eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.allclose(prefix_forward(vit, x, {}), vit.forward_features(x), atol=1e-5)
+        prefix = (torch.randn(2, 5, 64), torch.randn(2, 5, 64))
+        captured = {}
+        hooks = [vit.blocks[i].register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, out))
+                 for i in range(len(vit.blocks))]
+        out = prefix_forward(vit, x, {2: prefix})
+        for h in hooks:
+            h.remove()
+        plain = embed(vit, x)
+        for i in range(2):
+            plain = vit.blocks[i](plain)
+            assert torch.allclose(captured[i], plain, atol=1e-6)  # untouched before block 2
+        assert 2 not in captured  # block 2 ran through the prefix path
+        assert not torch.allclose(out, vit.forward_features(x), atol=1e-3)
+
+
+def test_deep_l2p_trains_only_prefixes_keys_and_head(tiny_backbone):
+    learner = learn_stream("deep_l2p", tiny_backbone)
+    trainable = {n for n, p in learner.method.named_parameters() if p.requires_grad}
+    assert trainable == {"prefixes", "keys", "head.weight", "head.bias"}
+    assert learner.method.prefixes.shape == (10, 5, 2, 5, 64)  # pool, layers 1-5, K/V, length 5, D

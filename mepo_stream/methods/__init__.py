@@ -3,7 +3,7 @@ hyperparameters live in one config dataclass, grouped in ``MethodsConfig``.
 
 Example:
     >>> sorted(METHODS)
-    ['linear_probe', 'misa', 'seq_ft', 'seq_ft_sl']
+    ['deep_l2p', 'linear_probe', 'misa', 'seq_ft', 'seq_ft_sl']
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 from mepo_stream.methods.base import ContinualMethod
 from mepo_stream.methods.finetune import FineTuneConfig, LinearProbe, SequentialFineTune
+from mepo_stream.methods.l2p import DeepL2P, L2PConfig
 from mepo_stream.methods.misa import MISA, MISAConfig
 
-__all__ = ["METHODS", "MISA", "ContinualMethod", "FineTuneConfig", "MISAConfig", "MethodsConfig", "create_method"]
+__all__ = ["METHODS", "MISA", "ContinualMethod", "DeepL2P", "FineTuneConfig", "L2PConfig", "MISAConfig",
+           "MethodsConfig", "create_method"]
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,8 @@ class MethodsConfig:
 
     misa: MISAConfig = MISAConfig()
     """MISA: DualPrompt-style prompt layout."""
+    deep_l2p: L2PConfig = L2PConfig()
+    """Deep L2P: keyed prompt pool with prefix tuning."""
     seq_ft: FineTuneConfig = FineTuneConfig(backbone_lr_scale=1.0)
     """Sequential fine-tuning of the whole model."""
     seq_ft_sl: FineTuneConfig = FineTuneConfig(backbone_lr_scale=0.01)
@@ -32,6 +36,7 @@ class MethodsConfig:
 # name -> (class, the MethodsConfig field holding its config, or None)
 METHODS: dict[str, tuple[type[ContinualMethod], str | None]] = {
     "misa": (MISA, "misa"),
+    "deep_l2p": (DeepL2P, "deep_l2p"),
     "linear_probe": (LinearProbe, None),
     "seq_ft": (SequentialFineTune, "seq_ft"),
     "seq_ft_sl": (SequentialFineTune, "seq_ft_sl"),
