@@ -93,3 +93,10 @@ def test_deep_l2p_trains_only_prefixes_keys_and_head(tiny_backbone):
     trainable = {n for n, p in learner.method.named_parameters() if p.requires_grad}
     assert trainable == {"prefixes", "keys", "head.weight", "head.bias"}
     assert learner.method.prefixes.shape == (10, 5, 2, 5, 64)  # pool, layers 1-5, K/V, length 5, D
+
+
+def test_dualprompt_uses_prefixes_of_length_5_in_blocks_0_to_4(tiny_backbone):
+    learner = learn_stream("dualprompt", tiny_backbone)
+    method = learner.method
+    assert method.tuning == "prefix" and method.g_prompt.layers == (0, 1) and method.e_prompt.layers == (2, 3, 4)
+    assert method.g_prompt.prompts.shape == (1, 2, 10, 64) and method.e_prompt.prompts.shape == (10, 3, 10, 64)

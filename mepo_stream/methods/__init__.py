@@ -3,7 +3,7 @@ hyperparameters live in one config dataclass, grouped in ``MethodsConfig``.
 
 Example:
     >>> sorted(METHODS)
-    ['deep_l2p', 'linear_probe', 'misa', 'seq_ft', 'seq_ft_sl']
+    ['deep_l2p', 'dualprompt', 'linear_probe', 'misa', 'seq_ft', 'seq_ft_sl']
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ class MethodsConfig:
 
     misa: MISAConfig = MISAConfig()
     """MISA: DualPrompt-style prompt layout."""
+    dualprompt: MISAConfig = MISAConfig(tuning="prefix", g_length=5, e_length=5)
+    """DualPrompt with the paper's prefix tuning (length 5; g at blocks 0-1, e at blocks 2-4)."""
     deep_l2p: L2PConfig = L2PConfig()
     """Deep L2P: keyed prompt pool with prefix tuning."""
     seq_ft: FineTuneConfig = FineTuneConfig(backbone_lr_scale=1.0)
@@ -37,6 +39,7 @@ class MethodsConfig:
 METHODS: dict[str, tuple[type[ContinualMethod], str | None]] = {
     "misa": (MISA, "misa"),
     "deep_l2p": (DeepL2P, "deep_l2p"),
+    "dualprompt": (MISA, "dualprompt"),
     "linear_probe": (LinearProbe, None),
     "seq_ft": (SequentialFineTune, "seq_ft"),
     "seq_ft_sl": (SequentialFineTune, "seq_ft_sl"),

@@ -1,4 +1,8 @@
-"""MISA (ICLR'25) as the MePo reference runs it: DualPrompt-style g/e prompts on a frozen ViT.
+"""MISA (ICLR'25) as the MePo reference runs it: DualPrompt-style g/e prompts on a frozen ViT; and DualPrompt.
+
+``dualprompt`` is the same architecture with the paper's prefix tuning (length 5, blocks 0-4); the reference's
+plain DualPrompt baseline trains with the seen-class mask (``--learner.train_mask seen``) instead of MISA's
+batch mask.
 
 * g-prompts (shared) at layers 0-1, 10 tokens each; e-prompts from a keyed pool of 10 at layers 2-4, 20
   tokens each; prompt *tuning* (see ``mepo_stream.prompts``), not the paper's prefix tuning, because the
@@ -18,21 +22,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from mepo_stream.methods.base import ContinualMethod
-from mepo_stream.prompts import PromptPool, prompted_forward
+from mepo_stream.prompts import PromptPool, prefix_forward, prompted_forward
 
 
 @dataclass(frozen=True)
 class MISAConfig:
     """Prompt layout of the MISA/DualPrompt host (defaults = the reference's DualPrompt defaults)."""
 
+    tuning: Literal["prompt", "prefix"] = "prompt"
+    """How prompts enter the ViT: prompt tuning (the reference code) or prefix tuning (the paper)."""
     g_layers: tuple[int, ...] = (0, 1)
     """Blocks that receive the shared g-prompt."""
     g_length: int = 10
-    """g-prompt tokens per layer."""
+    """g-prompt tokens per layer (with prefix tuning: prefix length, for keys and for values)."""
     e_layers: tuple[int, ...] = (2, 3, 4)
     """Blocks that receive the selected e-prompt."""
     e_length: int = 20
@@ -47,10 +54,10 @@ class MISA(ContinualMethod):
     def __init__(self, backbone, n_classes, alignment=None, cfg: MISAConfig = MISAConfig()):
         super().__init__(backbone, n_classes, alignment)
         self.backbone.requires_grad_(False)
-        dim = backbone.num_features
-        self.g_prompt = PromptPool(cfg.g_layers, cfg.g_length, dim, pool=1)
-        self.e_prompt = PromptPool(cfg.e_layers, cfg.e_length, dim, pool=cfg.e_pool, keyed=True)
-        self.sim_coef = cfg.sim_coef
+        dim, per_token = backbone.num_features, 2 if cfg.tuning == "prefix" else 1  # prefixes: keys + values
+        self.g_prompt = PromptPool(cfg.g_layers, per_token * cfg.g_length, dim, pool=1)
+        self.e_prompt = PromptPool(cfg.e_layers, per_token * cfg.e_length, dim, pool=cfg.e_pool, keyed=True)
+        self.sim_coef, self.tuning = cfg.sim_coef, cfg.tuning
 
     @property
     def n_slots(self) -> int:
@@ -66,6 +73,10 @@ class MISA(ContinualMethod):
             index = torch.full((x.shape[0],), min(slot, self.n_slots - 1), device=x.device)
         aux = self.sim_coef * (1 - sim.gather(1, index[:, None])).mean()
         zeros = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
-        prompts = {**self.g_prompt.layer_prompts(zeros), **self.e_prompt.layer_prompts(index)}
-        h = prompted_forward(self.backbone, x, prompts)[:, 0]  # [B, D] CLS after the final norm
+        prompts = {**self.g_prompt.layer_prompts(zeros), **self.e_prompt.layer_prompts(index)}  # [B, L', D]
+        if self.tuning == "prefix":
+            prefixes = {layer: p.chunk(2, dim=1) for layer, p in prompts.items()}  # keys, values: [B, L, D]
+            h = prefix_forward(self.backbone, x, prefixes)[:, 0]
+        else:
+            h = prompted_forward(self.backbone, x, prompts)[:, 0]  # [B, D] CLS after the final norm
         return h, aux
