@@ -100,3 +100,15 @@ def test_dualprompt_uses_prefixes_of_length_5_in_blocks_0_to_4(tiny_backbone):
     method = learner.method
     assert method.tuning == "prefix" and method.g_prompt.layers == (0, 1) and method.e_prompt.layers == (2, 3, 4)
     assert method.g_prompt.prompts.shape == (1, 2, 10, 64) and method.e_prompt.prompts.shape == (10, 3, 10, 64)
+
+
+def test_coda_p_trains_only_the_current_component_group(tiny_backbone):
+    from mepo_stream.methods.coda import CodaConfig, CodaPrompt
+
+    method = CodaPrompt(tiny_backbone, 4, cfg=CodaConfig(components=10, groups=5, length=2))
+    before = method.components.detach().clone()
+    h, _ = method.encode(torch.randn(3, 3, 32, 32), slot=2)  # groups 0-2 in use, group 2 learns
+    h.sum().backward()
+    grad = method.components.grad.flatten(1).abs().sum(1)  # per component
+    assert (grad[4:6] > 0).all() and (grad[:4] == 0).all() and (grad[6:] == 0).all()
+    assert torch.equal(method.components.detach(), before)

@@ -3,7 +3,7 @@ hyperparameters live in one config dataclass, grouped in ``MethodsConfig``.
 
 Example:
     >>> sorted(METHODS)
-    ['deep_l2p', 'dualprompt', 'linear_probe', 'misa', 'seq_ft', 'seq_ft_sl']
+    ['coda_p', 'deep_l2p', 'dualprompt', 'linear_probe', 'misa', 'seq_ft', 'seq_ft_sl']
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mepo_stream.methods.base import ContinualMethod
+from mepo_stream.methods.coda import CodaConfig, CodaPrompt
 from mepo_stream.methods.finetune import FineTuneConfig, LinearProbe, SequentialFineTune
 from mepo_stream.methods.l2p import DeepL2P, L2PConfig
 from mepo_stream.methods.misa import MISA, MISAConfig
 
-__all__ = ["METHODS", "MISA", "ContinualMethod", "DeepL2P", "FineTuneConfig", "L2PConfig", "MISAConfig",
-           "MethodsConfig", "create_method"]
+__all__ = ["METHODS", "MISA", "CodaConfig", "CodaPrompt", "ContinualMethod", "DeepL2P", "FineTuneConfig",
+           "L2PConfig", "MISAConfig", "MethodsConfig", "create_method"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class MethodsConfig:
     """DualPrompt with the paper's prefix tuning (length 5; g at blocks 0-1, e at blocks 2-4)."""
     deep_l2p: L2PConfig = L2PConfig()
     """Deep L2P: keyed prompt pool with prefix tuning."""
+    coda_p: CodaConfig = CodaConfig()
+    """CODA-P: attention-composed prompt components."""
     seq_ft: FineTuneConfig = FineTuneConfig(backbone_lr_scale=1.0)
     """Sequential fine-tuning of the whole model."""
     seq_ft_sl: FineTuneConfig = FineTuneConfig(backbone_lr_scale=0.01)
@@ -39,6 +42,7 @@ class MethodsConfig:
 METHODS: dict[str, tuple[type[ContinualMethod], str | None]] = {
     "misa": (MISA, "misa"),
     "deep_l2p": (DeepL2P, "deep_l2p"),
+    "coda_p": (CodaPrompt, "coda_p"),
     "dualprompt": (MISA, "dualprompt"),
     "linear_probe": (LinearProbe, None),
     "seq_ft": (SequentialFineTune, "seq_ft"),
