@@ -112,3 +112,12 @@ def test_coda_p_trains_only_the_current_component_group(tiny_backbone):
     grad = method.components.grad.flatten(1).abs().sum(1)  # per component
     assert (grad[4:6] > 0).all() and (grad[:4] == 0).all() and (grad[6:] == 0).all()
     assert torch.equal(method.components.detach(), before)
+
+
+def test_coda_p_inference_uses_only_the_groups_trained_so_far(tiny_backbone):
+    from mepo_stream.methods.coda import CodaConfig, CodaPrompt
+
+    method = CodaPrompt(tiny_backbone, 4, cfg=CodaConfig(components=10, groups=5, length=2))
+    assert method._active(method.keys, None).shape[0] == 2  # nothing trained yet: group 0
+    method._active(method.keys, 3)
+    assert method._active(method.keys, None).shape[0] == 8  # groups 0-3

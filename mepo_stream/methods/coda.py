@@ -54,12 +54,16 @@ class CodaPrompt(ContinualMethod):
         self.components = nn.Parameter(flat.reshape(m, len(self.layers), 2, cfg.length, dim))
         self.keys = nn.Parameter(_orthogonal(m, dim))
         self.attention = nn.Parameter(_orthogonal(m, dim))
+        self.register_buffer("last_slot", torch.zeros((), dtype=torch.long))  # the newest group trained so far
 
     def _active(self, tensor: torch.Tensor, slot: int | None) -> torch.Tensor:
-        """Components of the groups in use; groups before the current one are frozen (detached)."""
-        if slot is None:  # inference: every component
-            return tensor
-        size, current = tensor.shape[0] // self.groups, min(slot, self.groups - 1)
+        """Components of the groups in use: in training the current group learns and earlier ones are frozen;
+        at inference every group trained so far is used (later ones are still at their initialisation)."""
+        size = tensor.shape[0] // self.groups
+        if slot is None:
+            return tensor[: (int(self.last_slot) + 1) * size]
+        current = min(slot, self.groups - 1)
+        self.last_slot.fill_(max(int(self.last_slot), current))
         return torch.cat([tensor[: current * size].detach(), tensor[current * size : (current + 1) * size]])
 
     def encode(self, x: torch.Tensor, slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
