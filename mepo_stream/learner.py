@@ -153,10 +153,10 @@ class OnlineLearner:
                        ) -> dict[AlignMode, torch.Tensor]:
         """Eval-mode logits [B, C] (head order) for uint8 images, per alignment mode, sharing one encode."""
         self.method.eval()
-        h, _ = self.method.encode(self.test_tf(images.to(self.device)))
+        encoded = self.method.encode(self.test_tf(images.to(self.device)))
         out = {}
         for mode in align_modes:
-            logits = self.method.logits(h, mode)
+            logits = self.method.logits(encoded, mode)
             if self.cfg.eval_mask == "seen":
                 logits[:, len(self.exposed):] = float("-inf")
             out[mode] = logits

@@ -38,8 +38,8 @@ class Snapshot:
         """Class probabilities [B, n_seen] over the seen classes (in ``exposed`` order) for uint8 images."""
         if not self.exposed:
             raise LookupError("the model has not learned any class yet")
-        h, _ = self.method.encode(self.transform(images.to(self.device)))  # [B, D]
-        logits = self.method.logits(h, "running")[:, : len(self.exposed)]  # [B, n_seen]
+        encoded = self.method.encode(self.transform(images.to(self.device)))
+        logits = self.method.logits(encoded, "running")[:, : len(self.exposed)]  # [B, n_seen]
         return logits.softmax(dim=1).cpu()
 
     def predict(self, images: torch.Tensor, top_k: int = 5) -> list[list[tuple[int, float]]]:

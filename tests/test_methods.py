@@ -107,8 +107,7 @@ def test_coda_p_trains_only_the_current_component_group(tiny_backbone):
 
     method = CodaPrompt(tiny_backbone, 4, cfg=CodaConfig(components=10, groups=5, length=2))
     before = method.components.detach().clone()
-    h, _ = method.encode(torch.randn(3, 3, 32, 32), slot=2)  # groups 0-2 in use, group 2 learns
-    h.sum().backward()
+    method.encode(torch.randn(3, 3, 32, 32), slot=2).feature.sum().backward()  # groups 0-2 in use, 2 learns
     grad = method.components.grad.flatten(1).abs().sum(1)  # per component
     assert (grad[4:6] > 0).all() and (grad[:4] == 0).all() and (grad[6:] == 0).all()
     assert torch.equal(method.components.detach(), before)
@@ -121,3 +120,13 @@ def test_coda_p_inference_uses_only_the_groups_trained_so_far(tiny_backbone):
     assert method._active(method.keys, None).shape[0] == 2  # nothing trained yet: group 0
     method._active(method.keys, 3)
     assert method._active(method.keys, None).shape[0] == 8  # groups 0-3
+
+
+def test_mvp_mask_suppresses_unseen_classes(tiny_backbone):
+    learner = learn_stream("mvp", tiny_backbone)  # classes 0-3 of 8 seen (head outputs 0-3)
+    scale = 2 * torch.sigmoid(learner.method.class_mask.detach())  # [pool, C]
+    used = learner.method.usage > 0
+    assert torch.allclose(scale[:, 4:], torch.full_like(scale[:, 4:], 2 * torch.sigmoid(torch.tensor(-1.0))))
+    assert scale[used][:, :4].max() > scale[:, 4:].max()  # learned classes are amplified above the rest
+    enc = learner.method.eval().encode(learner.test_tf(color_images(torch.arange(4))))
+    assert enc.logit_scale.shape == (4, 8)

@@ -3,7 +3,7 @@ hyperparameters live in one config dataclass, grouped in ``MethodsConfig``.
 
 Example:
     >>> sorted(METHODS)
-    ['coda_p', 'deep_l2p', 'dualprompt', 'linear_probe', 'misa', 'seq_ft', 'seq_ft_sl']
+    ['coda_p', 'deep_l2p', 'dualprompt', 'linear_probe', 'misa', 'mvp', 'seq_ft', 'seq_ft_sl']
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from mepo_stream.methods.coda import CodaConfig, CodaPrompt
 from mepo_stream.methods.finetune import FineTuneConfig, LinearProbe, SequentialFineTune
 from mepo_stream.methods.l2p import DeepL2P, L2PConfig
 from mepo_stream.methods.misa import MISA, MISAConfig
+from mepo_stream.methods.mvp import MVP, MVPConfig
 
 __all__ = ["METHODS", "MISA", "CodaConfig", "CodaPrompt", "ContinualMethod", "DeepL2P", "FineTuneConfig",
-           "L2PConfig", "MISAConfig", "MethodsConfig", "create_method"]
+           "L2PConfig", "MISAConfig", "MVP", "MVPConfig", "MethodsConfig", "create_method"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class MethodsConfig:
     """Deep L2P: keyed prompt pool with prefix tuning."""
     coda_p: CodaConfig = CodaConfig()
     """CODA-P: attention-composed prompt components."""
+    mvp: MVPConfig = MVPConfig()
+    """MVP: instance-wise logit masking and contrastive key matching."""
     seq_ft: FineTuneConfig = FineTuneConfig(backbone_lr_scale=1.0)
     """Sequential fine-tuning of the whole model."""
     seq_ft_sl: FineTuneConfig = FineTuneConfig(backbone_lr_scale=0.01)
@@ -43,6 +46,7 @@ METHODS: dict[str, tuple[type[ContinualMethod], str | None]] = {
     "misa": (MISA, "misa"),
     "deep_l2p": (DeepL2P, "deep_l2p"),
     "coda_p": (CodaPrompt, "coda_p"),
+    "mvp": (MVP, "mvp"),
     "dualprompt": (MISA, "dualprompt"),
     "linear_probe": (LinearProbe, None),
     "seq_ft": (SequentialFineTune, "seq_ft"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
@@ -9,12 +11,24 @@ from torch import nn
 from mepo_stream.alignment import AlignMode, FeatureAlignment
 
 
+@dataclass
+class Encoded:
+    """What a method's encoder hands to the head."""
+
+    feature: torch.Tensor
+    """[B, D] feature before alignment (CLS after the final norm for every method here)."""
+    aux_loss: torch.Tensor
+    """Scalar auxiliary training loss (e.g. prompt-key matching); 0 when the method has none."""
+    logit_scale: torch.Tensor | None = None
+    """Optional [B, C] multiplier of the logits (MVP's instance-wise mask)."""
+
+
 class ContinualMethod(nn.Module):
     """A host method: ``encode`` gives the pre-head feature, ``logits`` aligns it (Meta Cov) and classifies.
 
-    Subclasses implement ``encode(x, slot)`` returning the feature [B, D] and the method's auxiliary loss
-    (a scalar, e.g. a prompt-key matching loss). ``slot`` is the task-free prompt slot the learner picks from
-    the number of samples seen; methods without slots ignore it.
+    Subclasses implement ``encode(x, slot)`` returning an ``Encoded``: the feature [B, D], the method's
+    auxiliary loss, and optionally a logit multiplier. ``slot`` is the task-free prompt slot the learner picks
+    from the number of samples seen; methods without slots ignore it.
     """
 
     def __init__(self, backbone: VisionTransformer, n_classes: int, alignment: FeatureAlignment | None = None):
@@ -25,7 +39,7 @@ class ContinualMethod(nn.Module):
         nn.init.zeros_(self.head.bias)
         self.alignment = alignment
 
-    def encode(self, x: torch.Tensor, slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, x: torch.Tensor, slot: int | None = None) -> Encoded:
         raise NotImplementedError
 
     def param_groups(self, lr: float) -> list[dict]:
@@ -36,16 +50,18 @@ class ContinualMethod(nn.Module):
     def trains_backbone(self) -> bool:
         return any(p.requires_grad for p in self.backbone.parameters())
 
-    def logits(self, h: torch.Tensor, align_mode: AlignMode = "batch") -> torch.Tensor:
-        """Class logits [B, C] from features [B, D], aligned first when Meta Cov is on."""
+    def logits(self, encoded: Encoded, align_mode: AlignMode = "batch") -> torch.Tensor:
+        """Class logits [B, C] from the encoder's output, the feature aligned first when Meta Cov is on."""
+        h = encoded.feature
         if self.alignment is not None:
             h = self.alignment(h, mode=align_mode)
-        return self.head(h)
+        logits = self.head(h)  # [B, C]
+        return logits if encoded.logit_scale is None else logits * encoded.logit_scale
 
     def forward(self, x: torch.Tensor, slot: int | None = None, align_mode: AlignMode = "batch"
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, aux = self.encode(x, slot)
-        return self.logits(h, align_mode), aux
+        encoded = self.encode(x, slot)
+        return self.logits(encoded, align_mode), encoded.aux_loss
 
     def train(self, mode: bool = True) -> ContinualMethod:
         super().train(mode)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mepo_stream.methods.base import ContinualMethod
+from mepo_stream.methods.base import ContinualMethod, Encoded
 from mepo_stream.prompts import prefix_forward
 
 
@@ -66,7 +66,7 @@ class CodaPrompt(ContinualMethod):
         self.last_slot.fill_(max(int(self.last_slot), current))
         return torch.cat([tensor[: current * size].detach(), tensor[current * size : (current + 1) * size]])
 
-    def encode(self, x: torch.Tensor, slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, x: torch.Tensor, slot: int | None = None) -> Encoded:
         with torch.no_grad():
             query = self.backbone.forward_features(x)[:, 0]  # [B, D]
         keys, attn, comps = (self._active(t, slot) for t in (self.keys, self.attention, self.components))
@@ -75,4 +75,4 @@ class CodaPrompt(ContinualMethod):
         prompt = torch.einsum("bm,mlktd->blktd", alpha, comps)  # [B, n_layers, 2, L, D]
         prefixes = {layer: (prompt[:, i, 0], prompt[:, i, 1]) for i, layer in enumerate(self.layers)}
         h = prefix_forward(self.backbone, x, prefixes)[:, 0]  # [B, D]
-        return h, h.new_zeros(())
+        return Encoded(h, h.new_zeros(()))

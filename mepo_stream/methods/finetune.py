@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mepo_stream.methods.base import ContinualMethod
+from mepo_stream.methods.base import ContinualMethod, Encoded
 
 
 @dataclass(frozen=True)
@@ -30,10 +30,10 @@ class LinearProbe(ContinualMethod):
         super().__init__(backbone, n_classes, alignment)
         self.backbone.requires_grad_(False)
 
-    def encode(self, x: torch.Tensor, slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, x: torch.Tensor, slot: int | None = None) -> Encoded:
         with torch.no_grad():
             h = self.backbone(x)  # [B, D]
-        return h, h.new_zeros(())
+        return Encoded(h, h.new_zeros(()))
 
 
 class SequentialFineTune(ContinualMethod):
@@ -42,9 +42,9 @@ class SequentialFineTune(ContinualMethod):
         self.backbone.requires_grad_(True)
         self.backbone_lr_scale = cfg.backbone_lr_scale
 
-    def encode(self, x: torch.Tensor, slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, x: torch.Tensor, slot: int | None = None) -> Encoded:
         h = self.backbone(x)  # [B, D]
-        return h, h.new_zeros(())
+        return Encoded(h, h.new_zeros(()))
 
     def param_groups(self, lr: float) -> list[dict]:
         head = [p for n, p in self.named_parameters() if not n.startswith("backbone.") and p.requires_grad]

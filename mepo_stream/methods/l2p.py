@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mepo_stream.methods.base import ContinualMethod
+from mepo_stream.methods.base import ContinualMethod, Encoded
 from mepo_stream.prompts import prefix_forward
 
 
@@ -47,7 +47,7 @@ class DeepL2P(ContinualMethod):
         self.prefixes = nn.Parameter(torch.empty(cfg.pool, len(self.layers), 2, cfg.length, dim).uniform_(-1, 1))
         self.keys = nn.Parameter(torch.empty(cfg.pool, dim).uniform_(-1, 1))
 
-    def encode(self, x: torch.Tensor, slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, x: torch.Tensor, slot: int | None = None) -> Encoded:
         with torch.no_grad():
             query = self.backbone.forward_features(x)[:, 0]  # [B, D]
         sim = nn.functional.normalize(query, dim=1) @ nn.functional.normalize(self.keys, dim=1).T  # [B, pool]
@@ -59,4 +59,4 @@ class DeepL2P(ContinualMethod):
             kv = chosen[:, :, i].transpose(1, 2).reshape(b, 2, k * length, dim)  # [B, 2, k*L, D]
             prefixes[layer] = (kv[:, 0], kv[:, 1])
         h = prefix_forward(self.backbone, x, prefixes)[:, 0]  # [B, D]
-        return h, self.sim_coef * (1 - top_sim).mean()
+        return Encoded(h, self.sim_coef * (1 - top_sim).mean())

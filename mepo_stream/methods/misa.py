@@ -26,7 +26,7 @@ from typing import Literal
 
 import torch
 
-from mepo_stream.methods.base import ContinualMethod
+from mepo_stream.methods.base import ContinualMethod, Encoded
 from mepo_stream.prompts import PromptPool, prefix_forward, prompted_forward
 
 
@@ -63,7 +63,7 @@ class MISA(ContinualMethod):
     def n_slots(self) -> int:
         return self.e_prompt.prompts.shape[0]
 
-    def encode(self, x: torch.Tensor, slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, x: torch.Tensor, slot: int | None = None) -> Encoded:
         with torch.no_grad():
             query = self.backbone.forward_features(x)[:, 0]  # [B, D], frozen and prompt-free
         sim = self.e_prompt.similarity(query)  # [B, pool]
@@ -72,11 +72,13 @@ class MISA(ContinualMethod):
         else:
             index = torch.full((x.shape[0],), min(slot, self.n_slots - 1), device=x.device)
         aux = self.sim_coef * (1 - sim.gather(1, index[:, None])).mean()
+        return Encoded(self.prompted_feature(x, index), aux)
+
+    def prompted_feature(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """CLS feature [B, D] with the shared g-prompt and the e-prompts ``index`` [B]."""
         zeros = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
         prompts = {**self.g_prompt.layer_prompts(zeros), **self.e_prompt.layer_prompts(index)}  # [B, L', D]
         if self.tuning == "prefix":
             prefixes = {layer: p.chunk(2, dim=1) for layer, p in prompts.items()}  # keys, values: [B, L, D]
-            h = prefix_forward(self.backbone, x, prefixes)[:, 0]
-        else:
-            h = prompted_forward(self.backbone, x, prompts)[:, 0]  # [B, D] CLS after the final norm
-        return h, aux
+            return prefix_forward(self.backbone, x, prefixes)[:, 0]
+        return prompted_forward(self.backbone, x, prompts)[:, 0]  # CLS after the final norm
