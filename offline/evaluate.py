@@ -7,16 +7,19 @@ seen so far, and an end-of-task evaluation after each task. Every evaluation is 
 statistics (``batch``: the reference's transductive test-batch statistics, 128 images in dataset order;
 ``running``: the learner's running training statistics), sharing one forward pass.
 
-Writes ``results.json`` (every run's curves and metrics), ``table.md`` (mean ± std over seeds) and
-``anytime_accuracy.png`` into ``out``.
+Writes ``results.json`` (every run's curves and metrics), ``table.md`` (mean ± std over seeds; for a sweep
+of methods, the layout of the paper's Table 1), ``ablation.md`` (with ``--ablation``) and
+``anytime_accuracy.png`` into ``out``. Finished runs are cached under ``out/cache``.
 
 Example:
     mepo evaluate --data.dataset cifar10 --seeds 1-3 --mepo runs/refined --out runs/eval-cifar10
+    mepo evaluate --methods all --mepo runs/refined --ablation true --seeds 1-5 --out runs/table1
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import logging
 import statistics
@@ -33,7 +36,7 @@ from mepo_stream.backbone import BackboneConfig, create_backbone, device, proven
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.evaluation import evaluate_seen
 from mepo_stream.learner import LearnerConfig, OnlineLearner
-from mepo_stream.methods import MethodsConfig, create_method
+from mepo_stream.methods import METHODS, MethodsConfig, create_method
 from mepo_stream.metrics import AnytimeCurve
 from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
 
@@ -61,17 +64,17 @@ def parse_seeds(spec: str) -> list[int]:
 
 
 def run_seed(seed: int, base_backbone, train: ImageSet, test: ImageSet, sigma: torch.Tensor | None,
-             stream_cfg: SiBlurryConfig, method: str, methods: MethodsConfig, learner_cfg: LearnerConfig,
+             stream_cfg: SiBlurryConfig, method: str, method_config: MethodsConfig, learner_cfg: LearnerConfig,
              alignment: AlignmentConfig, protocol: ProtocolConfig) -> dict:
     """One seed of the protocol; returns the curves per alignment mode and the wall time."""
     torch.manual_seed(seed)
     stream = si_blurry_stream(train.targets.tolist(), stream_cfg.n_tasks, stream_cfg.n, stream_cfg.m, seed)
     align = None if sigma is None else FeatureAlignment(sigma, alignment.alpha, alignment.eps, alignment.momentum)
-    model = create_method(method, copy.deepcopy(base_backbone), len(train.classes), align, methods)
+    model = create_method(method, copy.deepcopy(base_backbone), len(train.classes), align, method_config)
     learner = OnlineLearner(model, len(train.classes), learner_cfg, device())
     curves = {m: AnytimeCurve() for m in MODES}
     next_eval, start = protocol.eval_period, time.time()
-    bar = tqdm(total=len(stream.order), desc=f"seed {seed}", unit="img", leave=False)
+    bar = tqdm(total=len(stream.order), desc=f"{method} seed {seed}", unit="img", leave=False)
     for task in stream.tasks:
         for b in range(0, len(task), learner_cfg.batch_size):
             idx = torch.tensor(task[b : b + learner_cfg.batch_size])
@@ -90,108 +93,216 @@ def run_seed(seed: int, base_backbone, train: ImageSet, test: ImageSet, sigma: t
             "curves": {m: c.to_dict() for m, c in curves.items()}}
 
 
-def _mean_std(values: list[float]) -> str:
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{100 * statistics.fmean(values):.2f} ± {100 * std:.2f}"
+PTM_METHODS = ("misa", "dualprompt", "deep_l2p", "coda_p", "mvp")  # the ones MePo plugs into (paper Table 1)
+VARIANTS = {"host": (False, False), "rep": (True, False), "cov": (False, True), "mepo": (True, True)}  # rep, cov
+VARIANT_NAMES = {"host": "w/o MePo", "rep": "Meta Rep", "cov": "Meta Cov", "mepo": "w/ MePo (Rep + Cov)"}
+METRICS = ("A_auc", "A_last", "A_avg", "F_last")
 
 
-def write_table(runs: list[dict], modes: tuple[AlignMode, ...], path: Path, title: str) -> str:
-    """Markdown table of A_auc / A_last / A_avg / F_last (percent, mean ± std over seeds) per mode."""
-    lines = [f"### {title}", "", f"Seeds: {', '.join(str(r['seed']) for r in runs)}", "",
-             "| alignment statistics at test | A_auc | A_last | A_avg | F_last |", "|---|---|---|---|---|"]
-    for mode in modes:
-        cells = [_mean_std([r["curves"][mode][k] for r in runs]) for k in ("A_auc", "A_last", "A_avg", "F_last")]
-        lines.append(f"| {mode} | {' | '.join(cells)} |")
+@dataclass(frozen=True)
+class Job:
+    method: str
+    variant: str
+    seed: int
+
+
+def plan_jobs(methods: list[str], seeds: list[int], mepo: bool, rep_only: bool, cov_only: bool, ablation: bool
+              ) -> list[Job]:
+    """Every (method, variant, seed) to run. With a MePo bundle each PTM-based method runs without and with it
+    (and, with ``ablation``, with Meta Rep and Meta Cov alone); the lower bounds run without."""
+    jobs = []
+    for method in methods:
+        if mepo and method in PTM_METHODS:
+            variants = ["host", "rep", "cov", "mepo"] if ablation else ["host", "mepo"]
+        elif mepo:
+            variants = ["host"]
+        else:
+            variants = ["mepo" if rep_only and cov_only else "rep" if rep_only else "cov" if cov_only else "host"]
+        jobs += [Job(method, v, seed) for v in variants for seed in seeds]
+    return jobs
+
+
+def job_key(job: Job, config: dict) -> str:
+    """Cache key: everything that shapes the run's numbers, hashed."""
+    blob = json.dumps({"job": asdict(job), **config}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def _cell(values: list[float], bold: bool = False) -> str:
+    mean, std = _mean_std(values)
+    text = f"{100 * mean:.2f} ± {100 * std:.2f}"
+    return f"**{text}**" if bold else text
+
+
+def group_runs(runs: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["method"], r["variant"]), []).append(r)
+    return groups
+
+
+def write_tables(runs: list[dict], out: Path, title: str, mode: AlignMode = "batch") -> str:
+    """table.md: per-mode metrics for one method and variant, or the paper's Table 1 layout for a sweep
+    (A_AUC and A_last, mean ± std over seeds, the better of each w/o-w/ MePo pair in bold); ablation.md when
+    Meta Rep and Meta Cov also ran alone."""
+    groups = group_runs(runs)
+    seeds = sorted({r["seed"] for r in runs})
+    lines = [f"### {title}", "", f"Seeds: {', '.join(map(str, seeds))}. Percent, mean ± std over seeds.", ""]
+    if len(groups) == 1:
+        (method, variant), rs = next(iter(groups.items()))
+        lines += ["| alignment statistics at test | " + " | ".join(METRICS) + " |", "|---" * (len(METRICS) + 1) + "|"]
+        for m in [m for m in MODES if all(m in r["curves"] for r in rs)]:
+            lines.append(f"| {m} | " + " | ".join(_cell([r["curves"][m][k] for r in rs]) for k in METRICS) + " |")
+    else:
+        lines += [f"Alignment statistics at test: {mode} (the reference's).", "",
+                  "| method | A_AUC w/o MePo | A_AUC w/ MePo | A_last w/o MePo | A_last w/ MePo |",
+                  "|---|---|---|---|---|"]
+        for method in dict.fromkeys(r["method"] for r in runs):
+            cells = []
+            for metric in ("A_auc", "A_last"):
+                pair = [[r["curves"][mode][metric] for r in groups.get((method, v), [])] for v in ("host", "mepo")]
+                means = [_mean_std(v)[0] if v else float("-inf") for v in pair]
+                cells += [_cell(v, bold=len(pair[1]) > 0 and m == max(means)) if v else "–"
+                          for v, m in zip(pair, means, strict=True)]
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
-    path.write_text(text)
+    (out / "table.md").write_text(text)
+    ablated = [m for m in dict.fromkeys(r["method"] for r in runs) if (m, "rep") in groups and (m, "cov") in groups]
+    if ablated:
+        rows = ["### Ablation: Meta Rep and Meta Cov", "", "| method | " + " | ".join(
+            f"{VARIANT_NAMES[v]} A_AUC | {VARIANT_NAMES[v]} A_last" for v in VARIANTS) + " |",
+            "|---" * (1 + 2 * len(VARIANTS)) + "|"]
+        for m in ablated:
+            rows.append(f"| {m} | " + " | ".join(
+                _cell([r["curves"][mode][k] for r in groups[(m, v)]]) for v in VARIANTS for k in ("A_auc", "A_last"))
+                + " |")
+        (out / "ablation.md").write_text("\n".join(rows) + "\n")
+        text += "\n" + "\n".join(rows) + "\n"
     return text
 
 
-def plot_curves(runs: list[dict], modes: tuple[AlignMode, ...], path: Path, title: str) -> None:
-    """Any-time accuracy vs samples seen: mean over seeds with a ±1 std band, one line per mode."""
+def plot_curves(runs: list[dict], path: Path, title: str) -> None:
+    """Any-time accuracy vs samples seen: mean over seeds with a ±1 std band, per method, variant and mode."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for mode in modes:
-        n = min(len(r["curves"][mode]["accuracy"]) for r in runs)
-        if n == 0:
-            continue
-        x = runs[0]["curves"][mode]["samples"][:n]
-        acc = torch.tensor([r["curves"][mode]["accuracy"][:n] for r in runs]) * 100  # [seeds, n]
-        mean, std = acc.mean(0), acc.std(0) if len(runs) > 1 else torch.zeros(n)
-        ax.plot(x, mean, marker="o", ms=3, label=f"{mode} (A_auc {mean.mean():.1f})")
-        ax.fill_between(x, mean - std, mean + std, alpha=0.2)
+    groups = group_runs(runs)
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for (method, variant), rs in groups.items():
+        for mode in [m for m in MODES if all(m in r["curves"] for r in rs)]:
+            n = min(len(r["curves"][mode]["accuracy"]) for r in rs)
+            if n == 0:
+                continue
+            x = rs[0]["curves"][mode]["samples"][:n]
+            acc = torch.tensor([r["curves"][mode]["accuracy"][:n] for r in rs]) * 100  # [seeds, n]
+            mean, std = acc.mean(0), acc.std(0) if len(rs) > 1 else torch.zeros(n)
+            label = f"{method}, {VARIANT_NAMES[variant]}, {mode} stats (A_auc {mean.mean():.1f})"
+            ax.plot(x, mean, marker="o", ms=3, label=label, linestyle="-" if mode == "batch" else "--")
+            ax.fill_between(x, mean - std, mean + std, alpha=0.15)
     ax.set(xlabel="samples seen", ylabel="any-time accuracy on seen classes (%)", title=title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def parse_methods(spec: str) -> list[str]:
+    names = list(METHODS) if spec == "all" else [m.strip() for m in spec.split(",") if m.strip()]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; available: {', '.join(METHODS)} or 'all'")
+    return names
+
+
 def evaluate(
     out: Path = Path("runs/evaluate"),
     seeds: str = "1-5",
-    method: str = "misa",
+    methods: str = "misa",
     mepo: Path | None = None,
     mepo_rep: Path | None = None,
     mepo_cov: Path | None = None,
+    ablation: bool = False,
     data: DataConfig = DataConfig(),
     stream: SiBlurryConfig = SiBlurryConfig(),
     backbone: BackboneConfig = BackboneConfig(),
-    methods: MethodsConfig = MethodsConfig(),
+    method_config: MethodsConfig = MethodsConfig(),
     learner: LearnerConfig = LearnerConfig(),
     alignment: AlignmentConfig = AlignmentConfig(),
     protocol: ProtocolConfig = ProtocolConfig(),
 ) -> dict:
-    """Run the Si-Blurry protocol offline over seeds; write results.json, table.md and a plot.
+    """Run the Si-Blurry protocol offline over methods and seeds; write results.json, table.md and a plot.
+
+    Finished runs are cached under out/cache, keyed by everything that shapes them, so re-running the same
+    command continues an interrupted sweep instead of starting over.
 
     Args:
         out: Output folder.
         seeds: Seeds to run, e.g. "1-5" or "1,3" (each seed gives its own stream order).
-        method: Host method: misa, linear_probe, seq_ft, seq_ft_sl.
-        mepo: A MePo bundle (mepo refine): Meta Rep (its backbone) and Meta Cov (its Sigma_pre) together.
-        mepo_rep: Meta Rep only: a bundle whose backbone replaces --backbone.weights (ablation).
-        mepo_cov: Meta Cov only: a bundle holding Sigma_pre, or a MePo release cov_*.npy (ablation).
-            Without any of the three the host runs alone.
+        methods: Host methods, comma-separated, or "all": misa, dualprompt, deep_l2p, coda_p, mvp, linear_probe,
+            seq_ft, seq_ft_sl.
+        mepo: A MePo bundle (mepo refine): every PTM-based method runs without and with it (Meta Rep = its
+            backbone, Meta Cov = its Sigma_pre); the lower bounds run without.
+        mepo_rep: Meta Rep only: a bundle whose backbone replaces --backbone.weights.
+        mepo_cov: Meta Cov only: a bundle holding Sigma_pre, or a MePo release cov_*.npy.
+        ablation: With --mepo, also run Meta Rep alone and Meta Cov alone (writes ablation.md).
         data: Downstream dataset.
         stream: Si-Blurry stream settings (the seed field is replaced by each of --seeds).
         backbone: Pretrained backbone.
-        methods: Per-method hyperparameters (--methods.misa.e_pool, --methods.seq_ft_sl.backbone_lr_scale, ...).
+        method_config: Per-method hyperparameters (--method_config.misa.e_pool, ...).
         learner: Online learning settings.
-        alignment: Meta Cov alignment settings (used only with --mepo_cov).
+        alignment: Meta Cov alignment settings.
         protocol: Evaluation protocol settings.
     """
-    mepo_rep, mepo_cov = mepo_rep or mepo, mepo_cov or mepo
-    if mepo_rep is not None:
-        backbone = replace(backbone, weights=str(mepo_rep))
+    rep_bundle, cov_bundle = mepo_rep or mepo, mepo_cov or mepo
+    names = parse_methods(methods)
+    jobs = plan_jobs(names, parse_seeds(seeds), mepo is not None, mepo_rep is not None, mepo_cov is not None,
+                     ablation)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "cache").mkdir(exist_ok=True)
     train, test = load_split(data, "train"), load_split(data, "test")
-    base = create_backbone(backbone)
-    sigma = None if mepo_cov is None else load_sigma_pre(mepo_cov)
-    if sigma is not None and sigma.shape[0] != base.num_features:
-        raise ValueError(f"Sigma_pre is {tuple(sigma.shape)} but {backbone.name} has {base.num_features} features")
-    modes = MODES if sigma is not None else MODES[:1]  # without Meta Cov both modes are the same model
+    backbones = {False: (backbone, None), True: (replace(backbone, weights=str(rep_bundle)), None)}
+    sigma = None if cov_bundle is None else load_sigma_pre(cov_bundle)
+    common = {"data": asdict(data), "stream": asdict(stream), "learner": asdict(learner),
+              "protocol": asdict(protocol), "n_train": len(train), "n_test": len(test)}
     runs = []
-    for seed in tqdm(parse_seeds(seeds), desc="seeds", unit="run"):
-        runs.append(run_seed(seed, base, train, test, sigma, replace(stream, seed=seed), method, methods, learner,
-                             alignment, protocol))
-        log.info("seed %d: %s", seed, {m: {k: round(runs[-1]["curves"][m][k], 4) for k in ("A_auc", "A_last")}
-                                       for m in modes})
-    parts = [p for p, on in (("Meta Rep", mepo_rep), ("Meta Cov", mepo_cov)) if on is not None]
-    title = f"{' + '.join([method, *parts])} on {data.dataset} ({backbone.name} @ {backbone.img_size}px)"
-    result = {
-        "config": {"method": method, "mepo_rep": None if mepo_rep is None else str(mepo_rep),
-                   "mepo_cov": None if mepo_cov is None else str(mepo_cov), "data": asdict(data),
-                   "stream": asdict(stream), "backbone": provenance(backbone), "methods": asdict(methods),
-                   "learner": asdict(learner), "alignment": asdict(alignment), "protocol": asdict(protocol),
-                   "n_train": len(train), "n_test": len(test)},
-        "runs": runs,
-    }
+    for job in tqdm(jobs, desc="runs", unit="run"):
+        use_rep, use_cov = VARIANTS[job.variant]
+        bcfg = backbones[use_rep][0]
+        config = {**common, "backbone": provenance(bcfg), "method_config": asdict(method_config),
+                  "alignment": asdict(alignment) if use_cov else None,
+                  "sigma_pre": str(cov_bundle) if use_cov else None}
+        cached = out / "cache" / f"{job_key(job, config)}.json"
+        if cached.is_file():
+            runs.append(json.loads(cached.read_text()))
+            continue
+        if backbones[use_rep][1] is None:
+            backbones[use_rep] = (bcfg, create_backbone(bcfg))
+        base = backbones[use_rep][1]
+        if use_cov and sigma.shape[0] != base.num_features:
+            raise ValueError(f"Sigma_pre is {tuple(sigma.shape)} but {bcfg.name} has {base.num_features} features")
+        run = run_seed(job.seed, base, train, test, sigma if use_cov else None, replace(stream, seed=job.seed),
+                       job.method, method_config, learner, alignment, protocol)
+        if not use_cov:  # without Meta Cov both alignment modes are the same model
+            run["curves"] = {"batch": run["curves"]["batch"]}
+        run = {**asdict(job), **run, "config": config}
+        cached.write_text(json.dumps(run, default=str))
+        runs.append(run)
+        log.info("%s %s seed %d: %s", job.method, job.variant, job.seed,
+                 {m: {k: round(c[k], 4) for k in ("A_auc", "A_last")} for m, c in run["curves"].items()})
+    variants = {VARIANT_NAMES[j.variant] for j in jobs}
+    title = (f"{', '.join(names)} ({'; '.join(sorted(variants))}) on {data.dataset} "
+             f"({backbone.name} @ {backbone.img_size}px)")
+    result = {"config": {**common, "methods": names, "mepo": str(mepo) if mepo else None,
+                         "mepo_rep": str(rep_bundle) if rep_bundle else None,
+                         "mepo_cov": str(cov_bundle) if cov_bundle else None}, "runs": runs}
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
-    print(write_table(runs, modes, out / "table.md", title))
-    plot_curves(runs, modes, out / "anytime_accuracy.png", title)
+    print(write_tables(runs, out, title))
+    plot_curves(runs, out / "anytime_accuracy.png", title)
     return result

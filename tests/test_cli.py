@@ -62,3 +62,33 @@ def test_evaluate_end_to_end(tmp_path):
     table = (tmp_path / "ev" / "table.md").read_text()
     assert "| running |" in table and "| batch |" in table and "±" in table
     assert (tmp_path / "ev" / "anytime_accuracy.png").stat().st_size > 10_000
+
+
+def test_sweep_of_methods_with_mepo_writes_table1_ablation_and_reuses_cached_runs(tmp_path):
+    import numpy as np
+
+    torch.save(timm.create_model("test_vit", pretrained=False, num_classes=0).state_dict(), tmp_path / "w.pth")
+    np.save(tmp_path / "cov.npy", np.eye(64))
+    main(["backbone", "import", "--source", str(tmp_path / "w.pth"), "--out", str(tmp_path / "bundle"),
+          "--name", "test_vit", "--covariance", str(tmp_path / "cov.npy")])
+    args = ["evaluate", "--out", str(tmp_path / "sweep"), "--seeds", "1", "--methods", "misa,linear_probe",
+            "--mepo", str(tmp_path / "bundle"), "--ablation", "true", *TINY, "--data.dataset", "cifar10",
+            "--data.train_per_class", "10", "--data.test_per_class", "3", "--protocol.eval_period", "50"]
+    main(args)
+    result = json.loads((tmp_path / "sweep" / "results.json").read_text())
+    done = sorted((r["method"], r["variant"]) for r in result["runs"])
+    assert done == [("linear_probe", "host"), ("misa", "cov"), ("misa", "host"), ("misa", "mepo"), ("misa", "rep")]
+    table = (tmp_path / "sweep" / "table.md").read_text()
+    assert "| method | A_AUC w/o MePo | A_AUC w/ MePo |" in table and "**" in table
+    assert "| linear_probe |" in table and "–" in table  # lower bounds run without MePo only
+    assert "Meta Rep A_AUC" in (tmp_path / "sweep" / "ablation.md").read_text()
+    cached = sorted(p.name for p in (tmp_path / "sweep" / "cache").iterdir())
+    assert len(cached) == 5
+    marked = tmp_path / "sweep" / "cache" / cached[0]
+    run = json.loads(marked.read_text())
+    run["wall_time_s"] = -1.0  # a value no computation produces: it can only come from the cache
+    marked.write_text(json.dumps(run))
+    main(args)  # a re-run reuses every finished run
+    rerun = json.loads((tmp_path / "sweep" / "results.json").read_text())["runs"]
+    assert -1.0 in [r["wall_time_s"] for r in rerun] and len(rerun) == 5
+    assert sorted(p.name for p in (tmp_path / "sweep" / "cache").iterdir()) == cached
