@@ -176,6 +176,7 @@ class ServiceState:
                 "anytime_samples": b.anytime_samples, "anytime_accuracy": b.anytime_accuracy,
                 "last_accuracy": b.last_accuracy, "dead_lettered": b.dead_lettered,
                 "replays_skipped": b.replays_skipped, "next_eval": self._next_eval, "time": time.time(),
+                "rng": torch.get_rng_state(),  # the augmentation draws continue as if nothing had happened
             }
             save_checkpoint(self.checkpoint_path, state)
             self._since_checkpoint = 0
@@ -198,6 +199,7 @@ class ServiceState:
             replays_skipped=int(state["replays_skipped"]),
         )
         self._next_eval = int(state["next_eval"])
+        torch.set_rng_state(state["rng"])
         self.last_checkpoint_time = float(state["time"])
         log.info("restored checkpoint %s: %d samples learned, offsets %s", self.checkpoint_path,
                  self.learner.samples_seen, self.book.offsets)

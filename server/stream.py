@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
@@ -40,10 +41,23 @@ def parse_tp(key: str) -> TopicPartition:
     return TopicPartition(topic, int(partition))
 
 
-def broker_reachable(consumer: KafkaConsumer) -> bool:
-    """Partitions assigned and a live connection to a broker (kafka-python has no public call for the latter)."""
-    client = consumer._client
-    return bool(consumer.assignment()) and any(client.connected(b.node_id) for b in client.cluster.brokers())
+PROBE_EVERY_S = 5.0
+
+
+def broker_answers(consumer: KafkaConsumer) -> bool:
+    """Partitions assigned and the broker answering a small request within 2 s.
+
+    A stopped or partitioned broker keeps its TCP connections open, so a connection check would still say
+    yes; an actual round trip does not. (The offsets it returns are not used: Tansu's end offsets are off.)
+    """
+    assignment = consumer.assignment()
+    if not assignment:
+        return False
+    try:
+        consumer.beginning_offsets(list(assignment), timeout_ms=2000)
+        return True
+    except KafkaError:
+        return False
 
 
 def ensure_topics(kafka: KafkaConfig, partitions: int = 1) -> None:
@@ -82,7 +96,7 @@ class LearnerLoop:
     def __init__(self, state: ServiceState):
         self.state, self.cfg = state, state.cfg
         self.stop_event, self.paused = threading.Event(), threading.Event()
-        self.connected = False
+        self.connected, self._probed_at = False, 0.0
         self.error: str | None = None
         self.consumer: KafkaConsumer | None = None
         self.producer: KafkaProducer | None = None
@@ -156,8 +170,9 @@ class LearnerLoop:
                 self.stop_event.wait(0.2)
                 continue
             polled = self.consumer.poll(timeout_ms=500, max_records=batch_size - len(self.pending))
-            self.connected = broker_reachable(self.consumer)
-            self.state.metrics.learner_up.set(int(self.connected))
+            if time.monotonic() - self._probed_at > PROBE_EVERY_S or not self.connected:
+                self.connected, self._probed_at = broker_answers(self.consumer), time.monotonic()
+                self.state.metrics.learner_up.set(int(self.connected))
             records = sorted((r for rs in polled.values() for r in rs), key=lambda r: (r.partition, r.offset))
             for record in records:
                 self._accept(record)
@@ -226,7 +241,7 @@ class LearnerLoop:
         if self.consumer is not None and self.consumed:
             offsets = {parse_tp(k): OffsetAndMetadata(v, "", -1) for k, v in self.consumed.items()}
             try:
-                self.consumer.commit(offsets)
+                self.consumer.commit(offsets, timeout_ms=5000)  # never hang on a stalled broker
             except KafkaError as e:  # the checkpoint is the source of truth; the commit is informational
                 log.warning("offset commit failed (the checkpoint holds them): %s", e)
 
@@ -241,5 +256,9 @@ class LearnerLoop:
         for tp in self.consumer.assignment():
             high = self.consumer.highwater(tp)
             if high is not None:
-                self.lag[tp_key(tp)] = max(0, high - self.consumer.position(tp))
+                try:
+                    position = self.consumer.position(tp, timeout_ms=1000)
+                except KafkaError:  # no position yet, or the broker is stalled: keep the last lag
+                    continue
+                self.lag[tp_key(tp)] = max(0, high - position)
                 self.state.metrics.lag.labels(str(tp.partition)).set(self.lag[tp_key(tp)])

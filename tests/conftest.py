@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -14,6 +17,7 @@ import torch
 import uvicorn
 
 from mepo_stream.backbone import BackboneConfig, create_backbone
+from mepo_stream.checkpoint import load_checkpoint
 from mepo_stream.data import DataConfig
 from mepo_stream.images import ImageLimits
 from mepo_stream.learner import LearnerConfig
@@ -104,3 +108,23 @@ def wait_for(predicate, timeout: float = 180.0, what: str = "condition"):
     raise TimeoutError(f"timed out waiting for {what}")
 
 
+
+
+def serve_process(cfg: ServeConfig, log: Path, port: int | None = None, eval_period: int = 0) -> subprocess.Popen:
+    """``mepo serve`` as its own process (what a crash test can kill), on a tiny ViT."""
+    args = [sys.executable, "-m", "mepo_stream.cli", "serve",
+            "--cfg.kafka.bootstrap_servers", cfg.kafka.bootstrap_servers, "--cfg.kafka.topic", cfg.kafka.topic,
+            "--cfg.kafka.dead_letter_topic", cfg.kafka.dead_letter_topic, "--cfg.kafka.group_id", cfg.kafka.group_id,
+            "--cfg.data.dataset", "cifar10", "--cfg.data.train_per_class", "20", "--cfg.data.test_per_class", "5",
+            "--cfg.backbone.name", "test_vit", "--cfg.backbone.weights", "null", "--cfg.backbone.img_size", "32",
+            "--cfg.learner.batch_size", "16", "--cfg.learner.online_iter", "1", "--cfg.learner.autoaugment", "null",
+            "--cfg.checkpoint_dir", str(cfg.checkpoint_dir), "--cfg.checkpoint_every", "32",
+            "--cfg.eval_period", str(eval_period), "--cfg.limits.size", "32", "--cfg.port", str(port or free_port()),
+            "--cfg.admin_token", cfg.admin_token or "null"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    return subprocess.Popen(args, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env)
+
+
+def checkpoint_samples(cfg: ServeConfig) -> int:
+    path = cfg.checkpoint_dir / "learner.pt"
+    return int(load_checkpoint(path)["learner"]["samples_seen"]) if path.is_file() else 0

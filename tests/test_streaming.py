@@ -27,7 +27,7 @@ from producers.siblurry import ReplayConfig, produce, stream_id
 from server.broker import free_port
 from server.config import ServeConfig
 from server.dependencies import get_settings
-from tests.conftest import DATA, LiveServer, settings, wait_for
+from tests.conftest import DATA, LiveServer, checkpoint_samples, serve_process, settings, wait_for
 
 STREAM = SiBlurryConfig(seed=1)
 
@@ -143,24 +143,6 @@ def test_open_inference_protocol_infer(broker, tmp_path):
         bad = {"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "data": ["%%%"]}]}
         assert http.post("/v2/models/mepo/infer", json=bad).status_code == 400
         assert http.get("/v2/models/mepo").json()["inputs"][0]["datatype"] == "BYTES"
-
-
-def serve_process(cfg: ServeConfig, log: Path) -> subprocess.Popen:
-    args = [sys.executable, "-m", "mepo_stream.cli", "serve",
-            "--cfg.kafka.bootstrap_servers", cfg.kafka.bootstrap_servers, "--cfg.kafka.topic", cfg.kafka.topic,
-            "--cfg.kafka.dead_letter_topic", cfg.kafka.dead_letter_topic, "--cfg.kafka.group_id", cfg.kafka.group_id,
-            "--cfg.data.dataset", "cifar10", "--cfg.data.train_per_class", "20", "--cfg.data.test_per_class", "5",
-            "--cfg.backbone.name", "test_vit", "--cfg.backbone.weights", "null", "--cfg.backbone.img_size", "32",
-            "--cfg.learner.batch_size", "16", "--cfg.learner.online_iter", "1", "--cfg.learner.autoaugment", "null",
-            "--cfg.checkpoint_dir", str(cfg.checkpoint_dir), "--cfg.checkpoint_every", "32",
-            "--cfg.eval_period", "0", "--cfg.limits.size", "32", "--cfg.port", str(free_port())]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    return subprocess.Popen(args, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env)
-
-
-def checkpoint_samples(cfg: ServeConfig) -> int:
-    path = cfg.checkpoint_dir / "learner.pt"
-    return int(load_checkpoint(path)["learner"]["samples_seen"]) if path.is_file() else 0
 
 
 def test_kill_9_mid_stream_loses_nothing_and_learns_nothing_twice(broker, tmp_path):

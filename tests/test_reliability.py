@@ -1,0 +1,180 @@
+"""Faults and hostile input against the real broker and real server processes (marker ``reliability``).
+
+The fast ones run in CI; ``pytest -m slow`` runs the long ones.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import re
+import signal
+import time
+from collections import Counter
+
+import httpx
+import pytest
+from kafka import KafkaProducer
+from PIL import Image
+
+from mepo_stream.checkpoint import load_checkpoint
+from mepo_stream.data import list_files
+from mepo_stream.images import ImageLimits
+from mepo_stream.records import record_headers
+from mepo_stream.sampler import SiBlurryConfig
+from producers.siblurry import ReplayConfig, produce, stream_id
+from server.broker import free_port
+from tests.conftest import DATA, LiveServer, checkpoint_samples, serve_process, settings, wait_for
+
+pytestmark = pytest.mark.reliability
+STREAM = SiBlurryConfig(seed=1)
+
+
+def encoded(img: Image.Image, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def learned_exactly_once(cfg) -> None:
+    state = load_checkpoint(cfg.checkpoint_dir / "learner.pt")
+    learned = state["learned"][stream_id(DATA, STREAM)].tolist()
+    assert len(learned) == len(set(learned)) == 200 and int(state["learner"]["samples_seen"]) == 200
+
+
+def test_sigterm_checkpoints_quickly_and_a_restart_continues(broker, tmp_path):
+    cfg = settings(broker, tmp_path)
+    produce(DATA, STREAM, cfg.kafka, ReplayConfig())
+    learner = serve_process(cfg, tmp_path / "serve.log")
+    wait_for(lambda: checkpoint_samples(cfg) >= 48, what="learning under way")
+    start = time.monotonic()
+    learner.send_signal(signal.SIGTERM)
+    assert learner.wait(60) in (0, -signal.SIGTERM)  # uvicorn shuts down gracefully, then re-raises the signal
+    stopped_in = time.monotonic() - start
+    assert stopped_in < 30, f"SIGTERM took {stopped_in:.1f} s"
+    at_stop = checkpoint_samples(cfg)
+    assert at_stop >= 48  # the final checkpoint holds what was learned up to the stop
+    learner = serve_process(cfg, tmp_path / "serve.log")
+    try:
+        wait_for(lambda: checkpoint_samples(cfg) >= 200, what="the rest after the restart")
+    finally:
+        learner.send_signal(signal.SIGTERM)
+        learner.wait(60)
+    learned_exactly_once(cfg)
+
+
+def bad_records(n: int, rng: random.Random) -> list[tuple[bytes, list, str]]:
+    """``n`` defective records of every kind, with the dead-letter reason each must get."""
+    ok = encoded(Image.frombytes("RGB", (64, 64), rng.randbytes(64 * 64 * 3)), "JPEG")  # ~10 KB, header ~600 B
+    bomb = encoded(Image.new("1", (20000, 20000)), "PNG")  # ~60 KB on the wire, 400 Mpx declared
+    headers = record_headers(3, 10**6, 0, "hostile", "cifar10")
+    kinds = [
+        (lambda: b"NOTANIMG" + os.urandom(rng.randrange(1, 500)), headers, "not_an_image"),
+        (lambda: ok[: rng.randrange(len(ok) // 2, len(ok) - 10)], headers, "corrupt_image"),  # header intact
+        (lambda: bomb, headers, "too_many_pixels"),
+        (lambda: ok, [h for h in headers if h[0] != "label"], "missing_label"),
+        (lambda: ok, record_headers(3, 10**6, 0, "hostile", "cifar10")[:1] + [("label", b"three")], "bad_label"),
+        (lambda: ok, record_headers(10, 10**6, 0, "hostile", "cifar10"), "label_out_of_range"),
+        (lambda: ok, record_headers(-1, 10**6, 0, "hostile", "cifar10"), "label_out_of_range"),
+        (lambda: b"", headers, "empty"),
+    ]
+    return [(make(), h, reason) for make, h, reason in (rng.choice(kinds) for _ in range(n))]
+
+
+def test_a_thousand_bad_records_are_dead_lettered_and_every_good_one_is_learned(broker, tmp_path):
+    cfg = settings(broker, tmp_path, eval_period=0)
+    rng = random.Random(0)
+    bad = bad_records(1000, rng)
+    listing = list_files(DATA, "train")
+    from mepo_stream.sampler import si_blurry_stream
+
+    order = si_blurry_stream(listing.targets, seed=STREAM.seed).order
+    good = [(listing.files[i].read_bytes(), record_headers(listing.targets[i], i, p, stream_id(DATA, STREAM),
+                                                           "cifar10"), None) for p, i in enumerate(order)]
+    mixed = good + bad
+    rng.shuffle(mixed)  # bad records everywhere, good ones keep their relative stream order below
+    good_iter = iter(good)
+    mixed = [next(good_iter) if reason is None else (v, h, reason) for v, h, reason in mixed]
+    producer = KafkaProducer(**cfg.kafka.client_options(), acks="all", linger_ms=5)
+    for value, headers, _ in mixed:
+        producer.send(cfg.kafka.topic, value=value, key=b"mixed", headers=headers)
+    producer.send(cfg.kafka.topic, value=good[0][0], key=b"mixed", headers=good[0][1])  # a duplicate replay
+    producer.flush()
+    producer.close()
+    with LiveServer(cfg) as http:
+        status = wait_for(lambda: (s := http.get("/v1/status").json())["dead_lettered"] >= 1000
+                          and s["samples_seen"] >= 200 and s, 300, "every record handled")
+        assert status["samples_seen"] == 200 and status["dead_lettered"] == 1000 and status["replays_skipped"] == 1
+        assert status["learner_error"] is None and http.get("/readyz").status_code == 200  # never restarted
+        metrics = http.get("/metrics").text
+    expected = Counter(reason for _, _, reason in bad)
+    counted = {m.group(1): int(float(m.group(2))) for m in
+               re.finditer(r'^mepo_records_dead_lettered_total\{reason="([a-z_]+)"\} (\S+)$', metrics, re.M)}
+    assert counted == dict(expected)
+
+
+def test_broker_stall_makes_the_learner_wait_unready_and_resume_losing_nothing(broker, tmp_path):
+    cfg = settings(broker, tmp_path)
+    port = free_port()
+    produce(DATA, STREAM, cfg.kafka, ReplayConfig(limit=64))
+    learner = serve_process(cfg, tmp_path / "serve.log", port=port)
+    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+    try:
+        wait_for(lambda: checkpoint_samples(cfg) >= 32, what="learning under way")
+        wait_for(lambda: http.get("/readyz").status_code == 200, what="ready")
+        broker.process.send_signal(signal.SIGSTOP)
+        try:
+            wait_for(lambda: http.get("/readyz").status_code == 503, 30, "not ready during the stall")
+            time.sleep(20)
+            assert http.get("/readyz").json()["checks"]["kafka_connected"] is False
+        finally:
+            broker.process.send_signal(signal.SIGCONT)
+        wait_for(lambda: http.get("/readyz").status_code == 200, 60, "ready again after the stall")
+        produce(DATA, STREAM, cfg.kafka, ReplayConfig())
+        wait_for(lambda: http.get("/v1/status").json()["samples_seen"] >= 200, 180, "the whole stream")
+        assert "consumer_lag" in http.get("/v1/status").json()
+    finally:
+        http.close()
+        learner.send_signal(signal.SIGTERM)
+        learner.wait(60)
+    learned_exactly_once(cfg)
+
+
+def test_hostile_http_requests_get_4xx_json_never_5xx(broker, tmp_path):
+    cfg = settings(broker, tmp_path, limits=ImageLimits(size=32, max_bytes=200_000, max_pixels=4_000_000))
+    with LiveServer(cfg) as http:
+        cases = {
+            "oversize upload": (dict(content=os.urandom(300_000), headers={"content-type": "image/jpeg"}), 413),
+            "decompression bomb": (dict(content=encoded(Image.new("1", (20000, 20000)), "PNG"),
+                                        headers={"content-type": "image/png"}), 413),
+            "not an image": (dict(content=b"GIF89a" + os.urandom(100), headers={"content-type": "image/gif"}), 422),
+            "no body": (dict(content=b"", headers={"content-type": "image/png"}), 422),
+            "wrong content type": (dict(content=b"{}", headers={"content-type": "application/json"}), 415),
+            "multipart without files": (dict(data={"x": "1"}, files={"y": ("a.txt", b"hello", "text/plain")}), 422),
+        }
+        for name, (request, status) in cases.items():
+            r = http.post("/v1/predict", **request)
+            assert r.status_code == status, (name, r.status_code, r.text)
+            assert set(r.json()) == {"error", "reason"}, name
+        assert http.post("/v1/predict", params={"top_k": 0}, content=b"x",
+                         headers={"content-type": "image/png"}).status_code == 422
+        r = http.post("/v2/models/mepo/infer", json={"inputs": []})
+        assert r.status_code == 422 and "error" in r.json()
+
+
+def test_secrets_never_appear_in_status_metrics_config_or_logs(broker, tmp_path, caplog):
+    from dataclasses import replace
+
+    secret, password = "tok-3f9a1c", "pw-77e1d0"
+    cfg = settings(broker, tmp_path, admin_token=secret)
+    cfg = replace(cfg, kafka=replace(cfg.kafka, sasl_plain_password=password))
+    assert secret not in repr(cfg) and password not in repr(cfg)
+    plain = replace(cfg, kafka=replace(cfg.kafka, sasl_plain_password=None))  # the test broker speaks plaintext
+    with caplog.at_level("DEBUG"), LiveServer(plain) as http:
+        produce(DATA, STREAM, cfg.kafka.__class__(**{**cfg.kafka.__dict__, "sasl_plain_password": None}),
+                ReplayConfig(limit=16))
+        wait_for(lambda: http.get("/v1/status").json()["samples_seen"] >= 16, what="some learning")
+        assert http.post("/v1/admin/checkpoint", headers={"authorization": f"Bearer {secret}"}).status_code == 200
+        exposed = http.get("/v1/status").text + http.get("/metrics").text + http.get("/openapi.json").text
+    assert secret not in exposed and secret not in caplog.text
