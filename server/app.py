@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.batching import MicroBatcher
 from server.config import ServeConfig
 from server.dependencies import Service, error_response
 from server.metrics import ServerMetrics
@@ -35,7 +36,7 @@ def create_app(settings: ServeConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = ServiceState(settings, metrics)
         loop = LearnerLoop(state)
-        app.state.service = Service(state, loop)
+        app.state.service = Service(state, loop, MicroBatcher())
         loop.start()
         yield
         loop.stop()  # finishes the batch in hand, checkpoints, commits

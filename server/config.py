@@ -48,6 +48,8 @@ class ServeConfig:
     """Checkpoint after this many learned samples (and on shutdown)."""
     learn_replays: bool = False
     """Learn a sample of a stream again when it is replayed (by default replays are skipped and counted)."""
+    seed: int = 0
+    """Seed of the model's initialisation and of the augmentation draws (a checkpoint carries the RNG on)."""
     prequential: bool = True
     """Predict each mini-batch before learning it (test-then-train accuracy, drift detection)."""
     limits: ImageLimits = ImageLimits()

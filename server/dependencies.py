@@ -10,6 +10,7 @@ from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from server.batching import MicroBatcher
 from server.config import ServeConfig
 from server.state import ServiceState
 from server.stream import LearnerLoop
@@ -31,6 +32,7 @@ def error_response(status: int, message: str, reason: str) -> JSONResponse:
 class Service:
     state: ServiceState
     loop: LearnerLoop
+    batcher: MicroBatcher
 
 
 def get_settings(request: Request) -> ServeConfig:

@@ -31,15 +31,18 @@ def decode_all(items: list[tuple[str, bytes]], settings: ServeConfig) -> torch.T
 
 def predict_images(service: Service, images: torch.Tensor, top_k: int) -> tuple[dict, list[list[dict]]]:
     """Top-k labels per image from the current snapshot, and the snapshot's identity."""
-    snapshot = service.state.snapshot  # one reference read: the whole request sees one model version
     start = time.perf_counter()
     try:
-        top = snapshot.predict(images, top_k)
+        snapshot, probs = service.batcher.run(lambda: service.state.snapshot, images)
     except LookupError as e:
         raise ApiError(503, str(e), "no_classes_yet") from e
     finally:
         service.state.metrics.predict_seconds.observe(time.perf_counter() - start)
+    values, index = probs.topk(min(top_k, probs.shape[1]), dim=1)
     names = service.state.class_names
-    rows = [[{"label": label, "name": names.get(label, str(label)), "probability": round(p, 6)} for label, p in r]
-            for r in top]
+    rows = []
+    for row_i, row_p in zip(index.tolist(), values.tolist(), strict=True):
+        labels = [snapshot.exposed[i] for i in row_i]
+        rows.append([{"label": lbl, "name": names.get(lbl, str(lbl)), "probability": round(p, 6)}
+                     for lbl, p in zip(labels, row_p, strict=True)])
     return {"model_version": snapshot.version, "samples_seen": snapshot.samples_seen}, rows

@@ -79,6 +79,7 @@ class ServiceState:
         listing = list_files(cfg.data, "train")
         self.class_names = dict(enumerate(listing.class_names))
         self.n_classes = len(listing.classes)
+        torch.manual_seed(cfg.seed)
         self.test: ImageSet | None = load_split(cfg.data, "test") if cfg.eval_period > 0 else None
         self.learner = build_learner(cfg, self.n_classes)
         self.monitor = StreamMonitor(cfg.monitor)

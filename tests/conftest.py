@@ -110,7 +110,8 @@ def wait_for(predicate, timeout: float = 180.0, what: str = "condition"):
 
 
 
-def serve_process(cfg: ServeConfig, log: Path, port: int | None = None, eval_period: int = 0) -> subprocess.Popen:
+def serve_process(cfg: ServeConfig, log: Path, port: int | None = None, eval_period: int = 0,
+                  extra: tuple[str, ...] = ()) -> subprocess.Popen:
     """``mepo serve`` as its own process (what a crash test can kill), on a tiny ViT."""
     args = [sys.executable, "-m", "mepo_stream.cli", "serve",
             "--cfg.kafka.bootstrap_servers", cfg.kafka.bootstrap_servers, "--cfg.kafka.topic", cfg.kafka.topic,
@@ -120,7 +121,7 @@ def serve_process(cfg: ServeConfig, log: Path, port: int | None = None, eval_per
             "--cfg.learner.batch_size", "16", "--cfg.learner.online_iter", "1", "--cfg.learner.autoaugment", "null",
             "--cfg.checkpoint_dir", str(cfg.checkpoint_dir), "--cfg.checkpoint_every", "32",
             "--cfg.eval_period", str(eval_period), "--cfg.limits.size", "32", "--cfg.port", str(port or free_port()),
-            "--cfg.admin_token", cfg.admin_token or "null"]
+            "--cfg.admin_token", cfg.admin_token or "null", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
     return subprocess.Popen(args, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env)
 
