@@ -75,7 +75,7 @@ def ensure_topics(kafka: KafkaConfig, partitions: int = 1) -> None:
         admin.close()
 
 
-class _SeekToCheckpoint(ConsumerRebalanceListener):
+class _SeekToHandled(ConsumerRebalanceListener):
     def __init__(self, loop: LearnerLoop):
         self.loop = loop
 
@@ -83,8 +83,8 @@ class _SeekToCheckpoint(ConsumerRebalanceListener):
         self.loop.flush_on_revoke()
 
     def on_partitions_assigned(self, assigned):
-        for tp in assigned:
-            offset = self.loop.state.book.offsets.get(tp_key(tp))
+        for tp in assigned:  # where this process's model stands: the checkpoint's offsets, or later ones
+            offset = self.loop.consumed.get(tp_key(tp))
             if offset is not None:
                 self.loop.consumer.seek(tp, offset)
         log.info("assigned %s", [tp_key(tp) for tp in assigned])
@@ -121,6 +121,8 @@ class LearnerLoop:
 
     def _connect(self) -> None:
         k = self.cfg.kafka
+        self.pending.clear()  # after a reconnect, unlearned records are read again from self.consumed
+        self.read_upto = dict(self.consumed)
         ensure_topics(k)
         self.producer = KafkaProducer(**k.client_options(), acks="all", linger_ms=5)
         self.consumer = KafkaConsumer(
@@ -128,7 +130,7 @@ class LearnerLoop:
             session_timeout_ms=6000, heartbeat_interval_ms=2000, max_poll_interval_ms=600_000,
             max_poll_records=self.cfg.learner.batch_size, fetch_max_bytes=16 * 1024 * 1024,
         )
-        self.consumer.subscribe([k.topic], listener=_SeekToCheckpoint(self))
+        self.consumer.subscribe([k.topic], listener=_SeekToHandled(self))
 
     def _close(self) -> None:
         for client in (self.consumer, self.producer):
