@@ -14,7 +14,8 @@ from mepo_stream.cli import main
 TINY = ["--backbone.name", "test_vit", "--backbone.weights", "null", "--backbone.img_size", "32"]
 
 
-@pytest.mark.parametrize("command", [[], ["evaluate"], ["covariance"], ["backbone", "import"]])
+@pytest.mark.parametrize("command", [[], ["evaluate"], ["covariance"], ["backbone", "import"], ["refine"], ["serve"],
+                                     ["produce"], ["demo"]])
 def test_help_explains_every_option(command):
     out = subprocess.run([sys.executable, "-m", "mepo_stream.cli", *command, "--help"],
                          capture_output=True, text=True, check=True).stdout
