@@ -52,7 +52,8 @@ class AlignmentConfig:
     momentum: float = 0.01
     """Update weight of each training batch in the running statistics used by ``inference_mode: running``."""
     inference_mode: AlignMode = "running"
-    """Statistics used at inference: ``batch`` (the reference's transductive behaviour) or ``running``."""
+    """Statistics the service predicts with: ``running`` (non-transductive) or ``batch`` (the reference's
+    transductive behaviour: a request's images share statistics). ``mepo evaluate`` reports both."""
 
 
 def cholesky(cov: torch.Tensor, eps: float) -> torch.Tensor:

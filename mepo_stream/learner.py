@@ -12,7 +12,7 @@ uses no mask (MISA/MePo) or the seen-class mask (MVP/FlyGCL), by ``eval_mask``.
 
 Example:
     >>> learner = OnlineLearner(method, n_classes=10, cfg=LearnerConfig())  # doctest: +SKIP
-    >>> stats = learner.observe(images_uint8, labels)                       # doctest: +SKIP
+    >>> loss = learner.observe(images_uint8, labels)                        # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -50,16 +50,6 @@ class LearnerConfig:
     """AutoAugment policy of the training augmentation (imagenet, cifar10, svhn) or null for none."""
 
 
-@dataclass(frozen=True)
-class StepStats:
-    loss: float
-    """Mean training loss over the online iterations."""
-    correct: int
-    """Correct predictions of the first iteration (before any update on this batch)."""
-    new_classes: int
-    """Classes first seen in this mini-batch."""
-
-
 class OnlineLearner:
     """Wraps a host method with the label map, optimizer, transforms and the online update."""
 
@@ -76,8 +66,7 @@ class OnlineLearner:
         self._index: dict[int, int] = {}
         self.samples_seen = 0
 
-    def _register(self, labels: torch.Tensor) -> int:
-        new = 0
+    def _register(self, labels: torch.Tensor) -> None:
         for y in labels.tolist():
             if y not in self._index:
                 if len(self.exposed) >= self.n_classes:
@@ -85,8 +74,6 @@ class OnlineLearner:
                                      f"{self.n_classes} outputs")
                 self._index[y] = len(self.exposed)
                 self.exposed.append(y)
-                new += 1
-        return new
 
     def _train_mask(self, target: torch.Tensor) -> torch.Tensor | None:
         if self.cfg.train_mask == "none":
@@ -102,15 +89,15 @@ class OnlineLearner:
     def slot(self) -> int:
         return self.samples_seen // self.cfg.samples_per_slot
 
-    def observe(self, images: torch.Tensor, labels: torch.Tensor) -> StepStats:
-        """Learn one stream mini-batch: uint8 images [B, 3, H, W], original labels [B]."""
-        new = self._register(labels)
+    def observe(self, images: torch.Tensor, labels: torch.Tensor) -> float:
+        """Learn one stream mini-batch: uint8 images [B, 3, H, W], original labels [B]; returns the mean loss."""
+        self._register(labels)
         target = torch.tensor([self._index[y] for y in labels.tolist()], device=self.device)  # [B]
         images = images.to(self.device)
         mask = self._train_mask(target)
         self.method.train()
-        losses, correct = [], 0
-        for it in range(self.cfg.online_iter):
+        losses = []
+        for _ in range(self.cfg.online_iter):
             logits, aux = self.method(self.train_tf(images), slot=self.slot)  # [B, C]
             if mask is not None:
                 logits = logits + mask
@@ -119,10 +106,8 @@ class OnlineLearner:
             loss.backward()
             self.optimizer.step()
             losses.append(loss.item())
-            if it == 0:
-                correct = int((logits.argmax(1) == target).sum())
         self.samples_seen += len(labels)
-        return StepStats(sum(losses) / len(losses), correct, new)
+        return sum(losses) / len(losses)
 
     def state_dict(self) -> dict:
         """Everything the learner changes: trainable tensors (the backbone only if it trains), optimizer, labels."""

@@ -3,13 +3,13 @@
 A snapshot is a frozen copy of everything the learner trains (prompts, keys, head, alignment statistics;
 the backbone too for methods that fine-tune it, otherwise the frozen backbone is shared), plus the label
 map. The learner publishes a new snapshot after each update by swapping one reference, so a request always
-sees one consistent model, never a half-updated one. Predictions use the ``running`` alignment statistics
-(non-transductive: an image's prediction does not depend on the other images in its request) and only the
-classes seen so far.
+sees one consistent model, never a half-updated one. Predictions use the ``running`` alignment statistics by
+default (non-transductive: an image's prediction does not depend on the other images in its request) and only
+the classes seen so far.
 
 Example:
     >>> snap = take_snapshot(learner, version=1)       # doctest: +SKIP
-    >>> snap.predict(images_uint8, top_k=3)            # doctest: +SKIP
+    >>> snap.top_k(snap.probabilities(images_uint8), 3)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mepo_stream.alignment import AlignMode
 from mepo_stream.learner import OnlineLearner
 from mepo_stream.methods.base import ContinualMethod
 from mepo_stream.transforms import Transform
@@ -32,6 +33,7 @@ class Snapshot:
     samples_seen: int
     transform: Transform
     device: torch.device
+    align_mode: AlignMode = "running"
 
     @torch.no_grad()
     def probabilities(self, images: torch.Tensor) -> torch.Tensor:
@@ -39,22 +41,22 @@ class Snapshot:
         if not self.exposed:
             raise LookupError("the model has not learned any class yet")
         encoded = self.method.encode(self.transform(images.to(self.device)))
-        logits = self.method.logits(encoded, "running")[:, : len(self.exposed)]  # [B, n_seen]
+        logits = self.method.logits(encoded, self.align_mode)[:, : len(self.exposed)]  # [B, n_seen]
         return logits.softmax(dim=1).cpu()
 
-    def predict(self, images: torch.Tensor, top_k: int = 5) -> list[list[tuple[int, float]]]:
-        """Top-k (original label, probability) pairs for each image."""
-        probs = self.probabilities(images)
-        values, index = probs.topk(min(top_k, probs.shape[1]), dim=1)
+    def top_k(self, probs: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+        """Top-k (original label, probability) pairs per row of ``probabilities``' output."""
+        values, index = probs.topk(min(k, probs.shape[1]), dim=1)
         return [[(self.exposed[i], p) for i, p in zip(row_i.tolist(), row_p.tolist(), strict=True)]
                 for row_i, row_p in zip(index, values, strict=True)]
 
 
-def take_snapshot(learner: OnlineLearner, version: int) -> Snapshot:
+def take_snapshot(learner: OnlineLearner, version: int, align_mode: AlignMode = "running") -> Snapshot:
     """Copy the learner's trainable state (sharing its backbone when that is frozen) into an eval-mode snapshot."""
     method = learner.method
     memo = {} if method.trains_backbone else {id(method.backbone): method.backbone}
     frozen = copy.deepcopy(method, memo=memo).eval()
     if frozen.alignment is not None and int(frozen.alignment.running_batches) > 0:
         frozen.alignment.running_factor()  # factorise once here, not on every request
-    return Snapshot(frozen, tuple(learner.exposed), version, learner.samples_seen, learner.test_tf, learner.device)
+    return Snapshot(frozen, tuple(learner.exposed), version, learner.samples_seen, learner.test_tf, learner.device,
+                    align_mode)

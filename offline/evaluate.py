@@ -78,9 +78,9 @@ def run_seed(seed: int, base_backbone, train: ImageSet, test: ImageSet, sigma: t
     for task in stream.tasks:
         for b in range(0, len(task), learner_cfg.batch_size):
             idx = torch.tensor(task[b : b + learner_cfg.batch_size])
-            stats = learner.observe(train.images[idx], train.targets[idx])
+            loss = learner.observe(train.images[idx], train.targets[idx])
             bar.update(len(idx))
-            bar.set_postfix(loss=f"{stats.loss:.3f}", classes=len(learner.exposed))
+            bar.set_postfix(loss=f"{loss:.3f}", classes=len(learner.exposed))
             if learner.samples_seen + len(idx) > next_eval:
                 for mode, (acc, _) in evaluate_seen(learner, test, protocol.eval_batch_size, MODES).items():
                     curves[mode].add_anytime(next_eval, acc)

@@ -241,7 +241,7 @@ def write_refined_bundle(out: Path, model: MetaModel, images: ImageSet, backbone
         "data": {**asdict(data), "classes": images.classes, "n_images": len(images)},
         "pseudo_tasks": asdict(tasks),
         "refine": asdict(refine),
-        "meta_epochs_completed": len(history) and history[-1]["meta_epoch"],
+        "meta_epochs_completed": history[-1]["meta_epoch"] if history else 0,
         "history": history,
         "refine_images_per_s": round(seen_images / wall, 2) if wall else None,
         "wall_time_s": round(wall, 1),

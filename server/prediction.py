@@ -38,11 +38,7 @@ def predict_images(service: Service, images: torch.Tensor, top_k: int) -> tuple[
         raise ApiError(503, str(e), "no_classes_yet") from e
     finally:
         service.state.metrics.predict_seconds.observe(time.perf_counter() - start)
-    values, index = probs.topk(min(top_k, probs.shape[1]), dim=1)
     names = service.state.class_names
-    rows = []
-    for row_i, row_p in zip(index.tolist(), values.tolist(), strict=True):
-        labels = [snapshot.exposed[i] for i in row_i]
-        rows.append([{"label": lbl, "name": names.get(lbl, str(lbl)), "probability": round(p, 6)}
-                     for lbl, p in zip(labels, row_p, strict=True)])
+    rows = [[{"label": lbl, "name": names.get(lbl, str(lbl)), "probability": round(p, 6)} for lbl, p in row]
+            for row in snapshot.top_k(probs, top_k)]
     return {"model_version": snapshot.version, "samples_seen": snapshot.samples_seen}, rows

@@ -91,7 +91,7 @@ class ServiceState:
         self._idle_eval_at = -1
         self._lock = threading.Lock()  # one writer at a time (learner thread vs admin checkpoint)
         self.restore()
-        self.snapshot: Snapshot = take_snapshot(self.learner, self.version)
+        self.snapshot: Snapshot = take_snapshot(self.learner, self.version, self.cfg.alignment.inference_mode)
         metrics.info.info({"backbone": cfg.backbone.name, "mepo_bundle": str(cfg.mepo or ""),
                            "method": cfg.method, "n_classes": str(self.n_classes)})
         self._export()
@@ -111,7 +111,8 @@ class ServiceState:
         start = time.perf_counter()
         with self._lock:
             if self.cfg.prequential and self.learner.exposed:
-                pred = self.learner.predict(images, ("running",))["running"]
+                mode = self.cfg.alignment.inference_mode
+                pred = self.learner.predict(images, (mode,))[mode]
                 for event in self.monitor.update(labels.tolist(), pred.tolist(), self.learner.samples_seen):
                     self.metrics.drift.labels(event["detector"]).inc()
                     log.warning("drift detected at %d samples by %s", event["samples_seen"], event["detector"])
@@ -119,7 +120,7 @@ class ServiceState:
             for s in batch:
                 self.book.learned.setdefault(s.meta.stream_id, set()).add(s.meta.sample_index)
             self.version += 1
-            self.snapshot = take_snapshot(self.learner, self.version)
+            self.snapshot = take_snapshot(self.learner, self.version, self.cfg.alignment.inference_mode)
             self._since_checkpoint += len(batch)
         self.metrics.step_seconds.observe(time.perf_counter() - start)
         self.metrics.learn_steps.inc()
@@ -131,11 +132,12 @@ class ServiceState:
         self._export()
 
     def evaluate(self, final: bool = False) -> float:
-        """Any-time accuracy on the seen classes' test images (running alignment, as served)."""
+        """Any-time accuracy on the seen classes' test images, with the alignment statistics predictions use."""
         if self.test is None or not self.learner.exposed:
             return math.nan
         with self._lock:
-            acc = evaluate_seen(self.learner, self.test, self.cfg.eval_batch_size, ("running",))["running"][0]
+            mode = self.cfg.alignment.inference_mode
+            acc = evaluate_seen(self.learner, self.test, self.cfg.eval_batch_size, (mode,))[mode][0]
         if final:
             self.book.last_accuracy = acc
             self._idle_eval_at = self.learner.samples_seen

@@ -27,7 +27,7 @@ def test_learner_learns_a_stream_in_one_pass(tiny_backbone, with_cov):
     losses = []
     for start in range(0, len(stream), 16):
         y = stream[start:start + 16]
-        losses.append(learner.observe(color_images(y), y).loss)
+        losses.append(learner.observe(color_images(y), y))
     assert sum(losses[-4:]) / 4 < 0.5 * sum(losses[:4]) / 4
     assert accuracy(learner, test) > 0.9  # chance is 0.25
     assert learner.samples_seen == 320 and sorted(learner.exposed) == [0, 1, 2, 3]
@@ -107,5 +107,5 @@ def test_snapshot_is_isolated_from_further_learning(tiny_backbone):
     assert snap.method.backbone is learner.method.backbone  # the frozen backbone is shared, not copied
     one = snap.probabilities(images[:1])[0]
     assert torch.allclose(one, before[0], atol=1e-5)  # non-transductive: alone or in a batch, same answer
-    top = snap.predict(images[:2], top_k=2)
+    top = snap.top_k(snap.probabilities(images[:2]), 2)
     assert len(top) == 2 and len(top[0]) == 2 and {lbl for lbl, _ in top[0]} <= {0, 1, 2, 3}
