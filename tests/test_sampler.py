@@ -13,8 +13,7 @@ def test_every_sample_exactly_once(seed):
     y = targets()
     stream = si_blurry_stream(y, n_tasks=5, n=50, m=10, seed=seed)
     assert sorted(stream.order) == list(range(len(y)))
-    assert stream.task_ends[-1] == len(y)
-    assert [len(t) for t in stream.tasks] == [b - a for a, b in zip([0, *stream.task_ends], stream.task_ends)]
+    assert stream.task_ends[-1] == len(y) and stream.order == [i for task in stream.tasks for i in task]
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
