@@ -43,7 +43,7 @@ def send_bad_records(cfg: ServeConfig) -> dict[str, int]:
     good_headers = record_headers(1, 10_000, 0, "bad-stream", "cifar10")
     no_label = [h for h in good_headers if h[0] != "label"]
     cases = [
-        (os.urandom(300), good_headers, "not_an_image"),
+        (b"NOTANIMG" * 40, good_headers, "not_an_image"),
         (jpeg()[:60], good_headers, "corrupt_image"),
         (jpeg(), no_label, "missing_label"),
         (jpeg(), record_headers(99, 10_001, 0, "bad-stream", "cifar10"), "label_out_of_range"),
