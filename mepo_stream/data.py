@@ -61,6 +61,8 @@ class DataConfig:
 
     dataset: str = "tinyimagenet-downstream"
     """A bundled name (cifar10, tinyimagenet-downstream, tinyimagenet-pretrain) or an ImageFolder root."""
+    num_classes: int | None = None
+    """Keep only the first N classes (sorted folder order), for a smaller stream; null keeps all."""
     train_per_class: int | None = None
     """Keep only the first N training images of each class (dataset order); null keeps all."""
     test_per_class: int | None = None
@@ -162,7 +164,7 @@ def list_files(cfg: DataConfig, split: str) -> FileList:
     """The ``train`` or ``test`` split of ``cfg`` as files, in dataset order (what the producer replays)."""
     root, class_slice = _resolve(cfg)
     split_root = _split_dir(root, split)
-    folders = sorted(p.name for p in split_root.iterdir() if p.is_dir())[class_slice]
+    folders = sorted(p.name for p in split_root.iterdir() if p.is_dir())[class_slice][: cfg.num_classes]
     per_class = cfg.train_per_class if split == "train" else cfg.test_per_class
     files, targets = [], []
     for label, folder in enumerate(folders):

@@ -12,6 +12,8 @@ def test_tinyimagenet_halves_are_disjoint():
     assert not set(down.classes) & set(pre.classes)
     assert down.images.shape == (200, 3, 64, 64) and down.targets.tolist()[:4] == [0, 0, 1, 1]
     assert down.class_names[0] != down.classes[0]  # human-readable names from words.txt
+    first = load_split(DataConfig("tinyimagenet-downstream", num_classes=3, train_per_class=2), "train")
+    assert first.classes == down.classes[:3] and first.targets.tolist() == [0, 0, 1, 1, 2, 2]
 
 
 def test_per_class_subsampling_and_test_split(cifar_small):
