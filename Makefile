@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test
+.PHONY: setup demo test bench
 
 $(BIN)/mepo: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,3 +22,6 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python -m benchmarks.run_all

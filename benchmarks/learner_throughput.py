@@ -11,6 +11,12 @@ forward, masked cross-entropy, backward and step ``online_iter`` times per mini-
 tensors already in memory. It runs right before and right after the service (side by side in one run) and the
 two rates are averaged.
 
+Two service configurations are measured, each against the bare loop doing the same model work:
+
+* ``learn_only`` (``--cfg.prequential false``): the bare loop trains only;
+* ``prequential`` (the default): the service predicts each mini-batch before learning it (test-then-train
+  accuracy and drift detection), one extra eval forward per mini-batch, which the bare loop then does too.
+
 Usage:
     python benchmarks/learner_throughput.py --spec.mepo runs/refined_dinov2_84
 Writes ``benchmarks/results/learner_throughput.json``.
@@ -19,6 +25,7 @@ Writes ``benchmarks/results/learner_throughput.json``.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,12 +33,14 @@ import torch.nn.functional as F
 
 from benchmarks.service import ServiceSpec, bare_method, running_service, write_result
 from mepo_stream.backbone import normalization
-from mepo_stream.data import load_split
+from mepo_stream.data import list_files, load_split
 from mepo_stream.transforms import test_transform
 
 
-def bare_rate(spec: ServiceSpec, batch_size: int, online_iter: int, batches: int, lr: float = 5e-3) -> float:
-    """Samples/s of the bare loop over ``batches`` mini-batches (after one warm-up batch)."""
+def bare_rate(spec: ServiceSpec, batch_size: int, online_iter: int, batches: int, prequential: bool,
+              lr: float = 5e-3) -> float:
+    """Samples/s of the bare loop over ``batches`` mini-batches (after one warm-up batch); with ``prequential``
+    each mini-batch is first predicted by an eval forward, as the service's test-then-train step does."""
     data = load_split(spec.data, "train")
     method = bare_method(spec, len(data.classes)).train()
     optimizer = torch.optim.Adam(method.param_groups(lr), lr=lr)
@@ -48,6 +57,11 @@ def bare_rate(spec: ServiceSpec, batch_size: int, online_iter: int, batches: int
             start = time.perf_counter()  # after the warm-up batch
         mask = torch.full((len(data.classes),), float("-inf"))
         mask[y.unique()] = 0.0
+        if prequential:
+            with torch.no_grad():
+                method.eval()
+                method(x, align_mode="running")[0].argmax(1)
+                method.train()
         for _ in range(online_iter):
             logits, aux = method(x, slot=0)  # [B, C]
             loss = F.cross_entropy(logits + mask, y) + aux
@@ -57,10 +71,28 @@ def bare_rate(spec: ServiceSpec, batch_size: int, online_iter: int, batches: int
     return batches * batch_size / (time.perf_counter() - start)
 
 
+def measure(spec: ServiceSpec, prequential: bool, bare_batches: int, work: Path) -> dict:
+    """Bare loop, the service on the whole stream, bare loop again; rates and the service's memory."""
+    batch_size, online_iter = 32, 3  # the service defaults (LearnerConfig)
+    before = bare_rate(spec, batch_size, online_iter, bare_batches, prequential)
+    spec = replace(spec, extra=(*spec.extra, "--cfg.prequential", str(prequential).lower()))
+    with running_service(spec, work) as service:
+        n = service.stream_length
+        status = service.wait_learned(n)
+    after = bare_rate(spec, batch_size, online_iter, bare_batches, prequential)
+    t0, s0, rss0 = next(p for p in service.trace if p[1] >= 0.1 * n)
+    t1, s1, rss1 = service.trace[-1]
+    service_rate, bare = (s1 - s0) / (t1 - t0), (before + after) / 2
+    return {"service_samples_per_s": service_rate, "bare_samples_per_s": bare, "bare_before_after": [before, after],
+            "ratio": service_rate / bare, "rss_bytes_at_10pct": rss0, "rss_bytes_at_100pct": rss1,
+            "rss_growth": (rss1 - rss0) / rss0, "measured_between_samples": [s0, s1],
+            "dead_lettered": status["dead_lettered"]}
+
+
 def main(spec: ServiceSpec = ServiceSpec(), eval_period: int = 0, bare_batches: int = 8,
          work: Path = Path("benchmarks/results/work/learner"),
          out: Path = Path("benchmarks/results/learner_throughput.json")) -> dict:
-    """Measure the service's learning rate and memory against the bare loop; write the JSON result.
+    """Measure the service's learning rate and memory against the bare loop, in both configurations.
 
     Args:
         spec: Stream, model and MePo bundle of the service under test.
@@ -70,24 +102,14 @@ def main(spec: ServiceSpec = ServiceSpec(), eval_period: int = 0, bare_batches: 
         work: Broker and service logs and the service's checkpoint.
         out: JSON result path.
     """
-    batch_size, online_iter = 32, 3  # the service defaults (LearnerConfig)
     torch.manual_seed(0)
-    before = bare_rate(spec, batch_size, online_iter, bare_batches)
-    spec = ServiceSpec(**{**spec.__dict__, "extra": (*spec.extra, "--cfg.eval_period", str(eval_period))})
-    with running_service(spec, work) as service:
-        n = service.stream_length
-        status = service.wait_learned(n)
-    after = bare_rate(spec, batch_size, online_iter, bare_batches)
-    t0, s0, rss0 = next(p for p in service.trace if p[1] >= 0.1 * n)
-    t1, s1, rss1 = service.trace[-1]
-    service_rate, bare = (s1 - s0) / (t1 - t0), (before + after) / 2
+    spec = replace(spec, extra=(*spec.extra, "--cfg.eval_period", str(eval_period)))
+    configs = {name: measure(spec, prequential, bare_batches, work / name)
+               for name, prequential in (("learn_only", False), ("prequential", True))}
     return write_result({
         "benchmark": "learner_throughput", "spec": {**spec.__dict__, "mepo": str(spec.mepo)},
-        "stream_samples": n, "batch_size": batch_size, "online_iter": online_iter, "eval_period": eval_period,
-        "service_samples_per_s": service_rate, "bare_samples_per_s": bare, "bare_before_after": [before, after],
-        "ratio": service_rate / bare,
-        "rss_bytes_at_10pct": rss0, "rss_bytes_at_100pct": rss1, "rss_growth": (rss1 - rss0) / rss0,
-        "measured_between_samples": [s0, s1], "dead_lettered": status["dead_lettered"],
+        "stream_samples": len(list_files(spec.data, "train").files), "batch_size": 32, "online_iter": 3,
+        "eval_period": eval_period, **configs,
     }, out)
 
 

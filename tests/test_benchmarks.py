@@ -27,7 +27,8 @@ def test_run_all_smoke_writes_every_result_and_the_readme_table(tmp_path):
     assert set(results) == {"learner_throughput", "predict_latency", "predict_throughput", "alignment_cost",
                             "refine_throughput"}
     assert all(r[key] > 0 for r in results.values() for key in r if key.startswith("ratio"))
-    assert results["learner_throughput"]["stream_samples"] == 100
+    learner = results["learner_throughput"]
+    assert learner["stream_samples"] == 100 and learner["learn_only"]["ratio"] > 0 < learner["prequential"]["ratio"]
     assert results["predict_throughput"]["answered"] > 0 and results["predict_throughput"]["failed"] == 0
     assert results["predict_latency"]["requests"] == 10
     text = readme.read_text()
