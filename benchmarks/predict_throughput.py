@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -73,6 +74,7 @@ def main(spec: ServiceSpec = ServiceSpec(train_per_class=10), clients: int = 16,
     torch.manual_seed(0)
     jpeg = sample_jpeg(spec)
     before = bare_rate(spec, clients, bare_seconds)
+    spec = replace(spec, extra=(*spec.extra, "--cfg.eval_period", "0"))  # no evaluation competing with clients
     with running_service(spec, work) as service:
         service.wait_learned(service.stream_length)
         answered, failed, elapsed = asyncio.run(hammer(service.url, jpeg, clients, seconds))

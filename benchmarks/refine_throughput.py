@@ -7,20 +7,19 @@ refine step also indexes uint8 images, augments them, masks the logits to the gr
 scaling. The ratio refine/bare is the cost of everything around the model's own compute.
 
 Usage:
-    python benchmarks/refine_throughput.py --img_size 84 --batch_size 64 --steps 10
+    python -m benchmarks.refine_throughput --img_size 84 --batch_size 64 --steps 10
 Writes ``benchmarks/results/refine_throughput.json``.
 """
 
 from __future__ import annotations
 
-import json
-import platform
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.service import write_result
 from mepo_stream.backbone import BackboneConfig, create_backbone, normalization
 from mepo_stream.data import ImageSet
 from mepo_stream.transforms import test_transform, train_transform
@@ -80,18 +79,12 @@ def main(model: str = "vit_small_patch14_dinov2", weights: str | None = None, im
             start = time.perf_counter()
             fn()
             timings[name].append(steps * batch_size / (time.perf_counter() - start))
-    result = {
+    return write_result({
         "benchmark": "refine_throughput", "model": model, "img_size": img_size, "batch_size": batch_size,
         "steps_per_round": steps, "rounds": rounds,
         "refine_images_per_s": max(timings["refine"]), "bare_images_per_s": max(timings["bare"]),
         "ratio": max(timings["refine"]) / max(timings["bare"]), "all_rounds": timings,
-        "machine": {"processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                    "device": "cuda" if torch.cuda.is_available() else "cpu", "torch": torch.__version__},
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(json.dumps({k: v for k, v in result.items() if k != "all_rounds"}, indent=2))
-    return result
+    }, out)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ def test_run_all_smoke_writes_every_result_and_the_readme_table(tmp_path):
     learner = results["learner_throughput"]
     assert learner["stream_samples"] == 100 and learner["learn_only"]["ratio"] > 0 < learner["prequential"]["ratio"]
     assert results["predict_throughput"]["answered"] > 0 and results["predict_throughput"]["failed"] == 0
-    assert results["predict_latency"]["requests"] == 10
+    assert 0 < results["predict_latency"]["requests_while_learning"] <= 10
     text = readme.read_text()
     assert "old table" not in text and text.startswith("# x\n\nbefore\n") and text.endswith(f"{END}\nafter\n")
     assert text.count("| ") > 7 and "Learner throughput" in text and "Alignment" in text
