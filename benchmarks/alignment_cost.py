@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from benchmarks.service import ServiceSpec, bare_method, write_result
 from mepo_stream.backbone import normalization
 from mepo_stream.data import load_split
+from mepo_stream.learner import LearnerConfig
 from mepo_stream.methods.base import ContinualMethod
 from mepo_stream.transforms import test_transform
 
@@ -40,7 +41,8 @@ def _timed(fn, repeats: int) -> float:
 
 
 def _step_fn(method: ContinualMethod, x: torch.Tensor, y: torch.Tensor):
-    optimizer = torch.optim.Adam(method.param_groups(5e-3), lr=5e-3)
+    lr = LearnerConfig.lr  # the service's
+    optimizer = torch.optim.Adam(method.param_groups(lr), lr=lr)
 
     def step() -> None:
         logits, aux = method(x, slot=0)

@@ -34,16 +34,17 @@ import torch.nn.functional as F
 from benchmarks.service import ServiceSpec, bare_method, running_service, write_result
 from mepo_stream.backbone import normalization
 from mepo_stream.data import list_files, load_split
+from mepo_stream.learner import LearnerConfig
 from mepo_stream.transforms import test_transform
 
 
-def bare_rate(spec: ServiceSpec, batch_size: int, online_iter: int, batches: int, prequential: bool,
-              lr: float = 5e-3) -> float:
+def bare_rate(spec: ServiceSpec, cfg: LearnerConfig, batches: int, prequential: bool) -> float:
     """Samples/s of the bare loop over ``batches`` mini-batches (after one warm-up batch); with ``prequential``
     each mini-batch is first predicted by an eval forward, as the service's test-then-train step does."""
     data = load_split(spec.data, "train")
     method = bare_method(spec, len(data.classes)).train()
-    optimizer = torch.optim.Adam(method.param_groups(lr), lr=lr)
+    batch_size = cfg.batch_size
+    optimizer = torch.optim.Adam(method.param_groups(cfg.lr), lr=cfg.lr)
     tf = test_transform(spec.img_size, *normalization(method.backbone))
     perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
     xs, ys = [], []
@@ -62,7 +63,7 @@ def bare_rate(spec: ServiceSpec, batch_size: int, online_iter: int, batches: int
                 method.eval()
                 method(x, align_mode="running")[0].argmax(1)
                 method.train()
-        for _ in range(online_iter):
+        for _ in range(cfg.online_iter):
             logits, aux = method(x, slot=0)  # [B, C]
             loss = F.cross_entropy(logits + mask, y) + aux
             optimizer.zero_grad(set_to_none=True)
@@ -73,13 +74,13 @@ def bare_rate(spec: ServiceSpec, batch_size: int, online_iter: int, batches: int
 
 def measure(spec: ServiceSpec, prequential: bool, bare_batches: int, work: Path) -> dict:
     """Bare loop, the service on the whole stream, bare loop again; rates and the service's memory."""
-    batch_size, online_iter = 32, 3  # the service defaults (LearnerConfig)
-    before = bare_rate(spec, batch_size, online_iter, bare_batches, prequential)
+    cfg = LearnerConfig()  # what the service runs with
+    before = bare_rate(spec, cfg, bare_batches, prequential)
     spec = replace(spec, extra=(*spec.extra, "--cfg.prequential", str(prequential).lower()))
     with running_service(spec, work) as service:
         n = service.stream_length
         status = service.wait_learned(n)
-    after = bare_rate(spec, batch_size, online_iter, bare_batches, prequential)
+    after = bare_rate(spec, cfg, bare_batches, prequential)
     t0, s0, rss0 = next(p for p in service.trace if p[1] >= 0.1 * n)
     t1, s1, rss1 = service.trace[-1]
     service_rate, bare = (s1 - s0) / (t1 - t0), (before + after) / 2
@@ -108,7 +109,8 @@ def main(spec: ServiceSpec = ServiceSpec(), eval_period: int = 0, bare_batches: 
                for name, prequential in (("learn_only", False), ("prequential", True))}
     return write_result({
         "benchmark": "learner_throughput", "spec": {**spec.__dict__, "mepo": str(spec.mepo)},
-        "stream_samples": len(list_files(spec.data, "train").files), "batch_size": 32, "online_iter": 3,
+        "stream_samples": len(list_files(spec.data, "train").files), "batch_size": LearnerConfig.batch_size,
+        "online_iter": LearnerConfig.online_iter,
         "eval_period": eval_period, **configs,
     }, out)
 

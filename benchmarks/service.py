@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from mepo_stream.alignment import FeatureAlignment
+from mepo_stream.alignment import AlignmentConfig, FeatureAlignment
 from mepo_stream.artifacts import load_sigma_pre, read_manifest
 from mepo_stream.backbone import BackboneConfig, create_backbone
 from mepo_stream.data import DataConfig, list_files
@@ -167,7 +167,8 @@ def bare_method(spec: ServiceSpec, n_classes: int) -> ContinualMethod:
     sigma = None
     if spec.mepo is not None and "sigma_pre.safetensors" in read_manifest(spec.mepo)["files"]:
         sigma = load_sigma_pre(spec.mepo)
-    align = None if sigma is None else FeatureAlignment(sigma)
+    a = AlignmentConfig()  # the service's defaults
+    align = None if sigma is None else FeatureAlignment(sigma, a.alpha, a.eps, a.momentum)
     return create_method(spec.method, create_backbone(spec.backbone()), n_classes, align, MethodsConfig())
 
 
