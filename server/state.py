@@ -44,15 +44,77 @@ class Sample:
 
 @dataclass
 class StreamBook:
-    """Per-stream bookkeeping that must roll back with the model."""
+    """Per-stream bookkeeping that must roll back with the model, and the one place sample ids are claimed.
 
+    A sample id (stream id, sample index) is *in flight* from the moment its record is accepted until the
+    mini-batch holding it is learned, then *learned*. A record whose id is either is a replay: checking only the
+    learned ids would let a replay through while its original still waits in a partial mini-batch. Consumer and
+    learner go through one lock, so a claim and the learned mark never interleave half-way. Only learned ids
+    are checkpointed (with the offsets that stop before anything in flight); nothing is in flight after a
+    restore.
+    """
+
+    learn_replays: bool = False  # claim every record, so a replayed sample is learned again
     offsets: dict[str, int] = field(default_factory=dict)  # "topic:partition" -> next offset to read
-    learned: dict[str, set[int]] = field(default_factory=dict)  # stream id -> learned sample indices
     anytime_samples: list[int] = field(default_factory=list)
     anytime_accuracy: list[float] = field(default_factory=list)
     last_accuracy: float = math.nan
-    dead_lettered: int = 0
-    replays_skipped: int = 0
+    dead_lettered: int = field(default=0, init=False)  # counted by dead_letter()
+    replays_skipped: int = field(default=0, init=False)  # counted by claim()
+    _learned: dict[str, set[int]] = field(default_factory=dict, init=False, repr=False)
+    _in_flight: dict[str, set[int]] = field(default_factory=dict, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+
+    def claim(self, stream_id: str, index: int) -> bool:
+        """Take a sample id for learning; False (and counted as a skipped replay) if learned or in flight."""
+        with self._lock:
+            seen = index in self._learned.get(stream_id, ()) or index in self._in_flight.get(stream_id, ())
+            if seen and not self.learn_replays:
+                self.replays_skipped += 1
+                return False
+            self._in_flight.setdefault(stream_id, set()).add(index)
+            return True
+
+    def release(self, stream_id: str, index: int) -> None:
+        """Give back one claim whose record turned out bad, so a good copy of the sample is still learned."""
+        with self._lock:
+            self._in_flight.get(stream_id, set()).discard(index)
+
+    def release_in_flight(self) -> None:
+        """Forget every claim: the pending records were dropped and will be read (and claimed) again."""
+        with self._lock:
+            self._in_flight.clear()
+
+    def mark_learned(self, ids: list[tuple[str, int]]) -> None:
+        """The mini-batch with these (stream id, sample index) was learned: in flight -> learned."""
+        with self._lock:
+            for stream_id, index in ids:
+                self._in_flight.get(stream_id, set()).discard(index)
+                self._learned.setdefault(stream_id, set()).add(index)
+
+    def dead_letter(self) -> None:
+        with self._lock:
+            self.dead_lettered += 1
+
+    def state_dict(self) -> dict:
+        """The checkpoint's bookkeeping keys (learned ids as index tensors per stream; never the in-flight)."""
+        with self._lock:
+            return {"offsets": dict(self.offsets),
+                    "learned": {k: torch.tensor(sorted(v)) for k, v in self._learned.items()},
+                    "anytime_samples": list(self.anytime_samples), "anytime_accuracy": list(self.anytime_accuracy),
+                    "last_accuracy": self.last_accuracy, "dead_lettered": self.dead_lettered,
+                    "replays_skipped": self.replays_skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Back to a checkpoint: its learned ids and counters, nothing in flight."""
+        with self._lock:
+            self.offsets = {k: int(v) for k, v in state["offsets"].items()}
+            self._learned = {k: set(v.tolist()) for k, v in state["learned"].items()}
+            self._in_flight = {}
+            self.anytime_samples = list(state["anytime_samples"])
+            self.anytime_accuracy = list(state["anytime_accuracy"])
+            self.last_accuracy = float(state["last_accuracy"])
+            self.dead_lettered, self.replays_skipped = int(state["dead_lettered"]), int(state["replays_skipped"])
 
 
 def build_learner(cfg: ServeConfig, n_classes: int) -> OnlineLearner:
@@ -83,7 +145,7 @@ class ServiceState:
         self.test: ImageSet | None = load_split(cfg.data, "test") if cfg.eval_period > 0 else None
         self.learner = build_learner(cfg, self.n_classes)
         self.monitor = StreamMonitor(cfg.monitor)
-        self.book = StreamBook()
+        self.book = StreamBook(learn_replays=cfg.learn_replays)
         self.version = 0
         self.last_checkpoint_time = math.nan
         self._since_checkpoint = 0
@@ -101,9 +163,6 @@ class ServiceState:
         return self.cfg.checkpoint_dir / CHECKPOINT
 
     # --- learning -------------------------------------------------------------------------------------------
-    def is_replay(self, meta: RecordMeta) -> bool:
-        return not self.cfg.learn_replays and meta.sample_index in self.book.learned.get(meta.stream_id, ())
-
     def learn(self, batch: list[Sample]) -> None:
         """Test-then-train one mini-batch, publish the new snapshot, run due evaluations."""
         images = torch.stack([s.image for s in batch])  # [B, 3, S, S] uint8
@@ -117,8 +176,7 @@ class ServiceState:
                     self.metrics.drift.labels(event["detector"]).inc()
                     log.warning("drift detected at %d samples by %s", event["samples_seen"], event["detector"])
             self.learner.observe(images, labels)
-            for s in batch:
-                self.book.learned.setdefault(s.meta.stream_id, set()).add(s.meta.sample_index)
+            self.book.mark_learned([(s.meta.stream_id, s.meta.sample_index) for s in batch])
             self.version += 1
             self.snapshot = take_snapshot(self.learner, self.version, self.cfg.alignment.inference_mode)
             self._since_checkpoint += len(batch)
@@ -172,13 +230,9 @@ class ServiceState:
         start = time.perf_counter()
         with self._lock:
             self.book.offsets = dict(offsets)
-            b = self.book
             state = {
                 "learner": self.learner.state_dict(), "monitor": self.monitor.state_dict(), "version": self.version,
-                "offsets": b.offsets, "learned": {k: torch.tensor(sorted(v)) for k, v in b.learned.items()},
-                "anytime_samples": b.anytime_samples, "anytime_accuracy": b.anytime_accuracy,
-                "last_accuracy": b.last_accuracy, "dead_lettered": b.dead_lettered,
-                "replays_skipped": b.replays_skipped, "next_eval": self._next_eval, "time": time.time(),
+                **self.book.state_dict(), "next_eval": self._next_eval, "time": time.time(),
                 "rng": torch.get_rng_state(),  # the augmentation draws continue as if nothing had happened
             }
             save_checkpoint(self.checkpoint_path, state)
@@ -194,13 +248,7 @@ class ServiceState:
         self.learner.load_state_dict(state["learner"])
         self.monitor.load_state_dict(state["monitor"])
         self.version = int(state["version"])
-        self.book = StreamBook(
-            offsets={k: int(v) for k, v in state["offsets"].items()},
-            learned={k: set(v.tolist()) for k, v in state["learned"].items()},
-            anytime_samples=list(state["anytime_samples"]), anytime_accuracy=list(state["anytime_accuracy"]),
-            last_accuracy=float(state["last_accuracy"]), dead_lettered=int(state["dead_lettered"]),
-            replays_skipped=int(state["replays_skipped"]),
-        )
+        self.book.load_state_dict(state)
         self._next_eval = int(state["next_eval"])
         torch.set_rng_state(state["rng"])
         self.last_checkpoint_time = float(state["time"])

@@ -7,7 +7,8 @@
   twice.
 * A record that cannot be decoded or validated goes to the dead-letter topic with headers ``error``,
   ``error_message``, ``source_topic``, ``source_partition`` and ``source_offset``; it is counted, and the loop
-  moves on. A replayed sample of a stream already learned is skipped and counted (unless ``learn_replays``).
+  moves on. A replayed sample (already learned, or still waiting in a mini-batch) is skipped and counted
+  (unless ``learn_replays``): every sample id is claimed in ``StreamBook`` when its record is accepted.
 * Mini-batches are assembled in offset order; a partial batch is learned when the topic goes idle.
 * The broker being unreachable makes the loop wait and retry (``mepo_learner_up`` 0, not ready) without
   losing anything.
@@ -19,6 +20,7 @@ import logging
 import threading
 import time
 
+import torch
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
@@ -26,7 +28,7 @@ from kafka.errors import KafkaError, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata
 
 from mepo_stream.images import ImageError, decode_image
-from mepo_stream.records import KafkaConfig, RecordError, parse_headers
+from mepo_stream.records import KafkaConfig, RecordError, RecordMeta, parse_headers
 from server.state import Sample, ServiceState
 
 log = logging.getLogger(__name__)
@@ -122,6 +124,7 @@ class LearnerLoop:
     def _connect(self) -> None:
         k = self.cfg.kafka
         self.pending.clear()  # after a reconnect, unlearned records are read again from self.consumed
+        self.state.book.release_in_flight()  # ... and claimed again
         self.read_upto = dict(self.consumed)
         ensure_topics(k)
         self.producer = KafkaProducer(**k.client_options(), acks="all", linger_ms=5)
@@ -194,17 +197,24 @@ class LearnerLoop:
         self.state.metrics.records_consumed.inc()
         try:
             meta = parse_headers(record.headers, self.state.n_classes)
-            if self.state.is_replay(meta):
-                self.state.book.replays_skipped += 1
+            if not self.state.book.claim(meta.stream_id, meta.sample_index):  # learned or in flight: a replay
                 self.state.metrics.replays_skipped.inc()
                 self._done(tp, record.offset)
                 return
-            image = decode_image(record.value or b"", self.cfg.limits)
+            image = self._decode(record, meta)
         except (RecordError, ImageError) as e:
             self._dead_letter(record, e.reason, e.message)
             self._done(tp, record.offset)
             return
         self.pending.append((tp, record.offset, Sample(image, meta)))
+
+    def _decode(self, record, meta: RecordMeta) -> torch.Tensor:
+        """The record's image; a bad one gives its claim back, so a good copy of the sample is still learned."""
+        try:
+            return decode_image(record.value or b"", self.cfg.limits)
+        except ImageError:
+            self.state.book.release(meta.stream_id, meta.sample_index)
+            raise
 
     def _done(self, tp: TopicPartition, offset: int) -> None:
         """A record needs no more work; its offset is safe to store once nothing before it is pending."""
@@ -212,11 +222,14 @@ class LearnerLoop:
             self.consumed[tp_key(tp)] = offset + 1
 
     def _learn_pending(self) -> None:
+        """Learn the pending records; any accepted while the step runs stay pending and hold their offset back."""
         if not self.pending:
             return
-        self.state.learn([s for _, _, s in self.pending])
-        self.pending.clear()
-        self.consumed.update(self.read_upto)  # nothing is pending: every record read so far is handled
+        batch = list(self.pending)  # pending until learned, so _done cannot move an offset past them meanwhile
+        self.state.learn([s for _, _, s in batch])
+        del self.pending[: len(batch)]
+        for key, upto in self.read_upto.items():  # every record read is handled, up to the first still pending
+            self.consumed[key] = min((o for tp, o, _ in self.pending if tp_key(tp) == key), default=upto)
 
     def _dead_letter(self, record, reason: str, message: str) -> None:
         headers = [("error", reason.encode()), ("error_message", message[:500].encode("utf-8", "replace")),
@@ -224,7 +237,7 @@ class LearnerLoop:
                    ("source_offset", str(record.offset).encode()), *(record.headers or [])]
         assert self.producer is not None
         self.producer.send(self.cfg.kafka.dead_letter_topic, value=record.value, key=record.key, headers=headers)
-        self.state.book.dead_lettered += 1
+        self.state.book.dead_letter()
         self.state.metrics.dead_lettered.labels(reason).inc()
         log.info("dead-lettered %s:%d@%d: %s", record.topic, record.partition, record.offset, reason)
 

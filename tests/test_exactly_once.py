@@ -1,0 +1,302 @@
+"""Exactly once, with the interleavings forced: the learner loop driven by fake Kafka records, no broker.
+
+A real ``ServiceState`` (tiny test ViT) learns; a fake consumer serves scripted records through the loop's own
+``_consume``, or the tests call ``_accept`` / ``_learn_pending`` themselves, so a replay arrives exactly while
+its original is still pending in a partial mini-batch, or inside the learning step. Nothing waits or sleeps.
+"""
+
+from __future__ import annotations
+
+import io
+from collections import Counter
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+from kafka import TopicPartition
+from PIL import Image
+
+import server.stream as stream
+from mepo_stream.records import record_headers
+from server.metrics import ServerMetrics
+from server.state import ServiceState, StreamBook
+from server.stream import LearnerLoop
+from tests.conftest import settings
+
+TOPIC, STREAM_ID = "images", "cifar10/test-stream"
+TP = TopicPartition(TOPIC, 0)
+COLORS = ["red", "green", "blue", "yellow", "cyan", "magenta", "gray", "white", "black", "orange"]
+
+
+@dataclass
+class FakeRecord:
+    """What the loop reads from a kafka-python ConsumerRecord."""
+
+    topic: str
+    partition: int
+    offset: int
+    headers: list[tuple[str, bytes]]
+    value: bytes
+    key: bytes | None = None
+
+
+def jpeg(color: str) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), color).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+def record(offset: int, index: int, partition: int = 0, value: bytes | None = None) -> FakeRecord:
+    """Sample ``index`` of the test stream (label index % 10) at ``offset``; ``value`` replaces its JPEG."""
+    headers = record_headers(index % 10, index, index, STREAM_ID, "cifar10")
+    image = jpeg(COLORS[index % 10]) if value is None else value
+    return FakeRecord(TOPIC, partition, offset, headers, image, STREAM_ID.encode())
+
+
+def records(indices: list[int], start: int = 0) -> list[FakeRecord]:
+    return [record(start + i, index) for i, index in enumerate(indices)]
+
+
+class FakeProducer:
+    def __init__(self, **_):
+        self.sent: list[dict] = []
+
+    def send(self, topic: str, **kw) -> None:
+        self.sent.append({"topic": topic, **kw})
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class FakeConsumer:
+    """The part of KafkaConsumer the loop uses, over one partition whose record offsets are their list indices.
+
+    ``poll`` serves at most ``max_records`` from the position, as Kafka does; once the records are drained it
+    answers an idle poll and stops the loop.
+    """
+
+    def __init__(self, loop: LearnerLoop, log: list[FakeRecord]):
+        self.loop, self.log, self.pos = loop, log, 0
+        self.committed: dict[str, int] = {}
+
+    def subscribe(self, topics: list[str], listener) -> None:
+        listener.on_partitions_assigned([TP])  # the loop seeks to its checkpoint's offset
+
+    def poll(self, timeout_ms: int, max_records: int) -> dict:
+        batch = self.log[self.pos: self.pos + max_records]
+        self.pos += len(batch)
+        if not batch:
+            self.loop.stop_event.set()
+        return {TP: batch} if batch else {}
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self.pos = offset
+
+    def assignment(self) -> set[TopicPartition]:
+        return {TP}
+
+    def beginning_offsets(self, tps, timeout_ms: int) -> dict:
+        return {tp: 0 for tp in tps}
+
+    def highwater(self, tp: TopicPartition) -> int:
+        return len(self.log)
+
+    def position(self, tp: TopicPartition, timeout_ms: int) -> int:
+        return self.pos
+
+    def commit(self, offsets: dict, timeout_ms: int) -> None:
+        self.committed = {stream.tp_key(tp): meta.offset for tp, meta in offsets.items()}
+
+    def close(self) -> None:
+        pass
+
+
+def service(tmp_path, **kw) -> tuple[ServiceState, LearnerLoop, list[tuple[str, int]]]:
+    """A real ServiceState (batch size 16) and its loop with a fake producer; also every sample id it learns."""
+    cfg = settings(SimpleNamespace(bootstrap="127.0.0.1:9"), tmp_path, eval_period=0, **kw)  # no broker is used
+    state = ServiceState(cfg, ServerMetrics())
+    learned: list[tuple[str, int]] = []
+    learn = state.learn
+
+    def learn_and_log(batch):
+        learned.extend((s.meta.stream_id, s.meta.sample_index) for s in batch)
+        learn(batch)
+
+    state.learn = learn_and_log
+    loop = LearnerLoop(state)
+    loop.producer = FakeProducer()
+    return state, loop, learned
+
+
+def run_loop(monkeypatch, loop: LearnerLoop, log: list[FakeRecord]) -> FakeConsumer:
+    """The loop's own ``_run`` (connect, consume, checkpoint, commit, close) over fake clients."""
+    consumer = FakeConsumer(loop, log)
+    monkeypatch.setattr(stream, "ensure_topics", lambda kafka: None)
+    monkeypatch.setattr(stream, "KafkaProducer", FakeProducer)
+    monkeypatch.setattr(stream, "KafkaConsumer", lambda **_: consumer)
+    loop._run()
+    assert loop.error is None
+    return consumer
+
+
+def assert_each_learned_once(state: ServiceState, learned: list[tuple[str, int]], indices: range) -> None:
+    counts = Counter(learned)
+    assert not [i for i, n in counts.items() if n > 1], "learned twice"
+    assert sorted(i for _, i in learned) == list(indices)
+    assert state.learner.samples_seen == len(indices)
+    assert sorted(state.book.state_dict()["learned"][STREAM_ID].tolist()) == list(indices)
+
+
+# --- the race: replays of samples still pending in a partial mini-batch ---------------------------------------
+def test_replays_of_samples_still_in_a_partial_batch_are_skipped_through_the_loop(tmp_path, monkeypatch):
+    """The end-to-end test's stream with no idle gap: 100 samples, then all 200 (the first 100 replays).
+
+    With batch size 16, samples 96..99 wait in a partial batch; every record after them is a skipped replay, so
+    the batch never fills and the topic never idles until the replays of 96..99 arrive. Checking only the
+    learned ids let those through: 204 samples learned.
+    """
+    state, loop, learned = service(tmp_path)
+    log = records(list(range(100)) + list(range(200)))
+    consumer = run_loop(monkeypatch, loop, log)
+    assert_each_learned_once(state, learned, range(200))
+    assert state.book.replays_skipped == 100
+    assert state.metrics.registry.get_sample_value("mepo_replayed_samples_skipped_total") == 100
+    assert loop.consumed == {"images:0": 300} and consumer.committed == {"images:0": 300}
+    assert state.book.state_dict()["offsets"] == {"images:0": 300}
+
+
+def test_a_replay_of_a_pending_sample_is_skipped(tmp_path):
+    state, loop, learned = service(tmp_path)
+    for r in records(list(range(20))):
+        loop._accept(r)
+        if len(loop.pending) == 16:
+            loop._learn_pending()
+    assert [s.meta.sample_index for _, _, s in loop.pending] == [16, 17, 18, 19]
+    for r in records([16, 17, 18, 19, 3], start=20):  # replays: four pending, one learned
+        loop._accept(r)
+    assert len(loop.pending) == 4 and state.book.replays_skipped == 5
+    loop._learn_pending()
+    assert_each_learned_once(state, learned, range(20))
+    assert loop.consumed == {"images:0": 25}
+
+
+def test_a_replay_while_its_original_is_in_the_learning_step_is_skipped(tmp_path):
+    """Records accepted from inside the step: the replay is skipped, a new sample waits for the next batch."""
+    state, loop, learned = service(tmp_path)
+    for r in records([0, 1, 2, 3]):
+        loop._accept(r)
+    observe, seen_in_step = state.learner.observe, {}
+
+    def observe_and_accept(images, labels):
+        if not seen_in_step:
+            loop._accept(record(4, 0))  # a replay of sample 0, which is in this very step
+            loop._accept(record(5, 4))  # a new sample
+            seen_in_step.update(consumed=dict(loop.consumed), skipped=state.book.replays_skipped)
+        observe(images, labels)
+
+    state.learner.observe = observe_and_accept
+    loop._learn_pending()
+    assert seen_in_step == {"consumed": {}, "skipped": 1}  # no offset moved past the records in the step
+    assert [s.meta.sample_index for _, _, s in loop.pending] == [4]
+    assert loop.consumed == {"images:0": 5}  # up to the new sample, which is still pending
+    loop._learn_pending()
+    assert_each_learned_once(state, learned, range(5))
+    assert loop.consumed == {"images:0": 6} and state.book.replays_skipped == 1
+
+
+def test_learn_replays_learns_a_replayed_sample_again(tmp_path):
+    state, loop, learned = service(tmp_path, learn_replays=True)
+    for r in records([0, 1, 0, 1]):
+        loop._accept(r)
+    loop._learn_pending()
+    assert sorted(learned) == [(STREAM_ID, 0), (STREAM_ID, 0), (STREAM_ID, 1), (STREAM_ID, 1)]
+    assert state.book.replays_skipped == 0
+
+
+# --- claims across a reconnect and a restart --------------------------------------------------------------------
+def test_a_reconnect_drops_pending_records_and_their_claims_so_they_are_learned_once(tmp_path, monkeypatch):
+    state, loop, learned = service(tmp_path)
+    for r in records([0, 1, 2]):
+        loop._accept(r)
+    monkeypatch.setattr(stream, "ensure_topics", lambda kafka: None)
+    monkeypatch.setattr(stream, "KafkaProducer", FakeProducer)
+    monkeypatch.setattr(stream, "KafkaConsumer", lambda **_: SimpleNamespace(subscribe=lambda *a, **k: None))
+    loop._connect()  # the broker went away: the pending records are read again from loop.consumed
+    assert loop.pending == [] and loop.read_upto == {}
+    for r in records([0, 1, 2]):
+        loop._accept(r)
+    assert state.book.replays_skipped == 0
+    loop._learn_pending()
+    assert_each_learned_once(state, learned, range(3))
+
+
+def test_a_restart_restores_learned_ids_and_nothing_in_flight(tmp_path, monkeypatch):
+    """A checkpoint taken with records pending (then a crash): they are neither saved as learned nor lost."""
+    state, loop, _ = service(tmp_path)
+    log = records(list(range(20)))
+    for r in log:
+        loop._accept(r)
+        if len(loop.pending) == 16:
+            loop._learn_pending()
+    loop.checkpoint()  # 0..15 learned, 16..19 in flight
+    saved = state.book.state_dict()
+    assert saved["offsets"] == {"images:0": 16} and saved["learned"][STREAM_ID].tolist() == list(range(16))
+    restarted, loop2, learned = service(tmp_path)
+    assert restarted.learner.samples_seen == 16 and loop2.consumed == {"images:0": 16}
+    consumer = run_loop(monkeypatch, loop2, log + records([0, 19], start=20))  # read again from offset 16
+    assert sorted(i for _, i in learned) == [16, 17, 18, 19] and restarted.learner.samples_seen == 20
+    assert restarted.book.replays_skipped == 2 and consumer.committed == {"images:0": 22}
+
+
+# --- offsets: stored only past records with nothing pending before them -----------------------------------------
+def test_offsets_do_not_move_past_a_pending_record_but_do_past_handled_ones(tmp_path):
+    state, loop, _ = service(tmp_path)
+    loop._accept(record(0, 0))  # pending
+    loop._accept(record(1, 1, value=b"NOTANIMG"))  # dead-lettered, behind a pending record
+    loop._accept(record(2, 0))  # a skipped replay, behind a pending record
+    assert loop.consumed == {} and loop.read_upto == {"images:0": 3}
+    loop._accept(record(0, 7, partition=1, value=b""))  # dead-lettered on a partition with nothing pending
+    loop._accept(record(1, 0, partition=1))  # a replay there
+    assert loop.consumed == {"images:1": 2}
+    loop._learn_pending()
+    assert loop.consumed == {"images:0": 3, "images:1": 2} and loop.pending == []
+    assert state.book.dead_lettered == 2 and state.book.replays_skipped == 2
+    letters = loop.producer.sent
+    assert [dict(m["headers"])["error"] for m in letters] == [b"not_an_image", b"empty"]
+    assert [dict(m["headers"])["source_offset"] for m in letters] == [b"1", b"0"]
+
+
+def test_pending_records_on_several_partitions_all_count_as_handled_once_learned(tmp_path):
+    _, loop, _ = service(tmp_path)
+    loop._accept(record(5, 0, partition=0))
+    loop._accept(record(9, 1, partition=1))
+    loop._accept(record(10, 1, partition=1))  # a replay behind a pending record
+    assert loop.consumed == {}
+    loop._learn_pending()
+    assert loop.consumed == {"images:0": 6, "images:1": 11}
+
+
+def test_a_bad_copy_of_a_sample_gives_its_claim_back(tmp_path):
+    state, loop, learned = service(tmp_path)
+    loop._accept(record(0, 5, value=jpeg("red")[:60]))  # a valid header, a truncated image
+    loop._accept(record(1, 5))  # a good copy of the same sample is learned, not skipped as a replay
+    assert state.book.dead_lettered == 1 and state.book.replays_skipped == 0
+    loop._learn_pending()
+    assert learned == [(STREAM_ID, 5)] and loop.consumed == {"images:0": 2}
+
+
+# --- the book on its own --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("learn_replays", [False, True])
+def test_stream_book_claims(learn_replays):
+    book = StreamBook(learn_replays=learn_replays)
+    assert book.claim("s", 1) and book.claim("t", 1)  # ids are per stream
+    assert book.claim("s", 1) is learn_replays  # in flight
+    book.mark_learned([("s", 1)])
+    assert book.claim("s", 1) is learn_replays  # learned
+    book.release_in_flight()
+    assert book.claim("t", 1)  # its claim was dropped with the pending records
+    assert book.replays_skipped == (0 if learn_replays else 2)
+    assert {k: v.tolist() for k, v in book.state_dict()["learned"].items()} == {"s": [1]}
