@@ -1,4 +1,5 @@
-"""``mepo refine``: Meta Rep (bi-level meta post-refinement of the whole backbone), then Sigma_pre, as a bundle.
+"""``mepo refine``: Meta Rep (bi-level meta post-refinement of the whole backbone), then Sigma_pre, then MISA's
+initial session adaptation of the prompts (``offline/isa.py``; ``--isa.skip true`` leaves it out), as a bundle.
 
 Per meta-epoch and group (``mepo_stream.pseudo_tasks``): remember theta0; inner loop = sequential SGD over the
 group's pseudo tasks (``inner_epochs`` passes each, training augmentation), outer loop = one SGD pass over the
@@ -43,9 +44,11 @@ from mepo_stream.backbone import BackboneConfig, create_backbone, device, normal
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.meta import MaskMode, MetaHead, group_mask, reptile_update
+from mepo_stream.methods import MethodsConfig
 from mepo_stream.pseudo_tasks import GroupPlan, PseudoTaskConfig, meta_epoch_plan, shuffled_batches
 from mepo_stream.transforms import Transform, test_transform, train_transform
 from offline.covariance import CovarianceConfig, sigma_pre
+from offline.isa import ISAConfig, add_prompts
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,14 @@ class RefineConfig:
     """Reset the optimizer state at every Reptile reset (code: never)."""
     seed: int = 1
     """Seed of the plan, the batch order and the augmentation."""
+
+
+@dataclass(frozen=True)
+class ISAStage(ISAConfig):
+    """MISA's initial session adaptation as refine's last stage, with the refined backbone and refine's data."""
+
+    skip: bool = False
+    """Leave the stage out: the bundle gets no prompts.safetensors."""
 
 
 class MetaModel(nn.Module):
@@ -169,18 +180,25 @@ def refine(
     refine: RefineConfig = RefineConfig(),
     cov: CovarianceConfig = CovarianceConfig(),
     covariance: bool = True,
+    isa: ISAStage = ISAStage(),
+    method_config: MethodsConfig = MethodsConfig(),
     resume: bool = False,
 ) -> Path:
-    """Meta-refine a pretrained ViT on pseudo task sequences, compute Sigma_pre, and write a MePo bundle.
+    """Meta-refine a pretrained ViT on pseudo task sequences, compute Sigma_pre, warm the prompts (ISA), and
+    write a MePo bundle.
 
     Args:
-        out: Bundle folder to write (backbone.safetensors, sigma_pre.safetensors, manifest.json).
+        out: Bundle folder to write (backbone.safetensors, sigma_pre.safetensors, prompts.safetensors,
+            manifest.json).
         backbone: The pretrained backbone to refine.
         data: Pretraining data the pseudo tasks are drawn from (never a downstream class).
         tasks: Pseudo task construction.
         refine: The bi-level loop.
         cov: Sigma_pre estimation with the refined backbone.
         covariance: Compute Sigma_pre after refining.
+        isa: MISA's initial session adaptation with the refined backbone on --data, after Sigma_pre
+            (--isa.skip true leaves it out).
+        method_config: Prompt layout of the ISA host (--method_config.misa.e_pool, ...; as for mepo evaluate).
         resume: Continue from <out>.checkpoint.pt if it exists.
     """
     ddp = Distributed.init()
@@ -227,6 +245,8 @@ def refine(
     if ddp.world > 1:
         dist.barrier()
         dist.destroy_process_group()
+    if ddp.rank == 0 and not isa.skip:  # one process: the other ranks are done and must not wait on it
+        add_prompts(out, out, backbone, data, images, isa, method_config)
     return out
 
 
