@@ -101,6 +101,15 @@ class FeatureAlignment(nn.Module):
         self.register_buffer("running_batches", torch.zeros((), dtype=torch.long))
         self._running_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    @classmethod
+    def from_config(cls, sigma_pre: torch.Tensor, cfg: AlignmentConfig) -> FeatureAlignment:
+        return cls(sigma_pre, cfg.alpha, cfg.eps, cfg.momentum)
+
+    def sigma_pre(self) -> torch.Tensor:
+        """Sigma_pre [D, D] float64 as held here (``L_pre L_pre^T``, i.e. with the eps regulariser)."""
+        factor = self.l_pre.double()
+        return factor @ factor.T
+
     @torch.no_grad()
     def update_running(self, h: torch.Tensor) -> None:
         """Fold a training batch [B, D] into the running first and second moments."""

@@ -7,6 +7,7 @@ argument::
       manifest.json          {"format": "mepo-bundle/1", "files": {"sigma_pre.safetensors": {"sha256": ...}}, ...}
       backbone.safetensors   the (refined) backbone, no head            (optional)
       sigma_pre.safetensors  Sigma_pre, float64 [D, D], key "sigma_pre"  (optional)
+      prompts.safetensors    ISA-warmed prompts of a prompt-based host (optional; see offline/isa.py)
 
 Bundles are written atomically (temporary folder, fsync, rename). Reading verifies every hash and fails with
 a message naming the file on any mismatch; nothing is ever unpickled.
@@ -34,6 +35,7 @@ FORMAT = "mepo-bundle/1"
 MANIFEST = "manifest.json"
 SIGMA_PRE = "sigma_pre"
 BACKBONE = "backbone"
+PROMPTS = "prompts"
 
 
 class BundleError(ValueError):

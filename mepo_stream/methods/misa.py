@@ -16,7 +16,8 @@ batch mask.
   with its own key (as FlyGCL does), so what evaluation selects is what training updated.
 * Task-free slots: the reference picks the slot by the task id, a boundary signal a stream does not have;
   the learner uses the number of samples seen instead (``LearnerConfig.samples_per_slot``).
-* MISA's ISA-pretrained prompt initialisation is not available offline; prompts start uniform(-1, 1).
+* Prompts start uniform(-1, 1), or from ISA-warmed prompts (MISA's initial session adaptation, run offline
+  by ``mepo isa`` on the pretraining half and stored in the MePo bundle; see ``load_initial_prompts``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,23 @@ class MISA(ContinualMethod):
         self.g_prompt = PromptPool(cfg.g_layers, per_token * cfg.g_length, dim, pool=1)
         self.e_prompt = PromptPool(cfg.e_layers, per_token * cfg.e_length, dim, pool=cfg.e_pool, keyed=True)
         self.sim_coef, self.tuning = cfg.sim_coef, cfg.tuning
+
+    def initial_prompts(self) -> dict[str, torch.Tensor]:
+        """The tensors ``load_initial_prompts`` takes: g-prompt [1, Lg, Tg, D], e-prompts and e-keys."""
+        return {"g_prompt": self.g_prompt.prompts.detach(), "e_prompt": self.e_prompt.prompts.detach(),
+                "e_keys": self.e_prompt.keys.detach()}
+
+    @torch.no_grad()
+    def load_initial_prompts(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Start from ISA-warmed prompts (every e-prompt slot and key starts from the warmed ones)."""
+        for name, target in self.initial_prompts().items():
+            if name not in tensors:
+                raise ValueError(f"the prompts are missing {name!r} (have {sorted(tensors)})")
+            source = tensors[name].to(target)
+            if source.shape[1:] != target.shape[1:] or source.shape[0] not in (1, target.shape[0]):
+                raise ValueError(f"prompt {name!r} has shape {tuple(source.shape)}, the host needs "
+                                 f"{tuple(target.shape)}: were they made for another layout or backbone?")
+            target.copy_(source.expand_as(target))
 
     @property
     def n_slots(self) -> int:
