@@ -7,17 +7,30 @@ Per stream mini-batch (the reference's MISA loop):
 2. repeat ``online_iter`` times on the same images: augment (one random draw per batch), forward, masked
    cross-entropy (+ the method's auxiliary loss), Adam step.
 
-Training logits are masked to the classes present in the mini-batch (MISA's non-parametric mask); evaluation
-uses no mask (MISA/MePo) or the seen-class mask (MVP/FlyGCL), by ``eval_mask``.
+Training logits are masked to the classes present in the mini-batch (MISA's non-parametric mask) or to the
+classes seen so far; evaluation uses no mask (MISA/MePo) or the seen-class mask (MVP/FlyGCL), by ``eval_mask``.
+
+3. with a statistics classifier (``classifier: ncm | slda``, ``mepo_stream.heads``): one no-grad forward of
+   the un-augmented batch, then the classifier's statistics update. A host without trainable parameters
+   besides the linear head (``frozen``, ``linear_probe``) then takes no gradient step at all.
+
+``LearnerConfig()`` is the configuration that learns best in our measurements (README, "Learning quality");
+``PAPER_RECIPE`` is the reference's MISA + MePo setting.
 
 Example:
-    >>> learner = OnlineLearner(method, n_classes=10, cfg=LearnerConfig())  # doctest: +SKIP
-    >>> loss = learner.observe(images_uint8, labels)                        # doctest: +SKIP
+    >>> from mepo_stream.model import build_method
+    >>> from mepo_stream.backbone import BackboneConfig
+    >>> method = build_method("frozen", 4, BackboneConfig(name="test_vit", weights=None, img_size=32))
+    >>> learner = OnlineLearner(method, n_classes=4, cfg=LearnerConfig(autoaugment=None))
+    >>> _ = learner.observe(torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8), torch.tensor([5, 7] * 4))
+    >>> learner.exposed, learner.predict(torch.zeros(2, 3, 32, 32, dtype=torch.uint8))["running"].shape
+    ([5, 7], torch.Size([2]))
 """
 
 from __future__ import annotations
 
 import copy
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,14 +39,28 @@ import torch.nn.functional as F
 
 from mepo_stream.alignment import AlignMode
 from mepo_stream.backbone import normalization
+from mepo_stream.heads import NearestClassMean, RunningStandardize, StreamingLDA
 from mepo_stream.methods.base import ContinualMethod
 from mepo_stream.transforms import Transform, test_transform, train_transform
 
 
 @dataclass(frozen=True)
 class LearnerConfig:
-    """Online learning settings (defaults: the reference's MISA+MePo script)."""
+    """Online learning settings. Defaults: what learns best here; ``PAPER_RECIPE``: the reference's script."""
 
+    classifier: Literal["slda", "ncm", "linear"] = "slda"
+    """What predicts: streaming LDA (class means + shrunk shared covariance), nearest class mean, or the
+    linear head trained by SGD (the reference). Statistics classifiers are order-invariant."""
+    slda_shrinkage: tuple[float, ...] = (0.05, 0.1, 0.2, 0.4)
+    """Shrinkage candidates of the LDA covariance; the learner uses the one with the best test-then-train
+    accuracy on the stream so far."""
+    slda_prior: Literal["identity", "sigma_pre"] = "identity"
+    """Shrinkage target of the LDA covariance: the (scaled) identity, or MePo's Sigma_pre (needs Meta Cov)."""
+    standardize: bool = False
+    """Standardise features by their running (cumulative) mean and std before the linear head."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Autocast precision of the backbone and prompts (alignment and statistics stay fp32/fp64): auto = bf16 on
+    a CUDA device that supports it, fp32 elsewhere."""
     lr: float = 5e-3
     """Adam learning rate (constant)."""
     batch_size: int = 32
@@ -42,12 +69,38 @@ class LearnerConfig:
     """Gradient steps taken on each stream mini-batch."""
     train_mask: Literal["batch", "seen", "none"] = "batch"
     """Training logit mask: classes present in the mini-batch (MISA), classes seen so far, or none."""
-    eval_mask: Literal["none", "seen"] = "none"
+    eval_mask: Literal["none", "seen"] = "seen"
     """Evaluation logit mask: none (MISA/MePo) or seen classes only (MVP/FlyGCL)."""
     samples_per_slot: int = 5000
     """Task-free prompt slot schedule: slot = samples_seen // samples_per_slot (the reference uses task ids)."""
     autoaugment: str | None = "imagenet"
     """AutoAugment policy of the training augmentation (imagenet, cifar10, svhn) or null for none."""
+
+
+PAPER_RECIPE = LearnerConfig(classifier="linear", train_mask="batch", eval_mask="none", standardize=False)
+"""The reference's MISA + MePo setting: SGD-trained linear head, batch-present mask, no mask at evaluation."""
+
+
+def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
+    """The autocast dtype: bf16 where asked (or, for auto, on a CUDA device that supports it), else fp32."""
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+
+
+def make_classifier(cfg: LearnerConfig, method: ContinualMethod, n_classes: int) -> torch.nn.Module | None:
+    """The statistics classifier ``cfg`` asks for (None for the linear head)."""
+    dim = method.backbone.num_features
+    if cfg.classifier == "ncm":
+        return NearestClassMean(dim, n_classes)
+    if cfg.classifier == "linear":
+        return None
+    prior = None
+    if cfg.slda_prior == "sigma_pre":
+        if method.alignment is None:
+            raise ValueError("slda_prior=sigma_pre needs Sigma_pre: give a MePo bundle with Meta Cov")
+        prior = method.alignment.sigma_pre()
+    return StreamingLDA(dim, n_classes, cfg.slda_shrinkage, prior)
 
 
 class OnlineLearner:
@@ -56,12 +109,18 @@ class OnlineLearner:
     def __init__(self, method: ContinualMethod, n_classes: int, cfg: LearnerConfig, device: torch.device | None = None):
         self.cfg, self.n_classes = cfg, n_classes
         self.device = device or torch.device("cpu")
+        method.classifier = make_classifier(cfg, method, n_classes)
+        method.standardize = RunningStandardize(method.backbone.num_features) if cfg.standardize else None
         self.method = method.to(self.device)
+        self.dtype = resolve_precision(cfg.precision, self.device)
         img_size = method.backbone.patch_embed.img_size[0]
         mean, std = normalization(method.backbone)
         self.train_tf: Transform = train_transform(img_size, mean, std, cfg.autoaugment)
         self.test_tf: Transform = test_transform(img_size, mean, std)
-        self.optimizer = torch.optim.Adam(method.param_groups(cfg.lr), lr=cfg.lr)
+        fused = {"fused": True} if self.device.type == "cuda" else {}
+        self.optimizer = torch.optim.Adam(method.param_groups(cfg.lr), lr=cfg.lr, **fused)
+        self.trains_by_gradient = cfg.classifier == "linear" or any(
+            p.requires_grad for n, p in method.named_parameters() if not n.startswith("head."))
         self.exposed: list[int] = []  # original label of head output k
         self._index: dict[int, int] = {}
         self.samples_seen = 0
@@ -89,25 +148,49 @@ class OnlineLearner:
     def slot(self) -> int:
         return self.samples_seen // self.cfg.samples_per_slot
 
+    def autocast(self) -> AbstractContextManager:
+        """Mixed precision for the backbone and prompts (a no-op at fp32)."""
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+
     def observe(self, images: torch.Tensor, labels: torch.Tensor) -> float:
-        """Learn one stream mini-batch: uint8 images [B, 3, H, W], original labels [B]; returns the mean loss."""
+        """Learn one stream mini-batch: uint8 images [B, 3, H, W], original labels [B]; returns the mean loss
+        of the gradient steps (0 when the learner takes none)."""
         self._register(labels)
         target = torch.tensor([self._index[y] for y in labels.tolist()], device=self.device)  # [B]
-        images = images.to(self.device)
+        images = images.to(self.device, non_blocking=True)
+        loss = self._gradient_steps(images, target) if self.trains_by_gradient else 0.0
+        if self.method.classifier is not None:
+            self._update_statistics(images, target)
+        self.samples_seen += len(labels)
+        return loss
+
+    def _gradient_steps(self, images: torch.Tensor, target: torch.Tensor) -> float:
         mask = self._train_mask(target)
         self.method.train()
         losses = []
         for _ in range(self.cfg.online_iter):
-            logits, aux = self.method(self.train_tf(images), slot=self.slot)  # [B, C]
+            with self.autocast():
+                logits, aux = self.method(self.train_tf(images), slot=self.slot)  # [B, C]
             if mask is not None:
                 logits = logits + mask
-            loss = F.cross_entropy(logits, target) + aux
+            loss = F.cross_entropy(logits.float(), target) + aux.float()
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()
-            losses.append(loss.item())
-        self.samples_seen += len(labels)
-        return sum(losses) / len(losses)
+            losses.append(loss.detach())
+        return torch.stack(losses).mean().item()
+
+    @torch.no_grad()
+    def _update_statistics(self, images: torch.Tensor, target: torch.Tensor) -> None:
+        """Fold the un-augmented batch's features (as predictions will see them) into the classifier."""
+        self.method.eval()
+        with self.autocast():
+            encoded = self.method.encode(self.test_tf(images))
+        encoded.feature = encoded.feature.float()  # [B, D]
+        alignment = self.method.alignment
+        if alignment is not None and not self.trains_by_gradient:  # nothing else feeds its running statistics
+            alignment.update_running(encoded.feature)
+        self.method.classifier.update(self.method.aligned(encoded, "running"), target)
 
     def state_dict(self) -> dict:
         """Everything the learner changes: trainable tensors (the backbone only if it trains), optimizer, labels."""
@@ -133,21 +216,37 @@ class OnlineLearner:
         table[: len(self.exposed)] = torch.tensor(self.exposed, dtype=torch.long)
         return table[index.cpu()]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def predict_logits(self, images: torch.Tensor, align_modes: tuple[AlignMode, ...] = ("running",)
                        ) -> dict[AlignMode, torch.Tensor]:
         """Eval-mode logits [B, C] (head order) for uint8 images, per alignment mode, sharing one encode."""
-        self.method.eval()
-        encoded = self.method.encode(self.test_tf(images.to(self.device)))
-        out = {}
-        for mode in align_modes:
-            logits = self.method.logits(encoded, mode)
-            if self.cfg.eval_mask == "seen":
-                logits[:, len(self.exposed):] = float("-inf")
-            out[mode] = logits
-        return out
+        encoded = encode_for_prediction(self.method, self.test_tf, images, self.device, self.dtype)
+        return {mode: masked_logits(self.method, encoded, mode, len(self.exposed), self.cfg.eval_mask)
+                for mode in align_modes}
 
     def predict(self, images: torch.Tensor, align_modes: tuple[AlignMode, ...] = ("running",)
                 ) -> dict[AlignMode, torch.Tensor]:
         """Predicted original labels [B] per alignment mode."""
         return {m: self._labels(lg.argmax(1)) for m, lg in self.predict_logits(images, align_modes).items()}
+
+
+def encode_for_prediction(method: ContinualMethod, transform: Transform, images: torch.Tensor,
+                          device: torch.device, dtype: torch.dtype):
+    """The eval-mode encoding of uint8 images [B, 3, H, W] (feature in fp32), under the learner's precision."""
+    method.eval()
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        encoded = method.encode(transform(images.to(device, non_blocking=True)))
+    encoded.feature = encoded.feature.float()
+    return encoded
+
+
+def masked_logits(method: ContinualMethod, encoded, mode: AlignMode, n_seen: int,
+                  eval_mask: Literal["none", "seen"]) -> torch.Tensor:
+    """The one prediction function: logits [B, C] in head order, unseen classes at -inf under the seen mask.
+
+    The any-time evaluation, the prequential metric and served predictions all come from here.
+    """
+    logits = method.logits(encoded, mode).float()
+    if eval_mask == "seen":
+        logits[:, n_seen:] = float("-inf")
+    return logits

@@ -4,12 +4,19 @@ A snapshot is a frozen copy of everything the learner trains (prompts, keys, hea
 the backbone too for methods that fine-tune it, otherwise the frozen backbone is shared), plus the label
 map. The learner publishes a new snapshot after each update by swapping one reference, so a request always
 sees one consistent model, never a half-updated one. Predictions use the ``running`` alignment statistics by
-default (non-transductive: an image's prediction does not depend on the other images in its request) and only
-the classes seen so far.
+default (non-transductive: an image's prediction does not depend on the other images in its request), through
+the learner's own prediction function (``masked_logits``), with probabilities over the classes seen so far.
 
 Example:
-    >>> snap = take_snapshot(learner, version=1)       # doctest: +SKIP
-    >>> snap.top_k(snap.probabilities(images_uint8), 3)  # doctest: +SKIP
+    >>> from mepo_stream.model import build_method
+    >>> from mepo_stream.backbone import BackboneConfig
+    >>> from mepo_stream.learner import LearnerConfig
+    >>> method = build_method("frozen", 3, BackboneConfig(name="test_vit", weights=None, img_size=32))
+    >>> learner = OnlineLearner(method, 3, LearnerConfig(autoaugment=None))
+    >>> _ = learner.observe(torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8), torch.tensor([2, 0, 2, 0]))
+    >>> snap = take_snapshot(learner, version=1)
+    >>> sorted(label for label, _ in snap.top_k(snap.probabilities(torch.zeros(1, 3, 32, 32, dtype=torch.uint8)), 3)[0])
+    [0, 2]
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from mepo_stream.alignment import AlignMode
-from mepo_stream.learner import OnlineLearner
+from mepo_stream.heads import StreamingLDA
+from mepo_stream.learner import OnlineLearner, encode_for_prediction, masked_logits
 from mepo_stream.methods.base import ContinualMethod
 from mepo_stream.transforms import Transform
 
@@ -33,15 +41,17 @@ class Snapshot:
     samples_seen: int
     transform: Transform
     device: torch.device
+    dtype: torch.dtype = torch.float32
     align_mode: AlignMode = "running"
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def probabilities(self, images: torch.Tensor) -> torch.Tensor:
         """Class probabilities [B, n_seen] over the seen classes (in ``exposed`` order) for uint8 images."""
         if not self.exposed:
             raise LookupError("the model has not learned any class yet")
-        encoded = self.method.encode(self.transform(images.to(self.device)))
-        logits = self.method.logits(encoded, self.align_mode)[:, : len(self.exposed)]  # [B, n_seen]
+        n_seen = len(self.exposed)
+        encoded = encode_for_prediction(self.method, self.transform, images, self.device, self.dtype)
+        logits = masked_logits(self.method, encoded, self.align_mode, n_seen, "seen")[:, :n_seen]  # [B, n_seen]
         return logits.softmax(dim=1).cpu()
 
     def top_k(self, probs: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
@@ -58,5 +68,7 @@ def take_snapshot(learner: OnlineLearner, version: int, align_mode: AlignMode = 
     frozen = copy.deepcopy(method, memo=memo).eval()
     if frozen.alignment is not None and int(frozen.alignment.running_batches) > 0:
         frozen.alignment.running_factor()  # factorise once here, not on every request
+    if isinstance(frozen.classifier, StreamingLDA) and frozen.classifier.seen:
+        frozen.classifier.solve(frozen.classifier.chosen)  # likewise the LDA solve
     return Snapshot(frozen, tuple(learner.exposed), version, learner.samples_seen, learner.test_tf, learner.device,
-                    align_mode)
+                    learner.dtype, align_mode)

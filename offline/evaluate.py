@@ -30,14 +30,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mepo_stream.alignment import AlignmentConfig, AlignMode, FeatureAlignment
-from mepo_stream.artifacts import load_sigma_pre
+from mepo_stream.alignment import AlignmentConfig, AlignMode
 from mepo_stream.backbone import BackboneConfig, create_backbone, device, provenance
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.evaluation import evaluate_seen
 from mepo_stream.learner import LearnerConfig, OnlineLearner
-from mepo_stream.methods import METHODS, MethodsConfig, create_method
+from mepo_stream.methods import METHODS, MethodsConfig
 from mepo_stream.metrics import AnytimeCurve
+from mepo_stream.model import BundleParts, assemble, backbone_config
+from mepo_stream.probe import ProbeConfig, offline_ceiling
 from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
 
 log = logging.getLogger(__name__)
@@ -63,14 +64,13 @@ def parse_seeds(spec: str) -> list[int]:
     return seeds
 
 
-def run_seed(seed: int, base_backbone, train: ImageSet, test: ImageSet, sigma: torch.Tensor | None,
+def run_seed(seed: int, base_backbone, train: ImageSet, test: ImageSet, parts: BundleParts,
              stream_cfg: SiBlurryConfig, method: str, method_config: MethodsConfig, learner_cfg: LearnerConfig,
              alignment: AlignmentConfig, protocol: ProtocolConfig) -> dict:
     """One seed of the protocol; returns the curves per alignment mode and the wall time."""
     torch.manual_seed(seed)
     stream = si_blurry_stream(train.targets.tolist(), stream_cfg.n_tasks, stream_cfg.n, stream_cfg.m, seed)
-    align = None if sigma is None else FeatureAlignment(sigma, alignment.alpha, alignment.eps, alignment.momentum)
-    model = create_method(method, copy.deepcopy(base_backbone), len(train.classes), align, method_config)
+    model = assemble(method, len(train.classes), copy.deepcopy(base_backbone), parts, method_config, alignment)
     learner = OnlineLearner(model, len(train.classes), learner_cfg, device())
     curves = {m: AnytimeCurve() for m in MODES}
     next_eval, start = protocol.eval_period, time.time()
@@ -145,41 +145,69 @@ def group_runs(runs: list[dict]) -> dict[tuple[str, str], list[dict]]:
     return groups
 
 
+def _ratio(rs: list[dict], mode: AlignMode) -> str:
+    """A_last as a fraction of the offline probe of the same features (mean ± std over seeds)."""
+    mean, std = _mean_std([r["curves"][mode]["A_last"] / r["ceiling"] for r in rs])
+    return f"{mean:.2f} ± {std:.2f}"
+
+
+def _ceiling_line(runs: list[dict]) -> str:
+    values = sorted({round(100 * r["ceiling"], 2) for r in runs})
+    return ("Ceiling (offline linear probe of the same frozen features, all training images, shuffled, "
+            f"several epochs; same test images): {' / '.join(f'{v:.2f}' for v in values)} %.")
+
+
+def _single_table(rs: list[dict]) -> list[str]:
+    lines = ["| alignment statistics at test | " + " | ".join(METRICS) + " | A_last ÷ probe |",
+             "|---" * (len(METRICS) + 2) + "|"]
+    for m in [m for m in MODES if all(m in r["curves"] for r in rs)]:
+        cells = [_cell([r["curves"][m][k] for r in rs]) for k in METRICS]
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {_ratio(rs, m)} |")
+    return lines
+
+
+def _sweep_table(runs: list[dict], groups: dict, mode: AlignMode) -> list[str]:
+    lines = [f"Alignment statistics at test: {mode}.", "",
+             "| method | A_AUC w/o MePo | A_AUC w/ MePo | A_last w/o MePo | A_last w/ MePo | A_last ÷ probe w/o |"
+             " A_last ÷ probe w/ |", "|---" * 7 + "|"]
+    for method in dict.fromkeys(r["method"] for r in runs):
+        cells = []
+        for metric in ("A_auc", "A_last"):
+            pair = [[r["curves"][mode][metric] for r in groups.get((method, v), [])] for v in ("host", "mepo")]
+            means = [_mean_std(v)[0] if v else float("-inf") for v in pair]
+            cells += [_cell(v, bold=len(pair[1]) > 0 and m == max(means)) if v else "–"
+                      for v, m in zip(pair, means, strict=True)]
+        cells += [_ratio(groups[(method, v)], mode) if (method, v) in groups else "–" for v in ("host", "mepo")]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _ablation_table(runs: list[dict], groups: dict, mode: AlignMode) -> list[str]:
+    ablated = [m for m in dict.fromkeys(r["method"] for r in runs) if (m, "rep") in groups and (m, "cov") in groups]
+    if not ablated:
+        return []
+    rows = ["### Ablation: Meta Rep and Meta Cov", "", "| method | " + " | ".join(
+        f"{VARIANT_NAMES[v]} A_AUC | {VARIANT_NAMES[v]} A_last" for v in VARIANTS) + " |",
+        "|---" * (1 + 2 * len(VARIANTS)) + "|"]
+    for m in ablated:
+        rows.append(f"| {m} | " + " | ".join(
+            _cell([r["curves"][mode][k] for r in groups[(m, v)]]) for v in VARIANTS for k in ("A_auc", "A_last"))
+            + " |")
+    return rows
+
+
 def write_tables(runs: list[dict], out: Path, title: str, mode: AlignMode = "batch") -> str:
     """table.md: per-mode metrics for one method and variant, or the paper's Table 1 layout for a sweep
-    (A_AUC and A_last, mean ± std over seeds, the better of each w/o-w/ MePo pair in bold); ablation.md when
-    Meta Rep and Meta Cov also ran alone."""
+    (A_AUC and A_last, mean ± std over seeds, the better of each w/o-w/ MePo pair in bold), each with A_last
+    as a fraction of the offline probe; ablation.md when Meta Rep and Meta Cov also ran alone."""
     groups = group_runs(runs)
     seeds = sorted({r["seed"] for r in runs})
-    lines = [f"### {title}", "", f"Seeds: {', '.join(map(str, seeds))}. Percent, mean ± std over seeds.", ""]
-    if len(groups) == 1:
-        (method, variant), rs = next(iter(groups.items()))
-        lines += ["| alignment statistics at test | " + " | ".join(METRICS) + " |", "|---" * (len(METRICS) + 1) + "|"]
-        for m in [m for m in MODES if all(m in r["curves"] for r in rs)]:
-            lines.append(f"| {m} | " + " | ".join(_cell([r["curves"][m][k] for r in rs]) for k in METRICS) + " |")
-    else:
-        lines += [f"Alignment statistics at test: {mode} (the reference's).", "",
-                  "| method | A_AUC w/o MePo | A_AUC w/ MePo | A_last w/o MePo | A_last w/ MePo |",
-                  "|---|---|---|---|---|"]
-        for method in dict.fromkeys(r["method"] for r in runs):
-            cells = []
-            for metric in ("A_auc", "A_last"):
-                pair = [[r["curves"][mode][metric] for r in groups.get((method, v), [])] for v in ("host", "mepo")]
-                means = [_mean_std(v)[0] if v else float("-inf") for v in pair]
-                cells += [_cell(v, bold=len(pair[1]) > 0 and m == max(means)) if v else "–"
-                          for v, m in zip(pair, means, strict=True)]
-            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    lines = [f"### {title}", "", f"Seeds: {', '.join(map(str, seeds))}. Percent, mean ± std over seeds.", "",
+             _ceiling_line(runs), ""]
+    lines += _single_table(next(iter(groups.values()))) if len(groups) == 1 else _sweep_table(runs, groups, mode)
     text = "\n".join(lines) + "\n"
     (out / "table.md").write_text(text)
-    ablated = [m for m in dict.fromkeys(r["method"] for r in runs) if (m, "rep") in groups and (m, "cov") in groups]
-    if ablated:
-        rows = ["### Ablation: Meta Rep and Meta Cov", "", "| method | " + " | ".join(
-            f"{VARIANT_NAMES[v]} A_AUC | {VARIANT_NAMES[v]} A_last" for v in VARIANTS) + " |",
-            "|---" * (1 + 2 * len(VARIANTS)) + "|"]
-        for m in ablated:
-            rows.append(f"| {m} | " + " | ".join(
-                _cell([r["curves"][mode][k] for r in groups[(m, v)]]) for v in VARIANTS for k in ("A_auc", "A_last"))
-                + " |")
+    if rows := _ablation_table(runs, groups, mode):
         (out / "ablation.md").write_text("\n".join(rows) + "\n")
         text += "\n" + "\n".join(rows) + "\n"
     return text
@@ -221,13 +249,29 @@ def parse_methods(spec: str) -> list[str]:
     return names
 
 
+def ceiling(out: Path, bcfg: BackboneConfig, base, train: ImageSet, test: ImageSet, probe: ProbeConfig,
+            common: dict) -> float:
+    """The offline probe of ``base``'s frozen features on the whole stream (cached with the runs)."""
+    key = job_key(Job("offline_probe", "probe", probe.seed), {**common, "backbone": provenance(bcfg),
+                                                              "probe": asdict(probe)})
+    cached = out / "cache" / f"ceiling-{key}.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())["accuracy"]
+    log.info("offline probe (the ceiling) on %d training images of %s", len(train), bcfg.weights)
+    acc = offline_ceiling(base.to(device()), train.images, train.targets, test.images, test.targets,
+                          len(train.classes), probe)
+    cached.write_text(json.dumps({"accuracy": acc, "backbone": provenance(bcfg)}, default=str))
+    return acc
+
+
 def evaluate(
     out: Path = Path("runs/evaluate"),
     seeds: str = "1-5",
-    methods: str = "misa",
+    methods: str = "frozen",
     mepo: Path | None = None,
     mepo_rep: Path | None = None,
     mepo_cov: Path | None = None,
+    mepo_prompts: Path | None = None,
     ablation: bool = False,
     data: DataConfig = DataConfig(),
     stream: SiBlurryConfig = SiBlurryConfig(),
@@ -236,72 +280,79 @@ def evaluate(
     learner: LearnerConfig = LearnerConfig(),
     alignment: AlignmentConfig = AlignmentConfig(),
     protocol: ProtocolConfig = ProtocolConfig(),
+    probe: ProbeConfig = ProbeConfig(),
 ) -> dict:
     """Run the Si-Blurry protocol offline over methods and seeds; write results.json, table.md and a plot.
 
-    Finished runs are cached under out/cache, keyed by everything that shapes them, so re-running the same
-    command continues an interrupted sweep instead of starting over.
+    Every table reports A_last against the ceiling: an offline linear probe of the same frozen features,
+    trained on all of the stream's training images and scored on the same test images. Finished runs are
+    cached under out/cache, keyed by everything that shapes them, so re-running the same command continues an
+    interrupted sweep instead of starting over.
 
     Args:
         out: Output folder.
         seeds: Seeds to run, e.g. "1-5" or "1,3" (each seed gives its own stream order).
-        methods: Host methods, comma-separated, or "all": misa, dualprompt, deep_l2p, coda_p, mvp, linear_probe,
-            seq_ft, seq_ft_sl.
+        methods: Host methods, comma-separated, or "all": frozen, misa, dualprompt, deep_l2p, coda_p, mvp,
+            linear_probe, seq_ft, seq_ft_sl.
         mepo: A MePo bundle (mepo refine): every PTM-based method runs without and with it (Meta Rep = its
-            backbone, Meta Cov = its Sigma_pre); the lower bounds run without.
+            backbone, Meta Cov = its Sigma_pre, and its ISA prompts if it has them); the lower bounds run
+            without.
         mepo_rep: Meta Rep only: a bundle whose backbone replaces --backbone.weights.
         mepo_cov: Meta Cov only: a bundle holding Sigma_pre, or a MePo release cov_*.npy.
+        mepo_prompts: A bundle whose ISA prompts (mepo isa) start the prompt-based hosts, in every variant.
         ablation: With --mepo, also run Meta Rep alone and Meta Cov alone (writes ablation.md).
         data: Downstream dataset.
         stream: Si-Blurry stream settings (the seed field is replaced by each of --seeds).
         backbone: Pretrained backbone.
         method_config: Per-method hyperparameters (--method_config.misa.e_pool, ...).
-        learner: Online learning settings.
+        learner: Online learning settings (--learner.classifier linear ... for the paper's recipe; see README).
         alignment: Meta Cov alignment settings.
         protocol: Evaluation protocol settings.
+        probe: The offline probe that gives each table's ceiling.
     """
     rep_bundle, cov_bundle = mepo_rep or mepo, mepo_cov or mepo
     names = parse_methods(methods)
     jobs = plan_jobs(names, parse_seeds(seeds), mepo is not None, mepo_rep is not None, mepo_cov is not None,
                      ablation)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cache").mkdir(exist_ok=True)
+    (out / "cache").mkdir(parents=True, exist_ok=True)
     train, test = load_split(data, "train"), load_split(data, "test")
-    backbones = {False: (backbone, None), True: (replace(backbone, weights=str(rep_bundle)), None)}
-    sigma = None if cov_bundle is None else load_sigma_pre(cov_bundle)
+    backbones: dict[bool, BackboneConfig] = {False: backbone, True: backbone_config(backbone, BundleParts(rep_bundle))}
+    built: dict[bool, torch.nn.Module] = {}
     common = {"data": asdict(data), "stream": asdict(stream), "learner": asdict(learner),
               "protocol": asdict(protocol), "n_train": len(train), "n_test": len(test)}
-    runs = []
+    runs, ceilings = [], {}
     for job in tqdm(jobs, desc="runs", unit="run"):
         use_rep, use_cov = VARIANTS[job.variant]
-        bcfg = backbones[use_rep][0]
+        bcfg = backbones[use_rep]
+        parts = BundleParts(cov=cov_bundle if use_cov else None, prompts=mepo_prompts)
         config = {**common, "backbone": provenance(bcfg), "method_config": asdict(method_config),
                   "alignment": asdict(alignment) if use_cov else None,
-                  "sigma_pre": str(cov_bundle) if use_cov else None}
+                  "sigma_pre": str(cov_bundle) if use_cov else None,
+                  "prompts": str(mepo_prompts) if mepo_prompts else None}
+        if use_rep not in built:
+            built[use_rep] = create_backbone(bcfg)
+            ceilings[use_rep] = ceiling(out, bcfg, built[use_rep], train, test, probe, common)
         cached = out / "cache" / f"{job_key(job, config)}.json"
         if cached.is_file():
-            runs.append(json.loads(cached.read_text()))
-            continue
-        if backbones[use_rep][1] is None:
-            backbones[use_rep] = (bcfg, create_backbone(bcfg))
-        base = backbones[use_rep][1]
-        if use_cov and sigma.shape[0] != base.num_features:
-            raise ValueError(f"Sigma_pre is {tuple(sigma.shape)} but {bcfg.name} has {base.num_features} features")
-        run = run_seed(job.seed, base, train, test, sigma if use_cov else None, replace(stream, seed=job.seed),
-                       job.method, method_config, learner, alignment, protocol)
-        if not use_cov:  # without Meta Cov both alignment modes are the same model
-            run["curves"] = {"batch": run["curves"]["batch"]}
-        run = {**asdict(job), **run, "config": config}
-        cached.write_text(json.dumps(run, default=str))
-        runs.append(run)
-        log.info("%s %s seed %d: %s", job.method, job.variant, job.seed,
-                 {m: {k: round(c[k], 4) for k in ("A_auc", "A_last")} for m, c in run["curves"].items()})
+            run = json.loads(cached.read_text())
+        else:
+            run = run_seed(job.seed, built[use_rep], train, test, parts, replace(stream, seed=job.seed),
+                           job.method, method_config, learner, alignment, protocol)
+            if not use_cov:  # without Meta Cov both alignment modes are the same model
+                run["curves"] = {"batch": run["curves"]["batch"]}
+            run = {**asdict(job), **run, "config": config}
+            cached.write_text(json.dumps(run, default=str))
+            log.info("%s %s seed %d: %s", job.method, job.variant, job.seed,
+                     {m: {k: round(c[k], 4) for k in ("A_auc", "A_last")} for m, c in run["curves"].items()})
+        runs.append({**run, "ceiling": ceilings[use_rep]})
     variants = {VARIANT_NAMES[j.variant] for j in jobs}
     title = (f"{', '.join(names)} ({'; '.join(sorted(variants))}) on {data.dataset} "
              f"({backbone.name} @ {backbone.img_size}px)")
     result = {"config": {**common, "methods": names, "mepo": str(mepo) if mepo else None,
                          "mepo_rep": str(rep_bundle) if rep_bundle else None,
-                         "mepo_cov": str(cov_bundle) if cov_bundle else None}, "runs": runs}
+                         "mepo_cov": str(cov_bundle) if cov_bundle else None,
+                         "mepo_prompts": str(mepo_prompts) if mepo_prompts else None},
+              "ceiling": {"w/o Meta Rep" if not k else "Meta Rep": v for k, v in ceilings.items()}, "runs": runs}
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
     print(write_tables(runs, out, title))
     plot_curves(runs, out / "anytime_accuracy.png", title)

@@ -1,12 +1,15 @@
+from dataclasses import replace
+
 import pytest
 import torch
 
 from mepo_stream.alignment import FeatureAlignment
-from mepo_stream.learner import LearnerConfig, OnlineLearner
+from mepo_stream.learner import PAPER_RECIPE, LearnerConfig, OnlineLearner
 from mepo_stream.methods import create_method
 from tests.conftest import color_images
 
-CFG = LearnerConfig(batch_size=16, online_iter=3, lr=5e-3, samples_per_slot=10_000, autoaugment=None)
+# the MISA tests run the paper's recipe (the SGD-trained linear head), where these mechanisms matter
+CFG = replace(PAPER_RECIPE, batch_size=16, online_iter=3, lr=5e-3, samples_per_slot=10_000, autoaugment=None)
 
 
 def make_learner(backbone, n_classes=8, alignment=None, cfg=CFG):
@@ -43,7 +46,7 @@ def test_labels_are_remapped_by_first_appearance(tiny_backbone):
 
 
 def test_backbone_stays_frozen_and_only_the_slot_prompt_trains(tiny_backbone):
-    learner = make_learner(tiny_backbone, cfg=LearnerConfig(batch_size=8, samples_per_slot=8, autoaugment=None))
+    learner = make_learner(tiny_backbone, cfg=replace(CFG, batch_size=8, samples_per_slot=8))
     before = {k: v.clone() for k, v in learner.method.state_dict().items()}
     y = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
     learner.observe(color_images(y), y)  # slot 0
@@ -66,7 +69,7 @@ def test_batch_mask_only_trains_present_classes(tiny_backbone):
 
 
 def test_seen_class_eval_mask_never_predicts_unseen_outputs(tiny_backbone):
-    learner = make_learner(tiny_backbone, cfg=LearnerConfig(eval_mask="seen", autoaugment=None))
+    learner = make_learner(tiny_backbone, cfg=replace(CFG, eval_mask="seen"))
     y = torch.tensor([4, 6])
     learner.observe(color_images(y), y)
     preds = learner.predict(color_images(torch.arange(8)), ("batch",))["batch"]
@@ -109,3 +112,43 @@ def test_snapshot_is_isolated_from_further_learning(tiny_backbone):
     assert torch.allclose(one, before[0], atol=1e-5)  # non-transductive: alone or in a batch, same answer
     top = snap.top_k(snap.probabilities(images[:2]), 2)
     assert len(top) == 2 and len(top[0]) == 2 and {lbl for lbl, _ in top[0]} <= {0, 1, 2, 3}
+
+
+def colour_stream(learner: OnlineLearner, n: int = 128) -> None:
+    stream = torch.randint(0, 4, (n,), generator=torch.Generator().manual_seed(2))
+    for y in stream.split(16):
+        learner.observe(color_images(y), y)
+
+
+def test_default_frozen_host_learns_by_statistics_without_gradient_steps(tiny_backbone):
+    learner = OnlineLearner(create_method("frozen", tiny_backbone, 4), 4, LearnerConfig(autoaugment=None))
+    head_before = learner.method.head.weight.detach().clone()
+    colour_stream(learner)
+    assert not learner.trains_by_gradient and not learner.optimizer.state  # no Adam step was ever taken
+    assert torch.equal(learner.method.head.weight, head_before)
+    assert accuracy(learner, torch.arange(4).repeat(8)) > 0.9
+
+
+def test_bf16_autocast_learns_like_fp32(tiny_backbone):
+    """--learner.precision bf16 (autocast of the backbone; statistics stay fp64) keeps the accuracy."""
+    import copy
+
+    learners = {p: OnlineLearner(create_method("frozen", copy.deepcopy(tiny_backbone), 4), 4,
+                                 LearnerConfig(autoaugment=None, precision=p)) for p in ("fp32", "bf16")}
+    for learner in learners.values():
+        colour_stream(learner)
+    assert learners["bf16"].dtype == torch.bfloat16 and learners["fp32"].dtype == torch.float32
+    assert learners["bf16"].method.classifier.sums.dtype == torch.float64
+    test = torch.arange(4).repeat(8)
+    assert accuracy(learners["bf16"], test) >= accuracy(learners["fp32"], test) - 0.1
+
+
+def test_statistics_classifier_state_round_trip(tiny_backbone):
+    import copy
+
+    a = OnlineLearner(create_method("frozen", tiny_backbone, 4), 4, LearnerConfig(autoaugment=None))
+    colour_stream(a)
+    b = OnlineLearner(create_method("frozen", copy.deepcopy(tiny_backbone), 4), 4, LearnerConfig(autoaugment=None))
+    b.load_state_dict(copy.deepcopy(a.state_dict()))
+    images = color_images(torch.arange(4).repeat(4))
+    assert torch.equal(a.predict_logits(images)["running"], b.predict_logits(images)["running"])

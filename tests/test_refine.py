@@ -14,14 +14,15 @@ from mepo_stream.data import DataConfig
 from mepo_stream.meta import group_mask, reptile_update
 from mepo_stream.pseudo_tasks import PseudoTaskConfig, meta_epoch_plan
 from offline.covariance import CovarianceConfig
-from offline.refine import RefineConfig, checkpoint_path, refine
+from offline.refine import ISAStage, RefineConfig, checkpoint_path, refine
 from tests.conftest import TINY
 
 DATA = DataConfig(dataset="tinyimagenet-pretrain", train_per_class=4)
 TASKS = PseudoTaskConfig(classes_per_group=20, n_tasks=4, samples_per_class=4, val_ratio=0.25)
 LOOP = RefineConfig(meta_epochs=1, inner_epochs=1, batch_size=16)
 COV = CovarianceConfig(data=DATA, batch_size=64)
-CLI_ARGS = ["--backbone.name", "test_vit", "--backbone.weights", "null", "--backbone.img_size", "32",
+CLI_ARGS = ["--isa.skip", "true",
+            "--backbone.name", "test_vit", "--backbone.weights", "null", "--backbone.img_size", "32",
             "--data.train_per_class", "4", "--tasks.classes_per_group", "20", "--tasks.n_tasks", "4",
             "--tasks.samples_per_class", "4", "--tasks.val_ratio", "0.25", "--refine.meta_epochs", "1",
             "--refine.inner_epochs", "1", "--refine.batch_size", "16", "--covariance", "false"]
@@ -34,7 +35,8 @@ def initial_backbone() -> dict[str, torch.Tensor]:
 
 
 def run_refine(out: Path, loop: RefineConfig = LOOP, **kw) -> Path:
-    return refine(out, backbone=TINY, data=DATA, tasks=TASKS, refine=loop, cov=COV, **kw)
+    """Refine without the ISA stage (tests/test_isa.py covers it)."""
+    return refine(out, backbone=TINY, data=DATA, tasks=TASKS, refine=loop, cov=COV, isa=ISAStage(skip=True), **kw)
 
 
 def test_pseudo_tasks_partition_each_group():

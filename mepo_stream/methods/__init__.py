@@ -3,7 +3,7 @@ hyperparameters live in one config dataclass, grouped in ``MethodsConfig``.
 
 Example:
     >>> sorted(METHODS)
-    ['coda_p', 'deep_l2p', 'dualprompt', 'linear_probe', 'misa', 'mvp', 'seq_ft', 'seq_ft_sl']
+    ['coda_p', 'deep_l2p', 'dualprompt', 'frozen', 'linear_probe', 'misa', 'mvp', 'seq_ft', 'seq_ft_sl']
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ METHODS: dict[str, tuple[type[ContinualMethod], str | None]] = {
     "mvp": (MVP, "mvp"),
     "dualprompt": (MISA, "dualprompt"),
     "linear_probe": (LinearProbe, None),
+    "frozen": (LinearProbe, None),  # the frozen backbone's feature, for the statistics classifiers
     "seq_ft": (SequentialFineTune, "seq_ft"),
     "seq_ft_sl": (SequentialFineTune, "seq_ft_sl"),
 }

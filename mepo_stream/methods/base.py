@@ -29,7 +29,14 @@ class ContinualMethod(nn.Module):
     Subclasses implement ``encode(x, slot)`` returning an ``Encoded``: the feature [B, D], the method's
     auxiliary loss, and optionally a logit multiplier. ``slot`` is the task-free prompt slot the learner picks
     from the number of samples seen; methods without slots ignore it.
+
+    The classifier is the linear ``head`` (trained by gradient; optionally on running-standardised features)
+    unless the learner attaches a statistics ``classifier`` (NCM or streaming LDA, ``mepo_stream.heads``);
+    the linear head then only carries the gradient that trains the method's prompts.
     """
+
+    classifier: nn.Module | None
+    standardize: nn.Module | None
 
     def __init__(self, backbone: VisionTransformer, n_classes: int, alignment: FeatureAlignment | None = None):
         super().__init__()
@@ -38,6 +45,8 @@ class ContinualMethod(nn.Module):
         nn.init.trunc_normal_(self.head.weight, std=0.02)
         nn.init.zeros_(self.head.bias)
         self.alignment = alignment
+        self.classifier = None
+        self.standardize = None
 
     def encode(self, x: torch.Tensor, slot: int | None = None) -> Encoded:
         raise NotImplementedError
@@ -50,13 +59,24 @@ class ContinualMethod(nn.Module):
     def trains_backbone(self) -> bool:
         return any(p.requires_grad for p in self.backbone.parameters())
 
-    def logits(self, encoded: Encoded, align_mode: AlignMode = "batch") -> torch.Tensor:
-        """Class logits [B, C] from the encoder's output, the feature aligned first when Meta Cov is on."""
+    def aligned(self, encoded: Encoded, align_mode: AlignMode = "batch") -> torch.Tensor:
+        """The classifier's input [B, D]: the feature, aligned first when Meta Cov is on."""
         h = encoded.feature
-        if self.alignment is not None:
-            h = self.alignment(h, mode=align_mode)
+        return h if self.alignment is None else self.alignment(h, mode=align_mode)
+
+    def linear_logits(self, h: torch.Tensor, encoded: Encoded) -> torch.Tensor:
+        """The trained linear head's logits [B, C] for classifier inputs ``h`` [B, D]."""
+        if self.standardize is not None:
+            h = self.standardize(h)
         logits = self.head(h)  # [B, C]
         return logits if encoded.logit_scale is None else logits * encoded.logit_scale
+
+    def logits(self, encoded: Encoded, align_mode: AlignMode = "batch") -> torch.Tensor:
+        """Class logits [B, C]: the statistics classifier's when one is attached, else the linear head's."""
+        h = self.aligned(encoded, align_mode)
+        if self.classifier is not None and not self.training:
+            return self.classifier(h)
+        return self.linear_logits(h, encoded)
 
     def forward(self, x: torch.Tensor, slot: int | None = None, align_mode: AlignMode = "batch"
                 ) -> tuple[torch.Tensor, torch.Tensor]:

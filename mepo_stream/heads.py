@@ -1,0 +1,173 @@
+"""Order-invariant classifiers for one-pass, rehearsal-free learning, and running feature standardisation.
+
+Why: a linear head trained by SGD on a non-i.i.d. stream writes the stream's class order into its weights
+(README "Why the learners collapsed"): the newest or last-majority class wins on every image. Heads built from
+*statistics* of the features do not depend on the order the samples came in:
+
+* ``NearestClassMean`` (NCM, as SimpleCIL): cosine similarity to each class mean, features centred by the
+  mean of everything seen.
+* ``StreamingLDA``: class means plus one shared (pooled within-class) covariance, accumulated in one pass;
+  ``w_k = Sigma^-1 mu_k``, ``b_k = -mu_k^T Sigma^-1 mu_k / 2``. The covariance is shrunk towards a target,
+  ``(1 - lam) S + lam * T * tr(S) / tr(T)``, with ``T`` the identity or MePo's Sigma_pre (a prior on the
+  feature geometry from pretraining data). ``lam`` is chosen on the stream itself, without test labels: every
+  candidate predicts each mini-batch before learning it (test-then-train), and the best so far is used.
+
+Statistics are float64 sums, so after the same samples in any order the model is the same (up to rounding)
+for a given ``lam``; which ``lam`` the prequential choice picks can depend on the order.
+
+Example:
+    >>> lda = StreamingLDA(dim=2, n_classes=3, shrinkage=(0.1,))
+    >>> lda.update(torch.tensor([[0., 0.], [0.1, 0.], [3., 3.], [3.1, 3.]]), torch.tensor([0, 0, 1, 1]))
+    >>> lda(torch.tensor([[2.9, 3.1]])).argmax(1).item(), lda.seen
+    (1, 2)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RunningStandardize(nn.Module):
+    """Standardises features with the cumulative mean and std of every training feature seen (float64 sums).
+
+    Why: frozen ViT features share one large mean direction (it carries most of ``E||x||^2``), so a linear
+    head's logits are dominated by ``W_k . mu``, which SGD on a class-ordered stream turns into recency.
+    Cumulative (not EMA) moments are order-invariant once the stream is over.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("total", torch.zeros(dim, dtype=torch.float64))  # sum of x
+        self.register_buffer("total_sq", torch.zeros(dim, dtype=torch.float64))  # sum of x^2
+
+    @torch.no_grad()
+    def update(self, h: torch.Tensor) -> None:
+        h = h.detach().double()
+        self.count += h.shape[0]
+        self.total += h.sum(0)
+        self.total_sq += (h * h).sum(0)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.update(h)
+        if self.count < 2:
+            return h
+        mean = self.total / self.count  # [D]
+        var = (self.total_sq / self.count - mean * mean).clamp_min(0)
+        return (h - mean.to(h.dtype)) / (var.sqrt() + self.eps).to(h.dtype)
+
+
+class ClassStatistics(nn.Module):
+    """Per-class counts and feature sums plus the total second moment, in float64: one pass, any order."""
+
+    def __init__(self, dim: int, n_classes: int):
+        super().__init__()
+        self.register_buffer("counts", torch.zeros(n_classes, dtype=torch.float64))  # [C]
+        self.register_buffer("sums", torch.zeros(n_classes, dim, dtype=torch.float64))  # [C, D]
+        self.register_buffer("second", torch.zeros(dim, dim, dtype=torch.float64))  # sum of x x^T, [D, D]
+        self._cache: dict = {}
+
+    @property
+    def seen(self) -> int:
+        return int((self.counts > 0).sum())
+
+    def accumulate(self, h: torch.Tensor, y: torch.Tensor) -> None:
+        """Add features [B, D] with head-order labels [B]."""
+        h = h.detach().double()
+        self.counts.index_add_(0, y, torch.ones_like(y, dtype=torch.float64))
+        self.sums.index_add_(0, y, h)
+        self.second += h.T @ h
+        self._cache.clear()
+
+    @torch.no_grad()
+    def update(self, h: torch.Tensor, y: torch.Tensor) -> None:
+        self.accumulate(h, y)
+
+    def means(self) -> torch.Tensor:
+        """Class means [C, D] (zero rows for unseen classes)."""
+        return self.sums / self.counts.clamp_min(1)[:, None]
+
+    def unseen_mask(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.masked_fill(self.counts.to(logits.device)[None, :] == 0, float("-inf"))
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._cache.clear()
+        super()._load_from_state_dict(*args, **kwargs)
+
+
+class NearestClassMean(ClassStatistics):
+    """Cosine similarity to each seen class's mean, features centred by the mean of all samples (SimpleCIL)."""
+
+    def __init__(self, dim: int, n_classes: int, scale: float = 16.0):
+        super().__init__(dim, n_classes)
+        self.scale = scale
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.seen == 0:
+            return h.new_zeros(h.shape[0], self.counts.shape[0])
+        centre = self.sums.sum(0) / self.counts.sum()  # [D]
+        protos = F.normalize(self.means() - centre, dim=1).to(h.dtype)  # [C, D]
+        logits = self.scale * F.normalize(h - centre.to(h.dtype), dim=1) @ protos.T  # [B, C]
+        return self.unseen_mask(logits)
+
+
+class StreamingLDA(ClassStatistics):
+    """Streaming LDA with a shrunk shared covariance; shrinkage chosen prequentially among ``shrinkage``."""
+
+    def __init__(self, dim: int, n_classes: int, shrinkage: tuple[float, ...] = (0.05, 0.1, 0.2, 0.4),
+                 prior: torch.Tensor | None = None):
+        super().__init__(dim, n_classes)
+        if not shrinkage or not all(0.0 <= lam <= 1.0 for lam in shrinkage):
+            raise ValueError(f"shrinkage candidates must be in [0, 1], got {shrinkage}")
+        target = torch.eye(dim, dtype=torch.float64) if prior is None else prior.double()
+        if target.shape != (dim, dim):
+            raise ValueError(f"the covariance prior is {tuple(target.shape)}, the features have {dim} dimensions")
+        self.register_buffer("target", target / target.trace() * dim)  # [D, D], trace D
+        self.register_buffer("shrinkage", torch.tensor(shrinkage, dtype=torch.float64))  # [K]
+        self.register_buffer("hits", torch.zeros(len(shrinkage), dtype=torch.float64))  # prequential correct, [K]
+
+    @property
+    def chosen(self) -> int:
+        """Index of the shrinkage with the most prequential hits (ties: the first listed)."""
+        return int(self.hits.argmax())
+
+    def within_covariance(self) -> torch.Tensor:
+        """Pooled within-class covariance [D, D]: (sum x x^T - sum_k n_k mu_k mu_k^T) / N."""
+        means = self.means()
+        between = (means * self.counts[:, None]).T @ means  # [D, D]
+        return (self.second - between) / self.counts.sum().clamp_min(1)
+
+    def solve(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weights [C, D] and biases [C] for shrinkage candidate ``k`` (cached until the next update)."""
+        if k not in self._cache:
+            cov = self.within_covariance()
+            scale = cov.trace() / cov.shape[0]
+            scale = scale if scale > 0 else cov.new_tensor(1.0)  # one sample per class: no spread measured yet
+            lam = self.shrinkage[k]
+            shrunk = (1 - lam) * cov + lam * scale * self.target
+            shrunk = shrunk + 1e-6 * scale * torch.eye(cov.shape[0], dtype=cov.dtype, device=cov.device)
+            means = self.means()
+            weights = torch.cholesky_solve(means.T, torch.linalg.cholesky(shrunk)).T  # [C, D] = mu Sigma^-1
+            self._cache[k] = (weights, -0.5 * (weights * means).sum(1))
+        return self._cache[k]
+
+    def scores(self, h: torch.Tensor, k: int) -> torch.Tensor:
+        weights, bias = self.solve(k)
+        return self.unseen_mask(h.double() @ weights.T + bias).to(h.dtype)  # [B, C]
+
+    @torch.no_grad()
+    def update(self, h: torch.Tensor, y: torch.Tensor) -> None:
+        """Test-then-train: score each shrinkage on the batch before learning it, then add the batch."""
+        if self.seen > 0:
+            for k in range(len(self.shrinkage)):
+                self.hits[k] += (self.scores(h, k).argmax(1) == y).sum()
+        self.accumulate(h, y)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.seen == 0:
+            return h.new_zeros(h.shape[0], self.counts.shape[0])
+        return self.scores(h, self.chosen)

@@ -1,0 +1,132 @@
+"""The statistics classifiers, running standardisation and the offline probe; the collapse the old default had."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mepo_stream.heads import NearestClassMean, RunningStandardize, StreamingLDA
+from mepo_stream.learner import PAPER_RECIPE, LearnerConfig, OnlineLearner
+from mepo_stream.methods import create_method
+from mepo_stream.probe import ProbeConfig, fit_probe, probe_accuracy
+from tests.conftest import color_images
+
+
+def blobs(n_per_class: int = 30, n_classes: int = 4, dim: int = 6, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(n_classes, dim, generator=g) * 3
+    y = torch.arange(n_classes).repeat_interleave(n_per_class)
+    x = centres[y] + torch.randn(len(y), dim, generator=g) @ torch.randn(dim, dim, generator=g) * 0.5
+    return x.double(), y
+
+
+def batch_lda(x: torch.Tensor, y: torch.Tensor, n_classes: int, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Textbook shrinkage LDA fitted on all samples at once (an independent implementation)."""
+    means = torch.stack([x[y == k].mean(0) for k in range(n_classes)])  # [C, D]
+    centred = x - means[y]
+    cov = centred.T @ centred / len(x)
+    target = torch.eye(x.shape[1], dtype=x.dtype) * cov.trace() / x.shape[1]
+    sigma = (1 - lam) * cov + lam * target + 1e-6 * cov.trace() / x.shape[1] * torch.eye(x.shape[1], dtype=x.dtype)
+    w = torch.linalg.solve(sigma, means.T).T
+    return w, -0.5 * (w * means).sum(1)
+
+
+def test_streaming_lda_equals_batch_lda_in_any_order():
+    x, y = blobs()
+    w, b = batch_lda(x, y, 4, lam=0.2)
+    expected = x @ w.T + b
+    for seed in (0, 1, 2):
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+        lda = StreamingLDA(6, 5, shrinkage=(0.2,))
+        for idx in order.split(7):  # mini-batches of an arbitrary size, in a shuffled order
+            lda.update(x[idx], y[idx])
+        logits = lda(x)
+        torch.testing.assert_close(logits[:, :4], expected, rtol=1e-9, atol=1e-9)
+        assert torch.isinf(logits[:, 4]).all()  # a class never seen is never predicted
+        assert torch.equal(logits.argmax(1), expected.argmax(1))
+
+
+def test_lda_picks_the_shrinkage_with_the_best_test_then_train_accuracy():
+    x, y = blobs(n_per_class=8, dim=20, seed=3)  # few samples per dimension: no shrinkage overfits
+    lda = StreamingLDA(20, 4, shrinkage=(0.0, 0.5))
+    for idx in torch.randperm(len(y), generator=torch.Generator().manual_seed(0)).split(4):
+        lda.update(x[idx], y[idx])
+    assert lda.hits.sum() > 0 and lda.chosen == int(lda.hits.argmax())
+    assert torch.equal(lda(x), lda.scores(x, lda.chosen))
+
+
+def test_lda_covariance_prior_is_used_as_shrinkage_target():
+    x, y = blobs()
+    prior = torch.diag(torch.linspace(1, 10, 6, dtype=torch.float64))
+    lda = StreamingLDA(6, 4, shrinkage=(1.0,), prior=prior)  # all prior: Sigma = scale * prior
+    lda.update(x, y)
+    means = torch.stack([x[y == k].mean(0) for k in range(4)])
+    w, _ = lda.solve(0)
+    # with lam = 1 the weights are the means re-scaled by the prior's inverse (up to one common factor)
+    ratio = w / (means / torch.diag(prior))
+    torch.testing.assert_close(ratio, torch.full_like(ratio, ratio[0, 0].item()), rtol=1e-4, atol=1e-8)
+
+
+def test_ncm_is_order_invariant_and_centred():
+    x, y = blobs()
+    a, b = NearestClassMean(6, 4), NearestClassMean(6, 4)
+    a.update(x, y)
+    b.update(x.flip(0), y.flip(0))
+    torch.testing.assert_close(a(x), b(x))
+    assert (a(x).argmax(1) == y).float().mean() > 0.9
+
+
+def test_running_standardize_uses_cumulative_moments():
+    std = RunningStandardize(3)
+    x = torch.randn(50, 3, dtype=torch.float64) * torch.tensor([1.0, 10.0, 100.0]) + 5
+    std.train()
+    for part in x.split(10):
+        std(part)
+    std.eval()
+    z = std(x)
+    torch.testing.assert_close(z.mean(0), torch.zeros(3, dtype=torch.float64), atol=1e-9, rtol=0)
+    torch.testing.assert_close(z.std(0, unbiased=False), torch.ones(3, dtype=torch.float64), atol=1e-5, rtol=0)
+
+
+def test_offline_probe_separates_blobs():
+    x, y = blobs()
+    assert probe_accuracy(fit_probe(x.float(), y, 4, ProbeConfig(lr=1e-2)), x.float(), y) > 0.95
+
+
+def _stream_ending_single_class(tiny_backbone, cfg: LearnerConfig) -> OnlineLearner:
+    """Four colour classes, two batches each, then single-class batches of the last class only."""
+    method = create_method("linear_probe", tiny_backbone, 4)
+    learner = OnlineLearner(method, 4, cfg)
+    for classes in ([0, 1], [2, 3], [0, 1], [2, 3]):
+        labels = torch.tensor(classes * 8)
+        learner.observe(color_images(labels), labels)
+    for _ in range(6):
+        labels = torch.full((16,), 3)
+        learner.observe(color_images(labels), labels)
+    return learner
+
+
+def _per_class_accuracy(learner: OnlineLearner) -> torch.Tensor:
+    labels = torch.arange(4).repeat_interleave(10)
+    pred = learner.predict(color_images(labels))["running"]
+    return torch.stack([(pred[labels == k] == k).float().mean() for k in range(4)])
+
+
+def test_default_learner_keeps_earlier_classes_after_single_class_batches(tiny_backbone):
+    acc = _per_class_accuracy(_stream_ending_single_class(tiny_backbone, LearnerConfig(autoaugment=None)))
+    assert acc.min() >= 0.8, acc  # the floor: every class, not only the last one, stays recognised
+
+
+def test_paper_recipe_collapses_on_the_same_stream(tiny_backbone):
+    """The failure the default fixes: SGD on the linear head loses earlier classes to the final batches'."""
+    cfg = LearnerConfig(**{**PAPER_RECIPE.__dict__, "autoaugment": None, "train_mask": "seen"})
+    acc = _per_class_accuracy(_stream_ending_single_class(tiny_backbone, cfg))
+    assert acc[3] == 1.0 and acc[:3].min() < 0.5, acc
+
+
+def test_the_paper_recipe_file_is_the_paper_recipe():
+    import yaml
+
+    path = Path(__file__).parents[1] / "mepo_stream" / "recipes" / "paper.yaml"
+    assert LearnerConfig(**yaml.safe_load(path.read_text())) == PAPER_RECIPE
