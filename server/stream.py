@@ -10,6 +10,11 @@
   moves on. A replayed sample (already learned, or still waiting in a mini-batch) is skipped and counted
   (unless ``learn_replays``): every sample id is claimed in ``StreamBook`` when its record is accepted.
 * Mini-batches are assembled in offset order; a partial batch is learned when the topic goes idle.
+* Keeping the GPU fed: the images of one poll are decoded and validated in a thread pool
+  (``decode_workers``), between claims made and results applied in offset order, so the outcome is the
+  inline one. ``ServiceState.learn`` stacks the batch into pinned memory on a CUDA learner
+  (``server.staging``), the learner copies it with ``non_blocking=True`` and augments it batch-wise on the
+  device; predictions are micro-batched (``server.batching``) into one forward on the snapshot's device.
 * The broker being unreachable makes the loop wait and retry (``mepo_learner_up`` 0, not ready) without
   losing anything.
 """
@@ -19,6 +24,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 import torch
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
@@ -77,6 +84,31 @@ def ensure_topics(kafka: KafkaConfig, partitions: int = 1) -> None:
         admin.close()
 
 
+class InlineExecutor(Executor):
+    """Runs each task as it is submitted, in the caller's thread: ``decode_workers`` 0."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # handed to whoever reads the result, as a pool would
+            future.set_exception(e)
+        return future
+
+
+def decode_executor(workers: int) -> Executor:
+    """A pool of ``workers`` decode threads; none (decode in the learner thread) for 0."""
+    return ThreadPoolExecutor(workers, thread_name_prefix="mepo-decode") if workers > 0 else InlineExecutor()
+
+
+@dataclass
+class _Claimed:
+    """A record whose sample id is claimed and whose image is being decoded."""
+
+    meta: RecordMeta
+    image: Future  # of a uint8 [3, S, S] tensor, or an ImageError (the claim is then given back)
+
+
 class _SeekToHandled(ConsumerRebalanceListener):
     def __init__(self, loop: LearnerLoop):
         self.loop = loop
@@ -106,6 +138,7 @@ class LearnerLoop:
         self.consumed: dict[str, int] = dict(state.book.offsets)  # next offset per partition, all handled
         self.read_upto: dict[str, int] = {}  # next offset per partition, read (handled or pending)
         self.lag: dict[str, int] = {}
+        self.decoder = decode_executor(self.cfg.decode_workers)
         self.thread = threading.Thread(target=self._run, name="mepo-learner", daemon=True)
         self._checkpoint_request = threading.Event()
 
@@ -161,6 +194,7 @@ class LearnerLoop:
                 self.error = f"{type(e).__name__}: {e}"
                 break
         self._close()
+        self.decoder.shutdown()
 
     # --- the loop -------------------------------------------------------------------------------------------
     def _consume(self) -> None:
@@ -179,8 +213,7 @@ class LearnerLoop:
                 self.connected, self._probed_at = broker_answers(self.consumer), time.monotonic()
                 self.state.metrics.learner_up.set(int(self.connected))
             records = sorted((r for rs in polled.values() for r in rs), key=lambda r: (r.partition, r.offset))
-            for record in records:
-                self._accept(record)
+            self._accept_poll(records)
             if len(self.pending) >= batch_size or (self.pending and not records):
                 self._learn_pending()
             if not records and not self.pending:
@@ -192,21 +225,59 @@ class LearnerLoop:
         self.checkpoint()
 
     def _accept(self, record) -> None:
+        """One record, as a poll of its own."""
+        self._accept_poll([record])
+
+    def _accept_poll(self, records: list) -> None:
+        """Claim in offset order, decode concurrently, apply the results in offset order.
+
+        Every decode has finished before this returns, even on an error, so no late claim release can race a
+        reconnect's ``release_in_flight``.
+        """
+        decoding: dict[tuple[str, int], Future] = {}
+        try:
+            claimed = [self._claim(record, decoding) for record in records]
+            for record, outcome in zip(records, claimed, strict=True):
+                self._apply(record, outcome)
+        finally:
+            wait(decoding.values())
+
+    def _claim(self, record, decoding: dict[tuple[str, int], Future]) -> _Claimed | RecordError | None:
+        """Parse the headers and claim the sample id before decoding (None: a replay).
+
+        An earlier copy of the same sample in this poll is waited for first: if its image is bad it has given
+        the claim back by then, and this copy is learned, as when records are decoded one at a time.
+        """
+        try:
+            meta = parse_headers(record.headers, self.state.n_classes)
+        except RecordError as e:
+            return e
+        sample_id = (meta.stream_id, meta.sample_index)
+        if sample_id in decoding:
+            wait([decoding[sample_id]])
+        if not self.state.book.claim(*sample_id):  # learned or in flight: a replay
+            return None
+        decoding[sample_id] = self.decoder.submit(self._decode, record, meta)
+        return _Claimed(meta, decoding[sample_id])
+
+    def _apply(self, record, outcome: _Claimed | RecordError | None) -> None:
+        """Book one record, in offset order: pending, a skipped replay, or a dead letter with its reason."""
         tp = TopicPartition(record.topic, record.partition)
         self.read_upto[tp_key(tp)] = record.offset + 1
         self.state.metrics.records_consumed.inc()
+        if outcome is None:
+            self.state.metrics.replays_skipped.inc()
+            self._done(tp, record.offset)
+            return
         try:
-            meta = parse_headers(record.headers, self.state.n_classes)
-            if not self.state.book.claim(meta.stream_id, meta.sample_index):  # learned or in flight: a replay
-                self.state.metrics.replays_skipped.inc()
-                self._done(tp, record.offset)
-                return
-            image = self._decode(record, meta)
+            if isinstance(outcome, RecordError):
+                raise outcome
+            image = outcome.image.result()
         except (RecordError, ImageError) as e:
             self._dead_letter(record, e.reason, e.message)
             self._done(tp, record.offset)
             return
-        self.pending.append((tp, record.offset, Sample(image, meta)))
+        self.pending.append((tp, record.offset, Sample(image, outcome.meta)))
 
     def _decode(self, record, meta: RecordMeta) -> torch.Tensor:
         """The record's image; a bad one gives its claim back, so a good copy of the sample is still learned."""

@@ -1,0 +1,139 @@
+"""Decoding a poll's images in a thread pool changes nothing but speed: same samples, order, dead letters, offsets.
+
+The learner loop of ``tests/test_exactly_once.py`` (a real ``ServiceState``, fake Kafka clients) runs one stream
+of good images, corrupt images, bad headers and replays with ``decode_workers`` 0 (inline) and 4 (a pool).
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import server.stream as stream
+from mepo_stream.records import record_headers
+from server.staging import stack_images
+from tests.test_exactly_once import STREAM_ID, FakeConsumer, FakeProducer, FakeRecord, jpeg, record, service
+
+TRUNCATED = jpeg("red")[:60]  # a valid header, then the image breaks off
+
+
+def noisy_jpeg(index: int) -> bytes:
+    """An image of its own per sample (one plain colour per class would give the LDA no within-class spread)."""
+    pixels = np.random.default_rng(index).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+def sample(offset: int, index: int, value: bytes | None = None) -> FakeRecord:
+    return record(offset, index, value=noisy_jpeg(index) if value is None else value)
+
+
+def mixed_log() -> list[FakeRecord]:
+    """Offsets are list indices. Within single polls (batch size 16): a replay of a pending sample, a bad copy of
+    a sample then a good one (learned: the bad copy gave its claim back), a bad header; later polls replay
+    learned samples, one of them as a corrupt copy (a skipped replay, not a dead letter)."""
+    spec: list[tuple[int, bytes | None]] = [(i, None) for i in range(8)]
+    spec += [(3, None), (8, TRUNCATED), (8, None), (9, b"NOTANIMG"), (99, None), (10, b""), (9, None), (11, None)]
+    spec += [(i, None) for i in range(12, 40)]
+    spec += [(2, None), (5, TRUNCATED), (40, TRUNCATED), (40, None), (41, None), (0, None)]
+    log = [sample(offset, index, value) for offset, (index, value) in enumerate(spec)]
+    log[12].headers = record_headers(99, 99, 99, STREAM_ID, "cifar10")  # outside the label space
+    return log
+
+
+def run_stream(tmp_path, monkeypatch, workers: int) -> dict:
+    """Everything the loop decides for ``mixed_log``: learned ids and images in order, dead letters, offsets."""
+    state, loop, learned = service(tmp_path, decode_workers=workers)
+    images: list[torch.Tensor] = []
+    learn = state.learn
+
+    def learn_and_keep(batch):
+        images.extend(s.image for s in batch)
+        learn(batch)
+
+    state.learn = learn_and_keep
+    consumer, producer = FakeConsumer(loop, mixed_log()), FakeProducer()
+    monkeypatch.setattr(stream, "ensure_topics", lambda kafka: None)
+    monkeypatch.setattr(stream, "KafkaProducer", lambda **_: producer)  # kept: the loop drops it on closing
+    monkeypatch.setattr(stream, "KafkaConsumer", lambda **_: consumer)
+    loop._run()
+    assert loop.error is None
+    letters = [(dict(m["headers"])["error"], dict(m["headers"])["source_offset"]) for m in producer.sent]
+    return {"learned": learned, "images": torch.stack(images), "letters": letters, "consumed": loop.consumed,
+            "committed": consumer.committed, "skipped": state.book.replays_skipped,
+            "dead": state.book.dead_lettered, "seen": state.learner.samples_seen}
+
+
+def test_the_pool_decides_exactly_as_inline_decoding(tmp_path, monkeypatch):
+    inline = run_stream(tmp_path / "inline", monkeypatch, workers=0)
+    pooled = run_stream(tmp_path / "pool", monkeypatch, workers=4)
+    assert inline["learned"] == [(STREAM_ID, i) for i in list(range(8)) + [8, 9, 11] + list(range(12, 40)) + [40, 41]]
+    assert inline["letters"] == [(b"corrupt_image", b"9"), (b"not_an_image", b"11"), (b"label_out_of_range", b"12"),
+                                 (b"empty", b"13"), (b"corrupt_image", b"46")]
+    assert (inline["skipped"], inline["dead"], inline["seen"]) == (4, 5, 41)
+    assert inline["consumed"] == inline["committed"] == {"images:0": 50}
+    assert torch.equal(pooled.pop("images"), inline.pop("images"))
+    assert pooled == inline
+
+
+@pytest.mark.parametrize("workers", [0, 4])
+def test_a_decode_error_in_the_pool_dead_letters_that_record_and_gives_back_its_claim(tmp_path, monkeypatch, workers):
+    """Also when a good copy of the sample follows in the same poll and the bad copy is slow to fail: the good
+    copy's claim waits for the bad one's decode, so it is learned, not skipped as a replay."""
+    state, loop, _ = service(tmp_path, decode_workers=workers)
+    threads: set[str] = set()
+    decode, slow = stream.decode_image, TRUNCATED + b"slow"
+
+    def decode_and_note_thread(data, limits):
+        threads.add(threading.current_thread().name)
+        if data == slow:
+            time.sleep(0.2)  # fails only after the next record's claim, unless that claim waits for it
+        return decode(data, limits)
+
+    monkeypatch.setattr(stream, "decode_image", decode_and_note_thread)
+    poll = [sample(0, 0), sample(1, 1), sample(2, 2, TRUNCATED), sample(3, 3), sample(4, 4, slow), sample(5, 4)]
+    loop._accept_poll(poll)
+    assert [(o, s.meta.sample_index) for _, o, s in loop.pending] == [(0, 0), (1, 1), (3, 3), (5, 4)]
+    assert [dict(m["headers"])[k] for m in loop.producer.sent for k in ("error", "source_offset")] == \
+        [b"corrupt_image", b"2", b"corrupt_image", b"4"]
+    assert loop.read_upto == {"images:0": 6} and loop.consumed == {}
+    assert state.book.dead_lettered == 2 and state.book.replays_skipped == 0
+    assert state.book.claim(STREAM_ID, 2) and not state.book.claim(STREAM_ID, 4)  # 2 given back, 4 in flight
+    decoded_by = {name.rsplit("_", 1)[0] for name in threads}  # a pool names its threads PREFIX_i
+    assert decoded_by == ({"mepo-decode"} if workers else {threading.current_thread().name})
+    loop.decoder.shutdown()
+
+
+def test_a_batch_for_a_cpu_learner_is_an_ordinary_stack():
+    images = [torch.full((3, 4, 4), i, dtype=torch.uint8) for i in range(3)]
+    batch = stack_images(images, torch.device("cpu"))
+    assert torch.equal(batch, torch.stack(images)) and not batch.is_pinned()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+def test_a_batch_for_a_cuda_learner_is_pinned():
+    images = [torch.full((3, 4, 4), i, dtype=torch.uint8) for i in range(3)]
+    batch = stack_images(images, torch.device("cuda"))
+    assert torch.equal(batch, torch.stack(images)) and batch.is_pinned()
+
+
+def test_learn_stacks_through_stack_images(tmp_path, monkeypatch):
+    """``ServiceState.learn`` stages its batch with the learner's device (pinned there when it is CUDA)."""
+    state, loop, learned = service(tmp_path)
+    devices: list[torch.device] = []
+
+    def stack_and_note(images, device):
+        devices.append(device)
+        return stack_images(images, device)
+
+    monkeypatch.setattr("server.state.stack_images", stack_and_note)
+    loop._accept_poll([sample(0, 0), sample(1, 1)])
+    loop._learn_pending()
+    assert devices == [state.learner.device] and len(learned) == 2
