@@ -56,8 +56,8 @@ class AlignmentConfig:
     transductive behaviour: a request's images share statistics). ``mepo evaluate`` reports both."""
 
 
-def cholesky(cov: torch.Tensor, eps: float) -> torch.Tensor:
-    """Lower Cholesky factor of ``cov + eps * I``, returned in fp32.
+def cholesky(cov: torch.Tensor, eps: float, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Lower Cholesky factor of ``cov + eps * I``, returned in ``out_dtype`` (fp32 for the alignment).
 
     If rounding leaves the regularised matrix indefinite, the jitter grows tenfold until it factorises
     (at most 6 times); the reference would crash instead.
@@ -66,7 +66,7 @@ def cholesky(cov: torch.Tensor, eps: float) -> torch.Tensor:
     for attempt in range(7):
         factor, info = torch.linalg.cholesky_ex(cov + eps * 10**attempt * eye)
         if int(info) == 0:
-            return factor.float()
+            return factor.to(out_dtype)
     raise torch.linalg.LinAlgError(f"covariance is not positive definite even with jitter {eps * 1e6:g}")
 
 

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mepo_stream.alignment import cholesky
+
 
 class RunningStandardize(nn.Module):
     """Standardises features with the cumulative mean and std of every training feature seen (float64 sums).
@@ -145,13 +147,15 @@ class StreamingLDA(ClassStatistics):
         """Weights [C, D] and biases [C] for shrinkage candidate ``k`` (cached until the next update)."""
         if k not in self._cache:
             cov = self.within_covariance()
-            scale = cov.trace() / cov.shape[0]
-            scale = scale if scale > 0 else cov.new_tensor(1.0)  # one sample per class: no spread measured yet
+            dim = cov.shape[0]
+            # The spread's scale, floored relative to the features' energy: with (near-)identical samples per class
+            # the within-class covariance is ~0 and its rounding errors (relative 1e-16 of E[x x^T]) must not decide.
+            energy = self.second.trace() / self.counts.sum().clamp_min(1) / dim
+            scale = torch.maximum(cov.trace() / dim, 1e-6 * energy).clamp_min(1e-12)
             lam = self.shrinkage[k]
-            shrunk = (1 - lam) * cov + lam * scale * self.target
-            shrunk = shrunk + 1e-6 * scale * torch.eye(cov.shape[0], dtype=cov.dtype, device=cov.device)
+            factor = cholesky((1 - lam) * cov + lam * scale * self.target, float(1e-6 * scale), torch.float64)
             means = self.means()
-            weights = torch.cholesky_solve(means.T, torch.linalg.cholesky(shrunk)).T  # [C, D] = mu Sigma^-1
+            weights = torch.cholesky_solve(means.T, factor).T  # [C, D] = mu Sigma^-1
             self._cache[k] = (weights, -0.5 * (weights * means).sum(1))
         return self._cache[k]
 

@@ -58,6 +58,9 @@ class LearnerConfig:
     """Shrinkage target of the LDA covariance: the (scaled) identity, or MePo's Sigma_pre (needs Meta Cov)."""
     standardize: bool = False
     """Standardise features by their running (cumulative) mean and std before the linear head."""
+    train_encoder: bool = True
+    """Train the host's own parameters (prompts, keys) online; false keeps them at their initialisation (e.g. ISA
+    prompts from the bundle) so only the classifier learns, and a statistics classifier then needs no gradient."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Autocast precision of the backbone and prompts (alignment and statistics stay fp32/fp64): auto = bf16 on
     a CUDA device that supports it, fp32 elsewhere."""
@@ -110,6 +113,9 @@ class OnlineLearner:
         self.cfg, self.n_classes = cfg, n_classes
         self.device = device or torch.device("cpu")
         method.classifier = make_classifier(cfg, method, n_classes)
+        if not cfg.train_encoder:
+            for name, p in method.named_parameters():
+                p.requires_grad_(p.requires_grad and name.startswith("head."))
         method.standardize = RunningStandardize(method.backbone.num_features) if cfg.standardize else None
         self.method = method.to(self.device)
         self.dtype = resolve_precision(cfg.precision, self.device)

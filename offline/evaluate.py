@@ -250,9 +250,10 @@ def parse_methods(spec: str) -> list[str]:
 
 
 def ceiling(out: Path, bcfg: BackboneConfig, base, train: ImageSet, test: ImageSet, probe: ProbeConfig,
-            common: dict) -> float:
-    """The offline probe of ``base``'s frozen features on the whole stream (cached with the runs)."""
-    key = job_key(Job("offline_probe", "probe", probe.seed), {**common, "backbone": provenance(bcfg),
+            data: DataConfig) -> float:
+    """The offline probe of ``base``'s frozen features on the whole stream (cached with the runs; it depends on
+    the data, the backbone and the probe only)."""
+    key = job_key(Job("offline_probe", "probe", probe.seed), {"data": asdict(data), "backbone": provenance(bcfg),
                                                               "probe": asdict(probe)})
     cached = out / "cache" / f"ceiling-{key}.json"
     if cached.is_file():
@@ -331,7 +332,7 @@ def evaluate(
                   "prompts": str(mepo_prompts) if mepo_prompts else None}
         if use_rep not in built:
             built[use_rep] = create_backbone(bcfg)
-            ceilings[use_rep] = ceiling(out, bcfg, built[use_rep], train, test, probe, common)
+            ceilings[use_rep] = ceiling(out, bcfg, built[use_rep], train, test, probe, data)
         cached = out / "cache" / f"{job_key(job, config)}.json"
         if cached.is_file():
             run = json.loads(cached.read_text())

@@ -27,13 +27,15 @@ class ServeConfig:
     backbone: BackboneConfig = BackboneConfig()
     """Pretrained backbone (replaced by the bundle's when --mepo is given)."""
     mepo: Path | None = None
-    """MePo bundle (mepo refine / covariance): its backbone (if any) and Sigma_pre."""
-    method: str = "misa"
-    """Host method."""
+    """MePo bundle (mepo refine / covariance / isa): its backbone, Sigma_pre and ISA prompts, where it has them."""
+    method: str = "frozen"
+    """Host method: ``frozen`` (the backbone's feature, no prompts; with the default streaming-LDA classifier
+    this is what learns best here), or a prompt-based host (misa, ...). The paper's recipe:
+    ``--cfg.method misa --cfg.learner mepo_stream/recipes/paper.yaml``."""
     methods: MethodsConfig = MethodsConfig()
     """Per-method hyperparameters (--cfg.methods.misa.e_pool, ...)."""
     learner: LearnerConfig = LearnerConfig()
-    """Online learning settings (mini-batch size, steps per mini-batch, lr)."""
+    """Online learning settings (classifier, mini-batch size, steps per mini-batch, lr, precision)."""
     alignment: AlignmentConfig = AlignmentConfig()
     """Meta Cov settings (used when the bundle has Sigma_pre)."""
     monitor: MonitorConfig = MonitorConfig()
@@ -54,6 +56,9 @@ class ServeConfig:
     """Predict each mini-batch before learning it (test-then-train accuracy, drift detection)."""
     limits: ImageLimits = ImageLimits()
     """Upload and record limits; images are resized to limits.size for learning."""
+    decode_workers: int = 4
+    """Threads decoding and validating the images of one Kafka poll concurrently (PIL releases the GIL while
+    decoding), so a mini-batch is ready sooner; 0 decodes inline in the learner thread."""
     max_files: int = 16
     """Most images in one prediction request."""
     top_k: int = 5

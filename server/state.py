@@ -11,24 +11,23 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from mepo_stream.alignment import FeatureAlignment
-from mepo_stream.artifacts import load_sigma_pre, read_manifest
-from mepo_stream.backbone import create_backbone, device
+from mepo_stream.backbone import device
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.data import ImageSet, list_files, load_split
 from mepo_stream.evaluation import evaluate_seen
 from mepo_stream.learner import OnlineLearner
-from mepo_stream.methods import create_method
+from mepo_stream.model import BundleParts, build_method
 from mepo_stream.monitor import StreamMonitor
 from mepo_stream.records import RecordMeta
 from mepo_stream.snapshot import Snapshot, take_snapshot
 from server.config import ServeConfig
 from server.metrics import ServerMetrics
+from server.staging import stack_images
 
 log = logging.getLogger(__name__)
 CHECKPOINT = "learner.pt"
@@ -118,18 +117,8 @@ class StreamBook:
 
 
 def build_learner(cfg: ServeConfig, n_classes: int) -> OnlineLearner:
-    """Backbone (the bundle's if it has one), Meta Cov alignment (if the bundle has Sigma_pre), host method."""
-    backbone_cfg, sigma = cfg.backbone, None
-    if cfg.mepo is not None:
-        files = read_manifest(cfg.mepo)["files"]
-        if "backbone.safetensors" in files:
-            backbone_cfg = replace(backbone_cfg, weights=str(cfg.mepo))
-        if "sigma_pre.safetensors" in files:
-            sigma = load_sigma_pre(cfg.mepo)
-    backbone = create_backbone(backbone_cfg)
-    a = cfg.alignment
-    align = None if sigma is None else FeatureAlignment(sigma, a.alpha, a.eps, a.momentum)
-    method = create_method(cfg.method, backbone, n_classes, align, cfg.methods)
+    """The host method with every part of the MePo bundle it has (backbone, Sigma_pre, ISA prompts)."""
+    method = build_method(cfg.method, n_classes, cfg.backbone, BundleParts.of(cfg.mepo), cfg.methods, cfg.alignment)
     return OnlineLearner(method, n_classes, cfg.learner, device())
 
 
@@ -165,7 +154,7 @@ class ServiceState:
     # --- learning -------------------------------------------------------------------------------------------
     def learn(self, batch: list[Sample]) -> None:
         """Test-then-train one mini-batch, publish the new snapshot, run due evaluations."""
-        images = torch.stack([s.image for s in batch])  # [B, 3, S, S] uint8
+        images = stack_images([s.image for s in batch], self.learner.device)  # [B, 3, S, S] uint8, pinned on CUDA
         labels = torch.tensor([s.meta.label for s in batch])
         start = time.perf_counter()
         with self._lock:

@@ -83,13 +83,18 @@ def test_sweep_of_methods_with_mepo_writes_table1_ablation_and_reuses_cached_run
     assert "| method | A_AUC w/o MePo | A_AUC w/ MePo |" in table and "**" in table
     assert "| linear_probe |" in table and "–" in table  # lower bounds run without MePo only
     assert "Meta Rep A_AUC" in (tmp_path / "sweep" / "ablation.md").read_text()
-    cached = sorted(p.name for p in (tmp_path / "sweep" / "cache").iterdir())
-    assert len(cached) == 5
-    marked = tmp_path / "sweep" / "cache" / cached[0]
+    assert "A_last ÷ probe w/o" in table and "Ceiling (offline linear probe" in table
+    assert set(result["ceiling"]) == {"w/o Meta Rep", "Meta Rep"}  # one probe per backbone
+    assert all(0 < r["ceiling"] <= 1 for r in result["runs"])
+    cache = tmp_path / "sweep" / "cache"
+    ceilings = sorted(p.name for p in cache.iterdir() if p.name.startswith("ceiling-"))
+    cached = sorted(p.name for p in cache.iterdir() if not p.name.startswith("ceiling-"))
+    assert len(cached) == 5 and len(ceilings) == 2
+    marked = cache / cached[0]
     run = json.loads(marked.read_text())
     run["wall_time_s"] = -1.0  # a value no computation produces: it can only come from the cache
     marked.write_text(json.dumps(run))
     main(args)  # a re-run reuses every finished run
     rerun = json.loads((tmp_path / "sweep" / "results.json").read_text())["runs"]
     assert -1.0 in [r["wall_time_s"] for r in rerun] and len(rerun) == 5
-    assert sorted(p.name for p in (tmp_path / "sweep" / "cache").iterdir()) == cached
+    assert sorted(p.name for p in cache.iterdir()) == sorted(cached + ceilings)  # nothing computed again

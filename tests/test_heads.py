@@ -130,3 +130,13 @@ def test_the_paper_recipe_file_is_the_paper_recipe():
 
     path = Path(__file__).parents[1] / "mepo_stream" / "recipes" / "paper.yaml"
     assert LearnerConfig(**yaml.safe_load(path.read_text())) == PAPER_RECIPE
+
+
+def test_lda_survives_classes_of_identical_samples():
+    """Zero within-class spread (solid-colour images): the covariance cancels to rounding noise, never a crash."""
+    x = torch.tensor([[200.0, 30.0, 30.0], [30.0, 200.0, 30.0], [30.0, 30.0, 200.0]]).repeat(20, 1)
+    y = torch.arange(3).repeat(20)
+    lda = StreamingLDA(3, 3)
+    for idx in torch.arange(60).split(8):
+        lda.update(x[idx], y[idx])
+    assert torch.equal(lda(x).argmax(1), y)
