@@ -2,10 +2,12 @@
 
 The service learns a stream from Kafka while the client sends single-image requests one after another (one
 JPEG, decoded, validated, micro-batched, forwarded by the published snapshot, answered as JSON). The bare
-reference is one eval forward of the same image through the same model in this process (``encode`` + aligned
-``logits`` with running statistics, as the snapshot does) on an otherwise idle machine: the issue's ratio, which
-therefore includes the cost of sharing the CPU with training. Once the stream is learned, ``idle_requests``
-more requests with the learner idle separate the service's own overhead from that sharing.
+reference is the snapshot's own forward (``Snapshot.probabilities``: encode under the learner's autocast dtype,
+aligned logits with running statistics, softmax over the seen classes) of the same decoded image, already on
+the device, in this process, on the same device as the service (the same GPU where there is one) while nothing
+else runs on it: the issue's ratio, which therefore includes the cost of sharing the device with training.
+Once the stream is learned, ``idle_requests`` more requests with the learner idle separate the service's own
+overhead from that sharing.
 
 (A bare forward timed in this process *while* the service trains is no reference: two processes each running
 a 2-thread OpenMP pool on 2 cores slow each other down many times over, 1.7 s instead of 34 ms here.)
@@ -17,33 +19,31 @@ from __future__ import annotations
 
 import io
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 from PIL import Image
 
-from benchmarks.service import ServiceSpec, bare_method, quantiles, running_service, write_result
-from mepo_stream.backbone import normalization
+from benchmarks.learner_throughput import stream_batches
+from benchmarks.service import ServiceSpec, bare_learner, quantiles, running_service, seconds, write_result
 from mepo_stream.data import list_files
-from mepo_stream.images import ImageLimits, decode_image
-from mepo_stream.methods.base import ContinualMethod
-from mepo_stream.transforms import test_transform
+from mepo_stream.images import decode_image
+from mepo_stream.snapshot import take_snapshot
+from server.config import ServeConfig
 
 
-def bare_predictor(spec: ServiceSpec, n_classes: int):
-    """A function timing one eval-mode forward of a uint8 image [1, 3, S, S], as the snapshot runs it."""
-    method: ContinualMethod = bare_method(spec, n_classes).eval()
-    if method.alignment is not None:  # running statistics as after training, so the alignment does its work
-        method.alignment.update_running(torch.randn(64, method.backbone.num_features))
-        method.alignment.running_factor()
-    tf = test_transform(spec.img_size, *normalization(method.backbone))
+def bare_predictor(spec: ServiceSpec, n_classes: int) -> Callable[[torch.Tensor], float]:
+    """A function timing the snapshot's forward of uint8 images [B, 3, S, S], after the learner has learned one
+    mini-batch (so there are classes to predict, and running statistics for the alignment and classifier)."""
+    learner = bare_learner(spec, n_classes)
+    learner.observe(*stream_batches(spec, 1, learner.device)[0])
+    snapshot = take_snapshot(learner, 1, ServeConfig.alignment.inference_mode)
 
-    @torch.no_grad()
-    def forward(image: torch.Tensor) -> float:
-        start = time.perf_counter()
-        method.logits(method.encode(tf(image)), "running").softmax(1)
-        return time.perf_counter() - start
+    def forward(images: torch.Tensor) -> float:
+        images = images.to(learner.device)
+        return seconds(lambda: snapshot.probabilities(images), learner.device)
 
     return forward
 
@@ -76,7 +76,7 @@ def main(spec: ServiceSpec = ServiceSpec(), requests: int = 300, idle_requests: 
         out: JSON result path.
     """
     jpeg = sample_jpeg(spec)
-    image = decode_image(jpeg, ImageLimits())[None]  # [1, 3, 64, 64] uint8, as the service decodes it
+    image = decode_image(jpeg, ServeConfig.limits)[None]  # [1, 3, S, S] uint8, as the service decodes it
     bare = bare_predictor(spec, len(list_files(spec.data, "train").classes))
     idle = [bare(image) for _ in range(idle_requests + 5)][5:]
     spec = replace(spec, extra=(*spec.extra, "--cfg.eval_period", "0"))
@@ -94,12 +94,12 @@ def main(spec: ServiceSpec = ServiceSpec(), requests: int = 300, idle_requests: 
         http_idle = [_post(service, jpeg) for _ in range(idle_requests)]
     h, hi, bi = quantiles(http_s), quantiles(http_idle), quantiles(idle)
     return write_result({
-        "benchmark": "predict_latency", "spec": {**spec.__dict__, "mepo": str(spec.mepo)},
+        "benchmark": "predict_latency", "spec": spec.as_json(),
         "requests_while_learning": len(http_s), "learned_during_requests": [learned[0], learned[-1]],
         "http": h, "bare_forward_idle": bi, "ratio_p50": h["p50_s"] / bi["p50_s"],
         "ratio_p99": h["p99_s"] / bi["p99_s"],
         "http_idle": hi, "ratio_idle_p50": hi["p50_s"] / bi["p50_s"], "ratio_idle_p99": hi["p99_s"] / bi["p99_s"],
-    }, out)
+    }, out, *spec.placement())
 
 
 if __name__ == "__main__":

@@ -2,10 +2,11 @@
 
 The service first learns a short stream (so it has classes to predict), then ``clients`` concurrent clients
 each send single-image ``POST /v1/predict`` requests back to back for ``seconds``; images answered per second
-is the service's rate. The bare reference forwards batches of ``clients`` images (the largest batch that many
-single-image clients can form) through the same model in this process, with the service stopped, right before
-and after the service run. The clients are asyncio tasks in this process (one core's worth of HTTP work at
-most), which on a small machine competes with the server for the CPU: that is part of what is measured.
+is the service's rate. The bare reference is the snapshot's forward of batches of ``clients`` images (the
+largest batch that many single-image clients can form) through the same model in this process, on the same
+device and under the same autocast dtype as the service, with the service stopped, right before and after the
+service run. The clients are asyncio tasks in this process (one core's worth of HTTP work at most), which on a
+small machine competes with the server for the CPU: that is part of what is measured.
 
 Usage:
     python -m benchmarks.predict_throughput --spec.mepo runs/refined_dinov2_84
@@ -25,13 +26,14 @@ import torch
 from benchmarks.predict_latency import bare_predictor, sample_jpeg
 from benchmarks.service import ServiceSpec, running_service, write_result
 from mepo_stream.data import list_files
-from mepo_stream.images import ImageLimits, decode_image
+from mepo_stream.images import decode_image
+from server.config import ServeConfig
 
 
 def bare_rate(spec: ServiceSpec, batch: int, seconds: float) -> float:
     """Images/s of the bare eval forward on batches of ``batch`` images, over about ``seconds``."""
     forward = bare_predictor(spec, len(list_files(spec.data, "train").classes))
-    images = decode_image(sample_jpeg(spec), ImageLimits())[None].expand(batch, -1, -1, -1).contiguous()
+    images = decode_image(sample_jpeg(spec), ServeConfig.limits)[None].expand(batch, -1, -1, -1).contiguous()
     forward(images)  # warm-up
     spent, n = 0.0, 0
     while spent < seconds:
@@ -81,10 +83,10 @@ def main(spec: ServiceSpec = ServiceSpec(train_per_class=10), clients: int = 16,
     after = bare_rate(spec, clients, bare_seconds)
     rate, bare = answered / elapsed, (before + after) / 2
     return write_result({
-        "benchmark": "predict_throughput", "spec": {**spec.__dict__, "mepo": str(spec.mepo)}, "clients": clients,
+        "benchmark": "predict_throughput", "spec": spec.as_json(), "clients": clients,
         "seconds": elapsed, "answered": answered, "failed": failed, "service_images_per_s": rate,
         "bare_batch": clients, "bare_images_per_s": bare, "bare_before_after": [before, after], "ratio": rate / bare,
-    }, out)
+    }, out, *spec.placement())
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """Refine throughput: ``mepo refine``'s training step against a bare PyTorch SGD loop on the same machine.
 
 Both loops train the same backbone + meta head with the same SGD optimizer, batch size and resolution, side
-by side in one process (alternating rounds, so drift in machine load hits both equally). The bare loop feeds
-pre-normalised float tensors already in memory and does forward, cross-entropy, backward and step only; the
-refine step also indexes uint8 images, augments them, masks the logits to the group and does the DDP-ready loss
-scaling. The ratio refine/bare is the cost of everything around the model's own compute.
+by side in one process (alternating rounds, so drift in machine load hits both equally), on the device
+``mepo refine`` trains on, in fp32 as it does. The bare loop feeds pre-normalised float tensors already on the
+device and does forward, cross-entropy, backward and step only; the refine step also indexes uint8 images,
+moves them to the device, augments them, masks the logits to the group and does the DDP-ready loss scaling.
+The ratio refine/bare is the cost of everything around the model's own compute.
 
 Usage:
     python -m benchmarks.refine_throughput --img_size 84 --batch_size 64 --steps 10
@@ -13,14 +14,13 @@ Writes ``benchmarks/results/refine_throughput.json``.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.service import write_result
-from mepo_stream.backbone import BackboneConfig, create_backbone, normalization
+from benchmarks.service import seconds, write_result
+from mepo_stream.backbone import BackboneConfig, create_backbone, device, normalization
 from mepo_stream.data import ImageSet
 from mepo_stream.transforms import test_transform, train_transform
 from offline.refine import Distributed, MetaModel, RefineConfig, Trainer
@@ -51,15 +51,16 @@ def main(model: str = "vit_small_patch14_dinov2", weights: str | None = None, im
     backbone = BackboneConfig(model, weights, img_size)
     images = ImageSet(torch.randint(0, 256, (batch_size * 4, 3, 64, 64), dtype=torch.uint8),
                       torch.randint(0, n_classes, (batch_size * 4,)), [str(c) for c in range(n_classes)], [])
-    ours = MetaModel(create_backbone(backbone), n_classes)
+    dev = device()
+    ours = MetaModel(create_backbone(backbone), n_classes).to(dev)
     mean, std = normalization(ours.backbone)
     trainer = Trainer(ours, ours, _optimizer(ours, cfg), images, cfg, Distributed(),
                       train_transform(img_size, mean, std, None), test_transform(img_size, mean, std))
     group = torch.arange(n_classes)
-    bare = MetaModel(create_backbone(backbone), n_classes)
+    bare = MetaModel(create_backbone(backbone), n_classes).to(dev)
     bare_opt = _optimizer(bare, cfg)
-    x = test_transform(img_size, mean, std)(images.images[:batch_size])  # [B, 3, S, S] float, in memory
-    y = images.targets[:batch_size]
+    x = test_transform(img_size, mean, std)(images.images[:batch_size].to(dev))  # [B, 3, S, S] float, on dev
+    y = images.targets[:batch_size].to(dev)
 
     def run_ours() -> None:
         for s in range(steps):
@@ -76,15 +77,13 @@ def main(model: str = "vit_small_patch14_dinov2", weights: str | None = None, im
     run_ours(), run_bare()  # warm-up
     for _ in range(rounds):
         for name, fn in (("refine", run_ours), ("bare", run_bare)):
-            start = time.perf_counter()
-            fn()
-            timings[name].append(steps * batch_size / (time.perf_counter() - start))
+            timings[name].append(steps * batch_size / seconds(fn, dev))
     return write_result({
         "benchmark": "refine_throughput", "model": model, "img_size": img_size, "batch_size": batch_size,
         "steps_per_round": steps, "rounds": rounds,
         "refine_images_per_s": max(timings["refine"]), "bare_images_per_s": max(timings["bare"]),
         "ratio": max(timings["refine"]) / max(timings["bare"]), "all_rounds": timings,
-    }, out)
+    }, out, dev, torch.float32)  # mepo refine has no autocast
 
 
 if __name__ == "__main__":

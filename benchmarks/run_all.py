@@ -4,9 +4,15 @@ Each benchmark runs in its own process (clean memory and threads), one after ano
 and MePo bundle. Without ``--mepo`` a Sigma_pre-only bundle is computed first (``mepo covariance`` on a few
 pretraining images per class: the alignment's cost does not depend on the statistics' quality).
 
+The CPU rows run with CUDA hidden, so they stay CPU rows wherever ``make bench`` runs. Where CUDA is present the
+GPU rows follow (skipped with a note elsewhere): the service against the bare loop on the GPU at fp32 and at
+bf16, predict latency while learning against the bare forward on the same GPU, and the bare learner of
+ViT-B/16 at 224 px in bf16 with the paper's recipe. Every row says where it was measured (device and dtype).
+
 Usage:
     python -m benchmarks.run_all                      # DINOv2 ViT-S/14 @ 84 px, the full sizes (~15 min on 2 CPUs)
     python -m benchmarks.run_all --mepo runs/refined_dinov2_84
+    python -m benchmarks.run_all --only gpu_learner_bf16,gpu_vit_b16    # some rows; the table keeps the others
     python -m benchmarks.run_all --quick true --model test_vit --weights null --img_size 32  # smoke sizes
 """
 
@@ -16,18 +22,30 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.service import ROOT
+import torch
+
+from benchmarks.service import ROOT, ServiceSpec, cli_args, paper_recipe
 
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 BENCHMARKS = ("learner_throughput", "predict_latency", "predict_throughput", "alignment_cost", "refine_throughput")
+GPU_BENCHMARKS = ("gpu_learner_fp32", "gpu_learner_bf16", "gpu_predict_latency", "gpu_vit_b16")
+ALL = (*BENCHMARKS, *GPU_BENCHMARKS)
+GPU_LEARNER_CONFIGS = ("prequential", "paper_recipe")
+"""The GPU learner rows' configurations: the service's default and the expensive one."""
+VIT_B16 = ("vit_base_patch16_224", 224)
+"""The GPU throughput row's model and resolution (the paper's backbone)."""
+Row = tuple[str, str, str, float | None, str, bool | None]  # measurement, ours, bare, ratio, goal, met
 
 
-def _run(module: str, args: list[str]) -> None:
+def _run(module: str, args: list[str], cuda: bool) -> None:
     print(f"== {module} {' '.join(args)}", flush=True)
+    hide = {} if cuda else {"CUDA_VISIBLE_DEVICES": ""}
     subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], check=True, cwd=ROOT,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+                   env={**os.environ, "PYTHONPATH": str(ROOT), **hide})
 
 
 def sigma_bundle(model: str, weights: str | None, img_size: int, work: Path) -> Path:
@@ -41,52 +59,148 @@ def sigma_bundle(model: str, weights: str | None, img_size: int, work: Path) -> 
     return path
 
 
+def job(name: str, spec: ServiceSpec, quick: bool, work: Path) -> tuple[str, list[str]]:
+    """The script and arguments of one result (its ``--out`` aside). The GPU rows are the CPU rows' scripts with
+    the precision pinned, and the bare learner on ViT-B/16 (at the smoke sizes: on the spec's model)."""
+
+    def n(small: int, full: int) -> str:
+        return str(small if quick else full)
+
+    def stream(s: ServiceSpec, small: int, full: int) -> list[str]:
+        """The spec's arguments with ``small`` or ``full`` stream images per class."""
+        return [*cli_args(replace(s, train_per_class=small if quick else full), "spec."), "--work", str(work / name)]
+
+    def pinned(precision: str) -> ServiceSpec:
+        return replace(spec, learner=replace(spec.learner, precision=precision))
+
+    def vit_b16() -> ServiceSpec:
+        model, size = VIT_B16
+        s = spec if quick else replace(spec, model=model, weights=None, img_size=size,
+                                       mepo=sigma_bundle(model, None, size, work))
+        return paper_recipe(replace(s, learner=replace(s.learner, precision="bf16")))
+
+    def learner(s: ServiceSpec, *configs: str) -> tuple[str, list[str]]:
+        chosen = ["--configs", json.dumps(configs)] if configs else []
+        return "learner_throughput", [*stream(s, 10, 100), "--bare_batches", n(2, 8), *chosen]
+
+    def latency() -> tuple[str, list[str]]:
+        return "predict_latency", [*stream(spec, 10, 100), "--requests", n(10, 300), "--idle_requests", n(10, 100)]
+
+    jobs: dict[str, Callable[[], tuple[str, list[str]]]] = {  # called for the one result asked for only
+        "learner_throughput": lambda: learner(spec),
+        "predict_latency": latency,
+        "predict_throughput": lambda: ("predict_throughput", [*stream(spec, 2, 10), "--seconds", n(3, 30),
+                                                              "--bare_seconds", n(1, 10)]),
+        "alignment_cost": lambda: ("alignment_cost", [*cli_args(paper_recipe(spec), "spec."), "--repeats", n(2, 10)]),
+        "refine_throughput": lambda: ("refine_throughput", ["--model", spec.model, "--img_size", str(spec.img_size),
+                                                            "--steps", n(2, 10), "--rounds", n(1, 3)]),
+        "gpu_learner_fp32": lambda: learner(pinned("fp32"), *GPU_LEARNER_CONFIGS),
+        "gpu_learner_bf16": lambda: learner(pinned("bf16"), *GPU_LEARNER_CONFIGS),
+        "gpu_predict_latency": latency,
+        "gpu_vit_b16": lambda: ("bare_learner", [*cli_args(vit_b16(), "spec."), "--batches", n(2, 20)]),
+    }
+    return jobs[name]()
+
+
 def _fmt(value: float, unit: str) -> str:
     return {"ms": f"{1000 * value:.1f} ms", "/s": f"{value:.1f}/s", "MB": f"{value / 2**20:.0f} MB"}[unit]
 
 
-def table(results: dict[str, dict]) -> str:
-    """The README table: one row per measured quantity, with its goal."""
-    rows = []
-    if learner := results.get("learner_throughput"):
-        for name, what in (("learn_only", "learning only"), ("prequential", "with test-then-train prediction")):
-            r = learner[name]
-            rows.append((f"Learner throughput from Kafka, {what} (samples/s)", _fmt(r["service_samples_per_s"], "/s"),
-                         _fmt(r["bare_samples_per_s"], "/s"), r["ratio"], "≥ 0.90", r["ratio"] >= 0.9))
-        r = learner["prequential"]
+def _learner_rows(r: dict) -> list[Row]:
+    rows: list[Row] = []
+    for name in ("learn_only", "prequential", "paper_recipe"):
+        if c := r.get(name):  # results from before a configuration existed lack it (and its method, classifier)
+            config = f"{c.get('method', r['spec']['method'])} + {c.get('classifier', 'linear')}"
+            recipe = " (the paper's recipe)" if name == "paper_recipe" else ""
+            what = "with test-then-train prediction" if c.get("prequential", name == "prequential") else \
+                "learning only"
+            rows.append((f"Learner throughput from Kafka, {config}{recipe}, {what} (samples/s)",
+                         _fmt(c["service_samples_per_s"], "/s"), _fmt(c["bare_samples_per_s"], "/s"), c["ratio"],
+                         "≥ 0.90", c["ratio"] >= 0.9))
+    if c := r.get("prequential"):
         rows.append(("Learner memory (RSS) at 10% → 100% of the stream",
-                     f"{_fmt(r['rss_bytes_at_10pct'], 'MB')} → {_fmt(r['rss_bytes_at_100pct'], 'MB')}", "–",
-                     r["rss_growth"], "growth < 0.05", r["rss_growth"] < 0.05))
-    if r := results.get("predict_latency"):
-        for q, goal in (("p50", 1.3), ("p99", 3.0)):
-            ratio = r[f"ratio_{q}"]
-            rows.append((f"Predict latency {q}, one image while learning (bare: idle machine)",
-                         _fmt(r["http"][f"{q}_s"], "ms"), _fmt(r["bare_forward_idle"][f"{q}_s"], "ms"), ratio,
-                         f"≤ {goal}", ratio <= goal))
-        for q in ("p50", "p99"):
-            rows.append((f"Predict latency {q}, one image, learner idle", _fmt(r["http_idle"][f"{q}_s"], "ms"),
-                         _fmt(r["bare_forward_idle"][f"{q}_s"], "ms"), r[f"ratio_idle_{q}"], "–", None))
-    if r := results.get("predict_throughput"):
-        rows.append((f"Predict throughput, {r['clients']} clients (images/s)", _fmt(r["service_images_per_s"], "/s"),
-                     _fmt(r["bare_images_per_s"], "/s"), r["ratio"], "≥ 0.70", r["ratio"] >= 0.7))
-    if r := results.get("alignment_cost"):
-        rows.append(("Alignment (Cholesky + solve + blend) per training step", _fmt(r["alignment_s"], "ms"),
-                     _fmt(r["step_s"], "ms") + " (step)", r["ratio"], "< 0.03", r["ratio"] < 0.03))
-    if r := results.get("refine_throughput"):
-        rows.append(("Refine throughput (images/s)", _fmt(r["refine_images_per_s"], "/s"),
-                     _fmt(r["bare_images_per_s"], "/s"), r["ratio"], "–", None))
-    lines = ["| measurement | mepo-stream | bare PyTorch reference | ratio | goal | met |", "|---|---|---|---|---|---|"]
-    lines += [f"| {name} | {ours} | {bare} | {ratio:.3f} | {goal} | {'–' if met is None else 'yes' if met else 'no'} |"
-              for name, ours, bare, ratio, goal, met in rows]
+                     f"{_fmt(c['rss_bytes_at_10pct'], 'MB')} → {_fmt(c['rss_bytes_at_100pct'], 'MB')}", "–",
+                     c["rss_growth"], "growth < 0.05", c["rss_growth"] < 0.05))
+    return rows
+
+
+def _latency_rows(r: dict) -> list[Row]:
+    rows: list[Row] = []
+    for q, goal in (("p50", 1.3), ("p99", 3.0)):
+        ratio = r[f"ratio_{q}"]
+        rows.append((f"Predict latency {q}, one image while learning (bare: idle device)",
+                     _fmt(r["http"][f"{q}_s"], "ms"), _fmt(r["bare_forward_idle"][f"{q}_s"], "ms"), ratio,
+                     f"≤ {goal}", ratio <= goal))
+    for q in ("p50", "p99"):
+        rows.append((f"Predict latency {q}, one image, learner idle", _fmt(r["http_idle"][f"{q}_s"], "ms"),
+                     _fmt(r["bare_forward_idle"][f"{q}_s"], "ms"), r[f"ratio_idle_{q}"], "–", None))
+    return rows
+
+
+def _throughput_rows(r: dict) -> list[Row]:
+    return [(f"Predict throughput, {r['clients']} clients (images/s)", _fmt(r["service_images_per_s"], "/s"),
+             _fmt(r["bare_images_per_s"], "/s"), r["ratio"], "≥ 0.70", r["ratio"] >= 0.7)]
+
+
+def _alignment_rows(r: dict) -> list[Row]:
+    return [("Alignment (Cholesky + solve + blend) per training step", _fmt(r["alignment_s"], "ms"),
+             _fmt(r["step_s"], "ms") + " (step)", r["ratio"], "< 0.03", r["ratio"] < 0.03)]
+
+
+def _refine_rows(r: dict) -> list[Row]:
+    return [("Refine throughput (images/s)", _fmt(r["refine_images_per_s"], "/s"), _fmt(r["bare_images_per_s"], "/s"),
+             r["ratio"], "–", None)]
+
+
+def _bare_learner_rows(r: dict) -> list[Row]:
+    s, rate = r["spec"], r["bare_samples_per_s"]
+    return [(f"Bare learner, {s['model']} @ {s['img_size']} px, {s['method']} + {s['learner']['classifier']} "
+             f"(samples/s)", _fmt(rate, "/s"), "–", None, "≥ 400/s on an H100-class GPU", rate >= 400)]
+
+
+ROWS: dict[str, Callable[[dict], list[Row]]] = {
+    "learner_throughput": _learner_rows, "predict_latency": _latency_rows, "predict_throughput": _throughput_rows,
+    "alignment_cost": _alignment_rows, "refine_throughput": _refine_rows, "gpu_learner_fp32": _learner_rows,
+    "gpu_learner_bf16": _learner_rows, "gpu_predict_latency": _latency_rows, "gpu_vit_b16": _bare_learner_rows,
+}
+
+
+def _device(m: dict) -> str:
+    return m.get("device_name", m.get("processor", "?"))
+
+
+def _where(m: dict) -> str:
+    """Device and dtype (results from before they were recorded ran on the CPU in fp32: there was no autocast)."""
+    return f"{_device(m)}, {m.get('dtype', 'float32')}"
+
+
+def _machine_text(m: dict) -> str:
+    """The device and the software around it (leaving out what a result predates)."""
+    facts = [f"{m['cpus']} CPUs" if "cpus" in m else None,
+             f"{m['torch_threads']} torch threads" if "torch_threads" in m else None, f"torch {m.get('torch')}",
+             f"CUDA {m.get('cuda')}" if m.get("device") == "cuda" else None]
+    return f"{_device(m)} ({', '.join(f for f in facts if f)})"
+
+
+def table(results: dict[str, dict]) -> str:
+    """The README table: one row per measured quantity, with its goal and where it was measured."""
+    lines = ["| measurement | mepo-stream | bare PyTorch reference | ratio | goal | met | measured on |",
+             "|---|---|---|---|---|---|---|"]
+    for name, rows in ROWS.items():
+        if name in results:
+            where = _where(results[name].get("machine", {}))
+            lines += [f"| {what} | {ours} | {bare} | {'–' if ratio is None else f'{ratio:.3f}'} | {goal} | "
+                      f"{'–' if met is None else 'yes' if met else 'no'} | {where} |"
+                      for what, ours, bare, ratio, goal, met in rows(results[name])]
     some = next(iter(results.values()))
-    m = some.get("machine", {})
     times = sorted(r["measured_at"] for r in results.values() if "measured_at" in r)
+    machines = sorted({_machine_text(r["machine"]) for r in results.values() if "machine" in r})
     spec = some.get("spec", some)
     when = f"{times[0]} to {times[-1]}" if times else "?"
-    machine_text = (f"{m.get('cpus', '?')} CPUs ({m.get('processor', '?')}, {m.get('device', '?')}, "
-                    f"torch {m.get('torch', '?')}, {m.get('torch_threads', '?')} threads)")
-    lines += ["", f"Measured {when} on {machine_text}, model {spec.get('model')} @ {spec.get('img_size')} px. "
-              "Ratios are mepo-stream / reference (for memory: the growth)."]
+    lines += ["", f"Measured {when} on {'; '.join(machines)}, model {spec.get('model')} @ {spec.get('img_size')} px "
+              "unless the row names another. Ratios are mepo-stream / reference (for memory: the growth)."]
+    if not any(name in results for name in GPU_BENCHMARKS):
+        lines.append("GPU rows: not measured (`make bench` adds them on a machine with CUDA).")
     return "\n".join(lines)
 
 
@@ -100,8 +214,8 @@ def update_readme(readme: Path, text: str) -> None:
 
 
 def main(mepo: Path | None = None, model: str = "vit_small_patch14_dinov2", weights: str | None = "dinov2",
-         img_size: int = 84, quick: bool = False, only: str | None = None, results: Path = Path("benchmarks/results"),
-         readme: Path | None = Path("README.md")) -> str:
+         img_size: int = 84, quick: bool = False, only: str | None = None, gpu: bool | None = None,
+         results: Path = Path("benchmarks/results"), readme: Path | None = Path("README.md")) -> str:
     """Run all benchmarks, then rewrite the README's results table.
 
     Args:
@@ -111,31 +225,25 @@ def main(mepo: Path | None = None, model: str = "vit_small_patch14_dinov2", weig
         img_size: Backbone resolution.
         quick: Tiny sizes (a smoke run that checks the scripts, not a measurement).
         only: Comma-separated subset of benchmarks to run; the table keeps the others' existing results.
+        gpu: Run the GPU rows (null: when CUDA is present; true also runs them without CUDA, on the CPU, as the
+            smoke test does).
         results: Folder of the JSON results.
         readme: README to update (null: only print the table).
     """
-    selected = BENCHMARKS if only is None else tuple(b.strip() for b in only.split(","))
-    if unknown := set(selected) - set(BENCHMARKS):
-        raise ValueError(f"unknown benchmark(s) {sorted(unknown)}; choose from {', '.join(BENCHMARKS)}")
+    selected = ALL if only is None else tuple(b.strip() for b in only.split(","))
+    if unknown := set(selected) - set(ALL):
+        raise ValueError(f"unknown benchmark(s) {sorted(unknown)}; choose from {', '.join(ALL)}")
+    run_gpu = torch.cuda.is_available() if gpu is None else gpu
+    if skipped := [] if run_gpu else [b for b in selected if b in GPU_BENCHMARKS]:
+        why = "CUDA is not available here" if gpu is None else "--gpu false"
+        print(f"== GPU rows skipped ({why}): {', '.join(skipped)}", flush=True)
     work = results / "work"
-    spec = ["--spec.model", model, "--spec.weights", weights or "null", "--spec.img_size", str(img_size)]
-    spec += ["--spec.mepo", str(mepo or sigma_bundle(model, weights, img_size, work))]
-    sizes = {
-        "learner_throughput": ["--spec.train_per_class", "10" if quick else "100",
-                               "--bare_batches", "2" if quick else "8"],
-        "predict_latency": ["--spec.train_per_class", "10" if quick else "100", "--requests", "10" if quick else "300",
-                            "--idle_requests", "10" if quick else "100"],
-        "predict_throughput": ["--spec.train_per_class", "2" if quick else "10", "--seconds", "3" if quick else "30",
-                               "--bare_seconds", "1" if quick else "10"],
-        "alignment_cost": ["--repeats", "2" if quick else "10"],
-    }
-    for name in [b for b in BENCHMARKS[:-1] if b in selected]:
-        _run(name, [*spec, *sizes[name], "--out", str(results / f"{name}.json"),
-                    *(["--work", str(work / name)] if name != "alignment_cost" else [])])
-    if "refine_throughput" in selected:
-        _run("refine_throughput", ["--model", model, "--img_size", str(img_size), "--steps", "2" if quick else "10",
-                                   "--rounds", "1" if quick else "3", "--out", str(results / "refine_throughput.json")])
-    text = table({name: json.loads((results / f"{name}.json").read_text()) for name in BENCHMARKS
+    spec = ServiceSpec(model=model, weights=weights, img_size=img_size,
+                       mepo=mepo or sigma_bundle(model, weights, img_size, work))
+    for name in [b for b in ALL if b in selected and b not in skipped]:
+        module, args = job(name, spec, quick, work)
+        _run(module, [*args, "--out", str(results / f"{name}.json")], cuda=name in GPU_BENCHMARKS)
+    text = table({name: json.loads((results / f"{name}.json").read_text()) for name in ROWS
                   if (results / f"{name}.json").is_file()})
     if readme is not None:
         update_readme(readme, text)

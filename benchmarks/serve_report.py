@@ -83,7 +83,7 @@ def main(spec: ServiceSpec = ServiceSpec(train_per_class=50), test_per_class: in
     learned_after_first = status["samples_seen"] - (first[1] if first else 0)
     latency = quantiles(latencies)
     return write_result({
-        "benchmark": "serve_report", "spec": {**spec.__dict__, "mepo": str(spec.mepo)}, "stream_samples": expected,
+        "benchmark": "serve_report", "spec": spec.as_json(), "stream_samples": expected,
         "samples_learned": status["samples_seen"],
         "samples_per_s": round(learned_after_first / (end - first[0]), 3) if first else None,
         "a_auc": status["anytime_accuracy"]["a_auc"], "a_last": status["a_last"],
@@ -94,7 +94,7 @@ def main(spec: ServiceSpec = ServiceSpec(train_per_class=50), test_per_class: in
         "bad_records_injected": n_bad, "dead_lettered": status["dead_lettered"],
         "wall_time_s": round(end - start, 1),
         "metrics_lines": sum(1 for line in metrics.splitlines() if line.startswith("mepo_")),
-    }, out)
+    }, out, *spec.placement())
 
 
 if __name__ == "__main__":

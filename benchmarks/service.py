@@ -2,8 +2,11 @@
 
 The service runs as users run it (``python -m mepo_stream.cli serve`` in a separate process, talking to an
 embedded Tansu broker over TCP), and the benchmark talks to it over real HTTP. The bare-PyTorch references
-(:func:`bare_method`, :func:`machine`) are built here from the same library pieces, so a ratio compares the
-same model doing the same arithmetic with and without the service around it.
+(:func:`bare_learner`) are built here from the same library pieces (``mepo_stream.model.build_method`` and the
+core ``OnlineLearner``), with the same configuration the service is given on its command line, on the same
+device and under the same autocast dtype, so a ratio compares the same model doing the same arithmetic with
+and without the service around it. :func:`seconds` is the one clock of every bare loop, and :func:`machine`
+records where a result was measured.
 
 Example:
     >>> with running_service(ServiceSpec(), work=Path("/tmp/bench")) as service:  # doctest: +SKIP
@@ -19,24 +22,26 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 
 import httpx
 import torch
 
-from mepo_stream.alignment import AlignmentConfig, FeatureAlignment
-from mepo_stream.artifacts import load_sigma_pre, read_manifest
-from mepo_stream.backbone import BackboneConfig, create_backbone
+from mepo_stream.backbone import BackboneConfig, device
 from mepo_stream.data import DataConfig, list_files
-from mepo_stream.methods import MethodsConfig, create_method
+from mepo_stream.learner import PAPER_RECIPE, LearnerConfig, OnlineLearner, resolve_precision
 from mepo_stream.methods.base import ContinualMethod
+from mepo_stream.model import BundleParts, build_method
 from server.broker import EmbeddedBroker, free_port
+from server.config import ServeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "mepo_stream.cli"]
+PAPER_METHOD = "misa"
+"""The paper's host method; ``PAPER_RECIPE`` holds the rest of its recipe (linear head, batch mask)."""
 
 
 @dataclass(frozen=True)
@@ -54,9 +59,11 @@ class ServiceSpec:
     img_size: int = 84
     """Backbone resolution."""
     mepo: Path | None = None
-    """MePo bundle (backbone and/or Sigma_pre); null runs the host method alone."""
-    method: str = "misa"
+    """MePo bundle (backbone, Sigma_pre and/or prompts); null runs the host method alone."""
+    method: str = ServeConfig.method
     """Host method."""
+    learner: LearnerConfig = ServeConfig.learner
+    """Online learning settings (classifier, steps, precision, ...), given to the service and the bare loop."""
     extra: tuple[str, ...] = ()
     """More ``mepo serve`` options, e.g. ("--cfg.eval_period", "0")."""
 
@@ -64,11 +71,33 @@ class ServiceSpec:
     def data(self) -> DataConfig:
         return DataConfig(self.dataset, train_per_class=self.train_per_class)
 
-    def backbone(self) -> BackboneConfig:
-        weights = self.weights
-        if self.mepo is not None and "backbone.safetensors" in read_manifest(self.mepo)["files"]:
-            weights = str(self.mepo)
-        return BackboneConfig(self.model, weights, self.img_size)
+    def placement(self) -> tuple[torch.device, torch.dtype]:
+        """The device and autocast dtype the service runs this spec with (the bare loops use the same)."""
+        dev = device()
+        return dev, resolve_precision(self.learner.precision, dev)
+
+    def as_json(self) -> dict:
+        """The spec as plain JSON values, for the result files."""
+        return json.loads(json.dumps(asdict(self), default=str))
+
+
+def paper_recipe(spec: ServiceSpec) -> ServiceSpec:
+    """``spec`` with the paper's host and learner (MISA, SGD-trained linear head, ``online_iter`` Adam steps per
+    batch): the expensive configuration. The precision stays the spec's."""
+    return replace(spec, method=PAPER_METHOD, learner=replace(PAPER_RECIPE, precision=spec.learner.precision))
+
+
+def cli_args(config, prefix: str) -> list[str]:
+    """``--{prefix}{field} value`` for every field of a dataclass (nested ones flattened, as jsonargparse reads
+    them), so a config object reaches ``mepo serve`` or a benchmark script exactly, with nothing restated."""
+    args = []
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if is_dataclass(value):
+            args += cli_args(value, f"{prefix}{f.name}.")
+        else:
+            args += [f"--{prefix}{f.name}", str(value) if isinstance(value, str | Path) else json.dumps(value)]
+    return args
 
 
 @dataclass
@@ -125,7 +154,8 @@ def running_service(spec: ServiceSpec, work: Path, produce_first: bool = True) -
         args = CLI + ["serve", "--cfg.kafka.bootstrap_servers", broker.bootstrap, "--cfg.data.dataset", spec.dataset,
                       "--cfg.data.train_per_class", str(spec.train_per_class), "--cfg.backbone.name", spec.model,
                       "--cfg.backbone.weights", spec.weights or "null", "--cfg.backbone.img_size", str(spec.img_size),
-                      "--cfg.method", spec.method, "--cfg.checkpoint_dir", str(work), "--cfg.port", str(port),
+                      "--cfg.method", spec.method, *cli_args(spec.learner, "cfg.learner."),
+                      "--cfg.checkpoint_dir", str(work), "--cfg.port", str(port),
                       *(["--cfg.mepo", str(spec.mepo)] if spec.mepo else []), *spec.extra]
         process = subprocess.Popen(args, stdout=open(work / "serve.log", "wb"), stderr=subprocess.STDOUT,
                                    env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
@@ -163,13 +193,34 @@ def _wait_http(http: httpx.Client, process: subprocess.Popen, timeout: float = 6
 
 
 def bare_method(spec: ServiceSpec, n_classes: int) -> ContinualMethod:
-    """The service's model (backbone, host method, Meta Cov alignment) built directly, for bare-loop references."""
-    sigma = None
-    if spec.mepo is not None and "sigma_pre.safetensors" in read_manifest(spec.mepo)["files"]:
-        sigma = load_sigma_pre(spec.mepo)
-    a = AlignmentConfig()  # the service's defaults
-    align = None if sigma is None else FeatureAlignment(sigma, a.alpha, a.eps, a.momentum)
-    return create_method(spec.method, create_backbone(spec.backbone()), n_classes, align, MethodsConfig())
+    """The service's model (backbone, host method, every part of the MePo bundle), built by the one function the
+    service builds it with, on the device the service runs on."""
+    backbone = BackboneConfig(spec.model, spec.weights, spec.img_size)
+    return build_method(spec.method, n_classes, backbone, BundleParts.of(spec.mepo), ServeConfig.methods,
+                        ServeConfig.alignment, device())
+
+
+def bare_learner(spec: ServiceSpec, n_classes: int) -> OnlineLearner:
+    """The service's learner without the service: its ``observe`` and ``predict`` on tensors already on the
+    device are the bare PyTorch work of a mini-batch (the same autocast dtype, fused Adam on CUDA, and for a
+    statistics classifier on a host without prompts no gradient step), minus Kafka, decoding and HTTP."""
+    return OnlineLearner(bare_method(spec, n_classes), n_classes, spec.learner, device())
+
+
+def synchronize(dev: torch.device) -> None:
+    """Wait for the device's queued work (CUDA kernels run asynchronously; the CPU is always done)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def seconds(fn: Callable[[], object], dev: torch.device) -> float:
+    """Wall seconds of one call of ``fn``, the device synchronised before both clock reads, so the clock
+    measures the work and not just its launch."""
+    synchronize(dev)
+    start = time.perf_counter()
+    fn()
+    synchronize(dev)
+    return time.perf_counter() - start
 
 
 def quantiles(values: list[float]) -> dict[str, float]:
@@ -178,15 +229,28 @@ def quantiles(values: list[float]) -> dict[str, float]:
     return {"p50_s": q[49], "p99_s": q[98]}
 
 
-def machine() -> dict:
-    """Where a result was measured."""
-    return {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "device": "cuda" if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__, "python": platform.python_version()}
+def device_name(dev: torch.device) -> str:
+    """The GPU's name, or the CPU model from /proc/cpuinfo (``platform.processor()`` is often only "x86_64")."""
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    cpuinfo = Path("/proc/cpuinfo")
+    models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+              if line.startswith("model name")] if cpuinfo.is_file() else []
+    return models[0] if models else platform.processor() or platform.machine()
 
 
-def write_result(result: dict, out: Path) -> dict:
-    result = {**result, "machine": machine(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+def machine(dev: torch.device, dtype: torch.dtype) -> dict:
+    """Where a result was measured: the device and dtype both sides of its ratio ran with, and the software."""
+    return {"device": dev.type, "device_name": device_name(dev), "dtype": str(dtype).removeprefix("torch."),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "torch_threads": torch.get_num_threads(),
+            "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version()}
+
+
+def write_result(result: dict, out: Path, dev: torch.device, dtype: torch.dtype) -> dict:
+    """Write ``result`` with the machine it was measured on (``dev``, ``dtype``) and the time."""
+    result = {**result, "machine": machine(dev, dtype),
+              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

@@ -1,5 +1,6 @@
 """Benchmarks are not tests, but each script must keep running: smoke runs on tiny sizes, no timing asserts."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -7,33 +8,100 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from jsonargparse import ArgumentParser
 
-from benchmarks.run_all import END, START, update_readme
+from benchmarks.run_all import ALL, BENCHMARKS, END, GPU_BENCHMARKS, START, job, table, update_readme
+from benchmarks.service import ServiceSpec
 
 ROOT = Path(__file__).parents[1]
 TINY = ["--model", "test_vit", "--weights", "null", "--img_size", "32"]
 
 
-def _run(module: str, *args: str) -> None:
-    subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], check=True, cwd=ROOT,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True)
+def _run(module: str, *args: str) -> str:
+    return subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], check=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True).stdout
 
 
+def _results(folder: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in folder.glob("*.json")}
+
+
+@pytest.mark.timeout(1200)  # a dozen processes; on a busy 2-core machine it has taken 8 minutes
 def test_run_all_smoke_writes_every_result_and_the_readme_table(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\nbefore\n{START}\nold table\n{END}\nafter\n")
-    _run("run_all", "--quick", "true", *TINY, "--results", str(tmp_path / "results"), "--readme", str(readme))
-    results = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "results").glob("*.json")}
-    assert set(results) == {"learner_throughput", "predict_latency", "predict_throughput", "alignment_cost",
-                            "refine_throughput"}
+    out = _run("run_all", "--quick", "true", "--gpu", "false", *TINY, "--results", str(tmp_path / "results"),
+               "--readme", str(readme))
+    assert "GPU rows skipped" in out
+    results = _results(tmp_path / "results")
+    assert set(results) == set(BENCHMARKS)  # the GPU rows skipped (and the CPU rows on the CPU, CUDA or not)
     assert all(r[key] > 0 for r in results.values() for key in r if key.startswith("ratio"))
     learner = results["learner_throughput"]
-    assert learner["stream_samples"] == 100 and learner["learn_only"]["ratio"] > 0 < learner["prequential"]["ratio"]
+    assert learner["stream_samples"] == 100
+    assert all(learner[c]["ratio"] > 0 for c in ("learn_only", "prequential", "paper_recipe"))
+    assert (learner["paper_recipe"]["method"], learner["paper_recipe"]["classifier"]) == ("misa", "linear")
     assert results["predict_throughput"]["answered"] > 0 and results["predict_throughput"]["failed"] == 0
     assert 0 < results["predict_latency"]["requests_while_learning"] <= 10
+    assert all(r["machine"]["device"] == "cpu" and r["machine"]["dtype"] == "float32" and r["machine"]["device_name"]
+               and "cuda" in r["machine"] and r["machine"]["torch_threads"] > 0 for r in results.values())
     text = readme.read_text()
     assert "old table" not in text and text.startswith("# x\n\nbefore\n") and text.endswith(f"{END}\nafter\n")
     assert text.count("| ") > 7 and "Learner throughput" in text and "Alignment" in text
+    assert "| measured on |" in text and "GPU rows: not measured" in text
+
+
+def test_gpu_rows_smoke_on_the_cpu(tmp_path):
+    """The GPU rows' functions at tiny sizes (on the CPU without CUDA): bf16 service and bare loop, bare ViT."""
+    _run("run_all", "--quick", "true", "--gpu", "true", "--only", "gpu_learner_bf16,gpu_vit_b16", *TINY,
+         "--results", str(tmp_path / "results"), "--readme", "null")
+    results = _results(tmp_path / "results")
+    assert set(results) == {"gpu_learner_bf16", "gpu_vit_b16"}
+    assert all(r["machine"]["dtype"] == "bfloat16" for r in results.values())
+    learner = results["gpu_learner_bf16"]
+    assert "learn_only" not in learner and learner["prequential"]["ratio"] > 0 < learner["paper_recipe"]["ratio"]
+    assert results["gpu_vit_b16"]["bare_samples_per_s"] > 0 and results["gpu_vit_b16"]["spec"]["method"] == "misa"
+    text = table(results)
+    assert "Bare learner, test_vit @ 32 px, misa + linear" in text and "bfloat16 |" in text
+    assert "GPU rows: not measured" not in text
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_job_passes_arguments_its_script_reads(name, tmp_path):
+    """Each result's command line parses with its script's own parser (the GPU rows' precision pinned)."""
+    spec = ServiceSpec(model="test_vit", weights=None, img_size=32, mepo=None)
+    module, args = job(name, spec, quick=True, work=tmp_path)
+    parser = ArgumentParser()
+    parser.add_function_arguments(importlib.import_module(f"benchmarks.{module}").main)
+    parsed = parser.parse_args([*args, "--out", str(tmp_path / "out.json")])
+    if name.startswith("gpu_learner_"):
+        assert parsed.spec.learner.precision == name.removeprefix("gpu_learner_")
+    if name == "gpu_vit_b16":
+        assert parsed.spec.learner.precision == "bf16" and parsed.spec.method == "misa"
+
+
+def test_table_reads_results_from_before_devices_were_recorded():
+    """The committed results' table (they may predate the recorded device and dtype, and the GPU rows)."""
+    results = {name: r for name, r in _results(ROOT / "benchmarks" / "results").items()
+               if name in ALL}
+    text = table(results)
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert rows and all(line.count(" | ") == 6 for line in rows)
+    assert all(results[name]["machine"].get("dtype", "float32") in text for name in results)
+    assert ("GPU rows: not measured" in text) == (not set(GPU_BENCHMARKS) & set(results))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_rows_measure_on_the_gpu(tmp_path):
+    """The GPU-only path: by default (CUDA present) the GPU rows run, each on the GPU in its own dtype."""
+    _run("run_all", "--quick", "true", *TINY, "--only", ",".join(GPU_BENCHMARKS), "--results",
+         str(tmp_path / "results"), "--readme", "null")
+    machines = {name: r["machine"] for name, r in _results(tmp_path / "results").items()}
+    assert set(machines) == set(GPU_BENCHMARKS)
+    assert all(m["device"] == "cuda" and m["device_name"] == torch.cuda.get_device_name() and m["cuda"]
+               for m in machines.values())
+    assert machines["gpu_learner_fp32"]["dtype"] == "float32" and machines["gpu_vit_b16"]["dtype"] == "bfloat16"
 
 
 def test_readme_without_markers_is_a_clear_error(tmp_path):
