@@ -31,7 +31,8 @@ import torch
 from benchmarks.service import ROOT, ServiceSpec, cli_args, paper_recipe
 
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
-BENCHMARKS = ("learner_throughput", "predict_latency", "predict_throughput", "alignment_cost", "refine_throughput")
+BENCHMARKS = ("learning_quality", "learner_throughput", "predict_latency", "predict_throughput", "alignment_cost",
+              "refine_throughput")
 GPU_BENCHMARKS = ("gpu_learner_fp32", "gpu_learner_bf16", "gpu_predict_latency", "gpu_vit_b16")
 ALL = (*BENCHMARKS, *GPU_BENCHMARKS)
 GPU_LEARNER_CONFIGS = ("prequential", "paper_recipe")
@@ -87,6 +88,9 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path) -> tuple[str, lis
         return "predict_latency", [*stream(spec, 10, 100), "--requests", n(10, 300), "--idle_requests", n(10, 100)]
 
     jobs: dict[str, Callable[[], tuple[str, list[str]]]] = {  # called for the one result asked for only
+        "learning_quality": lambda: ("learning_quality", [*cli_args(replace(spec, train_per_class=int(n(10, 100))),
+                                                                    "spec."), "--test_per_class", n(5, 50),
+                                                          "--eval_period", n(50, 250), "--work", str(work / name)]),
         "learner_throughput": lambda: learner(spec),
         "predict_latency": latency,
         "predict_throughput": lambda: ("predict_throughput", [*stream(spec, 2, 10), "--seconds", n(3, 30),
@@ -137,6 +141,13 @@ def _latency_rows(r: dict) -> list[Row]:
     return rows
 
 
+def _quality_rows(r: dict) -> list[Row]:
+    s = r["spec"]
+    return [(f"Learning quality: A_last ÷ offline probe ({s['method']} + {s['learner']['classifier']}, the service's "
+             f"default; {s['dataset']} {r['stream_samples']}-sample stream, seed {r['seed']})",
+             f"A_last {r['a_last']:.3f}", f"probe {r['ceiling']:.3f}", r["ratio"], "≥ 0.80", r["ratio"] >= 0.8)]
+
+
 def _throughput_rows(r: dict) -> list[Row]:
     return [(f"Predict throughput, {r['clients']} clients (images/s)", _fmt(r["service_images_per_s"], "/s"),
              _fmt(r["bare_images_per_s"], "/s"), r["ratio"], "≥ 0.70", r["ratio"] >= 0.7)]
@@ -159,7 +170,8 @@ def _bare_learner_rows(r: dict) -> list[Row]:
 
 
 ROWS: dict[str, Callable[[dict], list[Row]]] = {
-    "learner_throughput": _learner_rows, "predict_latency": _latency_rows, "predict_throughput": _throughput_rows,
+    "learning_quality": _quality_rows, "learner_throughput": _learner_rows, "predict_latency": _latency_rows,
+    "predict_throughput": _throughput_rows,
     "alignment_cost": _alignment_rows, "refine_throughput": _refine_rows, "gpu_learner_fp32": _learner_rows,
     "gpu_learner_bf16": _learner_rows, "gpu_predict_latency": _latency_rows, "gpu_vit_b16": _bare_learner_rows,
 }

@@ -9,7 +9,7 @@ Example:
     >>> g = torch.Generator().manual_seed(0)
     >>> x = torch.cat([torch.randn(50, 4, generator=g) + 3, torch.randn(50, 4, generator=g) - 3])
     >>> y = torch.tensor([0] * 50 + [1] * 50)
-    >>> probe = fit_probe(x, y, n_classes=2)
+    >>> probe = fit_probe(x, y, n_classes=2, cfg=ProbeConfig(epochs=50, lr=1e-2))
     >>> probe_accuracy(probe, x, y)
     1.0
 """

@@ -42,12 +42,16 @@ def test_run_all_smoke_writes_every_result_and_the_readme_table(tmp_path):
     assert all(learner[c]["ratio"] > 0 for c in ("learn_only", "prequential", "paper_recipe"))
     assert (learner["paper_recipe"]["method"], learner["paper_recipe"]["classifier"]) == ("misa", "linear")
     assert results["predict_throughput"]["answered"] > 0 and results["predict_throughput"]["failed"] == 0
+    quality = results["learning_quality"]
+    assert 0 < quality["ceiling"] <= 1 and quality["ratio"] == pytest.approx(quality["a_last"] / quality["ceiling"])
+    assert quality["spec"]["method"] == "frozen" and quality["stream_samples"] == 100
     assert 0 < results["predict_latency"]["requests_while_learning"] <= 10
     assert all(r["machine"]["device"] == "cpu" and r["machine"]["dtype"] == "float32" and r["machine"]["device_name"]
                and "cuda" in r["machine"] and r["machine"]["torch_threads"] > 0 for r in results.values())
     text = readme.read_text()
     assert "old table" not in text and text.startswith("# x\n\nbefore\n") and text.endswith(f"{END}\nafter\n")
     assert text.count("| ") > 7 and "Learner throughput" in text and "Alignment" in text
+    assert "Learning quality: A_last ÷ offline probe" in text
     assert "| measured on |" in text and "GPU rows: not measured" in text
 
 
