@@ -51,10 +51,10 @@ def stream_batches(spec: ServiceSpec, batches: int, dev: torch.device) -> list[t
 
 def learn(learner: OnlineLearner, images: torch.Tensor, labels: torch.Tensor, prequential: bool) -> None:
     """One mini-batch as the service learns it: predicted first under test-then-train, then observed."""
-    if prequential and learner.exposed:
-        mode = ServeConfig.alignment.inference_mode
-        learner.predict(images, (mode,))
-    learner.observe(images, labels)
+    if prequential:
+        learner.test_then_train(images, labels, ServeConfig.alignment.inference_mode)
+    else:
+        learner.observe(images, labels)
 
 
 def bare_rate(spec: ServiceSpec, batches: int, prequential: bool) -> float:

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from mepo_stream.alignment import AlignMode
 from mepo_stream.backbone import normalization
 from mepo_stream.heads import NearestClassMean, RunningStandardize, StreamingLDA
-from mepo_stream.methods.base import ContinualMethod
+from mepo_stream.methods.base import ContinualMethod, Encoded
 from mepo_stream.transforms import Transform, test_transform, train_transform
 
 
@@ -154,28 +154,41 @@ class OnlineLearner:
     def slot(self) -> int:
         return self.samples_seen // self.cfg.samples_per_slot
 
-    def autocast(self) -> AbstractContextManager:
-        """Mixed precision for the backbone and prompts (a no-op at fp32)."""
-        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
-
-    def observe(self, images: torch.Tensor, labels: torch.Tensor) -> float:
+    def observe(self, images: torch.Tensor, labels: torch.Tensor, encoded: Encoded | None = None) -> float:
         """Learn one stream mini-batch: uint8 images [B, 3, H, W], original labels [B]; returns the mean loss
-        of the gradient steps (0 when the learner takes none)."""
+        of the gradient steps (0 when the learner takes none). ``encoded``: the batch's prediction encoding, when
+        the caller already has it and no gradient step will change the model before the statistics update."""
         self._register(labels)
         target = torch.tensor([self._index[y] for y in labels.tolist()], device=self.device)  # [B]
         images = images.to(self.device, non_blocking=True)
         loss = self._gradient_steps(images, target) if self.trains_by_gradient else 0.0
         if self.method.classifier is not None:
-            self._update_statistics(images, target)
+            self._update_statistics(images, target, encoded)
         self.samples_seen += len(labels)
         return loss
+
+    def test_then_train(self, images: torch.Tensor, labels: torch.Tensor, align_mode: AlignMode = "running"
+                        ) -> torch.Tensor | None:
+        """Predict the batch's original labels [B] (None before any class is known), then learn it.
+
+        Why one method: a learner that takes no gradient step (a frozen host with a statistics classifier) feeds
+        the prediction's encoding to the statistics update, so the batch costs one backbone forward, not two.
+        """
+        if not self.exposed:
+            self.observe(images, labels)
+            return None
+        with torch.inference_mode():
+            encoded = encode_for_prediction(self.method, self.test_tf, images, self.device, self.dtype)
+            logits = masked_logits(self.method, encoded, align_mode, len(self.exposed), self.cfg.eval_mask)
+        self.observe(images, labels, None if self.trains_by_gradient else encoded)
+        return self._labels(logits.argmax(1))
 
     def _gradient_steps(self, images: torch.Tensor, target: torch.Tensor) -> float:
         mask = self._train_mask(target)
         self.method.train()
         losses = []
         for _ in range(self.cfg.online_iter):
-            with self.autocast():
+            with autocast(self.device, self.dtype):
                 logits, aux = self.method(self.train_tf(images), slot=self.slot)  # [B, C]
             if mask is not None:
                 logits = logits + mask
@@ -187,12 +200,10 @@ class OnlineLearner:
         return torch.stack(losses).mean().item()
 
     @torch.no_grad()
-    def _update_statistics(self, images: torch.Tensor, target: torch.Tensor) -> None:
-        """Fold the un-augmented batch's features (as predictions will see them) into the classifier."""
-        self.method.eval()
-        with self.autocast():
-            encoded = self.method.encode(self.test_tf(images))
-        encoded.feature = encoded.feature.float()  # [B, D]
+    def _update_statistics(self, images: torch.Tensor, target: torch.Tensor, encoded: Encoded | None) -> None:
+        """Fold the un-augmented batch's features (as predictions see them) into the classifier."""
+        if encoded is None:
+            encoded = encode_for_prediction(self.method, self.test_tf, images, self.device, self.dtype)
         alignment = self.method.alignment
         if alignment is not None and not self.trains_by_gradient:  # nothing else feeds its running statistics
             alignment.update_running(encoded.feature)
@@ -236,11 +247,16 @@ class OnlineLearner:
         return {m: self._labels(lg.argmax(1)) for m, lg in self.predict_logits(images, align_modes).items()}
 
 
+def autocast(device: torch.device, dtype: torch.dtype) -> AbstractContextManager:
+    """Mixed precision for the backbone and prompts (a no-op at fp32)."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
 def encode_for_prediction(method: ContinualMethod, transform: Transform, images: torch.Tensor,
-                          device: torch.device, dtype: torch.dtype):
+                          device: torch.device, dtype: torch.dtype) -> Encoded:
     """The eval-mode encoding of uint8 images [B, 3, H, W] (feature in fp32), under the learner's precision."""
     method.eval()
-    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+    with autocast(device, dtype):
         encoded = method.encode(transform(images.to(device, non_blocking=True)))
     encoded.feature = encoded.feature.float()
     return encoded

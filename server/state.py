@@ -158,13 +158,16 @@ class ServiceState:
         labels = torch.tensor([s.meta.label for s in batch])
         start = time.perf_counter()
         with self._lock:
-            if self.cfg.prequential and self.learner.exposed:
-                mode = self.cfg.alignment.inference_mode
-                pred = self.learner.predict(images, (mode,))[mode]
-                for event in self.monitor.update(labels.tolist(), pred.tolist(), self.learner.samples_seen):
+            seen_before = self.learner.samples_seen
+            pred = None
+            if self.cfg.prequential:
+                pred = self.learner.test_then_train(images, labels, self.cfg.alignment.inference_mode)
+            else:
+                self.learner.observe(images, labels)
+            if pred is not None:
+                for event in self.monitor.update(labels.tolist(), pred.tolist(), seen_before):
                     self.metrics.drift.labels(event["detector"]).inc()
                     log.warning("drift detected at %d samples by %s", event["samples_seen"], event["detector"])
-            self.learner.observe(images, labels)
             self.book.mark_learned([(s.meta.stream_id, s.meta.sample_index) for s in batch])
             self.version += 1
             self.snapshot = take_snapshot(self.learner, self.version, self.cfg.alignment.inference_mode)

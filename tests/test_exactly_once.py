@@ -190,12 +190,12 @@ def test_a_replay_while_its_original_is_in_the_learning_step_is_skipped(tmp_path
         loop._accept(r)
     observe, seen_in_step = state.learner.observe, {}
 
-    def observe_and_accept(images, labels):
+    def observe_and_accept(images, labels, *rest):
         if not seen_in_step:
             loop._accept(record(4, 0))  # a replay of sample 0, which is in this very step
             loop._accept(record(5, 4))  # a new sample
             seen_in_step.update(consumed=dict(loop.consumed), skipped=state.book.replays_skipped)
-        observe(images, labels)
+        observe(images, labels, *rest)
 
     state.learner.observe = observe_and_accept
     loop._learn_pending()

@@ -152,3 +152,23 @@ def test_statistics_classifier_state_round_trip(tiny_backbone):
     b.load_state_dict(copy.deepcopy(a.state_dict()))
     images = color_images(torch.arange(4).repeat(4))
     assert torch.equal(a.predict_logits(images)["running"], b.predict_logits(images)["running"])
+
+
+def test_test_then_train_equals_predict_then_observe(tiny_backbone):
+    """One forward serves the prediction and the statistics of a frozen host: same answers, same state."""
+    import copy
+
+    cfg = LearnerConfig(autoaugment=None, batch_size=16)
+    a = OnlineLearner(create_method("frozen", tiny_backbone, 4), 4, cfg)
+    b = OnlineLearner(create_method("frozen", copy.deepcopy(tiny_backbone), 4), 4, cfg)
+    b.load_state_dict(copy.deepcopy(a.state_dict()))
+    stream = torch.randint(0, 4, (64,), generator=torch.Generator().manual_seed(3))
+    for y in stream.split(16):
+        torch.manual_seed(7)
+        got = a.test_then_train(color_images(y), y)
+        torch.manual_seed(7)
+        expected = b.predict(color_images(y))["running"] if b.exposed else None
+        b.observe(color_images(y), y)
+        assert (got is None and expected is None) or torch.equal(got, expected)
+    for k, v in a.method.state_dict().items():
+        torch.testing.assert_close(v, b.method.state_dict()[k], msg=k)
