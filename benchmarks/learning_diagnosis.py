@@ -107,13 +107,11 @@ def predict_cached(learner: OnlineLearner, feats: torch.Tensor) -> torch.Tensor:
     """Original-label predictions [N] from cached frozen features [N, D], through the learner's own
     prediction function (``masked_logits``): the same numbers ``learner.predict`` gives, without the backbone."""
     learner.method.eval()
-    table = torch.full((learner.n_classes,), -1, dtype=torch.long)
-    table[: len(learner.exposed)] = torch.tensor(learner.exposed, dtype=torch.long)
     preds = []
     for s in range(0, len(feats), EVAL_BATCH):
         encoded = Encoded(feats[s: s + EVAL_BATCH].to(learner.device), feats.new_zeros(()))
         logits = masked_logits(learner.method, encoded, "running", len(learner.exposed), learner.cfg.eval_mask)
-        preds.append(table[logits.argmax(1).cpu()])
+        preds.append(learner.to_labels(logits.argmax(1)))
     return torch.cat(preds)
 
 

@@ -77,17 +77,14 @@ class ClassStatistics(nn.Module):
     def seen(self) -> int:
         return int((self.counts > 0).sum())
 
-    def accumulate(self, h: torch.Tensor, y: torch.Tensor) -> None:
+    @torch.no_grad()
+    def update(self, h: torch.Tensor, y: torch.Tensor) -> None:
         """Add features [B, D] with head-order labels [B]."""
         h = h.detach().double()
         self.counts.index_add_(0, y, torch.ones_like(y, dtype=torch.float64))
         self.sums.index_add_(0, y, h)
         self.second += h.T @ h
         self._cache.clear()
-
-    @torch.no_grad()
-    def update(self, h: torch.Tensor, y: torch.Tensor) -> None:
-        self.accumulate(h, y)
 
     def means(self) -> torch.Tensor:
         """Class means [C, D] (zero rows for unseen classes)."""
@@ -169,7 +166,7 @@ class StreamingLDA(ClassStatistics):
         if self.seen > 0:
             for k in range(len(self.shrinkage)):
                 self.hits[k] += (self.scores(h, k).argmax(1) == y).sum()
-        self.accumulate(h, y)
+        super().update(h, y)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.seen == 0:

@@ -181,7 +181,7 @@ class OnlineLearner:
             encoded = encode_for_prediction(self.method, self.test_tf, images, self.device, self.dtype)
             logits = masked_logits(self.method, encoded, align_mode, len(self.exposed), self.cfg.eval_mask)
         self.observe(images, labels, None if self.trains_by_gradient else encoded)
-        return self._labels(logits.argmax(1))
+        return self.to_labels(logits.argmax(1))
 
     def _gradient_steps(self, images: torch.Tensor, target: torch.Tensor) -> float:
         mask = self._train_mask(target)
@@ -227,7 +227,7 @@ class OnlineLearner:
         self._index = {y: i for i, y in enumerate(self.exposed)}
         self.samples_seen = int(state["samples_seen"])
 
-    def _labels(self, index: torch.Tensor) -> torch.Tensor:
+    def to_labels(self, index: torch.Tensor) -> torch.Tensor:
         """Head outputs -> original labels (-1 for outputs no class has been mapped to yet)."""
         table = torch.full((self.n_classes,), -1, dtype=torch.long)
         table[: len(self.exposed)] = torch.tensor(self.exposed, dtype=torch.long)
@@ -244,7 +244,7 @@ class OnlineLearner:
     def predict(self, images: torch.Tensor, align_modes: tuple[AlignMode, ...] = ("running",)
                 ) -> dict[AlignMode, torch.Tensor]:
         """Predicted original labels [B] per alignment mode."""
-        return {m: self._labels(lg.argmax(1)) for m, lg in self.predict_logits(images, align_modes).items()}
+        return {m: self.to_labels(lg.argmax(1)) for m, lg in self.predict_logits(images, align_modes).items()}
 
 
 def autocast(device: torch.device, dtype: torch.dtype) -> AbstractContextManager:
