@@ -30,8 +30,8 @@ from benchmarks.learner_throughput import stream_batches
 from benchmarks.service import ServiceSpec, bare_learner, quantiles, running_service, seconds, write_result
 from mepo_stream.data import list_files
 from mepo_stream.images import decode_image
-from mepo_stream.snapshot import take_snapshot
 from server.config import ServeConfig
+from server.snapshot import take_snapshot
 
 
 def bare_predictor(spec: ServiceSpec, n_classes: int) -> Callable[[torch.Tensor], float]:

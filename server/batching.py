@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mepo_stream.snapshot import Snapshot
+from server.snapshot import Snapshot
 
 
 @dataclass

@@ -11,8 +11,8 @@ from mepo_stream.data import DataConfig
 from mepo_stream.images import ImageLimits
 from mepo_stream.learner import LearnerConfig
 from mepo_stream.methods import MethodsConfig
-from mepo_stream.monitor import MonitorConfig
 from mepo_stream.records import KafkaConfig
+from server.monitor import MonitorConfig
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,11 @@ from mepo_stream.data import ImageSet, list_files, load_split
 from mepo_stream.evaluation import evaluate_seen
 from mepo_stream.learner import OnlineLearner
 from mepo_stream.model import BundleParts, build_method
-from mepo_stream.monitor import StreamMonitor
 from mepo_stream.records import RecordMeta
-from mepo_stream.snapshot import Snapshot, take_snapshot
 from server.config import ServeConfig
 from server.metrics import ServerMetrics
+from server.monitor import StreamMonitor
+from server.snapshot import Snapshot, take_snapshot
 from server.staging import stack_images
 
 log = logging.getLogger(__name__)

@@ -97,7 +97,7 @@ def test_state_round_trip_continues_identically(tiny_backbone):
 
 
 def test_snapshot_is_isolated_from_further_learning(tiny_backbone):
-    from mepo_stream.snapshot import take_snapshot
+    from server.snapshot import take_snapshot
 
     learner = make_learner(tiny_backbone, alignment=FeatureAlignment(torch.eye(64, dtype=torch.float64)))
     y = torch.tensor([0, 1, 2, 3] * 4)

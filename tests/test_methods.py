@@ -7,7 +7,7 @@ import torch
 
 from mepo_stream.learner import LearnerConfig, OnlineLearner
 from mepo_stream.methods import METHODS, create_method
-from mepo_stream.snapshot import take_snapshot
+from server.snapshot import take_snapshot
 from tests.conftest import color_images
 
 CFG = LearnerConfig(batch_size=16, online_iter=3, samples_per_slot=10_000, autoaugment=None)
