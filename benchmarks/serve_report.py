@@ -21,7 +21,8 @@ from PIL import Image
 
 from benchmarks.predict_latency import sample_jpeg
 from benchmarks.service import ServiceSpec, quantiles, running_service, write_result
-from mepo_stream.records import KafkaConfig, record_headers
+from mepo_stream.kafka import KafkaConfig
+from mepo_stream.records import record_headers
 
 
 def _bad_records(kafka: KafkaConfig, copies: int) -> int:

@@ -8,7 +8,8 @@ One record per image: the value is the encoded image (JPEG/PNG bytes); headers (
 * ``stream_id``: which replay of which stream it belongs to (dataset, sampler settings, seed);
 * ``dataset`` and ``content-type``, for people reading the topic.
 
-Records are keyed by ``stream_id``, so a stream lands on one partition and is read in order.
+Records are keyed by ``stream_id`` (``mepo_stream.kafka.record_key``), so a stream lands on one partition and
+is read in order; how to reach the cluster and create the topics is ``mepo_stream.kafka`` too.
 
 Example:
     >>> rec = parse_headers(record_headers(3, 10, 7, "cifar10/5-50-10/seed1", "cifar10"), n_classes=10)
@@ -18,44 +19,9 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 SCHEMA = "mepo-image/1"
-
-
-@dataclass(frozen=True)
-class KafkaConfig:
-    """Where the stream lives, and how to reach the cluster (passed through to kafka-python)."""
-
-    bootstrap_servers: str = "127.0.0.1:9092"
-    """Comma-separated host:port list of the Kafka cluster."""
-    topic: str = "mepo.images"
-    """Topic of the labelled image stream."""
-    dead_letter_topic: str = "mepo.images.dlq"
-    """Topic that receives records that cannot be learned, with the reason in their headers."""
-    group_id: str = "mepo-learner"
-    """Consumer group of the learner."""
-    security_protocol: str = "PLAINTEXT"
-    """PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL."""
-    sasl_mechanism: str | None = None
-    """PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, ... (with a SASL protocol)."""
-    sasl_plain_username: str | None = None
-    """SASL user name."""
-    sasl_plain_password: str | None = field(default=None, repr=False)
-    """SASL password (never logged)."""
-    ssl_cafile: str | None = None
-    """CA bundle for SSL."""
-    ssl_certfile: str | None = None
-    """Client certificate for SSL."""
-    ssl_keyfile: str | None = None
-    """Client key for SSL."""
-
-    def client_options(self) -> dict:
-        """kafka-python keyword arguments common to producers, consumers and admin clients."""
-        keys = ("security_protocol", "sasl_mechanism", "sasl_plain_username", "sasl_plain_password",
-                "ssl_cafile", "ssl_certfile", "ssl_keyfile")
-        opts = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
-        return {"bootstrap_servers": self.bootstrap_servers.split(","), **opts}
 
 
 class RecordError(ValueError):

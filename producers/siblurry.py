@@ -16,13 +16,11 @@ import logging
 import time
 from dataclasses import dataclass
 
-from kafka import KafkaAdminClient, KafkaProducer
-from kafka.admin import NewTopic
-from kafka.errors import TopicAlreadyExistsError
 from tqdm import tqdm
 
 from mepo_stream.data import DataConfig, list_files
-from mepo_stream.records import KafkaConfig, record_headers
+from mepo_stream.kafka import KafkaConfig, ensure_topics, open_producer, record_key
+from mepo_stream.records import record_headers
 from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
 
 log = logging.getLogger(__name__)
@@ -46,17 +44,6 @@ def stream_id(data: DataConfig, stream: SiBlurryConfig) -> str:
     return f"{data.dataset}{per_class}/T{stream.n_tasks}-N{stream.n}-M{stream.m}/seed{stream.seed}"
 
 
-def _ensure_topic(kafka: KafkaConfig, partitions: int) -> None:
-    admin = KafkaAdminClient(**kafka.client_options())
-    try:
-        if kafka.topic not in admin.list_topics():
-            admin.create_topics([NewTopic(kafka.topic, partitions, 1)])
-    except TopicAlreadyExistsError:
-        pass
-    finally:
-        admin.close()
-
-
 def produce(
     data: DataConfig = DataConfig(dataset="cifar10"),
     stream: SiBlurryConfig = SiBlurryConfig(),
@@ -75,16 +62,15 @@ def produce(
     order = si_blurry_stream(listing.targets, stream.n_tasks, stream.n, stream.m, stream.seed).order
     order = order[: replay.limit] if replay.limit is not None else order
     sid = stream_id(data, stream)
-    _ensure_topic(kafka, replay.partitions)
-    producer = KafkaProducer(**kafka.client_options(), acks="all", linger_ms=10, batch_size=262_144,
-                             max_request_size=4 * 1024 * 1024)
+    ensure_topics(kafka, kafka.topic, partitions=replay.partitions)
+    producer = open_producer(kafka, linger_ms=10, batch_size=262_144, max_request_size=4 * 1024 * 1024)
     start, sent = time.monotonic(), 0
     try:
         for position, index in enumerate(tqdm(order, desc=f"produce {sid}", unit="img")):
             path = listing.files[index]
             headers = record_headers(listing.targets[index], index, position, sid, data.dataset,
                                      CONTENT_TYPES.get(path.suffix.lower(), "application/octet-stream"))
-            producer.send(kafka.topic, value=path.read_bytes(), key=sid.encode(), headers=headers)
+            producer.send(kafka.topic, value=path.read_bytes(), key=record_key(sid), headers=headers)
             sent += 1
             if replay.rate:
                 time.sleep(max(0.0, start + sent / replay.rate - time.monotonic()))

@@ -9,9 +9,9 @@ from mepo_stream.alignment import AlignmentConfig
 from mepo_stream.backbone import BackboneConfig
 from mepo_stream.data import DataConfig
 from mepo_stream.images import ImageLimits
+from mepo_stream.kafka import KafkaConfig
 from mepo_stream.learner import LearnerConfig
 from mepo_stream.methods import MethodsConfig
-from mepo_stream.records import KafkaConfig
 from server.monitor import MonitorConfig
 
 

@@ -16,11 +16,10 @@ import uvicorn
 from fastapi import FastAPI
 
 from mepo_stream.data import DataConfig, list_files
-from mepo_stream.records import KafkaConfig
+from mepo_stream.kafka import KafkaConfig, ensure_topics
 from server.app import create_app
 from server.broker import EmbeddedBroker
 from server.config import ServeConfig
-from server.stream import ensure_topics
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +90,7 @@ def demo(
             threading.Thread(target=_stop_when_learned, args=(app, server, producer, expected), daemon=True).start()
         where = f"embedded broker {broker.bootstrap} (pid {broker.process.pid})" if bootstrap_servers is None \
             else f"Kafka {bootstrap_servers}"
+        print(f"live page: http://127.0.0.1:{port}/", flush=True)
         print(f"{where}; API docs http://127.0.0.1:{port}/docs ; status http://127.0.0.1:{port}/v1/status ; "
               f"metrics http://127.0.0.1:{port}/metrics", flush=True)
         start = time.monotonic()

@@ -29,13 +29,13 @@ from dataclasses import dataclass
 
 import torch
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
 from mepo_stream.images import ImageError, decode_image
-from mepo_stream.records import KafkaConfig, RecordError, RecordMeta, parse_headers
+from mepo_stream.kafka import ensure_topics, open_producer
+from mepo_stream.records import RecordError, RecordMeta, parse_headers
 from server.state import Sample, ServiceState
 
 log = logging.getLogger(__name__)
@@ -67,21 +67,6 @@ def broker_answers(consumer: KafkaConsumer) -> bool:
         return True
     except KafkaError:
         return False
-
-
-def ensure_topics(kafka: KafkaConfig, partitions: int = 1) -> None:
-    """Create the stream and dead-letter topics if they do not exist."""
-    admin = KafkaAdminClient(**kafka.client_options())
-    try:
-        existing = set(admin.list_topics())
-        new = [NewTopic(t, partitions, 1) for t in (kafka.topic, kafka.dead_letter_topic) if t not in existing]
-        if new:
-            try:
-                admin.create_topics(new)
-            except TopicAlreadyExistsError:
-                pass
-    finally:
-        admin.close()
 
 
 class InlineExecutor(Executor):
@@ -160,7 +145,7 @@ class LearnerLoop:
         self.state.book.release_in_flight()  # ... and claimed again
         self.read_upto = dict(self.consumed)
         ensure_topics(k)
-        self.producer = KafkaProducer(**k.client_options(), acks="all", linger_ms=5)
+        self.producer = open_producer(k, linger_ms=5)
         self.consumer = KafkaConsumer(
             **k.client_options(), group_id=k.group_id, enable_auto_commit=False, auto_offset_reset="earliest",
             session_timeout_ms=6000, heartbeat_interval_ms=2000, max_poll_interval_ms=600_000,

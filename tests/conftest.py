@@ -20,8 +20,8 @@ from mepo_stream.backbone import BackboneConfig, create_backbone
 from mepo_stream.checkpoint import load_checkpoint
 from mepo_stream.data import DataConfig
 from mepo_stream.images import ImageLimits
+from mepo_stream.kafka import KafkaConfig
 from mepo_stream.learner import LearnerConfig
-from mepo_stream.records import KafkaConfig
 from server.app import create_app
 from server.broker import EmbeddedBroker, free_port
 from server.config import ServeConfig

@@ -60,8 +60,8 @@ def run_stream(tmp_path, monkeypatch, workers: int) -> dict:
 
     state.learn = learn_and_keep
     consumer, producer = FakeConsumer(loop, mixed_log()), FakeProducer()
-    monkeypatch.setattr(stream, "ensure_topics", lambda kafka: None)
-    monkeypatch.setattr(stream, "KafkaProducer", lambda **_: producer)  # kept: the loop drops it on closing
+    monkeypatch.setattr(stream, "ensure_topics", lambda kafka, *topics: None)
+    monkeypatch.setattr(stream, "open_producer", lambda kafka, **_: producer)  # kept: the loop drops it on closing
     monkeypatch.setattr(stream, "KafkaConsumer", lambda **_: consumer)
     loop._run()
     assert loop.error is None

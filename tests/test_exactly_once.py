@@ -134,8 +134,8 @@ def service(tmp_path, **kw) -> tuple[ServiceState, LearnerLoop, list[tuple[str, 
 def run_loop(monkeypatch, loop: LearnerLoop, log: list[FakeRecord]) -> FakeConsumer:
     """The loop's own ``_run`` (connect, consume, checkpoint, commit, close) over fake clients."""
     consumer = FakeConsumer(loop, log)
-    monkeypatch.setattr(stream, "ensure_topics", lambda kafka: None)
-    monkeypatch.setattr(stream, "KafkaProducer", FakeProducer)
+    monkeypatch.setattr(stream, "ensure_topics", lambda kafka, *topics: None)
+    monkeypatch.setattr(stream, "open_producer", lambda kafka, **_: FakeProducer())
     monkeypatch.setattr(stream, "KafkaConsumer", lambda **_: consumer)
     loop._run()
     assert loop.error is None
@@ -221,8 +221,8 @@ def test_a_reconnect_drops_pending_records_and_their_claims_so_they_are_learned_
     state, loop, learned = service(tmp_path)
     for r in records([0, 1, 2]):
         loop._accept(r)
-    monkeypatch.setattr(stream, "ensure_topics", lambda kafka: None)
-    monkeypatch.setattr(stream, "KafkaProducer", FakeProducer)
+    monkeypatch.setattr(stream, "ensure_topics", lambda kafka, *topics: None)
+    monkeypatch.setattr(stream, "open_producer", lambda kafka, **_: FakeProducer())
     monkeypatch.setattr(stream, "KafkaConsumer", lambda **_: SimpleNamespace(subscribe=lambda *a, **k: None))
     loop._connect()  # the broker went away: the pending records are read again from loop.consumed
     assert loop.pending == [] and loop.read_upto == {}

@@ -1,0 +1,97 @@
+"""The stream contract's transport half: how the producer and the server reach Kafka, create topics and key records.
+
+``producers/`` and ``server/`` never import each other; they meet only through Kafka, so both take from here how
+to connect (``KafkaConfig``, security settings included), how topics are created and how a record is keyed, and
+the two sides cannot drift apart. The record itself (value and headers) is ``mepo_stream.records``. kafka-python
+is imported inside the functions that talk to a cluster, so the core imports no client library.
+
+Example:
+    >>> kafka = KafkaConfig(bootstrap_servers="k1:9092,k2:9092", security_protocol="SASL_SSL",
+    ...                     sasl_mechanism="SCRAM-SHA-512", sasl_plain_username="learner", sasl_plain_password="pw")
+    >>> options = kafka.client_options()
+    >>> options["bootstrap_servers"], options["security_protocol"], options["sasl_plain_password"]
+    (['k1:9092', 'k2:9092'], 'SASL_SSL', 'pw')
+    >>> "pw" in repr(kafka)  # the password reaches kafka-python, never a log line
+    False
+    >>> record_key("cifar10/T5-N50-M10/seed1")
+    b'cifar10/T5-N50-M10/seed1'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kafka import KafkaProducer
+
+
+@dataclass(frozen=True)
+class KafkaConfig:
+    """Where the stream lives, and how to reach the cluster (passed through to kafka-python)."""
+
+    bootstrap_servers: str = "127.0.0.1:9092"
+    """Comma-separated host:port list of the Kafka cluster."""
+    topic: str = "mepo.images"
+    """Topic of the labelled image stream."""
+    dead_letter_topic: str = "mepo.images.dlq"
+    """Topic that receives records that cannot be learned, with the reason in their headers."""
+    group_id: str = "mepo-learner"
+    """Consumer group of the learner."""
+    security_protocol: str = "PLAINTEXT"
+    """PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL."""
+    sasl_mechanism: str | None = None
+    """PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, ... (with a SASL protocol)."""
+    sasl_plain_username: str | None = None
+    """SASL user name."""
+    sasl_plain_password: str | None = field(default=None, repr=False)
+    """SASL password (never logged)."""
+    ssl_cafile: str | None = None
+    """CA bundle for SSL."""
+    ssl_certfile: str | None = None
+    """Client certificate for SSL."""
+    ssl_keyfile: str | None = None
+    """Client key for SSL."""
+
+    def client_options(self) -> dict:
+        """kafka-python keyword arguments common to producers, consumers and admin clients."""
+        keys = ("security_protocol", "sasl_mechanism", "sasl_plain_username", "sasl_plain_password",
+                "ssl_cafile", "ssl_certfile", "ssl_keyfile")
+        opts = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        return {"bootstrap_servers": self.bootstrap_servers.split(","), **opts}
+
+
+def record_key(stream_id: str) -> bytes:
+    """The partition key of every record of a stream: its id, so the whole stream lands on one partition and
+    is read in order, whatever the topic's partition count."""
+    return stream_id.encode()
+
+
+def ensure_topics(kafka: KafkaConfig, *topics: str, partitions: int = 1) -> None:
+    """Create those of ``topics`` (default: the stream's topic and its dead-letter topic) that do not exist yet,
+    with replication 1; an existing topic is left as it is.
+
+    Producer and server may both call this, in either order: a topic the other side created first is kept.
+    """
+    from kafka.admin import KafkaAdminClient, NewTopic
+    from kafka.errors import TopicAlreadyExistsError
+
+    admin = KafkaAdminClient(**kafka.client_options())
+    try:
+        existing = set(admin.list_topics())
+        wanted = dict.fromkeys(topics or (kafka.topic, kafka.dead_letter_topic))  # in order, once each
+        new = [NewTopic(t, partitions, 1) for t in wanted if t not in existing]
+        if new:
+            admin.create_topics(new)
+    except TopicAlreadyExistsError:  # created by the other side meanwhile
+        pass
+    finally:
+        admin.close()
+
+
+def open_producer(kafka: KafkaConfig, **options) -> KafkaProducer:
+    """A producer that keeps each partition's records in order and never writes one twice on a retry
+    (``acks="all"``, idempotent); ``options`` tune batching and request sizes."""
+    from kafka import KafkaProducer
+
+    return KafkaProducer(**kafka.client_options(), acks="all", enable_idempotence=True, **options)
