@@ -21,7 +21,7 @@ from server.batching import MicroBatcher
 from server.config import ServeConfig
 from server.dependencies import Service, error_response
 from server.metrics import ServerMetrics
-from server.routers import inference_v2, ops, predict
+from server.routers import inference_v2, ops, page, predict
 from server.state import ServiceState
 from server.stream import LearnerLoop
 
@@ -48,6 +48,7 @@ def create_app(settings: ServeConfig) -> FastAPI:
     app.include_router(predict.router)
     app.include_router(inference_v2.router)
     app.include_router(ops.router)
+    app.include_router(page.router)
 
     @app.get("/metrics", include_in_schema=False)
     def prometheus_metrics() -> Response:
