@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 
 from benchmarks.service import write_result
+from mepo_stream.anytime import AnytimeCurve, per_class_accuracy
 from mepo_stream.backbone import BackboneConfig, create_backbone, device, normalization
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.heads import NearestClassMean
@@ -54,7 +55,6 @@ from mepo_stream.learner import (
     resolve_precision,
 )
 from mepo_stream.methods.base import ContinualMethod, Encoded
-from mepo_stream.metrics import AnytimeCurve, per_class_accuracy
 from mepo_stream.model import assemble
 from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
 from mepo_stream.transforms import Transform, test_transform

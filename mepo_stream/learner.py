@@ -125,8 +125,8 @@ class OnlineLearner:
         self.test_tf: Transform = test_transform(img_size, mean, std)
         fused = {"fused": True} if self.device.type == "cuda" else {}
         self.optimizer = torch.optim.Adam(method.param_groups(cfg.lr), lr=cfg.lr, **fused)
-        self.trains_by_gradient = cfg.classifier == "linear" or any(
-            p.requires_grad for n, p in method.named_parameters() if not n.startswith("head."))
+        self.encoder_trains = any(p.requires_grad for n, p in method.named_parameters() if not n.startswith("head."))
+        self.trains_by_gradient = cfg.classifier == "linear" or self.encoder_trains
         self.exposed: list[int] = []  # original label of head output k
         self._index: dict[int, int] = {}
         self.samples_seen = 0
@@ -177,9 +177,8 @@ class OnlineLearner:
         if not self.exposed:
             self.observe(images, labels)
             return None
-        with torch.inference_mode():
-            encoded = encode_for_prediction(self.method, self.test_tf, images, self.device, self.dtype)
-            logits = masked_logits(self.method, encoded, align_mode, len(self.exposed), self.cfg.eval_mask)
+        encoded = self.encode(images)
+        logits = self.logits(encoded, (align_mode,))[align_mode]
         self.observe(images, labels, None if self.trains_by_gradient else encoded)
         return self.to_labels(logits.argmax(1))
 
@@ -203,7 +202,7 @@ class OnlineLearner:
     def _update_statistics(self, images: torch.Tensor, target: torch.Tensor, encoded: Encoded | None) -> None:
         """Fold the un-augmented batch's features (as predictions see them) into the classifier."""
         if encoded is None:
-            encoded = encode_for_prediction(self.method, self.test_tf, images, self.device, self.dtype)
+            encoded = self.encode(images)
         alignment = self.method.alignment
         if alignment is not None and not self.trains_by_gradient:  # nothing else feeds its running statistics
             alignment.update_running(encoded.feature)
@@ -234,12 +233,21 @@ class OnlineLearner:
         return table[index.cpu()]
 
     @torch.inference_mode()
+    def encode(self, images: torch.Tensor) -> Encoded:
+        """The eval-mode encoding of uint8 images [B, 3, H, W], as predictions see them."""
+        return encode_for_prediction(self.method, self.test_tf, images, self.device, self.dtype)
+
+    @torch.inference_mode()
+    def logits(self, encoded: Encoded, align_modes: tuple[AlignMode, ...] = ("running",)
+               ) -> dict[AlignMode, torch.Tensor]:
+        """Eval-mode logits [B, C] (head order) of an encoding, per alignment mode."""
+        return {mode: masked_logits(self.method, encoded, mode, len(self.exposed), self.cfg.eval_mask)
+                for mode in align_modes}
+
     def predict_logits(self, images: torch.Tensor, align_modes: tuple[AlignMode, ...] = ("running",)
                        ) -> dict[AlignMode, torch.Tensor]:
         """Eval-mode logits [B, C] (head order) for uint8 images, per alignment mode, sharing one encode."""
-        encoded = encode_for_prediction(self.method, self.test_tf, images, self.device, self.dtype)
-        return {mode: masked_logits(self.method, encoded, mode, len(self.exposed), self.cfg.eval_mask)
-                for mode in align_modes}
+        return self.logits(self.encode(images), align_modes)
 
     def predict(self, images: torch.Tensor, align_modes: tuple[AlignMode, ...] = ("running",)
                 ) -> dict[AlignMode, torch.Tensor]:

@@ -31,12 +31,11 @@ import torch
 from tqdm import tqdm
 
 from mepo_stream.alignment import AlignmentConfig, AlignMode
+from mepo_stream.anytime import AnytimeEvaluation
 from mepo_stream.backbone import BackboneConfig, create_backbone, device, provenance
 from mepo_stream.data import DataConfig, ImageSet, load_split
-from mepo_stream.evaluation import evaluate_seen
 from mepo_stream.learner import LearnerConfig, OnlineLearner
 from mepo_stream.methods import METHODS, MethodsConfig
-from mepo_stream.metrics import AnytimeCurve
 from mepo_stream.model import BundleParts, assemble, backbone_config
 from mepo_stream.probe import ProbeConfig, offline_ceiling
 from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
@@ -72,8 +71,8 @@ def run_seed(seed: int, base_backbone, train: ImageSet, test: ImageSet, parts: B
     stream = si_blurry_stream(train.targets.tolist(), stream_cfg.n_tasks, stream_cfg.n, stream_cfg.m, seed)
     model = assemble(method, len(train.classes), copy.deepcopy(base_backbone), parts, method_config, alignment)
     learner = OnlineLearner(model, len(train.classes), learner_cfg, device())
-    curves = {m: AnytimeCurve() for m in MODES}
-    next_eval, start = protocol.eval_period, time.time()
+    evaluation = AnytimeEvaluation(test, protocol.eval_period, protocol.eval_batch_size, MODES)
+    start = time.time()
     bar = tqdm(total=len(stream.order), desc=f"{method} seed {seed}", unit="img", leave=False)
     for task in stream.tasks:
         for b in range(0, len(task), learner_cfg.batch_size):
@@ -81,14 +80,11 @@ def run_seed(seed: int, base_backbone, train: ImageSet, test: ImageSet, parts: B
             loss = learner.observe(train.images[idx], train.targets[idx])
             bar.update(len(idx))
             bar.set_postfix(loss=f"{loss:.3f}", classes=len(learner.exposed))
-            if learner.samples_seen + len(idx) > next_eval:
-                for mode, (acc, _) in evaluate_seen(learner, test, protocol.eval_batch_size, MODES).items():
-                    curves[mode].add_anytime(next_eval, acc)
-                next_eval += protocol.eval_period
+            evaluation.after_batch(learner, len(idx))
         if learner.exposed:
-            for mode, (acc, class_acc) in evaluate_seen(learner, test, protocol.eval_batch_size, MODES).items():
-                curves[mode].add_end_of_task(acc, class_acc)
+            evaluation.end_of_task(learner)
     bar.close()
+    curves = evaluation.curves
     return {"seed": seed, "wall_time_s": round(time.time() - start, 1), "stream_length": len(stream.order),
             "curves": {m: c.to_dict() for m, c in curves.items()}}
 

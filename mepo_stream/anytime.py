@@ -1,0 +1,209 @@
+"""Any-time evaluation (the Si-Blurry protocol): when to evaluate, what to score, and the paper's metrics.
+
+One implementation for ``mepo evaluate`` and the streaming server, so both report the same A_AUC for the
+same stream. Definitions follow the reference trainer (MISA/MePo ``_trainer.py``):
+
+* an *any-time* evaluation runs when ``samples_seen + batch > next_eval`` after a mini-batch is learned (then
+  ``next_eval += eval_period``), on the test samples of the classes seen so far, and records micro top-1
+  accuracy at position ``next_eval``; **A_AUC** is the plain mean of those accuracies;
+* an *end-of-task* evaluation runs after each (hidden) task; **A_last** is the last one, **A_avg** their mean;
+* **F_last** is the mean, over classes whose best earlier end-of-task accuracy is > 0, of that best earlier
+  accuracy minus the final accuracy.
+
+Example:
+    >>> curve = AnytimeCurve()
+    >>> curve.add_anytime(1000, 0.5); curve.add_anytime(2000, 0.7)
+    >>> curve.add_end_of_task(0.6, {0: 1.0, 1: 0.2}); curve.add_end_of_task(0.4, {0: 0.5, 1: 0.3, 2: 0.4})
+    >>> round(curve.a_auc, 3), curve.a_last, curve.a_avg, round(curve.f_last, 3)
+    (0.6, 0.4, 0.5, 0.2)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from mepo_stream.alignment import AlignMode
+from mepo_stream.data import ImageSet
+from mepo_stream.learner import OnlineLearner
+from mepo_stream.methods.base import Encoded
+
+
+def per_class_accuracy(pred: torch.Tensor, target: torch.Tensor) -> dict[int, float]:
+    """Accuracy of each class present in ``target`` (labels as given, e.g. original dataset ids)."""
+    out = {}
+    for c in target.unique().tolist():
+        sel = target == c
+        out[int(c)] = (pred[sel] == c).float().mean().item()
+    return out
+
+
+@dataclass
+class AnytimeCurve:
+    """Accumulates the evaluations of one run and derives the paper's metrics from them."""
+
+    samples: list[int] = field(default_factory=list)
+    """Stream position (scheduled samples seen) of each any-time evaluation."""
+    accuracy: list[float] = field(default_factory=list)
+    """Micro top-1 accuracy on the seen-class test subset at each any-time evaluation."""
+    task_accuracy: list[float] = field(default_factory=list)
+    """Accuracy after each task."""
+    task_class_accuracy: list[dict[int, float]] = field(default_factory=list)
+    """Per-class accuracy after each task, keyed by class id."""
+
+    def add_anytime(self, samples_seen: int, acc: float) -> None:
+        self.samples.append(int(samples_seen))
+        self.accuracy.append(float(acc))
+
+    def add_end_of_task(self, acc: float, class_acc: dict[int, float]) -> None:
+        self.task_accuracy.append(float(acc))
+        self.task_class_accuracy.append({int(k): float(v) for k, v in class_acc.items()})
+
+    @property
+    def a_auc(self) -> float:
+        return sum(self.accuracy) / len(self.accuracy) if self.accuracy else float("nan")
+
+    @property
+    def a_last(self) -> float:
+        return self.task_accuracy[-1] if self.task_accuracy else float("nan")
+
+    @property
+    def a_avg(self) -> float:
+        return sum(self.task_accuracy) / len(self.task_accuracy) if self.task_accuracy else float("nan")
+
+    @property
+    def f_last(self) -> float:
+        if len(self.task_class_accuracy) < 2:
+            return 0.0
+        final, earlier = self.task_class_accuracy[-1], self.task_class_accuracy[:-1]
+        drops = []
+        for c in final:
+            best = max((acc[c] for acc in earlier if c in acc), default=0.0)
+            if best > 0:
+                drops.append(best - final[c])
+        return sum(drops) / len(drops) if drops else 0.0
+
+    def summary(self) -> dict[str, float]:
+        return {"A_auc": self.a_auc, "A_last": self.a_last, "A_avg": self.a_avg, "F_last": self.f_last}
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), **self.summary()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> AnytimeCurve:
+        """Inverse of ``to_dict`` (JSON or checkpoint round trip; JSON turns class ids into strings)."""
+        return cls(list(d["samples"]), list(d["accuracy"]), list(d["task_accuracy"]),
+                   [{int(k): float(v) for k, v in c.items()} for c in d["task_class_accuracy"]])
+
+
+class EncodedTestSet:
+    """The test images' encodings, computed once while the learner's encoder cannot change.
+
+    Why: a learner whose host trains nothing but the classifier (the default, or prompts kept fixed) encodes
+    every test image to the same feature at every evaluation, so the backbone forward is the evaluation's
+    whole cost and needs paying once. A learner that trains its encoder is encoded afresh every time.
+    Encoding is per image (eval mode, no batch statistics), so the cached features are the ones a fresh
+    forward would give.
+    """
+
+    def __init__(self, test: ImageSet, batch_size: int = 128):
+        self.test, self.batch_size = test, batch_size
+        self._feature: torch.Tensor | None = None  # [N, D]
+        self._scale: torch.Tensor | None = None  # [N, C] (MVP's logit multiplier) or None
+        self._done = torch.zeros(len(test), dtype=torch.bool)
+
+    def get(self, learner: OnlineLearner, idx: torch.Tensor) -> Encoded:
+        """The encoding of test images ``idx`` [B] as ``learner`` sees them now."""
+        if learner.encoder_trains:
+            return learner.encode(self.test.images[idx])
+        self._fill(learner, idx[~self._done[idx]])
+        scale = None if self._scale is None else self._scale[idx]
+        return Encoded(self._feature[idx], torch.zeros((), device=self._feature.device), scale)
+
+    def _fill(self, learner: OnlineLearner, missing: torch.Tensor) -> None:
+        for chunk in missing.split(self.batch_size) if len(missing) else ():
+            enc = learner.encode(self.test.images[chunk])
+            if self._feature is None:
+                self._feature = enc.feature.new_zeros(len(self.test), enc.feature.shape[1])
+                if enc.logit_scale is not None:
+                    self._scale = enc.logit_scale.new_zeros(len(self.test), enc.logit_scale.shape[1])
+            self._feature[chunk.to(self._feature.device)] = enc.feature
+            if self._scale is not None:
+                self._scale[chunk.to(self._scale.device)] = enc.logit_scale
+            self._done[chunk] = True
+
+
+@torch.no_grad()
+def evaluate_seen(learner: OnlineLearner, encodings: EncodedTestSet, modes: tuple[AlignMode, ...] = ("running",)
+                  ) -> dict[AlignMode, tuple[float, dict]]:
+    """Micro accuracy and per-class accuracy on the seen-class test images, per alignment mode.
+
+    Test images are taken in dataset order in batches of ``encodings.batch_size`` (this matters for the
+    ``batch`` mode, whose statistics come from the test batch, as in the reference). One encoding serves all
+    modes, and predictions come from the learner's one prediction function.
+    """
+    test = encodings.test
+    keep = torch.isin(test.targets, torch.tensor(learner.exposed, dtype=torch.long)).nonzero().squeeze(1)  # [K]
+    if len(keep) == 0:
+        return {m: (float("nan"), {}) for m in modes}
+    preds: dict[AlignMode, list[torch.Tensor]] = {m: [] for m in modes}
+    for chunk in keep.split(encodings.batch_size):
+        for mode, logits in learner.logits(encodings.get(learner, chunk), modes).items():
+            preds[mode].append(learner.to_labels(logits.argmax(1)))
+    target = test.targets[keep]
+    out = {}
+    for mode, p in preds.items():
+        p = torch.cat(p)
+        out[mode] = ((p == target).float().mean().item(), per_class_accuracy(p, target))
+    return out
+
+
+class AnytimeEvaluation:
+    """One run's any-time evaluation: the reference's schedule, the test encodings and a curve per mode.
+
+    Example:
+        >>> from mepo_stream.learner import LearnerConfig
+        >>> from mepo_stream.model import build_method
+        >>> from mepo_stream.backbone import BackboneConfig
+        >>> images, names = torch.zeros(4, 3, 32, 32, dtype=torch.uint8), ["a", "b"]
+        >>> test = ImageSet(images, torch.tensor([0, 1, 0, 1]), names, names)
+        >>> method = build_method("frozen", 2, BackboneConfig(name="test_vit", weights=None, img_size=32))
+        >>> learner = OnlineLearner(method, 2, LearnerConfig(autoaugment=None))
+        >>> run = AnytimeEvaluation(test, eval_period=2)
+        >>> _ = learner.observe(test.images[:2], test.targets[:2]); run.after_batch(learner, 2)
+        True
+        >>> run.curves["running"].samples
+        [2]
+    """
+
+    def __init__(self, test: ImageSet, eval_period: int, batch_size: int = 128,
+                 modes: tuple[AlignMode, ...] = ("running",)):
+        self.encodings = EncodedTestSet(test, batch_size)
+        self.eval_period, self.modes = eval_period, modes
+        self.next_eval = eval_period
+        self.curves = {m: AnytimeCurve() for m in modes}
+
+    def after_batch(self, learner: OnlineLearner, batch_len: int) -> bool:
+        """Call after each learned mini-batch of ``batch_len`` samples; evaluates (returns True) when due."""
+        if learner.samples_seen + batch_len <= self.next_eval:
+            return False
+        for mode, (acc, _) in evaluate_seen(learner, self.encodings, self.modes).items():
+            self.curves[mode].add_anytime(self.next_eval, acc)
+        self.next_eval += self.eval_period
+        return True
+
+    def end_of_task(self, learner: OnlineLearner) -> dict[AlignMode, float]:
+        """The end-of-task evaluation (A_last, A_avg, F_last); returns the accuracy per mode."""
+        out = {}
+        for mode, (acc, class_acc) in evaluate_seen(learner, self.encodings, self.modes).items():
+            self.curves[mode].add_end_of_task(acc, class_acc)
+            out[mode] = acc
+        return out
+
+    def state_dict(self) -> dict:
+        return {"next_eval": self.next_eval, "curves": {m: c.to_dict() for m, c in self.curves.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_eval = int(state["next_eval"])
+        self.curves = {m: AnytimeCurve.from_dict(state["curves"][m]) for m in self.modes}
