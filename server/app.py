@@ -1,8 +1,13 @@
 """The FastAPI application: routers, a lifespan that loads the model and starts the learner, and the settings
 dependency (``server.dependencies.get_settings``) that tests override.
 
-Example:
-    >>> app = create_app(ServeConfig())   # doctest: +SKIP
+Example (without ``with``, the test client runs no lifespan: no model is loaded and no broker is needed):
+    >>> from fastapi.testclient import TestClient
+    >>> client = TestClient(create_app(ServeConfig()))
+    >>> client.get("/livez").json()
+    {'status': 'ok'}
+    >>> client.get("/readyz").status_code, client.get("/readyz").json()
+    (503, {'error': 'the model is still loading', 'reason': 'not_ready'})
 """
 
 from __future__ import annotations
@@ -17,13 +22,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.batching import MicroBatcher
 from server.config import ServeConfig
-from server.dependencies import Service, error_response
+from server.dependencies import error_response
 from server.metrics import ServerMetrics
 from server.routers import inference_v2, ops, page, predict
-from server.state import ServiceState
-from server.stream import LearnerLoop
+from server.service import Service
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +37,9 @@ def create_app(settings: ServeConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state = ServiceState(settings, metrics)
-        loop = LearnerLoop(state)
-        app.state.service = Service(state, loop, MicroBatcher())
-        loop.start()
+        app.state.service = service = Service.start(settings, metrics)
         yield
-        loop.stop()  # finishes the batch in hand, checkpoints, commits
+        service.stop()
 
     app = FastAPI(title="mepo-stream", version="0.1.0", lifespan=lifespan,
                   description="Streaming continual learner (MePo) with a real-time prediction API.")

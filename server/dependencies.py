@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import hmac
-from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from server.batching import MicroBatcher
 from server.config import ServeConfig
-from server.state import ServiceState
-from server.stream import LearnerLoop
+from server.service import Service
 
 
 class ApiError(HTTPException):
@@ -28,19 +25,13 @@ def error_response(status: int, message: str, reason: str) -> JSONResponse:
     return JSONResponse({"error": message, "reason": reason}, status_code=status)
 
 
-@dataclass
-class Service:
-    state: ServiceState
-    loop: LearnerLoop
-    batcher: MicroBatcher
-
-
 def get_settings(request: Request) -> ServeConfig:
     """The service settings (tests override this with ``app.dependency_overrides[get_settings]``)."""
     return request.app.state.settings
 
 
 def get_service(request: Request) -> Service:
+    """The running service; 503 while the lifespan is still loading the model."""
     service = getattr(request.app.state, "service", None)
     if service is None:
         raise ApiError(503, "the model is still loading", "not_ready")

@@ -3,7 +3,7 @@
 Each mini-batch is predicted *before* the learner trains on it (river's ``progressive_val_score``
 contract), and the outcomes feed a cumulative ``metrics.Accuracy``, a ``utils.Rolling`` accuracy over the
 last ``rolling_window`` samples, and a river drift detector on the 0/1 error stream. This is **not** the
-paper's A_AUC (that needs a held-out test set; see ``mepo_stream.evaluation``).
+paper's A_AUC (that needs a held-out test set; see ``mepo_stream.anytime``).
 
 State for checkpoints is plain tensors and lists, never pickled river objects: cumulative counts, the last
 ``rolling_window`` outcomes and the detector's current window of errors, replayed into fresh river objects on

@@ -8,7 +8,8 @@ import torch
 
 from mepo_stream.images import ImageError, decode_image
 from server.config import ServeConfig
-from server.dependencies import ApiError, Service
+from server.dependencies import ApiError
+from server.service import Service
 
 STATUS_BY_REASON = {"too_large": 413, "too_many_pixels": 413}
 

@@ -1,8 +1,9 @@
 """The service's model state: learner, published snapshot, stream bookkeeping, metrics and checkpoints.
 
-No Kafka here: ``server.stream`` feeds decoded samples in and supplies the offsets to store. A checkpoint holds
-the trainable state, optimizer, seen classes, running alignment statistics, monitor state, any-time history,
-the learned sample ids per stream, and the next offset per partition, so model and offsets roll back together.
+No Kafka here: ``server.stream`` feeds decoded samples in, and the ``StreamBook`` (``server.book``) keeps the
+offsets to store. A checkpoint holds the trainable state, optimizer, seen classes, running alignment statistics,
+monitor state, any-time history, the learned sample ids per stream, and the next offset per partition, so model
+and offsets roll back together.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,7 +22,7 @@ from mepo_stream.data import ImageSet, list_files, load_split
 from mepo_stream.evaluation import evaluate_seen
 from mepo_stream.learner import OnlineLearner
 from mepo_stream.model import BundleParts, build_method
-from mepo_stream.records import RecordMeta
+from server.book import Sample, StreamBook
 from server.config import ServeConfig
 from server.metrics import ServerMetrics
 from server.monitor import StreamMonitor
@@ -31,89 +31,6 @@ from server.staging import stack_images
 
 log = logging.getLogger(__name__)
 CHECKPOINT = "learner.pt"
-
-
-@dataclass
-class Sample:
-    """A decoded, validated record waiting to be learned."""
-
-    image: torch.Tensor  # uint8 [3, S, S]
-    meta: RecordMeta
-
-
-@dataclass
-class StreamBook:
-    """Per-stream bookkeeping that must roll back with the model, and the one place sample ids are claimed.
-
-    A sample id (stream id, sample index) is *in flight* from the moment its record is accepted until the
-    mini-batch holding it is learned, then *learned*. A record whose id is either is a replay: checking only the
-    learned ids would let a replay through while its original still waits in a partial mini-batch. Consumer and
-    learner go through one lock, so a claim and the learned mark never interleave half-way. Only learned ids
-    are checkpointed (with the offsets that stop before anything in flight); nothing is in flight after a
-    restore.
-    """
-
-    learn_replays: bool = False  # claim every record, so a replayed sample is learned again
-    offsets: dict[str, int] = field(default_factory=dict)  # "topic:partition" -> next offset to read
-    anytime_samples: list[int] = field(default_factory=list)
-    anytime_accuracy: list[float] = field(default_factory=list)
-    last_accuracy: float = math.nan
-    dead_lettered: int = field(default=0, init=False)  # counted by dead_letter()
-    replays_skipped: int = field(default=0, init=False)  # counted by claim()
-    _learned: dict[str, set[int]] = field(default_factory=dict, init=False, repr=False)
-    _in_flight: dict[str, set[int]] = field(default_factory=dict, init=False, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
-
-    def claim(self, stream_id: str, index: int) -> bool:
-        """Take a sample id for learning; False (and counted as a skipped replay) if learned or in flight."""
-        with self._lock:
-            seen = index in self._learned.get(stream_id, ()) or index in self._in_flight.get(stream_id, ())
-            if seen and not self.learn_replays:
-                self.replays_skipped += 1
-                return False
-            self._in_flight.setdefault(stream_id, set()).add(index)
-            return True
-
-    def release(self, stream_id: str, index: int) -> None:
-        """Give back one claim whose record turned out bad, so a good copy of the sample is still learned."""
-        with self._lock:
-            self._in_flight.get(stream_id, set()).discard(index)
-
-    def release_in_flight(self) -> None:
-        """Forget every claim: the pending records were dropped and will be read (and claimed) again."""
-        with self._lock:
-            self._in_flight.clear()
-
-    def mark_learned(self, ids: list[tuple[str, int]]) -> None:
-        """The mini-batch with these (stream id, sample index) was learned: in flight -> learned."""
-        with self._lock:
-            for stream_id, index in ids:
-                self._in_flight.get(stream_id, set()).discard(index)
-                self._learned.setdefault(stream_id, set()).add(index)
-
-    def dead_letter(self) -> None:
-        with self._lock:
-            self.dead_lettered += 1
-
-    def state_dict(self) -> dict:
-        """The checkpoint's bookkeeping keys (learned ids as index tensors per stream; never the in-flight)."""
-        with self._lock:
-            return {"offsets": dict(self.offsets),
-                    "learned": {k: torch.tensor(sorted(v)) for k, v in self._learned.items()},
-                    "anytime_samples": list(self.anytime_samples), "anytime_accuracy": list(self.anytime_accuracy),
-                    "last_accuracy": self.last_accuracy, "dead_lettered": self.dead_lettered,
-                    "replays_skipped": self.replays_skipped}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Back to a checkpoint: its learned ids and counters, nothing in flight."""
-        with self._lock:
-            self.offsets = {k: int(v) for k, v in state["offsets"].items()}
-            self._learned = {k: set(v.tolist()) for k, v in state["learned"].items()}
-            self._in_flight = {}
-            self.anytime_samples = list(state["anytime_samples"])
-            self.anytime_accuracy = list(state["anytime_accuracy"])
-            self.last_accuracy = float(state["last_accuracy"])
-            self.dead_lettered, self.replays_skipped = int(state["dead_lettered"]), int(state["replays_skipped"])
 
 
 def build_learner(cfg: ServeConfig, n_classes: int) -> OnlineLearner:
@@ -140,7 +57,7 @@ class ServiceState:
         self._since_checkpoint = 0
         self._next_eval = cfg.eval_period
         self._idle_eval_at = -1
-        self._lock = threading.Lock()  # one writer at a time (learner thread vs admin checkpoint)
+        self._lock = threading.Lock()  # one writer at a time: the learner thread, or kafka-python's in a rebalance
         self.restore()
         self.snapshot: Snapshot = take_snapshot(self.learner, self.version, self.cfg.alignment.inference_mode)
         metrics.info.info({"backbone": cfg.backbone.name, "mepo_bundle": str(cfg.mepo or ""),
@@ -168,7 +85,7 @@ class ServiceState:
                 for event in self.monitor.update(labels.tolist(), pred.tolist(), seen_before):
                     self.metrics.drift.labels(event["detector"]).inc()
                     log.warning("drift detected at %d samples by %s", event["samples_seen"], event["detector"])
-            self.book.mark_learned([(s.meta.stream_id, s.meta.sample_index) for s in batch])
+            self.book.mark_learned(batch)
             self.version += 1
             self.snapshot = take_snapshot(self.learner, self.version, self.cfg.alignment.inference_mode)
             self._since_checkpoint += len(batch)
@@ -209,7 +126,8 @@ class ServiceState:
 
     @property
     def unsaved(self) -> bool:
-        return self._since_checkpoint > 0
+        """A checkpoint now would differ from the last one: samples learned or offsets moved since."""
+        return self._since_checkpoint > 0 or self.book.offsets_unsaved
 
     @property
     def idle_evaluation_due(self) -> bool:
@@ -217,21 +135,23 @@ class ServiceState:
         return self.test is not None and self.learner.exposed and self._idle_eval_at != self.learner.samples_seen
 
     # --- checkpoints ----------------------------------------------------------------------------------------
-    def save(self, offsets: dict[str, int]) -> None:
-        """Checkpoint model and ``offsets`` together (the caller commits the offsets to Kafka afterwards)."""
+    def save(self) -> dict[str, int]:
+        """Checkpoint the model with the book's offsets, atomically; returns the offsets saved, which the caller
+        may commit to Kafka now that they are on disk."""
         start = time.perf_counter()
         with self._lock:
-            self.book.offsets = dict(offsets)
             state = {
                 "learner": self.learner.state_dict(), "monitor": self.monitor.state_dict(), "version": self.version,
                 **self.book.state_dict(), "next_eval": self._next_eval, "time": time.time(),
                 "rng": torch.get_rng_state(),  # the augmentation draws continue as if nothing had happened
             }
             save_checkpoint(self.checkpoint_path, state)
+            self.book.mark_saved(state["offsets"])
             self._since_checkpoint = 0
         self.last_checkpoint_time = state["time"]
         self.metrics.checkpoint_seconds.observe(time.perf_counter() - start)
         self.metrics.last_checkpoint.set(self.last_checkpoint_time)
+        return state["offsets"]
 
     def restore(self) -> None:
         if not self.checkpoint_path.is_file():

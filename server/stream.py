@@ -1,22 +1,26 @@
 """The learner loop: consume the labelled image topic in one pass, learn in stream order, checkpoint, commit.
 
+The loop speaks Kafka; what became of each record, which samples are learned and where the offsets stand is
+the ``StreamBook``'s (``server.book``), and the model is ``ServiceState``'s.
+
 * One consumer in a group, ``enable_auto_commit=False``. On partition assignment the consumer seeks to the
-  offsets stored in the learner checkpoint (the source of truth); Kafka's committed offsets are only written
-  *after* the checkpoint holding them is on disk, for lag monitoring and tools. A crash therefore rolls model
-  and offsets back together: records after the checkpoint are learned again once, none is lost or learned
-  twice.
+  book's offsets (after a restart, those of the learner checkpoint, the source of truth). Offsets reach Kafka
+  only through ``persist``: checkpoint first, then commit the same offsets, for lag monitoring and tools. A
+  crash therefore rolls model and offsets back together: records after the checkpoint are learned again once,
+  none is lost or learned twice.
 * A record that cannot be decoded or validated goes to the dead-letter topic with headers ``error``,
   ``error_message``, ``source_topic``, ``source_partition`` and ``source_offset``; it is counted, and the loop
   moves on. A replayed sample (already learned, or still waiting in a mini-batch) is skipped and counted
-  (unless ``learn_replays``): every sample id is claimed in ``StreamBook`` when its record is accepted.
+  (unless ``learn_replays``): every sample id is claimed in the book before its image is decoded.
 * Mini-batches are assembled in offset order; a partial batch is learned when the topic goes idle.
 * Keeping the GPU fed: the images of one poll are decoded and validated in a thread pool
   (``decode_workers``), between claims made and results applied in offset order, so the outcome is the
   inline one. ``ServiceState.learn`` stacks the batch into pinned memory on a CUDA learner
-  (``server.staging``), the learner copies it with ``non_blocking=True`` and augments it batch-wise on the
-  device; predictions are micro-batched (``server.batching``) into one forward on the snapshot's device.
+  (``server.staging``) for an asynchronous copy to the device; predictions are micro-batched
+  (``server.batching``) into one forward on the snapshot's device.
 * The broker being unreachable makes the loop wait and retry (``mepo_learner_up`` 0, not ready) without
   losing anything.
+* The API steers the loop through ``pause``, ``resume`` and ``request_checkpoint`` and reads ``health``.
 """
 
 from __future__ import annotations
@@ -36,21 +40,21 @@ from kafka.structs import OffsetAndMetadata
 from mepo_stream.images import ImageError, decode_image
 from mepo_stream.kafka import ensure_topics, open_producer
 from mepo_stream.records import RecordError, RecordMeta, parse_headers
-from server.state import Sample, ServiceState
+from server.book import Sample
+from server.state import ServiceState
 
 log = logging.getLogger(__name__)
+PROBE_EVERY_S = 5.0
 
 
 def tp_key(tp: TopicPartition) -> str:
+    """The book's name of a partition (of a ``TopicPartition`` or a record): ``"topic:partition"``."""
     return f"{tp.topic}:{tp.partition}"
 
 
 def parse_tp(key: str) -> TopicPartition:
     topic, partition = key.rsplit(":", 1)
     return TopicPartition(topic, int(partition))
-
-
-PROBE_EVERY_S = 5.0
 
 
 def broker_answers(consumer: KafkaConsumer) -> bool:
@@ -94,56 +98,79 @@ class _Claimed:
     image: Future  # of a uint8 [3, S, S] tensor, or an ImageError (the claim is then given back)
 
 
+@dataclass(frozen=True)
+class LoopHealth:
+    """What the API reports about the learner loop (``/readyz``, ``/v1/status``, ``/v2/health/ready``)."""
+
+    running: bool  # the loop's thread is alive (it stops on a bug, see ``error``)
+    kafka_connected: bool  # partitions assigned and the broker answering
+    paused: bool
+    consumer_lag: dict[str, int]  # records behind the high watermark, per "topic:partition"
+    error: str | None  # why the loop stopped, if it failed
+
+
 class _SeekToHandled(ConsumerRebalanceListener):
+    """Runs on kafka-python's IO thread while the learner thread waits inside ``poll()`` or ``close()``."""
+
     def __init__(self, loop: LearnerLoop):
         self.loop = loop
 
     def on_partitions_revoked(self, revoked):
-        self.loop.flush_on_revoke()
+        """Learn what is pending and checkpoint before another consumer takes the partitions over; no commit
+        here, a blocking consumer call would stall the very thread that serves it."""
+        self.loop.learn_pending()
+        self.loop.persist(commit=False)
 
     def on_partitions_assigned(self, assigned):
-        for tp in assigned:  # where this process's model stands: the checkpoint's offsets, or later ones
-            offset = self.loop.consumed.get(tp_key(tp))
-            if offset is not None:
-                self.loop.consumer.seek(tp, offset)
+        offsets = self.loop.state.book.offsets  # where this process's model stands
+        for tp in assigned:
+            if tp_key(tp) in offsets:
+                self.loop.consumer.seek(tp, offsets[tp_key(tp)])
         log.info("assigned %s", [tp_key(tp) for tp in assigned])
 
 
 class LearnerLoop:
-    """Runs in a thread next to the HTTP server and writes only through ``ServiceState``."""
+    """Runs in a thread next to the HTTP server; it reads Kafka, books every record in ``StreamBook`` and learns
+    through ``ServiceState``."""
 
     def __init__(self, state: ServiceState):
-        self.state, self.cfg = state, state.cfg
-        self.stop_event, self.paused = threading.Event(), threading.Event()
+        self.state, self.cfg, self.book = state, state.cfg, state.book
+        self.stop_event, self._paused = threading.Event(), threading.Event()
+        self._checkpoint_request = threading.Event()
         self.connected, self._probed_at = False, 0.0
         self.error: str | None = None
         self.consumer: KafkaConsumer | None = None
         self.producer: KafkaProducer | None = None
-        self.pending: list[tuple[TopicPartition, int, Sample]] = []
-        self.consumed: dict[str, int] = dict(state.book.offsets)  # next offset per partition, all handled
-        self.read_upto: dict[str, int] = {}  # next offset per partition, read (handled or pending)
         self.lag: dict[str, int] = {}
         self.decoder = decode_executor(self.cfg.decode_workers)
         self.thread = threading.Thread(target=self._run, name="mepo-learner", daemon=True)
-        self._checkpoint_request = threading.Event()
 
-    # --- lifecycle ------------------------------------------------------------------------------------------
+    # --- lifecycle and controls -------------------------------------------------------------------------------
     def start(self) -> None:
         self.thread.start()
 
     def stop(self, timeout: float = 60.0) -> None:
-        """Finish the current batch, checkpoint, commit and close."""
+        """Learn the records in hand, checkpoint, commit and close."""
         self.stop_event.set()
         self.thread.join(timeout)
 
+    def pause(self) -> None:
+        """Stop reading records (the batch in hand is kept); predictions go on from the current model."""
+        self._paused.set()
+
+    def resume(self) -> None:
+        self._paused.clear()
+
     def request_checkpoint(self) -> None:
+        """Learn the records in hand and persist at the loop's next turn (in its own thread, like every write)."""
         self._checkpoint_request.set()
+
+    def health(self) -> LoopHealth:
+        return LoopHealth(self.thread.is_alive(), self.connected, self._paused.is_set(), dict(self.lag), self.error)
 
     def _connect(self) -> None:
         k = self.cfg.kafka
-        self.pending.clear()  # after a reconnect, unlearned records are read again from self.consumed
-        self.state.book.release_in_flight()  # ... and claimed again
-        self.read_upto = dict(self.consumed)
+        self.book.reread()  # records read but not learned are read, and claimed, again from the book's offsets
         ensure_topics(k)
         self.producer = open_producer(k, linger_ms=5)
         self.consumer = KafkaConsumer(
@@ -181,33 +208,38 @@ class LearnerLoop:
         self._close()
         self.decoder.shutdown()
 
-    # --- the loop -------------------------------------------------------------------------------------------
+    # --- the loop -----------------------------------------------------------------------------------------------
     def _consume(self) -> None:
         assert self.consumer is not None
         batch_size = self.cfg.learner.batch_size
         while not self.stop_event.is_set():
             if self._checkpoint_request.is_set():
                 self._checkpoint_request.clear()
-                self._learn_pending()
-                self.checkpoint()
-            if self.paused.is_set():
+                self.learn_pending()
+                self.persist()
+            if self._paused.is_set():
                 self.stop_event.wait(0.2)
                 continue
-            polled = self.consumer.poll(timeout_ms=500, max_records=batch_size - len(self.pending))
-            if time.monotonic() - self._probed_at > PROBE_EVERY_S or not self.connected:
-                self.connected, self._probed_at = broker_answers(self.consumer), time.monotonic()
-                self.state.metrics.learner_up.set(int(self.connected))
+            polled = self.consumer.poll(timeout_ms=500, max_records=batch_size - len(self.book.pending))
+            self._probe()
             records = sorted((r for rs in polled.values() for r in rs), key=lambda r: (r.partition, r.offset))
             self._accept_poll(records)
-            if len(self.pending) >= batch_size or (self.pending and not records):
-                self._learn_pending()
-            if not records and not self.pending:
+            pending = len(self.book.pending)
+            if pending >= batch_size or (pending and not records):
+                self.learn_pending()
+            if not records and not self.book.pending:
                 self._on_idle()
             if self.state.checkpoint_due:
-                self.checkpoint()
+                self.persist()
             self._update_lag()
-        self._learn_pending()
-        self.checkpoint()
+        self.learn_pending()
+        self.persist()
+
+    def _probe(self) -> None:
+        """Every few seconds (and while disconnected), check that the broker still answers."""
+        if time.monotonic() - self._probed_at > PROBE_EVERY_S or not self.connected:
+            self.connected, self._probed_at = broker_answers(self.consumer), time.monotonic()
+            self.state.metrics.learner_up.set(int(self.connected))
 
     def _accept(self, record) -> None:
         """One record, as a poll of its own."""
@@ -217,7 +249,7 @@ class LearnerLoop:
         """Claim in offset order, decode concurrently, apply the results in offset order.
 
         Every decode has finished before this returns, even on an error, so no late claim release can race a
-        reconnect's ``release_in_flight``.
+        reconnect's ``reread``.
         """
         decoding: dict[tuple[str, int], Future] = {}
         try:
@@ -240,19 +272,18 @@ class LearnerLoop:
         sample_id = (meta.stream_id, meta.sample_index)
         if sample_id in decoding:
             wait([decoding[sample_id]])
-        if not self.state.book.claim(*sample_id):  # learned or in flight: a replay
+        if not self.book.claim(*sample_id):  # learned or in flight: a replay
             return None
         decoding[sample_id] = self.decoder.submit(self._decode, record, meta)
         return _Claimed(meta, decoding[sample_id])
 
     def _apply(self, record, outcome: _Claimed | RecordError | None) -> None:
         """Book one record, in offset order: pending, a skipped replay, or a dead letter with its reason."""
-        tp = TopicPartition(record.topic, record.partition)
-        self.read_upto[tp_key(tp)] = record.offset + 1
+        key = tp_key(record)
         self.state.metrics.records_consumed.inc()
         if outcome is None:
             self.state.metrics.replays_skipped.inc()
-            self._done(tp, record.offset)
+            self.book.skip(key, record.offset)
             return
         try:
             if isinstance(outcome, RecordError):
@@ -260,32 +291,23 @@ class LearnerLoop:
             image = outcome.image.result()
         except (RecordError, ImageError) as e:
             self._dead_letter(record, e.reason, e.message)
-            self._done(tp, record.offset)
+            self.book.dead_letter(key, record.offset)
             return
-        self.pending.append((tp, record.offset, Sample(image, outcome.meta)))
+        self.book.add_pending(key, record.offset, Sample(image, outcome.meta))
 
     def _decode(self, record, meta: RecordMeta) -> torch.Tensor:
         """The record's image; a bad one gives its claim back, so a good copy of the sample is still learned."""
         try:
             return decode_image(record.value or b"", self.cfg.limits)
         except ImageError:
-            self.state.book.release(meta.stream_id, meta.sample_index)
+            self.book.release(meta.stream_id, meta.sample_index)
             raise
 
-    def _done(self, tp: TopicPartition, offset: int) -> None:
-        """A record needs no more work; its offset is safe to store once nothing before it is pending."""
-        if not any(p_tp == tp for p_tp, _, _ in self.pending):
-            self.consumed[tp_key(tp)] = offset + 1
-
-    def _learn_pending(self) -> None:
-        """Learn the pending records; any accepted while the step runs stay pending and hold their offset back."""
-        if not self.pending:
-            return
-        batch = list(self.pending)  # pending until learned, so _done cannot move an offset past them meanwhile
-        self.state.learn([s for _, _, s in batch])
-        del self.pending[: len(batch)]
-        for key, upto in self.read_upto.items():  # every record read is handled, up to the first still pending
-            self.consumed[key] = min((o for tp, o, _ in self.pending if tp_key(tp) == key), default=upto)
+    def learn_pending(self) -> None:
+        """Learn the pending records as one mini-batch; records accepted while the step runs stay pending."""
+        batch = [p.sample for p in self.book.pending]
+        if batch:
+            self.state.learn(batch)
 
     def _dead_letter(self, record, reason: str, message: str) -> None:
         headers = [("error", reason.encode()), ("error_message", message[:500].encode("utf-8", "replace")),
@@ -293,34 +315,33 @@ class LearnerLoop:
                    ("source_offset", str(record.offset).encode()), *(record.headers or [])]
         assert self.producer is not None
         self.producer.send(self.cfg.kafka.dead_letter_topic, value=record.value, key=record.key, headers=headers)
-        self.state.book.dead_letter()
         self.state.metrics.dead_lettered.labels(reason).inc()
         log.info("dead-lettered %s:%d@%d: %s", record.topic, record.partition, record.offset, reason)
 
     def _on_idle(self) -> None:
-        """The topic is drained: record the accuracy at this point (A_last of the stream so far)."""
+        """The topic is drained: record the accuracy at this point (A_last of the stream so far) and persist."""
         if self.state.idle_evaluation_due:
             self.state.evaluate(final=True)
-        if self.state.unsaved or self.consumed != self.state.book.offsets:
-            self.checkpoint()
+        self.persist()
 
-    def checkpoint(self) -> None:
-        """Checkpoint, then commit the same offsets to Kafka (never before they are on disk)."""
+    def persist(self, commit: bool = True) -> None:
+        """The one way offsets leave the loop: checkpoint model and offsets together, then commit the same offsets.
+
+        Nothing is written when nothing changed since the last checkpoint. Dead letters are flushed first, so
+        they are durable before the offsets that skip them. The commit never precedes the checkpoint, and its
+        failure is only logged: the checkpoint is the source of truth, Kafka's offsets inform lag monitoring.
+        """
+        if not self.state.unsaved:
+            return
         if self.producer is not None:
-            self.producer.flush()  # dead letters are durable before their offsets are
-        self.state.save(self.consumed)
-        if self.consumer is not None and self.consumed:
-            offsets = {parse_tp(k): OffsetAndMetadata(v, "", -1) for k, v in self.consumed.items()}
+            self.producer.flush()
+        offsets = self.state.save()
+        if commit and self.consumer is not None and offsets:
             try:
-                self.consumer.commit(offsets, timeout_ms=5000)  # never hang on a stalled broker
-            except KafkaError as e:  # the checkpoint is the source of truth; the commit is informational
+                self.consumer.commit({parse_tp(k): OffsetAndMetadata(v, "", -1) for k, v in offsets.items()},
+                                     timeout_ms=5000)  # never hang on a stalled broker
+            except KafkaError as e:
                 log.warning("offset commit failed (the checkpoint holds them): %s", e)
-
-    def flush_on_revoke(self) -> None:
-        """Runs on kafka-python's IO thread: learn and checkpoint, but no blocking consumer call (no commit)."""
-        self._learn_pending()
-        if self.state.unsaved or self.consumed != self.state.book.offsets:
-            self.state.save(self.consumed)
 
     def _update_lag(self) -> None:
         assert self.consumer is not None

@@ -66,7 +66,7 @@ def run_stream(tmp_path, monkeypatch, workers: int) -> dict:
     loop._run()
     assert loop.error is None
     letters = [(dict(m["headers"])["error"], dict(m["headers"])["source_offset"]) for m in producer.sent]
-    return {"learned": learned, "images": torch.stack(images), "letters": letters, "consumed": loop.consumed,
+    return {"learned": learned, "images": torch.stack(images), "letters": letters, "consumed": state.book.offsets,
             "committed": consumer.committed, "skipped": state.book.replays_skipped,
             "dead": state.book.dead_lettered, "seen": state.learner.samples_seen}
 
@@ -100,10 +100,10 @@ def test_a_decode_error_in_the_pool_dead_letters_that_record_and_gives_back_its_
     monkeypatch.setattr(stream, "decode_image", decode_and_note_thread)
     poll = [sample(0, 0), sample(1, 1), sample(2, 2, TRUNCATED), sample(3, 3), sample(4, 4, slow), sample(5, 4)]
     loop._accept_poll(poll)
-    assert [(o, s.meta.sample_index) for _, o, s in loop.pending] == [(0, 0), (1, 1), (3, 3), (5, 4)]
+    assert [(o, s.meta.sample_index) for _, o, s in state.book.pending] == [(0, 0), (1, 1), (3, 3), (5, 4)]
     assert [dict(m["headers"])[k] for m in loop.producer.sent for k in ("error", "source_offset")] == \
         [b"corrupt_image", b"2", b"corrupt_image", b"4"]
-    assert loop.read_upto == {"images:0": 6} and loop.consumed == {}
+    assert state.book.offsets == {}  # nothing is handled before the pending record at offset 0
     assert state.book.dead_lettered == 2 and state.book.replays_skipped == 0
     assert state.book.claim(STREAM_ID, 2) and not state.book.claim(STREAM_ID, 4)  # 2 given back, 4 in flight
     decoded_by = {name.rsplit("_", 1)[0] for name in threads}  # a pool names its threads PREFIX_i
@@ -135,5 +135,5 @@ def test_learn_stacks_through_stack_images(tmp_path, monkeypatch):
 
     monkeypatch.setattr("server.state.stack_images", stack_and_note)
     loop._accept_poll([sample(0, 0), sample(1, 1)])
-    loop._learn_pending()
+    loop.learn_pending()
     assert devices == [state.learner.device] and len(learned) == 2

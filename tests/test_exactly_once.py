@@ -1,7 +1,7 @@
 """Exactly once, with the interleavings forced: the learner loop driven by fake Kafka records, no broker.
 
 A real ``ServiceState`` (tiny test ViT) learns; a fake consumer serves scripted records through the loop's own
-``_consume``, or the tests call ``_accept`` / ``_learn_pending`` themselves, so a replay arrives exactly while
+``_consume``, or the tests call ``_accept`` / ``learn_pending`` themselves, so a replay arrives exactly while
 its original is still pending in a partial mini-batch, or inside the learning step. Nothing waits or sleeps.
 """
 
@@ -13,13 +13,15 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
+import torch
 from kafka import TopicPartition
 from PIL import Image
 
 import server.stream as stream
-from mepo_stream.records import record_headers
+from mepo_stream.records import RecordMeta, record_headers
+from server.book import Sample, StreamBook
 from server.metrics import ServerMetrics
-from server.state import ServiceState, StreamBook
+from server.state import ServiceState
 from server.stream import LearnerLoop
 from tests.conftest import settings
 
@@ -164,7 +166,7 @@ def test_replays_of_samples_still_in_a_partial_batch_are_skipped_through_the_loo
     assert_each_learned_once(state, learned, range(200))
     assert state.book.replays_skipped == 100
     assert state.metrics.registry.get_sample_value("mepo_replayed_samples_skipped_total") == 100
-    assert loop.consumed == {"images:0": 300} and consumer.committed == {"images:0": 300}
+    assert state.book.offsets == {"images:0": 300} and consumer.committed == {"images:0": 300}
     assert state.book.state_dict()["offsets"] == {"images:0": 300}
 
 
@@ -172,15 +174,15 @@ def test_a_replay_of_a_pending_sample_is_skipped(tmp_path):
     state, loop, learned = service(tmp_path)
     for r in records(list(range(20))):
         loop._accept(r)
-        if len(loop.pending) == 16:
-            loop._learn_pending()
-    assert [s.meta.sample_index for _, _, s in loop.pending] == [16, 17, 18, 19]
+        if len(state.book.pending) == 16:
+            loop.learn_pending()
+    assert [s.meta.sample_index for _, _, s in state.book.pending] == [16, 17, 18, 19]
     for r in records([16, 17, 18, 19, 3], start=20):  # replays: four pending, one learned
         loop._accept(r)
-    assert len(loop.pending) == 4 and state.book.replays_skipped == 5
-    loop._learn_pending()
+    assert len(state.book.pending) == 4 and state.book.replays_skipped == 5
+    loop.learn_pending()
     assert_each_learned_once(state, learned, range(20))
-    assert loop.consumed == {"images:0": 25}
+    assert state.book.offsets == {"images:0": 25}
 
 
 def test_a_replay_while_its_original_is_in_the_learning_step_is_skipped(tmp_path):
@@ -194,24 +196,24 @@ def test_a_replay_while_its_original_is_in_the_learning_step_is_skipped(tmp_path
         if not seen_in_step:
             loop._accept(record(4, 0))  # a replay of sample 0, which is in this very step
             loop._accept(record(5, 4))  # a new sample
-            seen_in_step.update(consumed=dict(loop.consumed), skipped=state.book.replays_skipped)
+            seen_in_step.update(consumed=dict(state.book.offsets), skipped=state.book.replays_skipped)
         observe(images, labels, *rest)
 
     state.learner.observe = observe_and_accept
-    loop._learn_pending()
+    loop.learn_pending()
     assert seen_in_step == {"consumed": {}, "skipped": 1}  # no offset moved past the records in the step
-    assert [s.meta.sample_index for _, _, s in loop.pending] == [4]
-    assert loop.consumed == {"images:0": 5}  # up to the new sample, which is still pending
-    loop._learn_pending()
+    assert [s.meta.sample_index for _, _, s in state.book.pending] == [4]
+    assert state.book.offsets == {"images:0": 5}  # up to the new sample, which is still pending
+    loop.learn_pending()
     assert_each_learned_once(state, learned, range(5))
-    assert loop.consumed == {"images:0": 6} and state.book.replays_skipped == 1
+    assert state.book.offsets == {"images:0": 6} and state.book.replays_skipped == 1
 
 
 def test_learn_replays_learns_a_replayed_sample_again(tmp_path):
     state, loop, learned = service(tmp_path, learn_replays=True)
     for r in records([0, 1, 0, 1]):
         loop._accept(r)
-    loop._learn_pending()
+    loop.learn_pending()
     assert sorted(learned) == [(STREAM_ID, 0), (STREAM_ID, 0), (STREAM_ID, 1), (STREAM_ID, 1)]
     assert state.book.replays_skipped == 0
 
@@ -224,12 +226,12 @@ def test_a_reconnect_drops_pending_records_and_their_claims_so_they_are_learned_
     monkeypatch.setattr(stream, "ensure_topics", lambda kafka, *topics: None)
     monkeypatch.setattr(stream, "open_producer", lambda kafka, **_: FakeProducer())
     monkeypatch.setattr(stream, "KafkaConsumer", lambda **_: SimpleNamespace(subscribe=lambda *a, **k: None))
-    loop._connect()  # the broker went away: the pending records are read again from loop.consumed
-    assert loop.pending == [] and loop.read_upto == {}
+    loop._connect()  # the broker went away: the pending records are read again from the book's offsets
+    assert state.book.pending == [] and state.book.offsets == {}
     for r in records([0, 1, 2]):
         loop._accept(r)
     assert state.book.replays_skipped == 0
-    loop._learn_pending()
+    loop.learn_pending()
     assert_each_learned_once(state, learned, range(3))
 
 
@@ -239,13 +241,13 @@ def test_a_restart_restores_learned_ids_and_nothing_in_flight(tmp_path, monkeypa
     log = records(list(range(20)))
     for r in log:
         loop._accept(r)
-        if len(loop.pending) == 16:
-            loop._learn_pending()
-    loop.checkpoint()  # 0..15 learned, 16..19 in flight
+        if len(state.book.pending) == 16:
+            loop.learn_pending()
+    loop.persist()  # 0..15 learned, 16..19 in flight
     saved = state.book.state_dict()
     assert saved["offsets"] == {"images:0": 16} and saved["learned"][STREAM_ID].tolist() == list(range(16))
     restarted, loop2, learned = service(tmp_path)
-    assert restarted.learner.samples_seen == 16 and loop2.consumed == {"images:0": 16}
+    assert restarted.learner.samples_seen == 16 and restarted.book.offsets == {"images:0": 16}
     consumer = run_loop(monkeypatch, loop2, log + records([0, 19], start=20))  # read again from offset 16
     assert sorted(i for _, i in learned) == [16, 17, 18, 19] and restarted.learner.samples_seen == 20
     assert restarted.book.replays_skipped == 2 and consumer.committed == {"images:0": 22}
@@ -257,12 +259,12 @@ def test_offsets_do_not_move_past_a_pending_record_but_do_past_handled_ones(tmp_
     loop._accept(record(0, 0))  # pending
     loop._accept(record(1, 1, value=b"NOTANIMG"))  # dead-lettered, behind a pending record
     loop._accept(record(2, 0))  # a skipped replay, behind a pending record
-    assert loop.consumed == {} and loop.read_upto == {"images:0": 3}
+    assert state.book.offsets == {}
     loop._accept(record(0, 7, partition=1, value=b""))  # dead-lettered on a partition with nothing pending
     loop._accept(record(1, 0, partition=1))  # a replay there
-    assert loop.consumed == {"images:1": 2}
-    loop._learn_pending()
-    assert loop.consumed == {"images:0": 3, "images:1": 2} and loop.pending == []
+    assert state.book.offsets == {"images:1": 2}
+    loop.learn_pending()
+    assert state.book.offsets == {"images:0": 3, "images:1": 2} and state.book.pending == []
     assert state.book.dead_lettered == 2 and state.book.replays_skipped == 2
     letters = loop.producer.sent
     assert [dict(m["headers"])["error"] for m in letters] == [b"not_an_image", b"empty"]
@@ -270,13 +272,13 @@ def test_offsets_do_not_move_past_a_pending_record_but_do_past_handled_ones(tmp_
 
 
 def test_pending_records_on_several_partitions_all_count_as_handled_once_learned(tmp_path):
-    _, loop, _ = service(tmp_path)
+    state, loop, _ = service(tmp_path)
     loop._accept(record(5, 0, partition=0))
     loop._accept(record(9, 1, partition=1))
     loop._accept(record(10, 1, partition=1))  # a replay behind a pending record
-    assert loop.consumed == {}
-    loop._learn_pending()
-    assert loop.consumed == {"images:0": 6, "images:1": 11}
+    assert state.book.offsets == {}
+    loop.learn_pending()
+    assert state.book.offsets == {"images:0": 6, "images:1": 11}
 
 
 def test_a_bad_copy_of_a_sample_gives_its_claim_back(tmp_path):
@@ -284,8 +286,8 @@ def test_a_bad_copy_of_a_sample_gives_its_claim_back(tmp_path):
     loop._accept(record(0, 5, value=jpeg("red")[:60]))  # a valid header, a truncated image
     loop._accept(record(1, 5))  # a good copy of the same sample is learned, not skipped as a replay
     assert state.book.dead_lettered == 1 and state.book.replays_skipped == 0
-    loop._learn_pending()
-    assert learned == [(STREAM_ID, 5)] and loop.consumed == {"images:0": 2}
+    loop.learn_pending()
+    assert learned == [(STREAM_ID, 5)] and state.book.offsets == {"images:0": 2}
 
 
 # --- the book on its own --------------------------------------------------------------------------------------
@@ -294,9 +296,9 @@ def test_stream_book_claims(learn_replays):
     book = StreamBook(learn_replays=learn_replays)
     assert book.claim("s", 1) and book.claim("t", 1)  # ids are per stream
     assert book.claim("s", 1) is learn_replays  # in flight
-    book.mark_learned([("s", 1)])
+    book.mark_learned([Sample(torch.zeros(3, 2, 2, dtype=torch.uint8), RecordMeta(0, 1, 1, "s"))])
     assert book.claim("s", 1) is learn_replays  # learned
-    book.release_in_flight()
+    book.reread()
     assert book.claim("t", 1)  # its claim was dropped with the pending records
     assert book.replays_skipped == (0 if learn_replays else 2)
     assert {k: v.tolist() for k, v in book.state_dict()["learned"].items()} == {"s": [1]}

@@ -16,8 +16,9 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from server.config import ServeConfig
-from server.dependencies import ApiError, Service, get_service, get_settings
+from server.dependencies import ApiError, get_service, get_settings
 from server.prediction import decode_all, predict_images
+from server.service import Service
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])
 INPUT_NAME = "image"
@@ -55,7 +56,7 @@ def live() -> dict:
 
 @router.get("/health/ready", summary="Server readiness")
 def ready(service: Annotated[Service, Depends(get_service)]) -> dict:
-    if not service.loop.connected:
+    if not service.loop.health().kafka_connected:
         raise ApiError(503, "the learner is not connected to Kafka", "not_ready")
     return {"ready": True}
 

@@ -7,7 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
-from server.dependencies import Service, get_service, require_admin
+from server.dependencies import get_service, require_admin
+from server.service import Service
 
 router = APIRouter(tags=["operations"])
 
@@ -19,18 +20,18 @@ def livez() -> dict:
 
 @router.get("/readyz", summary="Readiness: model loaded and the learner connected to Kafka")
 def readyz(service: Annotated[Service, Depends(get_service)]) -> JSONResponse:
-    checks = {"model_loaded": True, "kafka_connected": service.loop.connected,
-              "learner_running": service.loop.thread.is_alive()}
+    health = service.loop.health()
+    checks = {"model_loaded": True, "kafka_connected": health.kafka_connected, "learner_running": health.running}
     ok = all(checks.values())
-    body = {"status": "ready" if ok else "not_ready", "checks": checks, "learner_error": service.loop.error}
+    body = {"status": "ready" if ok else "not_ready", "checks": checks, "learner_error": health.error}
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
 @router.get("/v1/status", summary="Learning progress, accuracy and stream health")
 def status(service: Annotated[Service, Depends(get_service)]) -> dict:
-    loop = service.loop
-    return {**service.state.status(), "paused": loop.paused.is_set(), "kafka_connected": loop.connected,
-            "consumer_lag": dict(loop.lag), "learner_error": loop.error}
+    health = service.loop.health()
+    return {**service.state.status(), "paused": health.paused, "kafka_connected": health.kafka_connected,
+            "consumer_lag": health.consumer_lag, "learner_error": health.error}
 
 
 @router.post("/v1/admin/checkpoint", dependencies=[Depends(require_admin)], summary="Checkpoint now")
@@ -41,11 +42,11 @@ def checkpoint(service: Annotated[Service, Depends(get_service)]) -> dict:
 
 @router.post("/v1/admin/pause", dependencies=[Depends(require_admin)], summary="Pause learning")
 def pause(service: Annotated[Service, Depends(get_service)]) -> dict:
-    service.loop.paused.set()
+    service.loop.pause()
     return {"status": "paused"}
 
 
 @router.post("/v1/admin/resume", dependencies=[Depends(require_admin)], summary="Resume learning")
 def resume(service: Annotated[Service, Depends(get_service)]) -> dict:
-    service.loop.paused.clear()
+    service.loop.resume()
     return {"status": "resumed"}

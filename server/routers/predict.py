@@ -9,8 +9,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from server.config import ServeConfig
-from server.dependencies import ApiError, Service, get_service, get_settings
+from server.dependencies import ApiError, get_service, get_settings
 from server.prediction import decode_all, predict_images
+from server.service import Service
 
 router = APIRouter(tags=["predict"])
 UPLOAD_SCHEMA = {

@@ -1,0 +1,183 @@
+"""What the learner has done with the stream, kept with the model so that both roll back together.
+
+``StreamBook`` is the one place that decides whether a record is a replay and where the offsets stand. It knows
+no Kafka: a partition is a ``"topic:partition"`` key and an offset an int. ``server.stream`` reads the records
+and tells the book what became of each one:
+
+* ``claim`` its sample id (stream id, sample index) before decoding the image; False means a replay: the sample
+  is learned or still pending, and the replay is counted. A bad image gives its claim back (``release``), so a
+  good copy of the sample is still learned.
+* then, in offset order, the record is ``add_pending`` (a decoded sample waiting for its mini-batch), ``skip``
+  (a replay: nothing more to do) or ``dead_letter`` (counted, nothing more to do);
+* ``mark_learned`` after the learning step: those samples are learned and their records handled.
+
+``offsets`` are the next offset per partition with every record before it handled: what a checkpoint stores,
+what is committed to Kafka and where a consumer seeks. They never pass a pending record, so a crash loses
+nothing: the records after them are read again, and their samples, never learned, are claimed again. Only
+learned ids are checkpointed; nothing is pending or claimed after a restore or a ``reread``.
+
+Example:
+    >>> def sample(index: int) -> Sample:
+    ...     return Sample(torch.zeros(3, 2, 2, dtype=torch.uint8), RecordMeta(0, index, index, "s"))
+    >>> book, first = StreamBook(), sample(0)
+    >>> book.claim("s", 0), book.claim("s", 0)  # the second copy is a replay of a pending sample
+    (True, False)
+    >>> book.add_pending("images:0", 0, first); book.skip("images:0", 1)  # offset 1 holds that replay
+    >>> book.offsets  # nothing is handled before the pending record
+    {}
+    >>> book.mark_learned([first])
+    >>> book.offsets, book.claim("s", 0), book.replays_skipped
+    ({'images:0': 2}, False, 2)
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from mepo_stream.records import RecordMeta
+
+
+@dataclass
+class Sample:
+    """A decoded, validated record waiting to be learned."""
+
+    image: torch.Tensor  # uint8 [3, S, S]
+    meta: RecordMeta
+
+    @property
+    def id(self) -> tuple[str, int]:
+        """What "learned exactly once" counts: (stream id, sample index)."""
+        return self.meta.stream_id, self.meta.sample_index
+
+
+class Pending(NamedTuple):
+    """A record whose sample waits for its mini-batch; its offset holds its partition's offset back."""
+
+    key: str  # "topic:partition"
+    offset: int
+    sample: Sample
+
+
+@dataclass
+class StreamBook:
+    """Sample ids, record offsets and stream counters, behind one lock: the learner thread claims and books,
+    the decode pool's threads give claims back, and nothing is seen half-way."""
+
+    learn_replays: bool = False  # claim every record, so a replayed sample is learned again
+    anytime_samples: list[int] = field(default_factory=list)
+    anytime_accuracy: list[float] = field(default_factory=list)
+    last_accuracy: float = math.nan
+    dead_lettered: int = field(default=0, init=False)  # counted by dead_letter()
+    replays_skipped: int = field(default=0, init=False)  # counted by claim()
+    _learned: dict[str, set[int]] = field(default_factory=dict, init=False, repr=False)
+    _in_flight: dict[str, set[int]] = field(default_factory=dict, init=False, repr=False)
+    _pending: list[Pending] = field(default_factory=list, init=False, repr=False)
+    _handled: dict[str, int] = field(default_factory=dict, init=False, repr=False)  # what `offsets` answers
+    _read: dict[str, int] = field(default_factory=dict, init=False, repr=False)  # next offset read, per partition
+    _saved: dict[str, int] = field(default_factory=dict, init=False, repr=False)  # the last checkpoint's offsets
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+
+    # --- sample ids ---------------------------------------------------------------------------------------------
+    def claim(self, stream_id: str, index: int) -> bool:
+        """Take a sample id for learning; False (and counted as a skipped replay) if learned or in flight."""
+        with self._lock:
+            seen = index in self._learned.get(stream_id, ()) or index in self._in_flight.get(stream_id, ())
+            if seen and not self.learn_replays:
+                self.replays_skipped += 1
+                return False
+            self._in_flight.setdefault(stream_id, set()).add(index)
+            return True
+
+    def release(self, stream_id: str, index: int) -> None:
+        """Give back one claim whose record turned out bad, so a good copy of the sample is still learned."""
+        with self._lock:
+            self._in_flight.get(stream_id, set()).discard(index)
+
+    # --- records, in offset order -------------------------------------------------------------------------------
+    def add_pending(self, key: str, offset: int, sample: Sample) -> None:
+        """The record's sample waits for its mini-batch; its partition's offset stays behind it until learned."""
+        with self._lock:
+            self._read[key] = offset + 1
+            self._pending.append(Pending(key, offset, sample))
+
+    def skip(self, key: str, offset: int) -> None:
+        """The record needs no more work; the offset moves past it unless a record before it is pending."""
+        with self._lock:
+            self._read[key] = offset + 1
+            if not any(p.key == key for p in self._pending):
+                self._handled[key] = offset + 1
+
+    def dead_letter(self, key: str, offset: int) -> None:
+        """The record went to the dead-letter topic: counted, and needs no more work."""
+        with self._lock:
+            self.dead_lettered += 1
+        self.skip(key, offset)
+
+    @property
+    def pending(self) -> list[Pending]:
+        """The records waiting for a mini-batch, in the order they were read."""
+        with self._lock:
+            return list(self._pending)
+
+    def mark_learned(self, batch: list[Sample]) -> None:
+        """The mini-batch was learned: its ids in flight -> learned, and every record read is handled up to the
+        first one still pending (records added during the learning step stay pending)."""
+        learned = {id(s) for s in batch}
+        with self._lock:
+            for stream_id, index in (s.id for s in batch):
+                self._in_flight.get(stream_id, set()).discard(index)
+                self._learned.setdefault(stream_id, set()).add(index)
+            self._pending = [p for p in self._pending if id(p.sample) not in learned]
+            for key, upto in self._read.items():
+                self._handled[key] = min((p.offset for p in self._pending if p.key == key), default=upto)
+
+    def reread(self) -> None:
+        """Forget the pending records and every claim: they will be read, and claimed, again from ``offsets``."""
+        with self._lock:
+            self._pending.clear()
+            self._in_flight.clear()
+            self._read = dict(self._handled)
+
+    # --- offsets and checkpoints --------------------------------------------------------------------------------
+    @property
+    def offsets(self) -> dict[str, int]:
+        """Next offset per partition with every record before it handled: where to resume, what to commit."""
+        with self._lock:
+            return dict(self._handled)
+
+    @property
+    def offsets_unsaved(self) -> bool:
+        """The offsets moved since the last checkpoint (records handled without any new learning count too)."""
+        with self._lock:
+            return self._handled != self._saved
+
+    def mark_saved(self, offsets: dict[str, int]) -> None:
+        """A checkpoint holding ``offsets`` (from ``state_dict``) is on disk."""
+        with self._lock:
+            self._saved = dict(offsets)
+
+    def state_dict(self) -> dict:
+        """The checkpoint's bookkeeping keys (learned ids as index tensors per stream; never the in-flight)."""
+        with self._lock:
+            return {"offsets": dict(self._handled),
+                    "learned": {k: torch.tensor(sorted(v)) for k, v in self._learned.items()},
+                    "anytime_samples": list(self.anytime_samples), "anytime_accuracy": list(self.anytime_accuracy),
+                    "last_accuracy": self.last_accuracy, "dead_lettered": self.dead_lettered,
+                    "replays_skipped": self.replays_skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Back to a checkpoint: its offsets, learned ids and counters; nothing pending, nothing in flight."""
+        with self._lock:
+            self._handled = {k: int(v) for k, v in state["offsets"].items()}
+            self._saved, self._read = dict(self._handled), dict(self._handled)
+            self._learned = {k: set(v.tolist()) for k, v in state["learned"].items()}
+            self._in_flight, self._pending = {}, []
+            self.anytime_samples = list(state["anytime_samples"])
+            self.anytime_accuracy = list(state["anytime_accuracy"])
+            self.last_accuracy = float(state["last_accuracy"])
+            self.dead_lettered, self.replays_skipped = int(state["dead_lettered"]), int(state["replays_skipped"])
