@@ -37,6 +37,7 @@ from mepo_stream.methods.base import ContinualMethod
 from mepo_stream.model import BundleParts, build_method
 from server.broker import EmbeddedBroker, free_port
 from server.config import ServeConfig
+from server.state import CHECKPOINT
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "mepo_stream.cli"]
@@ -146,7 +147,7 @@ def running_service(spec: ServiceSpec, work: Path, produce_first: bool = True) -
     """Broker up, the whole stream produced (unless ``produce_first`` is false), ``mepo serve`` started and
     answering HTTP; everything stopped on exit. Logs go to ``work``."""
     work.mkdir(parents=True, exist_ok=True)
-    (work / "learner.pt").unlink(missing_ok=True)
+    (work / CHECKPOINT).unlink(missing_ok=True)
     port = free_port()
     with EmbeddedBroker(log_path=work / "broker.log") as broker:
         if produce_first:

@@ -20,6 +20,7 @@ from mepo_stream.kafka import KafkaConfig, ensure_topics
 from server.app import create_app
 from server.broker import EmbeddedBroker
 from server.config import ServeConfig
+from server.state import CHECKPOINT
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def demo(
         out: Folder for the checkpoint and the broker log (a previous demo's checkpoint is removed).
     """
     out.mkdir(parents=True, exist_ok=True)
-    (out / "checkpoint" / "learner.pt").unlink(missing_ok=True)  # the in-memory broker starts empty too
+    (out / "checkpoint" / CHECKPOINT).unlink(missing_ok=True)  # the in-memory broker starts empty too
     data = DataConfig(dataset, train_per_class=train_per_class, test_per_class=test_per_class)
     broker = EmbeddedBroker(log_path=out / "broker.log") if bootstrap_servers is None else nullcontext()
     with broker:

@@ -25,6 +25,7 @@ from mepo_stream.records import record_headers
 from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce, stream_id
 from server.broker import free_port
+from server.state import CHECKPOINT
 from tests.conftest import DATA, LiveServer, checkpoint_samples, serve_process, settings, wait_for
 
 pytestmark = pytest.mark.reliability
@@ -38,7 +39,7 @@ def encoded(img: Image.Image, fmt: str) -> bytes:
 
 
 def learned_exactly_once(cfg) -> None:
-    state = load_checkpoint(cfg.checkpoint_dir / "learner.pt")
+    state = load_checkpoint(cfg.checkpoint_dir / CHECKPOINT)
     learned = state["learned"][stream_id(DATA, STREAM)].tolist()
     assert len(learned) == len(set(learned)) == 200 and int(state["learner"]["samples_seen"]) == 200
 

@@ -27,6 +27,7 @@ from producers.siblurry import ReplayConfig, produce, stream_id
 from server.broker import free_port
 from server.config import ServeConfig
 from server.dependencies import get_settings
+from server.state import CHECKPOINT
 from tests.conftest import DATA, LiveServer, checkpoint_samples, serve_process, settings, wait_for
 
 STREAM = SiBlurryConfig(seed=1)
@@ -160,7 +161,7 @@ def test_kill_9_mid_stream_loses_nothing_and_learns_nothing_twice(broker, tmp_pa
     finally:
         learner.send_signal(signal.SIGTERM)
         learner.wait(60)
-    state = load_checkpoint(cfg.checkpoint_dir / "learner.pt")
+    state = load_checkpoint(cfg.checkpoint_dir / CHECKPOINT)
     learned = state["learned"][stream_id(DATA, STREAM)].tolist()
     assert sorted(learned) == sorted(set(learned)) and len(learned) == 200  # every sample, once
     assert int(state["learner"]["samples_seen"]) == 200  # and no sample learned twice
