@@ -89,7 +89,7 @@ def run_seed(seed: int, base_backbone, train: ImageSet, test: ImageSet, parts: B
             "curves": {m: c.to_dict() for m, c in curves.items()}}
 
 
-PTM_METHODS = ("misa", "dualprompt", "deep_l2p", "coda_p", "mvp")  # the ones MePo plugs into (paper Table 1)
+MEPO_HOSTS = ("frozen", "misa", "dualprompt", "deep_l2p", "coda_p", "mvp")  # PTM-based: MePo plugs into them
 VARIANTS = {"host": (False, False), "rep": (True, False), "cov": (False, True), "mepo": (True, True)}  # rep, cov
 VARIANT_NAMES = {"host": "w/o MePo", "rep": "Meta Rep", "cov": "Meta Cov", "mepo": "w/ MePo (Rep + Cov)"}
 METRICS = ("A_auc", "A_last", "A_avg", "F_last")
@@ -108,7 +108,7 @@ def plan_jobs(methods: list[str], seeds: list[int], mepo: bool, rep_only: bool, 
     (and, with ``ablation``, with Meta Rep and Meta Cov alone); the lower bounds run without."""
     jobs = []
     for method in methods:
-        if mepo and method in PTM_METHODS:
+        if mepo and method in MEPO_HOSTS:
             variants = ["host", "rep", "cov", "mepo"] if ablation else ["host", "mepo"]
         elif mepo:
             variants = ["host"]
@@ -292,10 +292,12 @@ def evaluate(
         methods: Host methods, comma-separated, or "all": frozen, misa, dualprompt, deep_l2p, coda_p, mvp,
             linear_probe, seq_ft, seq_ft_sl.
         mepo: A MePo bundle (mepo refine): every PTM-based method runs without and with it (Meta Rep = its
-            backbone, Meta Cov = its Sigma_pre, and its ISA prompts if it has them); the lower bounds run
-            without.
+            backbone, Meta Cov = its Sigma_pre); the lower bounds run without. ISA prompts come from
+            --mepo_prompts only, so an ablation controls them separately.
         mepo_rep: Meta Rep only: a bundle whose backbone replaces --backbone.weights.
-        mepo_cov: Meta Cov only: a bundle holding Sigma_pre, or a MePo release cov_*.npy.
+        mepo_cov: Meta Cov only: a bundle holding Sigma_pre, or a MePo release cov_*.npy. With --mepo and
+            --ablation it is the Sigma_pre of the Meta Cov-alone runs (that of the untouched backbone, whose
+            features they align), while the full MePo runs keep the bundle's.
         mepo_prompts: A bundle whose ISA prompts (mepo isa) start the prompt-based hosts, in every variant.
         ablation: With --mepo, also run Meta Rep alone and Meta Cov alone (writes ablation.md).
         data: Downstream dataset.
@@ -307,7 +309,8 @@ def evaluate(
         protocol: Evaluation protocol settings.
         probe: The offline probe that gives each table's ceiling.
     """
-    rep_bundle, cov_bundle = mepo_rep or mepo, mepo_cov or mepo
+    rep_bundle = mepo_rep or mepo
+    cov_bundles = {"cov": mepo_cov or mepo, "mepo": mepo or mepo_cov}  # each Sigma_pre with its backbone's features
     names = parse_methods(methods)
     jobs = plan_jobs(names, parse_seeds(seeds), mepo is not None, mepo_rep is not None, mepo_cov is not None,
                      ablation)
@@ -321,7 +324,8 @@ def evaluate(
     for job in tqdm(jobs, desc="runs", unit="run"):
         use_rep, use_cov = VARIANTS[job.variant]
         bcfg = backbones[use_rep]
-        parts = BundleParts(cov=cov_bundle if use_cov else None, prompts=mepo_prompts)
+        cov_bundle = cov_bundles.get(job.variant)
+        parts = BundleParts(cov=cov_bundle, prompts=mepo_prompts)
         config = {**common, "backbone": provenance(bcfg), "method_config": asdict(method_config),
                   "alignment": asdict(alignment) if use_cov else None,
                   "sigma_pre": str(cov_bundle) if use_cov else None,
@@ -347,7 +351,7 @@ def evaluate(
              f"({backbone.name} @ {backbone.img_size}px)")
     result = {"config": {**common, "methods": names, "mepo": str(mepo) if mepo else None,
                          "mepo_rep": str(rep_bundle) if rep_bundle else None,
-                         "mepo_cov": str(cov_bundle) if cov_bundle else None,
+                         "mepo_cov": {k: str(v) for k, v in cov_bundles.items() if v},
                          "mepo_prompts": str(mepo_prompts) if mepo_prompts else None},
               "ceiling": {"w/o Meta Rep" if not k else "Meta Rep": v for k, v in ceilings.items()}, "runs": runs}
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
