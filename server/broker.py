@@ -4,10 +4,12 @@ Used by ``mepo demo`` and the end-to-end tests. The binary is taken straight fro
 copy, no download). Data lives in memory only: a restart loses every topic and offset, so the learner's own
 checkpoint, not the broker, is what survives.
 
-Example:
-    >>> with EmbeddedBroker(port=19092) as broker:   # doctest: +SKIP
-    ...     print(broker.bootstrap)
-    127.0.0.1:19092
+Example (a real broker on a free loopback port; it answers within a fraction of a second):
+    >>> with EmbeddedBroker() as broker:
+    ...     broker.bootstrap.startswith("127.0.0.1:"), broker.process.poll() is None
+    (True, True)
+    >>> broker.process is None  # stopped on leaving the block
+    True
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ class InlineExecutor(Executor):
 
 
 def decode_executor(workers: int) -> Executor:
-    """A pool of ``workers`` decode threads; none (decode in the learner thread) for 0."""
+    """A pool of ``workers`` decode threads; for 0, an ``InlineExecutor`` that decodes in the learner thread."""
     return ThreadPoolExecutor(workers, thread_name_prefix="mepo-decode") if workers > 0 else InlineExecutor()
 
 
