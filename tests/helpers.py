@@ -1,0 +1,165 @@
+"""Test helpers: tiny model and data settings, the service's config as ``mepo serve`` flags, a live HTTP server,
+polled waits, and the learner checkpoint. Tests import from here; ``conftest.py`` holds only fixtures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import fields, is_dataclass, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import torch
+import uvicorn
+
+from mepo_stream.backbone import BackboneConfig
+from mepo_stream.checkpoint import load_checkpoint
+from mepo_stream.data import DataConfig
+from mepo_stream.images import ImageLimits
+from mepo_stream.kafka import KafkaConfig
+from mepo_stream.learner import LearnerConfig
+from server.app import create_app
+from server.broker import free_port
+from server.config import ServeConfig
+from server.state import CHECKPOINT
+
+T = TypeVar("T")
+ROOT = Path(__file__).parents[1]
+TINY = BackboneConfig(name="test_vit", weights=None, img_size=32)
+DATA = DataConfig(dataset="cifar10", train_per_class=20, test_per_class=5)  # a 200-image stream
+
+
+def color_images(labels: torch.Tensor, size: int = 32, noise: int = 40) -> torch.Tensor:
+    """uint8 images [B, 3, size, size] whose colour encodes the label: an easy, learnable stream."""
+    g = torch.Generator().manual_seed(int(labels.sum()))
+    palette = torch.tensor([[230, 30, 30], [30, 230, 30], [30, 30, 230], [230, 230, 30], [30, 230, 230],
+                            [230, 30, 230], [128, 128, 128], [250, 250, 250]])
+    base = palette[labels][:, :, None, None].expand(-1, -1, size, size).float()
+    return (base + torch.randint(-noise, noise + 1, base.shape, generator=g)).clamp(0, 255).to(torch.uint8)
+
+
+# --- waiting ----------------------------------------------------------------------------------------------------
+def wait_for(predicate: Callable[[], T], timeout: float = 180.0, what: str = "condition",
+             ignore: tuple[type[BaseException], ...] = ()) -> T:
+    """Poll ``predicate`` until it returns something truthy and return that; fail after ``timeout`` seconds
+    with what was awaited and the last value seen. Exceptions of the types in ``ignore`` count as not yet."""
+    deadline, value = time.monotonic() + timeout, None
+    while True:
+        try:
+            value = predicate()
+        except ignore as e:
+            value = e
+        else:
+            if value:
+                return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {value!r})")
+        time.sleep(0.1)
+
+
+def holds_for(predicate: Callable[[], Any], seconds: float, what: str) -> int:
+    """Assert that ``predicate`` stays truthy on every poll for ``seconds``; returns how many polls held."""
+    deadline, polls = time.monotonic() + seconds, 0
+    while time.monotonic() < deadline:
+        assert predicate(), f"{what} stopped holding after {polls} polls"
+        polls += 1
+        time.sleep(0.25)
+    return polls
+
+
+# --- the service's configuration --------------------------------------------------------------------------------
+def settings(broker, tmp_path: Path, **kw) -> ServeConfig:
+    """A ServeConfig for the tiny ViT on fresh topics and consumer group of ``broker``, on a free port."""
+    name = uuid.uuid4().hex[:8]
+    kafka = KafkaConfig(bootstrap_servers=broker.bootstrap, topic=f"images-{name}", dead_letter_topic=f"dlq-{name}",
+                        group_id=f"learner-{name}")
+    cfg = ServeConfig(kafka=kafka, data=DATA, backbone=TINY, checkpoint_dir=tmp_path / "ckpt", eval_period=64,
+                      checkpoint_every=32, limits=ImageLimits(size=32), admin_token="s3cret", port=free_port(),
+                      learner=LearnerConfig(batch_size=16, online_iter=1, autoaugment=None, samples_per_slot=64))
+    return replace(cfg, **kw)
+
+
+def _flag_value(value: Any) -> str:
+    """One option value as ``mepo``'s command line parses it back (YAML/JSON scalars and lists)."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)  # null, true, false
+    if isinstance(value, tuple | list):
+        return json.dumps(list(value))
+    return str(value)
+
+
+def serve_args(cfg: ServeConfig, prefix: str = "--cfg") -> list[str]:
+    """``cfg`` as ``mepo serve`` flags: every leaf field, flattened to ``--cfg.a.b value``.
+
+    The only place that knows the CLI's option layout; ``tests/test_cli.py`` parses the flags back and
+    checks that the command gets exactly ``cfg``.
+    """
+    args: list[str] = []
+    for f in fields(cfg):
+        value, flag = getattr(cfg, f.name), f"{prefix}.{f.name}"
+        args += serve_args(value, flag) if is_dataclass(value) else [flag, _flag_value(value)]
+    return args
+
+
+def serve_process(cfg: ServeConfig, log: Path) -> subprocess.Popen:
+    """``mepo serve`` with ``cfg`` as its own process (what a crash test can kill), output appended to ``log``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "mepo_stream.cli", "serve", *serve_args(cfg)],
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env)
+
+
+def http_client(cfg: ServeConfig, timeout: float = 10) -> httpx.Client:
+    return httpx.Client(base_url=f"http://127.0.0.1:{cfg.port}", timeout=timeout)
+
+
+class LiveServer:
+    """uvicorn serving the app on a free port in a background thread."""
+
+    def __init__(self, cfg: ServeConfig):
+        self.port = free_port()
+        self.app = create_app(cfg)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> httpx.Client:
+        self.thread.start()
+        wait_for(lambda: self.server.started or not self.thread.is_alive(), 60, "the HTTP server to start")
+        assert self.server.started, "the HTTP server thread exited before it started"
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=30)
+        return self.client
+
+    def __exit__(self, *exc) -> None:
+        self.client.close()
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+# --- the learner checkpoint -------------------------------------------------------------------------------------
+def checkpoint(cfg: ServeConfig) -> dict | None:
+    """The learner checkpoint on disk (None before the first one)."""
+    path = cfg.checkpoint_dir / CHECKPOINT
+    return load_checkpoint(path) if path.is_file() else None
+
+
+def checkpoint_samples(cfg: ServeConfig) -> int:
+    state = checkpoint(cfg)
+    return int(state["learner"]["samples_seen"]) if state else 0
+
+
+def assert_same_learner_state(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """Two checkpoints' learners are the same: labels, sample counts, and every trainable tensor within float
+    tolerance (the classifier's statistics included)."""
+    la, lb = a["learner"], b["learner"]
+    assert la["exposed"] == lb["exposed"] and la["samples_seen"] == lb["samples_seen"]
+    assert la["method"].keys() == lb["method"].keys()
+    for key, ta in la["method"].items():
+        tb = lb["method"][key]
+        assert ta.shape == tb.shape and ta.dtype == tb.dtype, key
+        assert torch.allclose(ta, tb, rtol=rtol, atol=atol), (key, (ta - tb).abs().max().item())
