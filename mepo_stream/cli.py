@@ -19,14 +19,19 @@ COMMANDS_GROUP = "mepo.commands"
 
 
 def commands() -> dict:
-    """The nested ``{name: function | {name: function}}`` map of every installed subcommand."""
+    """The nested ``{name: function | {name: function}}`` map of every installed subcommand.
+
+    A group's help (``_help``) is the first line of the docstring of the module implementing its commands.
+    """
     tree: dict = {}
     for ep in entry_points(group=COMMANDS_GROUP):
         *parents, leaf = ep.name.split(".")
         node = tree
+        command = ep.load()
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = ep.load()
+            node.setdefault("_help", (sys.modules[command.__module__].__doc__ or "").strip().split("\n")[0])
+        node[leaf] = command
     return tree
 
 

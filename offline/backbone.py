@@ -1,4 +1,4 @@
-"""``mepo backbone``: bring pretrained weights into mepo-stream's bundle format.
+"""Bring pretrained weights into mepo-stream's bundle format (``mepo backbone import``, ``mepo backbone dinov2``).
 
 * ``mepo backbone import SOURCE --out DIR``: any supported source (timm ``.safetensors``/``.pth``, Google
   ``.npz``, a MePo release ``vit_*_meta_k.pth``) becomes a bundle with ``backbone.safetensors``; with
