@@ -8,7 +8,7 @@ import torch
 from mepo_stream.learner import LearnerConfig, OnlineLearner
 from mepo_stream.methods import METHODS, create_method
 from server.snapshot import take_snapshot
-from tests.conftest import color_images
+from tests.helpers import color_images
 
 CFG = LearnerConfig(batch_size=16, online_iter=3, samples_per_slot=10_000, autoaugment=None)
 
@@ -95,11 +95,45 @@ def test_deep_l2p_trains_only_prefixes_keys_and_head(tiny_backbone):
     assert learner.method.prefixes.shape == (10, 5, 2, 5, 64)  # pool, layers 1-5, K/V, length 5, D
 
 
-def test_dualprompt_uses_prefixes_of_length_5_in_blocks_0_to_4(tiny_backbone):
-    learner = learn_stream("dualprompt", tiny_backbone)
-    method = learner.method
-    assert method.tuning == "prefix" and method.g_prompt.layers == (0, 1) and method.e_prompt.layers == (2, 3, 4)
-    assert method.g_prompt.prompts.shape == (1, 2, 10, 64) and method.e_prompt.prompts.shape == (10, 3, 10, 64)
+def test_dualprompt_prefix_tunes_blocks_0_to_4_with_the_g_prompt_then_the_key_selected_e_prompt(
+        tiny_backbone, monkeypatch):
+    """What the forward does: blocks 0-4 attend to 5 extra keys and values (the g-prompt's in 0-1, the selected
+    e-prompt's in 2-4), block 5 runs plain, and only the e-prompt whose key matches the image is used."""
+    import mepo_stream.prompts as prompts
+
+    learner = OnlineLearner(create_method("dualprompt", tiny_backbone, 8), 8, CFG)
+    method, x = learner.method.eval(), learner.test_tf(color_images(torch.arange(2)))
+    prefixed, plain = {}, []
+    attention = prompts.prefix_attention
+
+    def record_prefix(attn, tokens, prefix_k, prefix_v):
+        block = next(i for i, b in enumerate(method.backbone.blocks) if b.attn is attn)
+        prefixed[block] = (prefix_k.detach().clone(), prefix_v.detach().clone())
+        return attention(attn, tokens, prefix_k, prefix_v)
+
+    monkeypatch.setattr(prompts, "prefix_attention", record_prefix)
+    hooks = [b.register_forward_hook(lambda m, a, out, i=i: plain.append(i))
+             for i, b in enumerate(method.backbone.blocks)]
+    with torch.no_grad():
+        out = method.encode(x).feature
+    for h in hooks:
+        h.remove()
+    assert sorted(prefixed) == [0, 1, 2, 3, 4]
+    assert plain == [0, 1, 2, 3, 4, 5, 5]  # the prompt-free query pass, then only block 5 of the prompted one
+    assert all(k.shape == v.shape == (2, 5, 64) for k, v in prefixed.values())
+    with torch.no_grad():
+        chosen = method.e_prompt.similarity(method.backbone.forward_features(x)[:, 0]).argmax(1)  # [2]
+    g, e = method.g_prompt.prompts, method.e_prompt.prompts  # [1, 2, 10, D], [pool, 3, 10, D]
+    for block in (0, 1):
+        assert torch.equal(torch.cat(prefixed[block], 1), g[0, block].expand(2, -1, -1))
+    for block in (2, 3, 4):
+        assert torch.equal(torch.cat(prefixed[block], 1), e[chosen, block - 2])
+    unused = next(i for i in range(e.shape[0]) if i not in chosen.tolist())
+    with torch.no_grad():
+        e[unused].add_(1.0)  # an e-prompt no image selects changes nothing
+        assert torch.equal(method.encode(x).feature, out)
+        e[chosen[0]].add_(1.0)
+        assert not torch.allclose(method.encode(x).feature[0], out[0])
 
 
 def test_coda_p_trains_only_the_current_component_group(tiny_backbone):
@@ -110,7 +144,9 @@ def test_coda_p_trains_only_the_current_component_group(tiny_backbone):
     method.encode(torch.randn(3, 3, 32, 32), slot=2).feature.sum().backward()  # groups 0-2 in use, 2 learns
     grad = method.components.grad.flatten(1).abs().sum(1)  # per component
     assert (grad[4:6] > 0).all() and (grad[:4] == 0).all() and (grad[6:] == 0).all()
-    assert torch.equal(method.components.detach(), before)
+    torch.optim.Adam(method.param_groups(1e-2)).step()  # the learner's optimizer: only group 2 moves
+    moved = (method.components.detach() != before).flatten(1).any(1)
+    assert moved.tolist() == [False] * 4 + [True] * 2 + [False] * 4
 
 
 def test_coda_p_inference_uses_only_the_groups_trained_so_far(tiny_backbone):
