@@ -18,12 +18,13 @@ from kafka import TopicPartition
 from PIL import Image
 
 import server.stream as stream
+from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.records import RecordMeta, record_headers
 from server.book import Sample, StreamBook
 from server.metrics import ServerMetrics
-from server.state import ServiceState
+from server.state import CHECKPOINT, ServiceState
 from server.stream import LearnerLoop
-from tests.conftest import settings
+from tests.helpers import settings
 
 TOPIC, STREAM_ID = "images", "cifar10/test-stream"
 TP = TopicPartition(TOPIC, 0)
@@ -302,3 +303,67 @@ def test_stream_book_claims(learn_replays):
     assert book.claim("t", 1)  # its claim was dropped with the pending records
     assert book.replays_skipped == (0 if learn_replays else 2)
     assert {k: v.tolist() for k, v in book.state_dict()["learned"].items()} == {"s": [1]}
+
+
+def sample(stream_id: str, index: int) -> Sample:
+    return Sample(torch.zeros(3, 2, 2, dtype=torch.uint8), RecordMeta(index % 10, index, index, stream_id))
+
+
+def test_stream_book_state_dict_round_trips_through_a_checkpoint_file(tmp_path):
+    """Learned ids, offsets and counters survive a checkpoint file; what was pending or claimed does not."""
+    book = StreamBook()
+    samples = [sample("s", i) for i in range(4)]
+    for offset, s in enumerate(samples):
+        assert book.claim(*s.id)
+        book.add_pending("images:0", offset, s)
+    assert book.claim("t", 9)
+    book.add_pending("images:1", 0, t9 := sample("t", 9))
+    assert not book.claim("s", 1)  # a replay of a pending sample
+    book.skip("images:0", 4)
+    book.dead_letter("images:0", 5)
+    book.mark_learned(samples[:3] + [t9])  # s3 stays pending at offset 3
+    saved = book.state_dict()
+    assert saved["offsets"] == {"images:0": 3, "images:1": 1}  # stops at the pending record
+    assert {k: v.tolist() for k, v in saved["learned"].items()} == {"s": [0, 1, 2], "t": [9]}
+    book.mark_learned(samples[3:])  # what was saved does not move with the book
+    assert saved["offsets"] == {"images:0": 3, "images:1": 1}
+    assert book.offsets == {"images:0": 6, "images:1": 1}
+
+    save_checkpoint(tmp_path / "book.pt", saved)  # tensors and plain values: it loads with weights_only
+    restored = StreamBook()
+    restored.load_state_dict(load_checkpoint(tmp_path / "book.pt"))
+    again = restored.state_dict()
+    assert {k: v.tolist() for k, v in again.pop("learned").items()} == {"s": [0, 1, 2], "t": [9]}
+    assert again == {"offsets": {"images:0": 3, "images:1": 1}, "dead_lettered": 1, "replays_skipped": 1}
+    assert restored.pending == [] and not restored.offsets_unsaved  # the offsets restored are the saved ones
+    assert restored.claim("s", 3)  # it was pending, not learned: it is read and claimed again
+    assert not restored.claim("s", 2) and not restored.claim("t", 9) and restored.replays_skipped == 3
+
+
+def test_a_checkpoint_stores_the_offsets_before_the_pending_records_and_only_when_they_moved(tmp_path):
+    """``persist``: the checkpoint file holds the book's offsets (stopping before pending records) with the
+    learned ids and model that match them; handling records without learning still moves them to disk; with
+    nothing new nothing is written."""
+    state, loop, _ = service(tmp_path)
+    path = state.cfg.checkpoint_dir / CHECKPOINT
+    for r in records(list(range(20))):
+        loop._accept(r)
+        if len(state.book.pending) == 16:
+            loop.learn_pending()
+    loop.persist()  # 0..15 learned, 16..19 pending
+    saved = load_checkpoint(path)
+    assert saved["offsets"] == {"images:0": 16} and saved["learned"][STREAM_ID].tolist() == list(range(16))
+    assert saved["learner"]["samples_seen"] == 16 and saved["replays_skipped"] == 0
+    loop.learn_pending()
+    loop._accept(record(20, 3))  # a replay: handled, nothing learned
+    assert state.book.offsets == {"images:0": 21} and state.book.offsets_unsaved
+    loop.persist()
+    saved = load_checkpoint(path)
+    assert saved["offsets"] == {"images:0": 21} and saved["learner"]["samples_seen"] == 20
+    assert torch.equal(saved["learned"][STREAM_ID], torch.arange(20)) and saved["replays_skipped"] == 1
+    loop._accept(record(21, 4))  # only a replay again: the offset moved, so it is saved
+    loop.persist()
+    assert load_checkpoint(path)["offsets"] == {"images:0": 22}
+    written = path.stat().st_mtime_ns
+    loop.persist()  # nothing changed since
+    assert path.stat().st_mtime_ns == written and not state.unsaved
