@@ -32,7 +32,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -69,9 +68,6 @@ class StreamBook:
     the decode pool's threads give claims back, and nothing is seen half-way."""
 
     learn_replays: bool = False  # claim every record, so a replayed sample is learned again
-    anytime_samples: list[int] = field(default_factory=list)
-    anytime_accuracy: list[float] = field(default_factory=list)
-    last_accuracy: float = math.nan
     dead_lettered: int = field(default=0, init=False)  # counted by dead_letter()
     replays_skipped: int = field(default=0, init=False)  # counted by claim()
     _learned: dict[str, set[int]] = field(default_factory=dict, init=False, repr=False)
@@ -166,9 +162,7 @@ class StreamBook:
         with self._lock:
             return {"offsets": dict(self._handled),
                     "learned": {k: torch.tensor(sorted(v)) for k, v in self._learned.items()},
-                    "anytime_samples": list(self.anytime_samples), "anytime_accuracy": list(self.anytime_accuracy),
-                    "last_accuracy": self.last_accuracy, "dead_lettered": self.dead_lettered,
-                    "replays_skipped": self.replays_skipped}
+                    "dead_lettered": self.dead_lettered, "replays_skipped": self.replays_skipped}
 
     def load_state_dict(self, state: dict) -> None:
         """Back to a checkpoint: its offsets, learned ids and counters; nothing pending, nothing in flight."""
@@ -177,7 +171,4 @@ class StreamBook:
             self._saved, self._read = dict(self._handled), dict(self._handled)
             self._learned = {k: set(v.tolist()) for k, v in state["learned"].items()}
             self._in_flight, self._pending = {}, []
-            self.anytime_samples = list(state["anytime_samples"])
-            self.anytime_accuracy = list(state["anytime_accuracy"])
-            self.last_accuracy = float(state["last_accuracy"])
             self.dead_lettered, self.replays_skipped = int(state["dead_lettered"]), int(state["replays_skipped"])

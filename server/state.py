@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
+from mepo_stream.anytime import AnytimeCurve, AnytimeEvaluation
 from mepo_stream.backbone import device
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
-from mepo_stream.data import ImageSet, list_files, load_split
-from mepo_stream.evaluation import evaluate_seen
+from mepo_stream.data import list_files, load_split
 from mepo_stream.learner import OnlineLearner
 from mepo_stream.model import BundleParts, build_method
 from server.book import Sample, StreamBook
@@ -48,14 +48,16 @@ class ServiceState:
         self.class_names = dict(enumerate(listing.class_names))
         self.n_classes = len(listing.classes)
         torch.manual_seed(cfg.seed)
-        self.test: ImageSet | None = load_split(cfg.data, "test") if cfg.eval_period > 0 else None
+        self.evaluation: AnytimeEvaluation | None = None
+        if cfg.eval_period > 0:  # the same schedule, scoring and curve as `mepo evaluate`, in the served mode
+            self.evaluation = AnytimeEvaluation(load_split(cfg.data, "test"), cfg.eval_period, cfg.eval_batch_size,
+                                                (cfg.alignment.inference_mode,))
         self.learner = build_learner(cfg, self.n_classes)
         self.monitor = StreamMonitor(cfg.monitor)
         self.book = StreamBook(learn_replays=cfg.learn_replays)
         self.version = 0
         self.last_checkpoint_time = math.nan
         self._since_checkpoint = 0
-        self._next_eval = cfg.eval_period
         self._idle_eval_at = -1
         self._lock = threading.Lock()  # one writer at a time: the learner thread, or kafka-python's in a rebalance
         self.restore()
@@ -92,33 +94,27 @@ class ServiceState:
         self.metrics.step_seconds.observe(time.perf_counter() - start)
         self.metrics.learn_steps.inc()
         self.metrics.samples_learned.inc(len(batch))
-        if self.cfg.eval_period > 0 and self.learner.samples_seen >= self._next_eval:
-            self.evaluate()
-            while self._next_eval <= self.learner.samples_seen:
-                self._next_eval += self.cfg.eval_period
+        if self.evaluation is not None:
+            with self._lock:
+                if self.evaluation.after_batch(self.learner, len(batch)):
+                    self.metrics.anytime_evals.inc()
         self._export()
 
-    def evaluate(self, final: bool = False) -> float:
-        """Any-time accuracy on the seen classes' test images, with the alignment statistics predictions use."""
-        if self.test is None or not self.learner.exposed:
+    def evaluate_now(self) -> float:
+        """Accuracy where the stream went idle (A_last of the stream so far), in the served alignment mode."""
+        if self.evaluation is None or not self.learner.exposed:
             return math.nan
         with self._lock:
-            mode = self.cfg.alignment.inference_mode
-            acc = evaluate_seen(self.learner, self.test, self.cfg.eval_batch_size, (mode,))[mode][0]
-        if final:
-            self.book.last_accuracy = acc
+            acc = self.evaluation.end_of_task(self.learner)[self.cfg.alignment.inference_mode]
             self._idle_eval_at = self.learner.samples_seen
-        else:
-            self.book.anytime_samples.append(self.learner.samples_seen)
-            self.book.anytime_accuracy.append(acc)
-            self.metrics.anytime_evals.inc()
         self._export()
         return acc
 
     @property
-    def a_auc(self) -> float:
-        acc = self.book.anytime_accuracy
-        return sum(acc) / len(acc) if acc else math.nan
+    def curve(self) -> AnytimeCurve:
+        """The any-time accuracy curve of the stream so far (empty without a test set)."""
+        mode = self.cfg.alignment.inference_mode
+        return AnytimeCurve() if self.evaluation is None else self.evaluation.curves[mode]
 
     @property
     def checkpoint_due(self) -> bool:
@@ -132,7 +128,8 @@ class ServiceState:
     @property
     def idle_evaluation_due(self) -> bool:
         """The stream went idle after new learning: measure the accuracy there (A_last of the stream so far)."""
-        return self.test is not None and self.learner.exposed and self._idle_eval_at != self.learner.samples_seen
+        return (self.evaluation is not None and bool(self.learner.exposed)
+                and self._idle_eval_at != self.learner.samples_seen)
 
     # --- checkpoints ----------------------------------------------------------------------------------------
     def save(self) -> dict[str, int]:
@@ -142,7 +139,8 @@ class ServiceState:
         with self._lock:
             state = {
                 "learner": self.learner.state_dict(), "monitor": self.monitor.state_dict(), "version": self.version,
-                **self.book.state_dict(), "next_eval": self._next_eval, "time": time.time(),
+                **self.book.state_dict(), "time": time.time(),
+                "anytime": None if self.evaluation is None else self.evaluation.state_dict(),
                 "rng": torch.get_rng_state(),  # the augmentation draws continue as if nothing had happened
             }
             save_checkpoint(self.checkpoint_path, state)
@@ -161,7 +159,8 @@ class ServiceState:
         self.monitor.load_state_dict(state["monitor"])
         self.version = int(state["version"])
         self.book.load_state_dict(state)
-        self._next_eval = int(state["next_eval"])
+        if self.evaluation is not None and state["anytime"] is not None:
+            self.evaluation.load_state_dict(state["anytime"])
         torch.set_rng_state(state["rng"])
         self.last_checkpoint_time = float(state["time"])
         log.info("restored checkpoint %s: %d samples learned, offsets %s", self.checkpoint_path,
@@ -175,23 +174,24 @@ class ServiceState:
         if self.monitor.total:
             m.prequential.set(self.monitor.cumulative)
             m.rolling.set(self.monitor.rolling)
-        if self.book.anytime_accuracy:
-            m.anytime.set(self.book.anytime_accuracy[-1])
-            m.a_auc.set(self.a_auc)
-        if not math.isnan(self.book.last_accuracy):
-            m.last_accuracy.set(self.book.last_accuracy)
+        curve = self.curve
+        if curve.accuracy:
+            m.anytime.set(curve.accuracy[-1])
+            m.a_auc.set(curve.a_auc)
+        if curve.task_accuracy:
+            m.last_accuracy.set(curve.a_last)
 
     def status(self) -> dict:
-        b = self.book
+        b, curve = self.book, self.curve
         return {
             "samples_seen": self.learner.samples_seen,
             "classes_seen": len(self.learner.exposed),
             "model_version": self.version,
-            "anytime_accuracy": {"last": b.anytime_accuracy[-1] if b.anytime_accuracy else None,
-                                 "a_auc": None if math.isnan(self.a_auc) else self.a_auc,
-                                 "evaluations": len(b.anytime_accuracy), "samples": b.anytime_samples,
-                                 "accuracy": b.anytime_accuracy},
-            "a_last": None if math.isnan(b.last_accuracy) else b.last_accuracy,
+            "anytime_accuracy": {"last": curve.accuracy[-1] if curve.accuracy else None,
+                                 "a_auc": curve.a_auc if curve.accuracy else None,
+                                 "evaluations": len(curve.accuracy), "samples": curve.samples,
+                                 "accuracy": curve.accuracy},
+            "a_last": curve.a_last if curve.task_accuracy else None,
             "prequential_accuracy": {"cumulative": self.monitor.cumulative if self.monitor.total else None,
                                      "rolling": self.monitor.rolling if self.monitor.total else None,
                                      "samples": self.monitor.total},

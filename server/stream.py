@@ -321,7 +321,7 @@ class LearnerLoop:
     def _on_idle(self) -> None:
         """The topic is drained: record the accuracy at this point (A_last of the stream so far) and persist."""
         if self.state.idle_evaluation_due:
-            self.state.evaluate(final=True)
+            self.state.evaluate_now()
         self.persist()
 
     def persist(self, commit: bool = True) -> None:

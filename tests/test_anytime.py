@@ -4,9 +4,18 @@ import pytest
 import torch
 
 from mepo_stream.anytime import AnytimeCurve, AnytimeEvaluation, EncodedTestSet, evaluate_seen, per_class_accuracy
-from mepo_stream.data import ImageSet
+from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.learner import LearnerConfig, OnlineLearner
 from mepo_stream.methods import MethodsConfig, create_method
+from mepo_stream.probe import ProbeConfig
+from mepo_stream.records import RecordMeta
+from mepo_stream.sampler import si_blurry_stream
+from offline.evaluate import ProtocolConfig, evaluate
+from server.book import Sample
+from server.config import ServeConfig
+from server.metrics import ServerMetrics
+from server.state import ServiceState
+from tests.helpers import TINY
 
 
 def test_definitions_against_hand_computed_case():
@@ -93,3 +102,21 @@ def test_schedule_is_the_reference_rule_and_round_trips(tiny_backbone):
     again = AnytimeEvaluation(test, eval_period=50, batch_size=16)
     again.load_state_dict(run.state_dict())
     assert again.next_eval == 200 and again.curves == run.curves
+
+
+def test_service_and_evaluate_report_the_same_anytime_accuracy(tmp_path):
+    """The server's A_AUC is `mepo evaluate`'s on the same stream: one schedule, one scoring, one curve."""
+    data, period = DataConfig(dataset="cifar10", train_per_class=12, test_per_class=4), 30
+    result = evaluate(out=tmp_path / "ev", seeds="1", methods="frozen", data=data, backbone=TINY,
+                      protocol=ProtocolConfig(eval_period=period), probe=ProbeConfig(epochs=1))
+    offline = result["runs"][0]["curves"]["batch"]  # without Meta Cov both modes are one model; evaluate keeps one
+    cfg = ServeConfig(data=data, backbone=TINY, eval_period=period, checkpoint_dir=tmp_path / "ckpt")
+    state, train = ServiceState(cfg, ServerMetrics()), load_split(data, "train")
+    for task in si_blurry_stream(train.targets.tolist(), seed=1).tasks:  # evaluate's batches: never across tasks
+        for b in range(0, len(task), cfg.learner.batch_size):
+            state.learn([Sample(train.images[i], RecordMeta(int(train.targets[i]), i, i, "s"))
+                         for i in task[b : b + cfg.learner.batch_size]])
+    served = state.status()["anytime_accuracy"]
+    assert served["samples"] == offline["samples"] and len(served["samples"]) >= 3
+    assert served["accuracy"] == pytest.approx(offline["accuracy"], abs=1e-6)
+    assert served["a_auc"] == pytest.approx(offline["A_auc"], abs=1e-6)
