@@ -24,14 +24,14 @@ import json
 import logging
 import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from mepo_stream.alignment import AlignmentConfig, AlignMode
-from mepo_stream.anytime import AnytimeEvaluation
+from mepo_stream.anytime import AnytimeEvaluation, ProtocolConfig
 from mepo_stream.backbone import BackboneConfig, create_backbone, device, provenance
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.learner import LearnerConfig, OnlineLearner
@@ -44,16 +44,6 @@ log = logging.getLogger(__name__)
 MODES: tuple[AlignMode, ...] = ("batch", "running")
 
 
-@dataclass(frozen=True)
-class ProtocolConfig:
-    """The evaluation protocol."""
-
-    eval_period: int = 1000
-    """Any-time evaluation every this many stream samples."""
-    eval_batch_size: int = 128
-    """Test batch size (the reference's 2 x batchsize; it matters for batch-statistics alignment)."""
-
-
 def parse_seeds(spec: str) -> list[int]:
     """``"1-5"`` -> [1, 2, 3, 4, 5]; ``"1,3,7"`` -> [1, 3, 7]."""
     seeds: list[int] = []
@@ -63,20 +53,44 @@ def parse_seeds(spec: str) -> list[int]:
     return seeds
 
 
-def run_seed(seed: int, base_backbone, train: ImageSet, test: ImageSet, parts: BundleParts,
-             stream_cfg: SiBlurryConfig, method: str, method_config: MethodsConfig, learner_cfg: LearnerConfig,
-             alignment: AlignmentConfig, protocol: ProtocolConfig) -> dict:
+@dataclass(frozen=True)
+class SeedRun:
+    """What one run of the protocol needs: a method on one seed's stream, with its backbone and MePo parts.
+
+    Example (``run_seed`` learns it; the sweep builds one per job):
+        SeedRun(seed=1, method="frozen", backbone=vit, parts=BundleParts(), train=train, test=test,
+                stream=SiBlurryConfig(seed=1), method_config=MethodsConfig(), learner=LearnerConfig(),
+                alignment=AlignmentConfig(), protocol=ProtocolConfig())
+    """
+
+    seed: int
+    method: str
+    backbone: torch.nn.Module
+    """The shared pretrained backbone; each run learns on a copy of it."""
+    parts: BundleParts
+    train: ImageSet
+    test: ImageSet
+    stream: SiBlurryConfig
+    method_config: MethodsConfig
+    learner: LearnerConfig
+    alignment: AlignmentConfig
+    protocol: ProtocolConfig
+
+
+def run_seed(run: SeedRun) -> dict:
     """One seed of the protocol; returns the curves per alignment mode and the wall time."""
-    torch.manual_seed(seed)
-    stream = si_blurry_stream(train.targets.tolist(), stream_cfg.n_tasks, stream_cfg.n, stream_cfg.m, seed)
-    model = assemble(method, len(train.classes), copy.deepcopy(base_backbone), parts, method_config, alignment)
-    learner = OnlineLearner(model, len(train.classes), learner_cfg, device())
-    evaluation = AnytimeEvaluation(test, protocol.eval_period, protocol.eval_batch_size, MODES)
+    torch.manual_seed(run.seed)
+    train, stream_cfg = run.train, run.stream
+    stream = si_blurry_stream(train.targets.tolist(), stream_cfg.n_tasks, stream_cfg.n, stream_cfg.m, run.seed)
+    model = assemble(run.method, len(train.classes), copy.deepcopy(run.backbone), run.parts, run.method_config,
+                     run.alignment)
+    learner = OnlineLearner(model, len(train.classes), run.learner, device())
+    evaluation = AnytimeEvaluation(run.test, run.protocol.eval_period, run.protocol.eval_batch_size, MODES)
     start = time.time()
-    bar = tqdm(total=len(stream.order), desc=f"{method} seed {seed}", unit="img", leave=False)
+    bar = tqdm(total=len(stream.order), desc=f"{run.method} seed {run.seed}", unit="img", leave=False)
     for task in stream.tasks:
-        for b in range(0, len(task), learner_cfg.batch_size):
-            idx = torch.tensor(task[b : b + learner_cfg.batch_size])
+        for b in range(0, len(task), run.learner.batch_size):
+            idx = torch.tensor(task[b : b + run.learner.batch_size])
             loss = learner.observe(train.images[idx], train.targets[idx])
             bar.update(len(idx))
             bar.set_postfix(loss=f"{loss:.3f}", classes=len(learner.exposed))
@@ -85,7 +99,7 @@ def run_seed(seed: int, base_backbone, train: ImageSet, test: ImageSet, parts: B
             evaluation.end_of_task(learner)
     bar.close()
     curves = evaluation.curves
-    return {"seed": seed, "wall_time_s": round(time.time() - start, 1), "stream_length": len(stream.order),
+    return {"seed": run.seed, "wall_time_s": round(time.time() - start, 1), "stream_length": len(stream.order),
             "curves": {m: c.to_dict() for m, c in curves.items()}}
 
 
@@ -261,6 +275,112 @@ def ceiling(out: Path, bcfg: BackboneConfig, base, train: ImageSet, test: ImageS
     return acc
 
 
+@dataclass(frozen=True)
+class Bundles:
+    """Which bundle supplies each part of MePo, from --mepo, --mepo_rep, --mepo_cov and --mepo_prompts.
+
+    Each Sigma_pre goes with its backbone's features: Meta Cov alone takes --mepo_cov (that of the untouched
+    backbone), full MePo keeps --mepo's.
+
+    Example:
+        >>> Bundles.of(Path("refined"), None, Path("cov.npy"), None).cov
+        {'cov': PosixPath('cov.npy'), 'mepo': PosixPath('refined')}
+    """
+
+    rep: Path | None
+    cov: dict[str, Path | None]
+    """Sigma_pre per variant that uses Meta Cov (``cov``, ``mepo``)."""
+    prompts: Path | None
+
+    @classmethod
+    def of(cls, mepo: Path | None, rep: Path | None, cov: Path | None, prompts: Path | None) -> Bundles:
+        return cls(rep or mepo, {"cov": cov or mepo, "mepo": mepo or cov}, prompts)
+
+
+@dataclass
+class Sweep:
+    """The runs of one ``mepo evaluate``: shared data and settings, plus each backbone (w/o and w/ Meta Rep)
+    built at most once, with its ceiling.
+
+    ``run(job)`` answers a job from ``out/cache`` when the same settings ran before (``job_key`` of
+    ``job_config(job)``), else learns it and caches it, so a re-run continues an interrupted sweep.
+
+    Example (what ``evaluate`` does between planning and reporting):
+        sweep = Sweep(out, Bundles.of(mepo, None, None, None), train, test, data, stream, backbone,
+                      method_config, learner, alignment, protocol, probe)
+        runs = [sweep.run(job) for job in plan_jobs(["misa"], [1, 2], True, False, False, False)]
+    """
+
+    out: Path
+    bundles: Bundles
+    train: ImageSet
+    test: ImageSet
+    data: DataConfig
+    stream: SiBlurryConfig
+    backbone: BackboneConfig
+    method_config: MethodsConfig
+    learner: LearnerConfig
+    alignment: AlignmentConfig
+    protocol: ProtocolConfig
+    probe: ProbeConfig
+    built: dict[bool, torch.nn.Module] = field(default_factory=dict)
+    ceilings: dict[bool, float] = field(default_factory=dict)
+    backbones: dict[bool, BackboneConfig] = field(init=False)
+    """The backbone config w/o (False) and w/ (True) Meta Rep."""
+    common: dict = field(init=False)
+    """The settings every job shares, as recorded in the cache keys and results.json."""
+
+    def __post_init__(self) -> None:
+        self.backbones = {False: self.backbone, True: backbone_config(self.backbone, BundleParts(self.bundles.rep))}
+        self.common = {"data": asdict(self.data), "stream": asdict(self.stream), "learner": asdict(self.learner),
+                       "protocol": asdict(self.protocol), "n_train": len(self.train), "n_test": len(self.test)}
+
+    def job_config(self, job: Job) -> dict:
+        """Everything that shapes the job's numbers: what its cache key hashes, and what its run records."""
+        use_rep, use_cov = VARIANTS[job.variant]
+        cov_bundle, prompts = self.bundles.cov.get(job.variant), self.bundles.prompts
+        return {**self.common, "backbone": provenance(self.backbones[use_rep]),
+                "method_config": asdict(self.method_config),
+                "alignment": asdict(self.alignment) if use_cov else None,
+                "sigma_pre": str(cov_bundle) if use_cov else None,
+                "prompts": str(prompts) if prompts else None}
+
+    def base(self, use_rep: bool) -> torch.nn.Module:
+        """The backbone w/o or w/ Meta Rep, built (and its ceiling measured) on first use."""
+        if use_rep not in self.built:
+            bcfg = self.backbones[use_rep]
+            self.built[use_rep] = create_backbone(bcfg)
+            self.ceilings[use_rep] = ceiling(self.out, bcfg, self.built[use_rep], self.train, self.test,
+                                             self.probe, self.data)
+        return self.built[use_rep]
+
+    def run(self, job: Job) -> dict:
+        """The job's run, from the cache or learnt now, with its backbone's ceiling."""
+        use_rep = VARIANTS[job.variant][0]
+        config = self.job_config(job)
+        base = self.base(use_rep)
+        cached = self.out / "cache" / f"{job_key(job, config)}.json"
+        if cached.is_file():
+            run = json.loads(cached.read_text())
+        else:
+            run = {**asdict(job), **self.learn(job, base), "config": config}
+            cached.write_text(json.dumps(run, default=str))
+            log.info("%s %s seed %d: %s", job.method, job.variant, job.seed,
+                     {m: {k: round(c[k], 4) for k in ("A_auc", "A_last")} for m, c in run["curves"].items()})
+        return {**run, "ceiling": self.ceilings[use_rep]}
+
+    def learn(self, job: Job, base: torch.nn.Module) -> dict:
+        """Run the job's seed; without Meta Cov both alignment modes are the same model, so keep one."""
+        use_cov = VARIANTS[job.variant][1]
+        parts = BundleParts(cov=self.bundles.cov.get(job.variant), prompts=self.bundles.prompts)
+        run = run_seed(SeedRun(job.seed, job.method, base, parts, self.train, self.test,
+                               replace(self.stream, seed=job.seed), self.method_config, self.learner,
+                               self.alignment, self.protocol))
+        if not use_cov:
+            run["curves"] = {"batch": run["curves"]["batch"]}
+        return run
+
+
 def evaluate(
     out: Path = Path("runs/evaluate"),
     seeds: str = "1-5",
@@ -309,52 +429,30 @@ def evaluate(
         protocol: Evaluation protocol settings.
         probe: The offline probe that gives each table's ceiling.
     """
-    rep_bundle = mepo_rep or mepo
-    cov_bundles = {"cov": mepo_cov or mepo, "mepo": mepo or mepo_cov}  # each Sigma_pre with its backbone's features
+    bundles = Bundles.of(mepo, mepo_rep, mepo_cov, mepo_prompts)
     names = parse_methods(methods)
     jobs = plan_jobs(names, parse_seeds(seeds), mepo is not None, mepo_rep is not None, mepo_cov is not None,
                      ablation)
     (out / "cache").mkdir(parents=True, exist_ok=True)
-    train, test = load_split(data, "train"), load_split(data, "test")
-    backbones: dict[bool, BackboneConfig] = {False: backbone, True: backbone_config(backbone, BundleParts(rep_bundle))}
-    built: dict[bool, torch.nn.Module] = {}
-    common = {"data": asdict(data), "stream": asdict(stream), "learner": asdict(learner),
-              "protocol": asdict(protocol), "n_train": len(train), "n_test": len(test)}
-    runs, ceilings = [], {}
-    for job in tqdm(jobs, desc="runs", unit="run"):
-        use_rep, use_cov = VARIANTS[job.variant]
-        bcfg = backbones[use_rep]
-        cov_bundle = cov_bundles.get(job.variant)
-        parts = BundleParts(cov=cov_bundle, prompts=mepo_prompts)
-        config = {**common, "backbone": provenance(bcfg), "method_config": asdict(method_config),
-                  "alignment": asdict(alignment) if use_cov else None,
-                  "sigma_pre": str(cov_bundle) if use_cov else None,
-                  "prompts": str(mepo_prompts) if mepo_prompts else None}
-        if use_rep not in built:
-            built[use_rep] = create_backbone(bcfg)
-            ceilings[use_rep] = ceiling(out, bcfg, built[use_rep], train, test, probe, data)
-        cached = out / "cache" / f"{job_key(job, config)}.json"
-        if cached.is_file():
-            run = json.loads(cached.read_text())
-        else:
-            run = run_seed(job.seed, built[use_rep], train, test, parts, replace(stream, seed=job.seed),
-                           job.method, method_config, learner, alignment, protocol)
-            if not use_cov:  # without Meta Cov both alignment modes are the same model
-                run["curves"] = {"batch": run["curves"]["batch"]}
-            run = {**asdict(job), **run, "config": config}
-            cached.write_text(json.dumps(run, default=str))
-            log.info("%s %s seed %d: %s", job.method, job.variant, job.seed,
-                     {m: {k: round(c[k], 4) for k in ("A_auc", "A_last")} for m, c in run["curves"].items()})
-        runs.append({**run, "ceiling": ceilings[use_rep]})
+    sweep = Sweep(out, bundles, load_split(data, "train"), load_split(data, "test"), data, stream, backbone,
+                  method_config, learner, alignment, protocol, probe)
+    runs = [sweep.run(job) for job in tqdm(jobs, desc="runs", unit="run")]
+    return report(sweep, names, jobs, runs, mepo)
+
+
+def report(sweep: Sweep, names: list[str], jobs: list[Job], runs: list[dict], mepo: Path | None) -> dict:
+    """Write results.json, table.md (and ablation.md) and the plot of a finished sweep; print the tables."""
     variants = {VARIANT_NAMES[j.variant] for j in jobs}
-    title = (f"{', '.join(names)} ({'; '.join(sorted(variants))}) on {data.dataset} "
-             f"({backbone.name} @ {backbone.img_size}px)")
-    result = {"config": {**common, "methods": names, "mepo": str(mepo) if mepo else None,
-                         "mepo_rep": str(rep_bundle) if rep_bundle else None,
-                         "mepo_cov": {k: str(v) for k, v in cov_bundles.items() if v},
-                         "mepo_prompts": str(mepo_prompts) if mepo_prompts else None},
-              "ceiling": {"w/o Meta Rep" if not k else "Meta Rep": v for k, v in ceilings.items()}, "runs": runs}
-    (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
-    print(write_tables(runs, out, title))
-    plot_curves(runs, out / "anytime_accuracy.png", title)
+    title = (f"{', '.join(names)} ({'; '.join(sorted(variants))}) on {sweep.data.dataset} "
+             f"({sweep.backbone.name} @ {sweep.backbone.img_size}px)")
+    bundles = sweep.bundles
+    result = {"config": {**sweep.common, "methods": names, "mepo": str(mepo) if mepo else None,
+                         "mepo_rep": str(bundles.rep) if bundles.rep else None,
+                         "mepo_cov": {k: str(v) for k, v in bundles.cov.items() if v},
+                         "mepo_prompts": str(bundles.prompts) if bundles.prompts else None},
+              "ceiling": {"w/o Meta Rep" if not k else "Meta Rep": v for k, v in sweep.ceilings.items()},
+              "runs": runs}
+    (sweep.out / "results.json").write_text(json.dumps(result, indent=1, default=str))
+    print(write_tables(runs, sweep.out, title))
+    plot_curves(runs, sweep.out / "anytime_accuracy.png", title)
     return result
