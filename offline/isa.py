@@ -318,7 +318,8 @@ def add_prompts(out: Path, bundle: Path | None, backbone: BackboneConfig, data: 
     return out
 
 
-def isa(
+# ``mepo isa`` (pyproject.toml); not named ``isa``, which its --isa.* option group would shadow
+def initial_session_adaptation(
     bundle: Path | None = None,
     out: Path | None = None,
     backbone: BackboneConfig = BackboneConfig(),

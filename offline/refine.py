@@ -114,6 +114,12 @@ class Distributed:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         return cls(dist.get_rank(), dist.get_world_size())
 
+    def finish(self) -> None:
+        """Leave the torchrun job: wait for every rank, then tear the process group down (no-op without one)."""
+        if self.world > 1:
+            dist.barrier()
+            dist.destroy_process_group()
+
 
 @dataclass
 class Trainer:
@@ -128,6 +134,37 @@ class Trainer:
     train_tf: Transform
     eval_tf: Transform
     seen_images: int = 0
+
+    @classmethod
+    def create(cls, backbone: BackboneConfig, images: ImageSet, cfg: RefineConfig, ddp: Distributed) -> Trainer:
+        """The backbone with a meta head on this rank's device (DDP-wrapped under torchrun), one SGD optimizer
+        with the backbone and head learning rates, and the training and test transforms."""
+        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else device()
+        model = MetaModel(create_backbone(backbone), len(images.classes)).to(dev)
+        net = nn.parallel.DistributedDataParallel(model) if ddp.world > 1 else model
+        optimizer = torch.optim.SGD([
+            {"params": model.backbone.parameters(), "lr": cfg.lr_backbone},
+            {"params": model.head.parameters(), "lr": cfg.lr_head},
+        ], momentum=cfg.momentum)
+        img, (mean, std) = backbone.img_size, normalization(model.backbone)
+        return cls(model, net, optimizer, images, cfg, ddp, train_transform(img, mean, std, None),
+                   test_transform(img, mean, std))
+
+    def save(self, path: Path, meta_epoch: int, history: list[dict]) -> None:
+        """Checkpoint after ``meta_epoch``: model, optimizer, RNG state and progress, enough to resume exactly."""
+        save_checkpoint(path, {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                               "rng": torch.get_rng_state(), "meta_epoch": meta_epoch, "history": history,
+                               "seen_images": self.seen_images})
+
+    def restore(self, path: Path) -> tuple[int, list[dict]]:
+        """Load a ``save``d checkpoint; returns the meta-epoch to continue with and the history so far."""
+        state = load_checkpoint(path)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        self.seen_images = state["seen_images"]
+        log.info("resuming after meta-epoch %d from %s", state["meta_epoch"], path)
+        return state["meta_epoch"] + 1, state["history"]
 
     def step(self, batch: list[int], group: torch.Tensor, tf: Transform) -> float:
         share = torch.tensor(batch[self.ddp.rank :: self.ddp.world], dtype=torch.long)
@@ -163,6 +200,15 @@ class Trainer:
         self.model.load_state_dict(reptile_update(theta0, self.model.state_dict(), self.cfg.reptile_eps))
         return inner, outer
 
+    def meta_epoch(self, epoch: int, tasks: PseudoTaskConfig) -> tuple[float, float]:
+        """Every group of the epoch's plan in turn; returns the last group's inner and outer losses."""
+        plans = meta_epoch_plan(self.images.targets, tasks, self.cfg.seed, epoch)
+        g = torch.Generator().manual_seed(self.cfg.seed * 7919 + epoch)
+        with tqdm(total=epoch_images(plans, self.cfg.inner_epochs), desc=f"meta-epoch {epoch}/{self.cfg.meta_epochs}",
+                  unit="img", disable=self.ddp.rank != 0) as bar:
+            losses = [self.group(p, g, bar) for p in plans]
+        return losses[-1]
+
 
 def epoch_images(plans: list[GroupPlan], inner_epochs: int) -> int:
     return sum(inner_epochs * sum(len(t) for t in p.tasks) + len(p.joint) for p in plans)
@@ -172,7 +218,8 @@ def checkpoint_path(out: Path) -> Path:
     return out.parent / f"{out.name}.checkpoint.pt"
 
 
-def refine(
+# ``mepo refine`` (pyproject.toml); not named ``refine``, which its --refine.* option group would shadow
+def meta_refine(
     out: Path,
     backbone: BackboneConfig = BackboneConfig(),
     data: DataConfig = DataConfig(dataset="tinyimagenet-pretrain"),
@@ -204,50 +251,35 @@ def refine(
     ddp = Distributed.init()
     start = time.time()
     torch.manual_seed(refine.seed)
-    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else device()
     images = load_split(data, "train")
-    model = MetaModel(create_backbone(backbone), len(images.classes)).to(dev)
-    net = nn.parallel.DistributedDataParallel(model) if ddp.world > 1 else model
-    optimizer = torch.optim.SGD([
-        {"params": model.backbone.parameters(), "lr": refine.lr_backbone},
-        {"params": model.head.parameters(), "lr": refine.lr_head},
-    ], momentum=refine.momentum)
-    img, (mean, std) = backbone.img_size, normalization(model.backbone)
-    trainer = Trainer(model, net, optimizer, images, refine, ddp, train_transform(img, mean, std, None),
-                      test_transform(img, mean, std))
-    first, history = 1, []
+    trainer = Trainer.create(backbone, images, refine, ddp)
     ckpt = checkpoint_path(out)
-    if resume and ckpt.is_file():
-        state = load_checkpoint(ckpt)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"])
-        first, history, trainer.seen_images = state["meta_epoch"] + 1, state["history"], state["seen_images"]
-        log.info("resuming after meta-epoch %d from %s", state["meta_epoch"], ckpt)
-    model.train()
-    for epoch in range(first, refine.meta_epochs + 1):
-        plans = meta_epoch_plan(images.targets, tasks, refine.seed, epoch)
-        g = torch.Generator().manual_seed(refine.seed * 7919 + epoch)
-        with tqdm(total=epoch_images(plans, refine.inner_epochs), desc=f"meta-epoch {epoch}/{refine.meta_epochs}",
-                  unit="img", disable=ddp.rank != 0) as bar:
-            losses = [trainer.group(p, g, bar) for p in plans]
-        history.append({"meta_epoch": epoch, "inner_loss": losses[-1][0], "outer_loss": losses[-1][1],
-                        "elapsed_s": round(time.time() - start, 1)})
-        log.info("meta-epoch %d/%d: inner loss %.4f, outer loss %.4f", epoch, refine.meta_epochs, *losses[-1])
-        if ddp.rank == 0:
-            save_checkpoint(ckpt, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                   "rng": torch.get_rng_state(), "meta_epoch": epoch, "history": history,
-                                   "seen_images": trainer.seen_images})
+    first, history = trainer.restore(ckpt) if resume and ckpt.is_file() else (1, [])
+    history = meta_train(trainer, tasks, first, history, ckpt, start)
     wall = time.time() - start
     if ddp.rank == 0:
-        write_refined_bundle(out, model, images, backbone, data, tasks, refine, cov if covariance else None,
+        write_refined_bundle(out, trainer.model, images, backbone, data, tasks, refine, cov if covariance else None,
                              history, trainer.seen_images, wall)
-    if ddp.world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+    ddp.finish()
     if ddp.rank == 0 and not isa.skip:  # one process: the other ranks are done and must not wait on it
         add_prompts(out, out, backbone, data, images, isa, method_config)
     return out
+
+
+def meta_train(trainer: Trainer, tasks: PseudoTaskConfig, first: int, history: list[dict], ckpt: Path,
+               start: float) -> list[dict]:
+    """Meta-epochs ``first`` to the last, each logged, added to ``history`` and checkpointed (by rank 0) at
+    ``ckpt``; ``start`` is the run's start time, for the history's elapsed seconds."""
+    cfg = trainer.cfg
+    trainer.model.train()
+    for epoch in range(first, cfg.meta_epochs + 1):
+        inner, outer = trainer.meta_epoch(epoch, tasks)
+        history.append({"meta_epoch": epoch, "inner_loss": inner, "outer_loss": outer,
+                        "elapsed_s": round(time.time() - start, 1)})
+        log.info("meta-epoch %d/%d: inner loss %.4f, outer loss %.4f", epoch, cfg.meta_epochs, inner, outer)
+        if trainer.ddp.rank == 0:
+            trainer.save(ckpt, epoch, history)
+    return history
 
 
 def write_refined_bundle(out: Path, model: MetaModel, images: ImageSet, backbone: BackboneConfig,

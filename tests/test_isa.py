@@ -14,8 +14,8 @@ from mepo_stream.methods import MethodsConfig
 from mepo_stream.model import BundleParts, build_method
 from mepo_stream.pseudo_tasks import PseudoTaskConfig
 from offline.covariance import CovarianceConfig, covariance
-from offline.isa import ISAConfig, PoolBatches, build_host, class_split, isa, warm_prompts
-from offline.refine import ISAStage, RefineConfig, refine
+from offline.isa import ISAConfig, PoolBatches, build_host, class_split, initial_session_adaptation, warm_prompts
+from offline.refine import ISAStage, RefineConfig, meta_refine
 from tests.conftest import TINY, color_images
 
 DATA = DataConfig(dataset="tinyimagenet-pretrain", train_per_class=4)
@@ -101,17 +101,18 @@ def test_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="g_prompt.*another layout or backbone"):
         build_method("misa", 10, TINY, BundleParts.of(tmp_path / "bad"))
     with pytest.raises(ValueError, match="not a prompt-based host"):
-        isa(out=tmp_path / "x", backbone=TINY, data=DATA, isa=replace(FAST, method="linear_probe"))
+        initial_session_adaptation(out=tmp_path / "x", backbone=TINY, data=DATA,
+                                   isa=replace(FAST, method="linear_probe"))
     covariance(tmp_path / "cov", backbone=TINY, cov=COV)
     with pytest.raises(ValueError, match="img_size 32, not 48"):
-        isa(bundle=tmp_path / "cov", backbone=replace(TINY, img_size=48), data=DATA, isa=FAST)
+        initial_session_adaptation(bundle=tmp_path / "cov", backbone=replace(TINY, img_size=48), data=DATA, isa=FAST)
 
 
 def test_refine_ends_with_the_isa_stage_unless_skipped(tmp_path):
     loop = RefineConfig(meta_epochs=1, inner_epochs=1, batch_size=16)
     for skip in (False, True):
-        refine(tmp_path / f"b{skip}", backbone=TINY, data=DATA, tasks=TASKS, refine=loop, covariance=False,
-               isa=ISAStage(epochs=1, online_iter=1, autoaugment=None, skip=skip))
+        meta_refine(tmp_path / f"b{skip}", backbone=TINY, data=DATA, tasks=TASKS, refine=loop, covariance=False,
+                    isa=ISAStage(epochs=1, online_iter=1, autoaugment=None, skip=skip))
     manifest = read_manifest(tmp_path / "bFalse")
     assert set(manifest["files"]) == {"backbone.safetensors", "prompts.safetensors"}
     assert manifest["kind"] == "refined" and manifest["meta_epochs_completed"] == 1 and "skip" not in manifest["isa"]

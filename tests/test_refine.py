@@ -14,7 +14,7 @@ from mepo_stream.data import DataConfig
 from mepo_stream.meta import group_mask, reptile_update
 from mepo_stream.pseudo_tasks import PseudoTaskConfig, meta_epoch_plan
 from offline.covariance import CovarianceConfig
-from offline.refine import ISAStage, RefineConfig, checkpoint_path, refine
+from offline.refine import ISAStage, RefineConfig, checkpoint_path, meta_refine
 from tests.conftest import TINY
 
 DATA = DataConfig(dataset="tinyimagenet-pretrain", train_per_class=4)
@@ -36,7 +36,7 @@ def initial_backbone() -> dict[str, torch.Tensor]:
 
 def run_refine(out: Path, loop: RefineConfig = LOOP, **kw) -> Path:
     """Refine without the ISA stage (tests/test_isa.py covers it)."""
-    return refine(out, backbone=TINY, data=DATA, tasks=TASKS, refine=loop, cov=COV, isa=ISAStage(skip=True), **kw)
+    return meta_refine(out, backbone=TINY, data=DATA, tasks=TASKS, refine=loop, cov=COV, isa=ISAStage(skip=True), **kw)
 
 
 def test_pseudo_tasks_partition_each_group():
