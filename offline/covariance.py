@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from mepo_stream.artifacts import SIGMA_PRE, library_versions, write_bundle
 from mepo_stream.backbone import BackboneConfig, create_backbone, device, normalization, provenance
-from mepo_stream.covariance import ClassMeans
+from mepo_stream.class_means import ClassMeans
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.transforms import test_transform, train_transform
 

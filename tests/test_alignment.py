@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from mepo_stream.alignment import FeatureAlignment, align, batch_moments, cholesky
-from mepo_stream.covariance import ClassMeans, class_mean_covariance
+from mepo_stream.class_means import ClassMeans, class_mean_covariance
 
 
 def random_spd(dim: int, seed: int = 0) -> torch.Tensor:
