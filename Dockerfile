@@ -25,4 +25,4 @@ VOLUME ["/checkpoints", "/var/cache/mepo"]
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
     CMD python -c "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/readyz', timeout=4).status != 200)"
 ENTRYPOINT ["mepo"]
-CMD ["serve", "--cfg.host", "0.0.0.0", "--cfg.checkpoint_dir", "/checkpoints"]
+CMD ["serve", "--host", "0.0.0.0", "--checkpoint_dir", "/checkpoints"]

@@ -18,7 +18,7 @@ $(BIN)/mepo: pyproject.toml
 setup: $(BIN)/mepo
 
 demo: setup
-	$(BIN)/mepo demo --until_done true --train_per_class 50 --test_per_class 20 --out $(DEMO_OUT)
+	$(BIN)/mepo demo --until_done true --data.train_per_class 50 --data.test_per_class 20 --checkpoint_dir $(DEMO_OUT)/checkpoint
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -15,7 +15,7 @@ runs right before and right after the service (side by side in one run) and the 
 
 Three configurations are measured, each against the bare loop doing the same model work:
 
-* ``learn_only`` (``--cfg.prequential false``): the bare loop learns only;
+* ``learn_only`` (``--prequential false``): the bare loop learns only;
 * ``prequential`` (the default): the service predicts each mini-batch before learning it (test-then-train
   accuracy and drift detection), one extra eval forward per mini-batch, which the bare loop then does too;
 * ``paper_recipe``: the paper's MISA with the SGD-trained linear head (``online_iter`` Adam steps per
@@ -73,7 +73,7 @@ def bare_rate(spec: ServiceSpec, batches: int, prequential: bool) -> float:
 def measure(spec: ServiceSpec, prequential: bool, bare_batches: int, work: Path) -> dict:
     """Bare loop, the service on the whole stream, bare loop again; rates and the service's memory."""
     before = bare_rate(spec, bare_batches, prequential)
-    with running_service(replace(spec, extra=(*spec.extra, "--cfg.prequential", str(prequential).lower())),
+    with running_service(replace(spec, extra=(*spec.extra, "--prequential", str(prequential).lower())),
                          work) as service:
         n = service.stream_length
         status = service.wait_learned(n)
@@ -108,7 +108,7 @@ def main(spec: ServiceSpec = ServiceSpec(), eval_period: int = 0, bare_batches: 
         out: JSON result path.
     """
     torch.manual_seed(0)
-    spec = replace(spec, extra=(*spec.extra, "--cfg.eval_period", str(eval_period)))
+    spec = replace(spec, extra=(*spec.extra, "--protocol.eval_period", str(eval_period)))
     known = configurations(spec)
     if unknown := set(configs or ()) - set(known):
         raise ValueError(f"unknown configuration(s) {sorted(unknown)}; choose from {', '.join(known)}")

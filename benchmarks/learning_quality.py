@@ -14,9 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks.service import ServiceSpec, write_result
+from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.backbone import BackboneConfig
 from mepo_stream.data import DataConfig
-from offline.evaluate import ProtocolConfig, evaluate
+from offline.evaluate import evaluate
 
 
 def main(spec: ServiceSpec = ServiceSpec(), test_per_class: int = 50, seed: int = 1, eval_period: int = 250,

@@ -12,7 +12,7 @@ overhead from that sharing.
 (A bare forward timed in this process *while* the service trains is no reference: two processes each running
 a 2-thread OpenMP pool on 2 cores slow each other down many times over, 1.7 s instead of 34 ms here.)
 
-Any-time evaluation is switched off (``--cfg.eval_period 0``): it is extra model work on a test set.
+Any-time evaluation is switched off (``--protocol.eval_period 0``): it is extra model work on a test set.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def main(spec: ServiceSpec = ServiceSpec(), requests: int = 300, idle_requests: 
     image = decode_image(jpeg, ServeConfig.limits)[None]  # [1, 3, S, S] uint8, as the service decodes it
     bare = bare_predictor(spec, len(list_files(spec.data, "train").classes))
     idle = [bare(image) for _ in range(idle_requests + 5)][5:]
-    spec = replace(spec, extra=(*spec.extra, "--cfg.eval_period", "0"))
+    spec = replace(spec, extra=(*spec.extra, "--protocol.eval_period", "0"))
     http_s = []
     with running_service(spec, work) as service:
         while service.status()["classes_seen"] == 0 or service.http.post(

@@ -76,7 +76,7 @@ def main(spec: ServiceSpec = ServiceSpec(train_per_class=10), clients: int = 16,
     torch.manual_seed(0)
     jpeg = sample_jpeg(spec)
     before = bare_rate(spec, clients, bare_seconds)
-    spec = replace(spec, extra=(*spec.extra, "--cfg.eval_period", "0"))  # no evaluation competing with clients
+    spec = replace(spec, extra=(*spec.extra, "--protocol.eval_period", "0"))  # no evaluation competing with clients
     with running_service(spec, work) as service:
         service.wait_learned(service.stream_length)
         answered, failed, elapsed = asyncio.run(hammer(service.url, jpeg, clients, seconds))

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.service import ROOT, ServiceSpec, cli_args, paper_recipe
+from benchmarks.service import ROOT, ServiceSpec, paper_recipe
+from mepo_stream.cli import config_options
 
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 BENCHMARKS = ("learning_quality", "learner_throughput", "predict_latency", "predict_throughput", "alignment_cost",
@@ -69,7 +70,8 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path) -> tuple[str, lis
 
     def stream(s: ServiceSpec, small: int, full: int) -> list[str]:
         """The spec's arguments with ``small`` or ``full`` stream images per class."""
-        return [*cli_args(replace(s, train_per_class=small if quick else full), "spec."), "--work", str(work / name)]
+        return [*config_options(replace(s, train_per_class=small if quick else full), "--spec."),
+                "--work", str(work / name)]
 
     def pinned(precision: str) -> ServiceSpec:
         return replace(spec, learner=replace(spec.learner, precision=precision))
@@ -88,20 +90,21 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path) -> tuple[str, lis
         return "predict_latency", [*stream(spec, 10, 100), "--requests", n(10, 300), "--idle_requests", n(10, 100)]
 
     jobs: dict[str, Callable[[], tuple[str, list[str]]]] = {  # called for the one result asked for only
-        "learning_quality": lambda: ("learning_quality", [*cli_args(replace(spec, train_per_class=int(n(10, 100))),
-                                                                    "spec."), "--test_per_class", n(5, 50),
-                                                          "--eval_period", n(50, 250), "--work", str(work / name)]),
+        "learning_quality": lambda: ("learning_quality", [
+            *config_options(replace(spec, train_per_class=int(n(10, 100))), "--spec."), "--test_per_class", n(5, 50),
+            "--eval_period", n(50, 250), "--work", str(work / name)]),
         "learner_throughput": lambda: learner(spec),
         "predict_latency": latency,
         "predict_throughput": lambda: ("predict_throughput", [*stream(spec, 2, 10), "--seconds", n(3, 30),
                                                               "--bare_seconds", n(1, 10)]),
-        "alignment_cost": lambda: ("alignment_cost", [*cli_args(paper_recipe(spec), "spec."), "--repeats", n(2, 10)]),
+        "alignment_cost": lambda: ("alignment_cost", [*config_options(paper_recipe(spec), "--spec."),
+                                                      "--repeats", n(2, 10)]),
         "refine_throughput": lambda: ("refine_throughput", ["--model", spec.model, "--img_size", str(spec.img_size),
                                                             "--steps", n(2, 10), "--rounds", n(1, 3)]),
         "gpu_learner_fp32": lambda: learner(pinned("fp32"), *GPU_LEARNER_CONFIGS),
         "gpu_learner_bf16": lambda: learner(pinned("bf16"), *GPU_LEARNER_CONFIGS),
         "gpu_predict_latency": latency,
-        "gpu_vit_b16": lambda: ("bare_learner", [*cli_args(vit_b16(), "spec."), "--batches", n(2, 20)]),
+        "gpu_vit_b16": lambda: ("bare_learner", [*config_options(vit_b16(), "--spec."), "--batches", n(2, 20)]),
     }
     return jobs[name]()
 

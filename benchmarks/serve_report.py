@@ -54,8 +54,8 @@ def main(spec: ServiceSpec = ServiceSpec(train_per_class=50), test_per_class: in
         work: Broker and service logs and the service's checkpoint.
         out: JSON report path.
     """
-    spec = replace(spec, extra=(*spec.extra, "--cfg.data.test_per_class", str(test_per_class),
-                                "--cfg.eval_period", str(eval_period)))
+    spec = replace(spec, extra=(*spec.extra, "--data.test_per_class", str(test_per_class),
+                                "--protocol.eval_period", str(eval_period)))
     with running_service(spec, work, produce_first=False) as service:
         expected = service.stream_length
         service.produce()

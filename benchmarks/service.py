@@ -24,13 +24,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
 import torch
 
 from mepo_stream.backbone import BackboneConfig, device
+from mepo_stream.cli import config_options
 from mepo_stream.data import DataConfig, list_files
 from mepo_stream.learner import PAPER_RECIPE, LearnerConfig, OnlineLearner, resolve_precision
 from mepo_stream.methods.base import ContinualMethod
@@ -66,7 +67,7 @@ class ServiceSpec:
     learner: LearnerConfig = ServeConfig.learner
     """Online learning settings (classifier, steps, precision, ...), given to the service and the bare loop."""
     extra: tuple[str, ...] = ()
-    """More ``mepo serve`` options, e.g. ("--cfg.eval_period", "0")."""
+    """More ``mepo serve`` options, e.g. ("--protocol.eval_period", "0")."""
 
     @property
     def data(self) -> DataConfig:
@@ -86,19 +87,6 @@ def paper_recipe(spec: ServiceSpec) -> ServiceSpec:
     """``spec`` with the paper's host and learner (MISA, SGD-trained linear head, ``online_iter`` Adam steps per
     batch): the expensive configuration. The precision stays the spec's."""
     return replace(spec, method=PAPER_METHOD, learner=replace(PAPER_RECIPE, precision=spec.learner.precision))
-
-
-def cli_args(config, prefix: str) -> list[str]:
-    """``--{prefix}{field} value`` for every field of a dataclass (nested ones flattened, as jsonargparse reads
-    them), so a config object reaches ``mepo serve`` or a benchmark script exactly, with nothing restated."""
-    args = []
-    for f in fields(config):
-        value = getattr(config, f.name)
-        if is_dataclass(value):
-            args += cli_args(value, f"{prefix}{f.name}.")
-        else:
-            args += [f"--{prefix}{f.name}", str(value) if isinstance(value, str | Path) else json.dumps(value)]
-    return args
 
 
 @dataclass
@@ -152,12 +140,12 @@ def running_service(spec: ServiceSpec, work: Path, produce_first: bool = True) -
     with EmbeddedBroker(log_path=work / "broker.log") as broker:
         if produce_first:
             produce(spec, broker.bootstrap)
-        args = CLI + ["serve", "--cfg.kafka.bootstrap_servers", broker.bootstrap, "--cfg.data.dataset", spec.dataset,
-                      "--cfg.data.train_per_class", str(spec.train_per_class), "--cfg.backbone.name", spec.model,
-                      "--cfg.backbone.weights", spec.weights or "null", "--cfg.backbone.img_size", str(spec.img_size),
-                      "--cfg.method", spec.method, *cli_args(spec.learner, "cfg.learner."),
-                      "--cfg.checkpoint_dir", str(work), "--cfg.port", str(port),
-                      *(["--cfg.mepo", str(spec.mepo)] if spec.mepo else []), *spec.extra]
+        args = CLI + ["serve", "--kafka.bootstrap_servers", broker.bootstrap, "--data.dataset", spec.dataset,
+                      "--data.train_per_class", str(spec.train_per_class), "--backbone.name", spec.model,
+                      "--backbone.weights", spec.weights or "null", "--backbone.img_size", str(spec.img_size),
+                      "--method", spec.method, *config_options(spec.learner, "--learner."),
+                      "--checkpoint_dir", str(work), "--port", str(port),
+                      *(["--mepo", str(spec.mepo)] if spec.mepo else []), *spec.extra]
         process = subprocess.Popen(args, stdout=open(work / "serve.log", "wb"), stderr=subprocess.STDOUT,
                                    env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
         url = f"http://127.0.0.1:{port}"
@@ -197,7 +185,7 @@ def bare_method(spec: ServiceSpec, n_classes: int) -> ContinualMethod:
     """The service's model (backbone, host method, every part of the MePo bundle), built by the one function the
     service builds it with, on the device the service runs on."""
     backbone = BackboneConfig(spec.model, spec.weights, spec.img_size)
-    return build_method(spec.method, n_classes, backbone, BundleParts.of(spec.mepo), ServeConfig.methods,
+    return build_method(spec.method, n_classes, backbone, BundleParts.of(spec.mepo), ServeConfig.method_config,
                         ServeConfig.alignment, device())
 
 

@@ -30,6 +30,16 @@ from mepo_stream.learner import OnlineLearner
 from mepo_stream.methods.base import Encoded
 
 
+@dataclass(frozen=True)
+class ProtocolConfig:
+    """When and how the any-time accuracy is measured (``mepo evaluate`` and ``mepo serve`` alike)."""
+
+    eval_period: int = 1000
+    """Any-time evaluation every this many stream samples (0 = none; the service then loads no test split)."""
+    eval_batch_size: int = 128
+    """Test batch size (the reference's 2 x batchsize; it matters for batch-statistics alignment)."""
+
+
 def per_class_accuracy(pred: torch.Tensor, target: torch.Tensor) -> dict[int, float]:
     """Accuracy of each class present in ``target`` (labels as given, e.g. original dataset ids)."""
     out = {}

@@ -6,14 +6,23 @@ as ``backbone.import`` becomes the nested command ``mepo backbone import``. Each
 dataclasses become option groups (``--learner.lr``) whose help text is the fields' docstrings; ``--config
 FILE.yaml`` loads a recipe and ``--print_config`` dumps the resolved one. Options accept dashes or
 underscores (``--mepo-cov`` = ``--mepo_cov``).
+
+A command whose one parameter is a config dataclass (``serve(cfg: ServeConfig)``) takes that dataclass's
+fields as its own options (``mepo serve --learner.lr 1e-3 --port 8000``, not ``--cfg.learner.lr``), so the
+service and ``mepo evaluate`` share option names.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import re
 import sys
+import typing
+from collections.abc import Callable
 from importlib.metadata import entry_points
+from pathlib import Path
 
 COMMANDS_GROUP = "mepo.commands"
 
@@ -35,6 +44,52 @@ def commands() -> dict:
     return tree
 
 
+def config_of(command: Callable) -> type | None:
+    """The config dataclass a command takes as its one parameter, else None."""
+    try:
+        params = [(name, hint) for name, hint in typing.get_type_hints(command).items() if name != "return"]
+    except (NameError, TypeError):  # hints it cannot resolve: not a config command
+        return None
+    if len(params) == 1 and dataclasses.is_dataclass(params[0][1]):
+        return params[0][1]
+    return None
+
+
+def _flatten(tree: dict, runners: dict[type, Callable]) -> dict:
+    """Replace each config-taking command by its dataclass (jsonargparse then parses the fields as top-level
+    options and returns the instance); ``runners`` maps the dataclass back to the command."""
+    out = {}
+    for name, node in tree.items():
+        if isinstance(node, dict):
+            out[name] = _flatten(node, runners)
+        elif callable(node) and (config := config_of(node)) is not None:
+            runners[config], out[name] = node, config
+        else:
+            out[name] = node
+    return out
+
+
+def config_options(config, prefix: str = "--") -> list[str]:
+    """A config dataclass as the command-line options that parse back to it (nested groups flattened), so a
+    config object reaches a command exactly, with nothing restated.
+
+    Example:
+        >>> from mepo_stream.anytime import ProtocolConfig
+        >>> config_options(ProtocolConfig(eval_period=0), "--protocol.")
+        ['--protocol.eval_period', '0', '--protocol.eval_batch_size', '128']
+    """
+    options: list[str] = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            options += config_options(value, f"{prefix}{f.name}.")
+        else:  # strings and paths as they are; None, booleans, numbers and sequences as YAML/JSON scalars
+            text = str(value) if isinstance(value, str | Path) else json.dumps(list(value) if isinstance(
+                value, tuple) else value)
+            options += [f"{prefix}{f.name}", text]
+    return options
+
+
 def _underscore_options(argv: list[str]) -> list[str]:
     """``--mepo-cov=x`` -> ``--mepo_cov=x``: dashes inside long option names become underscores."""
     def fix(arg: str) -> str:
@@ -50,8 +105,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)  # kafka-python narrates every connection at INFO
     args = _underscore_options(sys.argv[1:] if argv is None else argv)
-    CLI(commands(), args=args, as_positional=False, prog="mepo",
-        description="MePo streaming continual learner: refine, evaluate, serve.")
+    runners: dict[type, Callable] = {}
+    result = CLI(_flatten(commands(), runners), args=args, as_positional=False, prog="mepo",
+                 description="MePo streaming continual learner: refine, evaluate, serve.")
+    if type(result) in runners:
+        runners[type(result)](result)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from mepo_stream.alignment import AlignmentConfig, AlignMode
-from mepo_stream.anytime import AnytimeEvaluation
+from mepo_stream.anytime import AnytimeEvaluation, ProtocolConfig
 from mepo_stream.backbone import BackboneConfig, create_backbone, device, provenance
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.learner import LearnerConfig, OnlineLearner
@@ -42,16 +42,6 @@ from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
 
 log = logging.getLogger(__name__)
 MODES: tuple[AlignMode, ...] = ("batch", "running")
-
-
-@dataclass(frozen=True)
-class ProtocolConfig:
-    """The evaluation protocol."""
-
-    eval_period: int = 1000
-    """Any-time evaluation every this many stream samples."""
-    eval_batch_size: int = 128
-    """Test batch size (the reference's 2 x batchsize; it matters for batch-statistics alignment)."""
 
 
 def parse_seeds(spec: str) -> list[int]:

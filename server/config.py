@@ -1,4 +1,8 @@
-"""Typed configuration of ``mepo serve`` (CLI options and the FastAPI settings dependency)."""
+"""Typed configuration of ``mepo serve`` and ``mepo demo`` (their CLI options and the FastAPI settings dependency).
+
+The option groups are the ones ``mepo evaluate`` has (``--backbone.*``, ``--learner.*``, ``--method_config.*``,
+``--alignment.*``, ``--protocol.*``, ``--data.*``, ``--mepo``), so a flag learned on one command works on the other.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mepo_stream.alignment import AlignmentConfig
+from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.backbone import BackboneConfig
 from mepo_stream.data import DataConfig
 from mepo_stream.images import ImageLimits
@@ -17,7 +22,10 @@ from server.monitor import MonitorConfig
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """Everything the learner and the API need."""
+    """Learn a Kafka stream of labelled images in one pass and serve predictions, status and metrics over HTTP.
+
+    Example: ``mepo serve --kafka.bootstrap_servers k1:9092 --mepo runs/refined --port 8000``.
+    """
 
     kafka: KafkaConfig = KafkaConfig()
     """Broker, topics and consumer group."""
@@ -31,19 +39,17 @@ class ServeConfig:
     method: str = "frozen"
     """Host method: ``frozen`` (the backbone's feature, no prompts; with the default streaming-LDA classifier
     this is what learns best here), or a prompt-based host (misa, ...). The paper's recipe:
-    ``--cfg.method misa --cfg.learner mepo_stream/recipes/paper.yaml``."""
-    methods: MethodsConfig = MethodsConfig()
-    """Per-method hyperparameters (--cfg.methods.misa.e_pool, ...)."""
+    ``--method misa --learner mepo_stream/recipes/paper.yaml``."""
+    method_config: MethodsConfig = MethodsConfig()
+    """Per-method hyperparameters (--method_config.misa.e_pool, ...)."""
     learner: LearnerConfig = LearnerConfig()
     """Online learning settings (classifier, mini-batch size, steps per mini-batch, lr, precision)."""
     alignment: AlignmentConfig = AlignmentConfig()
     """Meta Cov settings (used when the bundle has Sigma_pre)."""
     monitor: MonitorConfig = MonitorConfig()
     """Prequential accuracy and drift detection."""
-    eval_period: int = 1000
-    """Any-time evaluation on the seen classes' test images every this many learned samples (0 = off)."""
-    eval_batch_size: int = 128
-    """Batch size of the any-time evaluation."""
+    protocol: ProtocolConfig = ProtocolConfig()
+    """Any-time evaluation on the seen classes' test images (the schedule and scoring of mepo evaluate)."""
     checkpoint_dir: Path = Path("runs/serve")
     """Where the learner checkpoint lives (it holds the Kafka offsets, so it is the source of truth)."""
     checkpoint_every: int = 512
@@ -71,3 +77,29 @@ class ServeConfig:
     """HTTP bind address."""
     port: int = 8000
     """HTTP port."""
+
+
+@dataclass(frozen=True)
+class DemoConfig(ServeConfig):
+    """Start a local broker, replay a Si-Blurry stream of bundled data into it, and serve the learner.
+
+    Every ``mepo serve`` option applies; the defaults are a small CIFAR-10 stream at 84 px.
+    Example: ``mepo demo --until_done true --data.train_per_class 50``.
+    """
+
+    data: DataConfig = DataConfig(dataset="cifar10", train_per_class=50, test_per_class=20)
+    """Bundled dataset to stream (cifar10, tinyimagenet-downstream) or an ImageFolder root, and its test split."""
+    backbone: BackboneConfig = BackboneConfig(img_size=84)
+    """Pretrained backbone (84 px: fast on a CPU)."""
+    protocol: ProtocolConfig = ProtocolConfig(eval_period=250)
+    """Any-time evaluation every 250 samples."""
+    checkpoint_dir: Path = Path("runs/demo/checkpoint")
+    """The demo's checkpoint (removed at start: the embedded broker starts empty too); the broker log goes beside."""
+    checkpoint_every: int = 256
+    """Checkpoint after this many learned samples."""
+    rate: float | None = None
+    """Producer records per second (null: as fast as possible)."""
+    until_done: bool = False
+    """Exit (and print a summary) once the whole stream is learned, instead of serving on."""
+    embedded_broker: bool = True
+    """Start a local broker; false streams through the cluster at --kafka.bootstrap_servers instead."""

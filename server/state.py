@@ -35,7 +35,8 @@ CHECKPOINT = "learner.pt"
 
 def build_learner(cfg: ServeConfig, n_classes: int) -> OnlineLearner:
     """The host method with every part of the MePo bundle it has (backbone, Sigma_pre, ISA prompts)."""
-    method = build_method(cfg.method, n_classes, cfg.backbone, BundleParts.of(cfg.mepo), cfg.methods, cfg.alignment)
+    method = build_method(cfg.method, n_classes, cfg.backbone, BundleParts.of(cfg.mepo), cfg.method_config,
+                          cfg.alignment)
     return OnlineLearner(method, n_classes, cfg.learner, device())
 
 
@@ -49,9 +50,9 @@ class ServiceState:
         self.n_classes = len(listing.classes)
         torch.manual_seed(cfg.seed)
         self.evaluation: AnytimeEvaluation | None = None
-        if cfg.eval_period > 0:  # the same schedule, scoring and curve as `mepo evaluate`, in the served mode
-            self.evaluation = AnytimeEvaluation(load_split(cfg.data, "test"), cfg.eval_period, cfg.eval_batch_size,
-                                                (cfg.alignment.inference_mode,))
+        if cfg.protocol.eval_period > 0:  # the schedule, scoring and curve of `mepo evaluate`, in the served mode
+            self.evaluation = AnytimeEvaluation(load_split(cfg.data, "test"), cfg.protocol.eval_period,
+                                                cfg.protocol.eval_batch_size, (cfg.alignment.inference_mode,))
         self.learner = build_learner(cfg, self.n_classes)
         self.monitor = StreamMonitor(cfg.monitor)
         self.book = StreamBook(learn_replays=cfg.learn_replays)

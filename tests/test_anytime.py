@@ -3,14 +3,21 @@ import math
 import pytest
 import torch
 
-from mepo_stream.anytime import AnytimeCurve, AnytimeEvaluation, EncodedTestSet, evaluate_seen, per_class_accuracy
+from mepo_stream.anytime import (
+    AnytimeCurve,
+    AnytimeEvaluation,
+    EncodedTestSet,
+    ProtocolConfig,
+    evaluate_seen,
+    per_class_accuracy,
+)
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.learner import LearnerConfig, OnlineLearner
 from mepo_stream.methods import MethodsConfig, create_method
 from mepo_stream.probe import ProbeConfig
 from mepo_stream.records import RecordMeta
 from mepo_stream.sampler import si_blurry_stream
-from offline.evaluate import ProtocolConfig, evaluate
+from offline.evaluate import evaluate
 from server.book import Sample
 from server.config import ServeConfig
 from server.metrics import ServerMetrics
@@ -110,7 +117,8 @@ def test_service_and_evaluate_report_the_same_anytime_accuracy(tmp_path):
     result = evaluate(out=tmp_path / "ev", seeds="1", methods="frozen", data=data, backbone=TINY,
                       protocol=ProtocolConfig(eval_period=period), probe=ProbeConfig(epochs=1))
     offline = result["runs"][0]["curves"]["batch"]  # without Meta Cov both modes are one model; evaluate keeps one
-    cfg = ServeConfig(data=data, backbone=TINY, eval_period=period, checkpoint_dir=tmp_path / "ckpt")
+    cfg = ServeConfig(data=data, backbone=TINY, protocol=ProtocolConfig(eval_period=period),
+                      checkpoint_dir=tmp_path / "ckpt")
     state, train = ServiceState(cfg, ServerMetrics()), load_split(data, "train")
     for task in si_blurry_stream(train.targets.tolist(), seed=1).tasks:  # evaluate's batches: never across tasks
         for b in range(0, len(task), cfg.learner.batch_size):

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
+from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce
 from server.broker import free_port
@@ -105,7 +106,7 @@ def test_compose_wiring_agrees_with_prometheus_grafana_and_readme():
     scrape = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())["scrape_configs"][0]
     host, port = scrape["static_configs"][0]["targets"][0].split(":")
     assert host in services and f"{port}:{port}" in services[host]["ports"]
-    assert f"--cfg.port {port}" in " ".join(services["learner"]["command"])
+    assert f"--port {port}" in " ".join(services["learner"]["command"])
     declared = set(compose["volumes"])
     for name, svc in services.items():
         for volume in svc.get("volumes", []):
@@ -137,7 +138,7 @@ def query(prom: str, expr: str) -> list[dict]:
 def test_a_real_prometheus_scrapes_the_learner(broker, tmp_path):
     """The shipped Prometheus config, pointed at a running learner: accuracy series in [0, 1], learning grows."""
     binary = tool("prometheus")
-    cfg = settings(broker, tmp_path, eval_period=48)
+    cfg = settings(broker, tmp_path, protocol=ProtocolConfig(eval_period=48))
     with LiveServer(cfg) as http:
         config = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
         config["scrape_configs"][0]["static_configs"][0]["targets"] = [f"127.0.0.1:{http.base_url.port}"]

@@ -18,6 +18,7 @@ from kafka import TopicPartition
 from PIL import Image
 
 import server.stream as stream
+from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.records import RecordMeta, record_headers
 from server.book import Sample, StreamBook
@@ -119,7 +120,8 @@ class FakeConsumer:
 
 def service(tmp_path, **kw) -> tuple[ServiceState, LearnerLoop, list[tuple[str, int]]]:
     """A real ServiceState (batch size 16) and its loop with a fake producer; also every sample id it learns."""
-    cfg = settings(SimpleNamespace(bootstrap="127.0.0.1:9"), tmp_path, eval_period=0, **kw)  # no broker is used
+    cfg = settings(SimpleNamespace(bootstrap="127.0.0.1:9"), tmp_path, protocol=ProtocolConfig(eval_period=0),
+                   **kw)  # no broker is used
     state = ServiceState(cfg, ServerMetrics())
     learned: list[tuple[str, int]] = []
     learn = state.learn
