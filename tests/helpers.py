@@ -3,7 +3,6 @@ polled waits, and the learner checkpoint. Tests import from here; ``conftest.py`
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import fields, is_dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -19,12 +18,16 @@ import httpx
 import torch
 import uvicorn
 
+from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.backbone import BackboneConfig
 from mepo_stream.checkpoint import load_checkpoint
-from mepo_stream.data import DataConfig
+from mepo_stream.cli import config_options
+from mepo_stream.data import DataConfig, list_files
 from mepo_stream.images import ImageLimits
 from mepo_stream.kafka import KafkaConfig
 from mepo_stream.learner import LearnerConfig
+from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
+from producers.siblurry import stream_id
 from server.app import create_app
 from server.broker import free_port
 from server.config import ServeConfig
@@ -80,39 +83,38 @@ def settings(broker, tmp_path: Path, **kw) -> ServeConfig:
     name = uuid.uuid4().hex[:8]
     kafka = KafkaConfig(bootstrap_servers=broker.bootstrap, topic=f"images-{name}", dead_letter_topic=f"dlq-{name}",
                         group_id=f"learner-{name}")
-    cfg = ServeConfig(kafka=kafka, data=DATA, backbone=TINY, checkpoint_dir=tmp_path / "ckpt", eval_period=64,
+    cfg = ServeConfig(kafka=kafka, data=DATA, backbone=TINY, checkpoint_dir=tmp_path / "ckpt",
+                      protocol=ProtocolConfig(eval_period=64),
                       checkpoint_every=32, limits=ImageLimits(size=32), admin_token="s3cret", port=free_port(),
                       learner=LearnerConfig(batch_size=16, online_iter=1, autoaugment=None, samples_per_slot=64))
     return replace(cfg, **kw)
 
 
-def _flag_value(value: Any) -> str:
-    """One option value as ``mepo``'s command line parses it back (YAML/JSON scalars and lists)."""
-    if value is None or isinstance(value, bool):
-        return json.dumps(value)  # null, true, false
-    if isinstance(value, tuple | list):
-        return json.dumps(list(value))
-    return str(value)
+def serve_args(cfg: ServeConfig) -> list[str]:
+    """``cfg`` as ``mepo serve`` flags (``mepo_stream.cli.config_options``, the one place that knows the option
+    layout); ``tests/test_cli.py`` parses the flags back and checks that the command gets exactly ``cfg``."""
+    return config_options(cfg)
 
 
-def serve_args(cfg: ServeConfig, prefix: str = "--cfg") -> list[str]:
-    """``cfg`` as ``mepo serve`` flags: every leaf field, flattened to ``--cfg.a.b value``.
-
-    The only place that knows the CLI's option layout; ``tests/test_cli.py`` parses the flags back and
-    checks that the command gets exactly ``cfg``.
-    """
-    args: list[str] = []
-    for f in fields(cfg):
-        value, flag = getattr(cfg, f.name), f"{prefix}.{f.name}"
-        args += serve_args(value, flag) if is_dataclass(value) else [flag, _flag_value(value)]
-    return args
-
-
-def serve_process(cfg: ServeConfig, log: Path) -> subprocess.Popen:
+class ServeProcess(subprocess.Popen):
     """``mepo serve`` with ``cfg`` as its own process (what a crash test can kill), output appended to ``log``."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "mepo_stream.cli", "serve", *serve_args(cfg)],
-                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env)
+
+    def __init__(self, cfg: ServeConfig, log: Path):
+        self.log = log
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        with open(log, "ab") as out:
+            super().__init__([sys.executable, "-m", "mepo_stream.cli", "serve", *serve_args(cfg)], stdout=out,
+                             stderr=subprocess.STDOUT, env=env)
+
+    def running(self) -> bool:
+        """True while it runs; once it has exited, fail at once with the end of its log (in a ``wait_for``
+        predicate this stops the wait instead of timing out on a process that is gone)."""
+        if self.poll() is not None:
+            raise AssertionError(f"mepo serve exited with {self.returncode}:\n{self.log.read_text()[-3000:]}")
+        return True
+
+
+serve_process = ServeProcess
 
 
 def http_client(cfg: ServeConfig, timeout: float = 10) -> httpx.Client:
@@ -151,6 +153,26 @@ def checkpoint(cfg: ServeConfig) -> dict | None:
 def checkpoint_samples(cfg: ServeConfig) -> int:
     state = checkpoint(cfg)
     return int(state["learner"]["samples_seen"]) if state else 0
+
+
+def stream_handled(cfg: ServeConfig, records: int) -> dict | None:
+    """The checkpoint once all ``records`` of the (one-partition) topic are handled, else None: nothing is left
+    to learn, so nothing can change after it."""
+    state = checkpoint(cfg)
+    return state if state and state["offsets"].get(f"{cfg.kafka.topic}:0") == records else None
+
+
+def assert_learned_exactly_once(state: dict, data: DataConfig, stream: SiBlurryConfig, replays: int = 0) -> None:
+    """A checkpoint learned every sample of the stream exactly once: its learned ids are the stream's, it took
+    as many learning steps' samples as there are ids (a sample learned twice would add one), and it skipped
+    exactly ``replays`` records as replays (a clean stream has none: an offset rolled back further than the
+    model would show up here, as skipped replays, instead of being silently absorbed)."""
+    listing = list_files(data, "train")
+    order = si_blurry_stream(listing.targets, stream.n_tasks, stream.n, stream.m, stream.seed).order
+    learned = state["learned"][stream_id(data, stream)].tolist()
+    assert learned == sorted(order), f"{len(set(order) - set(learned))} samples never learned"
+    assert int(state["learner"]["samples_seen"]) == len(order), "a sample was learned twice"
+    assert int(state["replays_skipped"]) == replays
 
 
 def assert_same_learner_state(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:

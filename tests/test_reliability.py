@@ -18,15 +18,26 @@ import pytest
 from kafka import KafkaProducer
 from PIL import Image
 
-from mepo_stream.checkpoint import load_checkpoint
+from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.data import list_files
 from mepo_stream.images import ImageLimits
 from mepo_stream.records import record_headers
 from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce, stream_id
-from server.broker import free_port
-from server.state import CHECKPOINT
-from tests.conftest import DATA, LiveServer, checkpoint_samples, serve_process, settings, wait_for
+from tests.helpers import (
+    DATA,
+    LiveServer,
+    assert_learned_exactly_once,
+    assert_same_learner_state,
+    checkpoint,
+    checkpoint_samples,
+    holds_for,
+    http_client,
+    serve_process,
+    settings,
+    stream_handled,
+    wait_for,
+)
 
 pytestmark = pytest.mark.reliability
 STREAM = SiBlurryConfig(seed=1)
@@ -38,31 +49,26 @@ def encoded(img: Image.Image, fmt: str) -> bytes:
     return buf.getvalue()
 
 
-def learned_exactly_once(cfg) -> None:
-    state = load_checkpoint(cfg.checkpoint_dir / CHECKPOINT)
-    learned = state["learned"][stream_id(DATA, STREAM)].tolist()
-    assert len(learned) == len(set(learned)) == 200 and int(state["learner"]["samples_seen"]) == 200
-
-
 def test_sigterm_checkpoints_quickly_and_a_restart_continues(broker, tmp_path):
-    cfg = settings(broker, tmp_path)
-    produce(DATA, STREAM, cfg.kafka, ReplayConfig())
+    cfg = settings(broker, tmp_path, protocol=ProtocolConfig(eval_period=0))
+    n = produce(DATA, STREAM, cfg.kafka, ReplayConfig())
     learner = serve_process(cfg, tmp_path / "serve.log")
-    wait_for(lambda: checkpoint_samples(cfg) >= 48, what="learning under way")
+    wait_for(lambda: learner.running() and checkpoint_samples(cfg) >= 48, what="learning under way")
     start = time.monotonic()
     learner.send_signal(signal.SIGTERM)
     assert learner.wait(60) in (0, -signal.SIGTERM)  # uvicorn shuts down gracefully, then re-raises the signal
     stopped_in = time.monotonic() - start
     assert stopped_in < 30, f"SIGTERM took {stopped_in:.1f} s"
-    at_stop = checkpoint_samples(cfg)
-    assert at_stop >= 48  # the final checkpoint holds what was learned up to the stop
+    at_stop = checkpoint(cfg)
+    assert at_stop["learner"]["samples_seen"] >= 48  # the final checkpoint holds what was learned up to the stop
+    assert at_stop["replays_skipped"] == 0
     learner = serve_process(cfg, tmp_path / "serve.log")
     try:
-        wait_for(lambda: checkpoint_samples(cfg) >= 200, what="the rest after the restart")
+        wait_for(lambda: learner.running() and stream_handled(cfg, n), what="the rest after the restart")
     finally:
         learner.send_signal(signal.SIGTERM)
         learner.wait(60)
-    learned_exactly_once(cfg)
+    assert_learned_exactly_once(checkpoint(cfg), DATA, STREAM)
 
 
 def bad_records(n: int, rng: random.Random) -> list[tuple[bytes, list, str]]:
@@ -84,7 +90,7 @@ def bad_records(n: int, rng: random.Random) -> list[tuple[bytes, list, str]]:
 
 
 def test_a_thousand_bad_records_are_dead_lettered_and_every_good_one_is_learned(broker, tmp_path):
-    cfg = settings(broker, tmp_path, eval_period=0)
+    cfg = settings(broker, tmp_path, protocol=ProtocolConfig(eval_period=0))
     rng = random.Random(0)
     bad = bad_records(1000, rng)
     listing = list_files(DATA, "train")
@@ -116,30 +122,29 @@ def test_a_thousand_bad_records_are_dead_lettered_and_every_good_one_is_learned(
 
 
 def test_broker_stall_makes_the_learner_wait_unready_and_resume_losing_nothing(broker, tmp_path):
-    cfg = settings(broker, tmp_path)
-    port = free_port()
-    produce(DATA, STREAM, cfg.kafka, ReplayConfig(limit=64))
-    learner = serve_process(cfg, tmp_path / "serve.log", port=port)
-    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+    cfg = settings(broker, tmp_path, protocol=ProtocolConfig(eval_period=0))
+    first = produce(DATA, STREAM, cfg.kafka, ReplayConfig(limit=64))
+    learner = serve_process(cfg, tmp_path / "serve.log")
+    http = http_client(cfg)
     try:
-        wait_for(lambda: checkpoint_samples(cfg) >= 32, what="learning under way")
-        wait_for(lambda: http.get("/readyz").status_code == 200, what="ready")
+        wait_for(lambda: learner.running() and checkpoint_samples(cfg) >= 32, what="learning under way")
+        wait_for(lambda: http.get("/readyz").status_code == 200, what="ready", ignore=(httpx.TransportError,))
         broker.process.send_signal(signal.SIGSTOP)
         try:
             wait_for(lambda: http.get("/readyz").status_code == 503, 30, "not ready during the stall")
-            time.sleep(20)
-            assert http.get("/readyz").json()["checks"]["kafka_connected"] is False
+            holds_for(lambda: http.get("/readyz").json()["checks"]["kafka_connected"] is False, 20,
+                      "not ready, Kafka not connected, for the whole stall")
         finally:
             broker.process.send_signal(signal.SIGCONT)
         wait_for(lambda: http.get("/readyz").status_code == 200, 60, "ready again after the stall")
-        produce(DATA, STREAM, cfg.kafka, ReplayConfig())
-        wait_for(lambda: http.get("/v1/status").json()["samples_seen"] >= 200, 180, "the whole stream")
+        n = first + produce(DATA, STREAM, cfg.kafka, ReplayConfig())  # the first 64 again: replays
+        wait_for(lambda: learner.running() and stream_handled(cfg, n), 180, "the whole stream")
         assert "consumer_lag" in http.get("/v1/status").json()
     finally:
         http.close()
         learner.send_signal(signal.SIGTERM)
         learner.wait(60)
-    learned_exactly_once(cfg)
+    assert_learned_exactly_once(checkpoint(cfg), DATA, STREAM, replays=first)
 
 
 def test_hostile_http_requests_get_4xx_json_never_5xx(broker, tmp_path):
@@ -198,45 +203,48 @@ def test_schemathesis_finds_no_server_error(broker, tmp_path):
     assert tested and int(tested.group(1)) >= 10, out.stdout[-2000:]  # the routes were really exercised
 
 
-def run_to_the_end(cfg, port: int, log, crashes: int = 0, seed: int = 0) -> float:
+def run_to_the_end(cfg, log, crashes: int = 0, seed: int = 0) -> tuple[dict, float]:
     """Learn the whole stream with ``mepo serve`` processes, killing them with SIGKILL ``crashes`` times at
-    random moments; returns A_last (measured when the stream goes idle)."""
+    random moments (no replay may be skipped at any restart); returns the final checkpoint and A_last (measured
+    when the stream goes idle)."""
     rng = random.Random(seed)
     targets = sorted(rng.sample(range(16, 190, 8), crashes))
-    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
-    learner = serve_process(cfg, log, port=port, eval_period=10_000)
+    # the test split is loaded for A_last; no any-time evaluation
+    cfg = replace(cfg, protocol=ProtocolConfig(eval_period=10_000))
+    n = produce(DATA, STREAM, cfg.kafka, ReplayConfig())
+    http = http_client(cfg)
+    learner = serve_process(cfg, log)
     try:
         for target in targets:
-            wait_for(lambda t=target: checkpoint_samples(cfg) >= t, what=f"a checkpoint past {target}")
-            time.sleep(rng.uniform(0, 1.0))  # mid-batch, mid-checkpoint, anywhere
+            wait_for(lambda t=target: learner.running() and checkpoint_samples(cfg) >= t,
+                     what=f"a checkpoint past {target}")
+            time.sleep(rng.uniform(0, 1.0))  # the fault: mid-batch, mid-checkpoint, anywhere
             learner.send_signal(signal.SIGKILL)
             learner.wait()
-            learner = serve_process(cfg, log, port=port, eval_period=10_000)
+            assert checkpoint(cfg)["replays_skipped"] == 0, f"replays skipped before the crash at {target}"
+            learner = serve_process(cfg, log)
 
-        def final():
-            try:
-                return http.get("/v1/status").json()["a_last"]
-            except httpx.TransportError:
-                return None
-        a_last = wait_for(lambda: (s := final()) is not None and checkpoint_samples(cfg) >= 200 and s, 300, "A_last")
+        def measured() -> dict | None:  # A_last can be 0.0: wait for the status that has it, not for its value
+            status = http.get("/v1/status").json() if learner.running() and stream_handled(cfg, n) else None
+            return status if status and status["a_last"] is not None else None
+
+        a_last = wait_for(measured, 300, "A_last of the whole stream", ignore=(httpx.TransportError,))["a_last"]
     finally:
         http.close()
         learner.send_signal(signal.SIGTERM)
         learner.wait(60)
-    learned_exactly_once(cfg)
-    return a_last
+    final = checkpoint(cfg)
+    assert_learned_exactly_once(final, DATA, STREAM)
+    return final, a_last
 
 
 @pytest.mark.slow
 def test_five_hard_crashes_lose_nothing_and_end_where_an_uninterrupted_run_ends(broker, tmp_path):
-    reference_cfg = settings(broker, tmp_path / "reference")
-    produce(DATA, STREAM, reference_cfg.kafka, ReplayConfig())
-    reference = run_to_the_end(reference_cfg, free_port(), tmp_path / "reference.log")
-    crash_cfg = settings(broker, tmp_path / "crashes")
-    produce(DATA, STREAM, crash_cfg.kafka, ReplayConfig())
-    crashed = run_to_the_end(crash_cfg, free_port(), tmp_path / "crashes.log", crashes=5, seed=7)
-    print(f"\nA_last after 5 kill -9: {crashed:.4f}; uninterrupted: {reference:.4f}")
-    assert abs(crashed - reference) <= 0.005, (crashed, reference)
+    reference, reference_a_last = run_to_the_end(settings(broker, tmp_path / "reference"), tmp_path / "ref.log")
+    crashed, a_last = run_to_the_end(settings(broker, tmp_path / "crashes"), tmp_path / "crashes.log", 5, seed=7)
+    print(f"\nA_last after 5 kill -9: {a_last:.4f}; uninterrupted: {reference_a_last:.4f}")
+    assert_same_learner_state(crashed, reference)
+    assert abs(a_last - reference_a_last) <= 0.005, (a_last, reference_a_last)
 
 
 @pytest.mark.slow
@@ -245,16 +253,15 @@ def test_sixteen_clients_for_sixty_seconds_while_learning(broker, tmp_path):
     in its own process, as deployed, and the clients in this one."""
     import threading
 
-    cfg = settings(broker, tmp_path)
-    port = free_port()
-    image = encoded(Image.new("RGB", (32, 32), "red"), "JPEG")
+    cfg = settings(broker, tmp_path, protocol=ProtocolConfig(eval_period=0))
     big = replace(DATA, train_per_class=2000)  # 20k samples at 10 steps each: minutes of learning
+    cfg = replace(cfg, data=big, learner=replace(cfg.learner, online_iter=10))
+    image = encoded(Image.new("RGB", (32, 32), "red"), "JPEG")
     produce(big, STREAM, cfg.kafka, ReplayConfig())
-    learner = serve_process(cfg, tmp_path / "serve.log", port=port,
-                            extra=("--cfg.data.train_per_class", "2000", "--cfg.learner.online_iter", "10"))
-    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+    learner = serve_process(cfg, tmp_path / "serve.log")
+    http = http_client(cfg, timeout=30)
     try:
-        wait_for(lambda: checkpoint_samples(cfg) >= 64, what="learning under way")
+        wait_for(lambda: learner.running() and checkpoint_samples(cfg) >= 64, what="learning under way")
 
         def rate(seconds: float) -> float:
             start = http.get("/v1/status").json()["samples_seen"]
