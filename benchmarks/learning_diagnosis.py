@@ -300,6 +300,7 @@ def plot(runs: dict[str, dict], class_names: list[str], path: Path) -> None:
     axes[0].set_ylabel("test accuracy of each seen class (%)")
     axes[-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -370,7 +371,6 @@ def main(data: DataConfig = DataConfig("cifar10", train_per_class=100, test_per_
         "wall_time_s": round(time.time() - start, 1),
     }
     if plot_path is not None:
-        plot_path.parent.mkdir(parents=True, exist_ok=True)
         plot(runs, train.classes, plot_path)
     return write_result(result, out, dev, dtype)
 

@@ -14,6 +14,7 @@ Writes ``benchmarks/results/refine_throughput.json``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,27 +32,12 @@ def _optimizer(model: MetaModel, cfg: RefineConfig) -> torch.optim.SGD:
                             {"params": model.head.parameters(), "lr": cfg.lr_head}], momentum=cfg.momentum)
 
 
-def main(model: str = "vit_small_patch14_dinov2", weights: str | None = None, img_size: int = 84,
-         batch_size: int = 64, steps: int = 10, rounds: int = 3, n_classes: int = 100,
-         out: Path = Path("benchmarks/results/refine_throughput.json")) -> dict:
-    """Measure images/s of the refine step and of a bare SGD loop; write the JSON result.
-
-    Args:
-        model: timm ViT name.
-        weights: Backbone weights (null = random init; speed does not depend on the values).
-        img_size: Input resolution.
-        batch_size: Global batch size.
-        steps: Timed steps per round and loop.
-        rounds: Alternating rounds (the best round of each loop is reported).
-        n_classes: Meta-head outputs.
-        out: JSON result path.
-    """
-    torch.manual_seed(0)
-    cfg = RefineConfig(batch_size=batch_size)
-    backbone = BackboneConfig(model, weights, img_size)
+def _loops(backbone: BackboneConfig, batch_size: int, steps: int, n_classes: int, dev: torch.device
+           ) -> tuple[Callable[[], None], Callable[[], None]]:
+    """``steps`` refine steps (``Trainer.step``) and ``steps`` bare SGD steps of the same model, as two closures."""
+    cfg, img_size = RefineConfig(batch_size=batch_size), backbone.img_size
     images = ImageSet(torch.randint(0, 256, (batch_size * 4, 3, 64, 64), dtype=torch.uint8),
                       torch.randint(0, n_classes, (batch_size * 4,)), [str(c) for c in range(n_classes)], [])
-    dev = device()
     ours = MetaModel(create_backbone(backbone), n_classes).to(dev)
     mean, std = normalization(ours.backbone)
     trainer = Trainer(ours, ours, _optimizer(ours, cfg), images, cfg, Distributed(),
@@ -73,6 +59,27 @@ def main(model: str = "vit_small_patch14_dinov2", weights: str | None = None, im
             loss.backward()
             bare_opt.step()
 
+    return run_ours, run_bare
+
+
+def main(model: str = "vit_small_patch14_dinov2", weights: str | None = None, img_size: int = 84,
+         batch_size: int = 64, steps: int = 10, rounds: int = 3, n_classes: int = 100,
+         out: Path = Path("benchmarks/results/refine_throughput.json")) -> dict:
+    """Measure images/s of the refine step and of a bare SGD loop; write the JSON result.
+
+    Args:
+        model: timm ViT name.
+        weights: Backbone weights (null = random init; speed does not depend on the values).
+        img_size: Input resolution.
+        batch_size: Global batch size.
+        steps: Timed steps per round and loop.
+        rounds: Alternating rounds (the best round of each loop is reported).
+        n_classes: Meta-head outputs.
+        out: JSON result path.
+    """
+    torch.manual_seed(0)
+    dev = device()
+    run_ours, run_bare = _loops(BackboneConfig(model, weights, img_size), batch_size, steps, n_classes, dev)
     timings: dict[str, list[float]] = {"refine": [], "bare": []}
     run_ours(), run_bare()  # warm-up
     for _ in range(rounds):

@@ -40,6 +40,28 @@ def _bad_records(kafka: KafkaConfig, copies: int) -> int:
     return copies * len(cases)
 
 
+def _watch_while_learning(service, image: bytes, expected: int, n_bad: int, timeout: float) -> tuple:
+    """Predict an image over and over while the stream is learned; returns the latencies, (time, samples) at the
+    first learned sample, start and end times, and the final status."""
+    latencies, first, start = [], None, time.monotonic()
+    while time.monotonic() < start + timeout:
+        status = service.status()
+        if first is None and status["samples_seen"] > 0:
+            first = (time.monotonic(), status["samples_seen"])
+        done = status["samples_seen"] >= expected and status["dead_lettered"] >= n_bad
+        if done and status["a_last"] is not None:
+            break
+        if status["classes_seen"]:
+            t = time.perf_counter()
+            r = service.http.post("/v1/predict", content=image, headers={"content-type": "image/jpeg"})
+            if r.status_code == 503:  # the first snapshot with a class is not published yet
+                continue
+            assert r.status_code == 200, r.text
+            latencies.append(time.perf_counter() - t)
+        time.sleep(0.05)
+    return latencies, first, start, time.monotonic(), service.status()
+
+
 def main(spec: ServiceSpec = ServiceSpec(train_per_class=50), test_per_class: int = 20, bad_copies: int = 4,
          eval_period: int = 250, timeout: float = 1800, work: Path = Path("benchmarks/results/work/serve_report"),
          out: Path = Path("benchmarks/results/serve_report.json")) -> dict:
@@ -60,26 +82,8 @@ def main(spec: ServiceSpec = ServiceSpec(train_per_class=50), test_per_class: in
         expected = service.stream_length
         service.produce()
         n_bad = _bad_records(KafkaConfig(bootstrap_servers=service.bootstrap), bad_copies)
-        image = sample_jpeg(spec)
-        latencies, first, start = [], None, time.monotonic()
-        deadline = start + timeout
-        while time.monotonic() < deadline:
-            status = service.status()
-            if first is None and status["samples_seen"] > 0:
-                first = (time.monotonic(), status["samples_seen"])
-            done = status["samples_seen"] >= expected and status["dead_lettered"] >= n_bad
-            if done and status["a_last"] is not None:
-                break
-            if status["classes_seen"]:
-                t = time.perf_counter()
-                r = service.http.post("/v1/predict", content=image, headers={"content-type": "image/jpeg"})
-                if r.status_code == 503:  # the first snapshot with a class is not published yet
-                    continue
-                assert r.status_code == 200, r.text
-                latencies.append(time.perf_counter() - t)
-            time.sleep(0.05)
-        end = time.monotonic()
-        status = service.status()
+        watch = _watch_while_learning(service, sample_jpeg(spec), expected, n_bad, timeout)
+        latencies, first, start, end, status = watch
         metrics = service.http.get("/metrics").text
     learned_after_first = status["samples_seen"] - (first[1] if first else 0)
     latency = quantiles(latencies)

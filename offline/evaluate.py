@@ -382,22 +382,12 @@ class Sweep:
 
 
 def evaluate(
-    out: Path = Path("runs/evaluate"),
-    seeds: str = "1-5",
-    methods: str = "frozen",
-    mepo: Path | None = None,
-    mepo_rep: Path | None = None,
-    mepo_cov: Path | None = None,
-    mepo_prompts: Path | None = None,
-    ablation: bool = False,
-    data: DataConfig = DataConfig(),
-    stream: SiBlurryConfig = SiBlurryConfig(),
-    backbone: BackboneConfig = BackboneConfig(),
-    method_config: MethodsConfig = MethodsConfig(),
-    learner: LearnerConfig = LearnerConfig(),
-    alignment: AlignmentConfig = AlignmentConfig(),
-    protocol: ProtocolConfig = ProtocolConfig(),
-    probe: ProbeConfig = ProbeConfig(),
+    out: Path = Path("runs/evaluate"), seeds: str = "1-5", methods: str = "frozen", mepo: Path | None = None,
+    mepo_rep: Path | None = None, mepo_cov: Path | None = None, mepo_prompts: Path | None = None,
+    ablation: bool = False, data: DataConfig = DataConfig(), stream: SiBlurryConfig = SiBlurryConfig(),
+    backbone: BackboneConfig = BackboneConfig(), method_config: MethodsConfig = MethodsConfig(),
+    learner: LearnerConfig = LearnerConfig(), alignment: AlignmentConfig = AlignmentConfig(),
+    protocol: ProtocolConfig = ProtocolConfig(), probe: ProbeConfig = ProbeConfig(),
 ) -> dict:
     """Run the Si-Blurry protocol offline over methods and seeds; write results.json, table.md and a plot.
 

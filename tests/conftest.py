@@ -11,11 +11,7 @@ import torch
 from mepo_stream.backbone import create_backbone
 from mepo_stream.data import DataConfig
 from server.broker import EmbeddedBroker
-from tests.helpers import DATA, TINY, LiveServer, color_images, settings, wait_for  # noqa: F401 (see below)
-
-# DATA, LiveServer, color_images, settings and wait_for are re-exported only for the modules that still import
-# them from here (test_backbone, test_deploy, test_heads, test_isa, test_learner, test_learning_diagnosis, test_page,
-# test_refine); new code imports tests.helpers.
+from tests.helpers import TINY
 
 
 @pytest.fixture(autouse=True)

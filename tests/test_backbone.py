@@ -12,7 +12,7 @@ from mepo_stream.backbone import (
     load_backbone_weights,
     read_state_dict,
 )
-from tests.conftest import TINY
+from tests.helpers import TINY
 
 
 def trained_state(img_size: int = 32) -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ from mepo_stream.heads import NearestClassMean, RunningStandardize, StreamingLDA
 from mepo_stream.learner import PAPER_RECIPE, LearnerConfig, OnlineLearner
 from mepo_stream.methods import create_method
 from mepo_stream.probe import ProbeConfig, fit_probe, probe_accuracy
-from tests.conftest import color_images
+from tests.helpers import color_images
 
 
 def blobs(n_per_class: int = 30, n_classes: int = 4, dim: int = 6, seed: int = 0):

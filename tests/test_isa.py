@@ -16,7 +16,7 @@ from mepo_stream.pseudo_tasks import PseudoTaskConfig
 from offline.covariance import CovarianceConfig, covariance
 from offline.isa import ISAConfig, PoolBatches, build_host, class_split, initial_session_adaptation, warm_prompts
 from offline.refine import ISAStage, RefineConfig, meta_refine
-from tests.conftest import TINY, color_images
+from tests.helpers import TINY, color_images
 
 DATA = DataConfig(dataset="tinyimagenet-pretrain", train_per_class=4)
 FAST = ISAConfig(epochs=1, online_iter=1, batch_size=32, autoaugment=None)

@@ -6,7 +6,7 @@ import torch
 from mepo_stream.alignment import FeatureAlignment
 from mepo_stream.learner import PAPER_RECIPE, LearnerConfig, OnlineLearner
 from mepo_stream.methods import create_method
-from tests.conftest import color_images
+from tests.helpers import color_images
 
 # the MISA tests run the paper's recipe (the SGD-trained linear head), where these mechanisms matter
 CFG = replace(PAPER_RECIPE, batch_size=16, online_iter=3, lr=5e-3, samples_per_slot=10_000, autoaugment=None)

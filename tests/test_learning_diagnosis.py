@@ -13,7 +13,7 @@ from mepo_stream.learner import PAPER_RECIPE, LearnerConfig, OnlineLearner
 from mepo_stream.model import build_method
 from mepo_stream.sampler import si_blurry_stream
 from mepo_stream.transforms import test_transform as eval_transform  # (not collected as a test)
-from tests.conftest import color_images
+from tests.helpers import color_images
 
 TINY = BackboneConfig(name="test_vit", weights=None, img_size=32)
 DATA = DataConfig("cifar10", train_per_class=10, test_per_class=5)

@@ -32,7 +32,7 @@ from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce
 from server.broker import free_port
 from server.routers import page
-from tests.conftest import DATA, LiveServer, settings
+from tests.helpers import DATA, LiveServer, settings
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")

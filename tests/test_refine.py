@@ -15,7 +15,7 @@ from mepo_stream.meta import group_mask, reptile_update
 from mepo_stream.pseudo_tasks import PseudoTaskConfig, meta_epoch_plan
 from offline.covariance import CovarianceConfig
 from offline.refine import ISAStage, RefineConfig, checkpoint_path, meta_refine
-from tests.conftest import TINY
+from tests.helpers import TINY
 
 DATA = DataConfig(dataset="tinyimagenet-pretrain", train_per_class=4)
 TASKS = PseudoTaskConfig(classes_per_group=20, n_tasks=4, samples_per_class=4, val_ratio=0.25)
