@@ -15,6 +15,8 @@ Example:
     False
     >>> record_key("cifar10/T5-N50-M10/seed1")
     b'cifar10/T5-N50-M10/seed1'
+    >>> snapshot_key("mepo", 2)  # part 2 of a snapshot of the model served as "mepo"
+    b'mepo/2'
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ class KafkaConfig:
     """Topic that receives records that cannot be learned, with the reason in their headers."""
     group_id: str = "mepo-learner"
     """Consumer group of the learner."""
+    snapshot_topic: str | None = "mepo.snapshots"
+    """Compacted topic the learner publishes its model snapshots to and ``--role replica`` servers follow (null:
+    the learner publishes none)."""
+    snapshot_chunk_bytes: int = 1_000_000
+    """Largest part of a snapshot in one record: a bigger snapshot travels as several records. Keep it below the
+    broker's ``message.max.bytes`` (1,048,588 by default) and the clients' ``max_request_size`` (1 MiB)."""
     security_protocol: str = "PLAINTEXT"
     """PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL."""
     sasl_mechanism: str | None = None
@@ -67,9 +75,28 @@ def record_key(stream_id: str) -> bytes:
     return stream_id.encode()
 
 
-def ensure_topics(kafka: KafkaConfig, *topics: str, partitions: int = 1) -> None:
+def snapshot_key(model: str, part: int) -> bytes:
+    """The key of part ``part`` of a model's snapshot: a compacted topic keeps the newest record of every key, so
+    it keeps the newest copy of every part of the model's snapshot and drops older ones."""
+    return f"{model}/{part}".encode()
+
+
+SNAPSHOT_TOPIC_CONFIGS = {"cleanup.policy": "compact"}
+"""Topic configuration of the snapshot topic: Kafka keeps the newest record per key (Tansu accepts the setting but
+keeps every record, in memory)."""
+
+
+def ensure_snapshot_topic(kafka: KafkaConfig) -> None:
+    """Create the compacted snapshot topic (one partition: every part of a snapshot in publication order)."""
+    if kafka.snapshot_topic is None:
+        raise ValueError("no snapshot topic is configured (--kafka.snapshot_topic)")
+    ensure_topics(kafka, kafka.snapshot_topic, configs=SNAPSHOT_TOPIC_CONFIGS)
+
+
+def ensure_topics(kafka: KafkaConfig, *topics: str, partitions: int = 1, configs: dict[str, str] | None = None
+                  ) -> None:
     """Create those of ``topics`` (default: the stream's topic and its dead-letter topic) that do not exist yet,
-    with replication 1; an existing topic is left as it is.
+    with replication 1 and the topic ``configs`` given; an existing topic is left as it is.
 
     Producer and server may both call this, in either order: a topic the other side created first is kept.
     """
@@ -80,7 +107,7 @@ def ensure_topics(kafka: KafkaConfig, *topics: str, partitions: int = 1) -> None
     try:
         existing = set(admin.list_topics())
         wanted = dict.fromkeys(topics or (kafka.topic, kafka.dead_letter_topic))  # in order, once each
-        new = [NewTopic(t, partitions, 1) for t in wanted if t not in existing]
+        new = [NewTopic(t, partitions, 1, topic_configs=configs or {}) for t in wanted if t not in existing]
         if new:
             admin.create_topics(new)
     except TopicAlreadyExistsError:  # created by the other side meanwhile

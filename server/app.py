@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from server.config import ServeConfig
 from server.dependencies import error_response
 from server.metrics import ServerMetrics
+from server.replica import ReplicaService
 from server.routers import inference_v2, ops, page, predict
 from server.service import Service
 
@@ -32,12 +33,14 @@ log = logging.getLogger(__name__)
 
 
 def create_app(settings: ServeConfig) -> FastAPI:
-    """The app for ``settings``; the model loads (and the learner starts) in the lifespan, not here."""
-    metrics = ServerMetrics()
+    """The app for ``settings``; the model loads (and the learner, or a replica's follower, starts) in the
+    lifespan, not here. Both roles serve the same routers."""
+    metrics = ServerMetrics(settings.role)
+    kind = ReplicaService if settings.role == "replica" else Service
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.service = service = Service.start(settings, metrics)
+        app.state.service = service = kind.start(settings, metrics)
         yield
         service.stop()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from mepo_stream.alignment import AlignmentConfig
 from mepo_stream.anytime import ProtocolConfig
@@ -29,6 +30,14 @@ class ServeConfig:
 
     kafka: KafkaConfig = KafkaConfig()
     """Broker, topics and consumer group."""
+    role: Literal["learner", "replica"] = "learner"
+    """``learner``: learn the image topic, serve, and publish every snapshot to --kafka.snapshot_topic.
+    ``replica``: serve predictions from the learner's snapshots on that topic, with the same backbone and bundle
+    loaded locally (give the learner's --backbone.*, --mepo, --method, --method_config.*, --learner.*,
+    --alignment.*, --seed and --model_name); it learns nothing and needs no dataset."""
+    publish_interval_s: float = 1.0
+    """Least seconds between two snapshots the learner publishes: versions learned in between are skipped, the
+    newest one is always published."""
     data: DataConfig = DataConfig(dataset="cifar10", test_per_class=100)
     """Label space and class names (from the train split's classes) and the held-out test split used for the
     any-time accuracy."""

@@ -1,52 +1,100 @@
-"""Prometheus metrics of the service, on their own registry (one per app, so tests can run several)."""
+"""Prometheus metrics of the service, on their own registry (one per app, so tests can run several).
+
+A learner exports the stream, learning, checkpoint and publishing series; a replica (``--role replica``) exports
+the snapshot-following series instead; both export the prediction and model series. A series a role never
+updates is not exported there, so no dashboard or alert mistakes a replica's zeros for a learner's.
+
+Example:
+    >>> from prometheus_client import generate_latest
+    >>> text = generate_latest(ServerMetrics("replica").registry).decode()
+    >>> "mepo_replica_lag_versions" in text, "mepo_model_version" in text, "mepo_samples_learned_total" in text
+    (True, True, False)
+"""
 
 from __future__ import annotations
+
+from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
 PREDICT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+SNAPSHOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class ServerMetrics:
     """Named after Prometheus conventions: base units, ``_total`` counters, ``_ratio`` for 0-1 values."""
 
-    def __init__(self) -> None:
+    def __init__(self, role: Literal["learner", "replica"] = "learner") -> None:
         self.registry = r = CollectorRegistry()
-        self.samples_learned = Counter("mepo_samples_learned", "Samples learned from the stream", registry=r)
-        self.learn_steps = Counter("mepo_learn_steps", "Stream mini-batches learned", registry=r)
-        self.records_consumed = Counter("mepo_kafka_records_consumed", "Records read from Kafka", registry=r)
+        lr = r if role == "learner" else None  # a metric with no registry works but is not exported
+        self.samples_learned = Counter("mepo_samples_learned", "Samples learned from the stream", registry=lr)
+        self.learn_steps = Counter("mepo_learn_steps", "Stream mini-batches learned", registry=lr)
+        self.records_consumed = Counter("mepo_kafka_records_consumed", "Records read from Kafka", registry=lr)
         self.dead_lettered = Counter("mepo_records_dead_lettered", "Records sent to the dead-letter topic",
-                                     ["reason"], registry=r)
+                                     ["reason"], registry=lr)
         self.replays_skipped = Counter("mepo_replayed_samples_skipped",
-                                       "Samples of a stream already learned, skipped", registry=r)
+                                       "Samples of a stream already learned, skipped", registry=lr)
         self.drift = Counter("mepo_drift_detections", "Drift detections on the prequential error stream",
-                             ["detector"], registry=r)
+                             ["detector"], registry=lr)
         self.step_seconds = Histogram("mepo_learn_step_duration_seconds", "Time to learn one stream mini-batch",
-                                      buckets=STEP_BUCKETS, registry=r)
+                                      buckets=STEP_BUCKETS, registry=lr)
         self.predict_seconds = Histogram("mepo_predict_duration_seconds", "Prediction request latency",
                                          buckets=PREDICT_BUCKETS, registry=r)
         self.predict_requests = Counter("mepo_predict_requests", "Prediction requests", ["status"], registry=r)
         self.prequential = Gauge("mepo_prequential_accuracy_ratio", "Cumulative test-then-train accuracy",
-                                 registry=r)
+                                 registry=lr)
         self.rolling = Gauge("mepo_rolling_accuracy_ratio", "Test-then-train accuracy over the last samples",
-                             registry=r)
+                             registry=lr)
         self.anytime = Gauge("mepo_anytime_accuracy_ratio", "Last any-time accuracy on seen-class test images",
-                             registry=r)
+                             registry=lr)
         self.a_auc = Gauge("mepo_anytime_accuracy_auc_ratio", "A_AUC: mean of the any-time accuracies so far",
-                           registry=r)
+                           registry=lr)
         self.last_accuracy = Gauge("mepo_last_accuracy_ratio",
                                    "Accuracy on seen-class test images when the stream last went idle (A_last)",
-                                   registry=r)
-        self.anytime_evals = Counter("mepo_anytime_evaluations", "Any-time evaluations run", registry=r)
+                                   registry=lr)
+        self.anytime_evals = Counter("mepo_anytime_evaluations", "Any-time evaluations run", registry=lr)
         self.seen_classes = Gauge("mepo_seen_classes", "Classes seen in the stream", registry=r)
         self.lag = Gauge("mepo_kafka_consumer_lag_records", "Records behind the partition's high watermark",
-                         ["partition"], registry=r)
+                         ["partition"], registry=lr)
         self.checkpoint_seconds = Histogram("mepo_checkpoint_duration_seconds", "Checkpoint write time",
-                                            buckets=STEP_BUCKETS, registry=r)
+                                            buckets=STEP_BUCKETS, registry=lr)
         self.last_checkpoint = Gauge("mepo_last_checkpoint_timestamp_seconds", "Time of the last checkpoint",
-                                     registry=r)
-        self.model_version = Gauge("mepo_model_version", "Version of the published model snapshot", registry=r)
+                                     registry=lr)
+        self.model_version = Gauge("mepo_model_version", "Version of the served model snapshot", registry=r)
         self.learner_up = Gauge("mepo_learner_up", "1 while the learner loop runs and reaches the broker",
-                                registry=r)
+                                registry=lr)
         self.info = Info("mepo_model", "Backbone and MePo bundle of the served model", registry=r)
+        self._publishing(lr)
+        self._following(r if role == "replica" else None)
+
+    def _publishing(self, r: CollectorRegistry | None) -> None:
+        """The learner's snapshot publisher (``server.publisher``)."""
+        self.snapshots_published = Counter("mepo_snapshots_published", "Snapshots published to the snapshot topic",
+                                           registry=r)
+        self.snapshot_publish_errors = Counter("mepo_snapshot_publish_errors",
+                                               "Snapshot publications that failed (retried with the newest)",
+                                               registry=r)
+        self.snapshot_publish_seconds = Histogram("mepo_snapshot_publish_duration_seconds",
+                                                  "Time to encode and publish one snapshot, acknowledged",
+                                                  buckets=SNAPSHOT_BUCKETS, registry=r)
+        self.snapshot_bytes = Gauge("mepo_snapshot_bytes", "Size of the last published snapshot", registry=r)
+        self.published_version = Gauge("mepo_snapshot_published_version", "Version of the last published snapshot",
+                                       registry=r)
+
+    def _following(self, r: CollectorRegistry | None) -> None:
+        """A replica following the snapshot topic (``server.replica``)."""
+        self.replica_up = Gauge("mepo_replica_up", "1 while the replica follows the snapshot topic and reaches the "
+                                "broker", registry=r)
+        self.snapshots_loaded = Counter("mepo_replica_snapshots_loaded", "Snapshots loaded and swapped in",
+                                        registry=r)
+        self.snapshots_refused = Counter("mepo_replica_snapshots_refused",
+                                         "Snapshot records or snapshots refused, never loaded", ["reason"],
+                                         registry=r)
+        self.snapshot_load_seconds = Histogram("mepo_replica_snapshot_load_duration_seconds",
+                                               "Time to decode, load and swap in one snapshot",
+                                               buckets=SNAPSHOT_BUCKETS, registry=r)
+        self.snapshot_age = Gauge("mepo_replica_snapshot_age_seconds",
+                                  "Seconds since the learner published the served snapshot", registry=r)
+        self.replica_lag = Gauge("mepo_replica_lag_versions",
+                                 "Newest version seen on the snapshot topic minus the served version", registry=r)

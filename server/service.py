@@ -1,6 +1,8 @@
-"""One running service: the model state, the learner loop that feeds it, and the batcher predictions go through.
+"""One running service: the model state, the learner loop that feeds it, the batcher predictions go through, and
+the publisher that sends its snapshots to the replicas (``server.publisher``).
 
-The FastAPI lifespan starts it and stops it; routers reach it through ``server.dependencies.get_service``.
+The FastAPI lifespan starts it and stops it; routers reach it through ``server.dependencies.get_service``. A
+replica (``--role replica``) is a ``server.replica.ReplicaService``, which answers the same routers.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from dataclasses import dataclass
 from server.batching import MicroBatcher
 from server.config import ServeConfig
 from server.metrics import ServerMetrics
+from server.publisher import SnapshotPublisher
 from server.state import ServiceState
 from server.stream import LearnerLoop
 
@@ -19,15 +22,29 @@ class Service:
     state: ServiceState
     loop: LearnerLoop
     batcher: MicroBatcher
+    publisher: SnapshotPublisher | None = None
 
     @classmethod
     def start(cls, settings: ServeConfig, metrics: ServerMetrics) -> Service:
-        """Load the model (or restore its checkpoint) and start learning from Kafka in the loop's thread."""
+        """Load the model (or restore its checkpoint), start publishing its snapshots, and start learning from
+        Kafka in the loop's thread."""
         state = ServiceState(settings, metrics)
-        service = cls(state, LearnerLoop(state), MicroBatcher())
+        service = cls(state, LearnerLoop(state), MicroBatcher(), SnapshotPublisher.create(state))
+        if service.publisher is not None:
+            state.on_snapshot = service.publisher.offer
+            service.publisher.offer(state.snapshot)  # the model as it starts (restored, or empty)
+            service.publisher.start()
         service.loop.start()
         return service
 
     def stop(self) -> None:
-        """Learn the records in hand, checkpoint and commit, then stop learning."""
+        """Learn the records in hand, checkpoint and commit, then stop learning; publish the last snapshot."""
         self.loop.stop()
+        if self.publisher is not None:
+            self.publisher.stop()
+
+    def readiness(self) -> dict:
+        """``/readyz``'s checks (all true: ready) and the learner's error, if it stopped on one."""
+        health = self.loop.health()
+        checks = {"model_loaded": True, "kafka_connected": health.kafka_connected, "learner_running": health.running}
+        return {"checks": checks, "learner_error": health.error}

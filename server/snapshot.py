@@ -54,6 +54,12 @@ class Snapshot:
         logits = masked_logits(self.method, encoded, self.align_mode, n_seen, "seen")[:, :n_seen]  # [B, n_seen]
         return logits.softmax(dim=1).cpu()
 
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """The method's tensors that learning changes: all of its state but a frozen backbone's. With the same
+        backbone, they are what another process needs to answer as this snapshot does (``server.replica``)."""
+        keep_backbone = self.method.trains_backbone
+        return {k: v for k, v in self.method.state_dict().items() if keep_backbone or not k.startswith("backbone.")}
+
     def top_k(self, probs: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
         """Top-k (original label, probability) pairs per row of ``probabilities``' output."""
         values, index = probs.topk(min(k, probs.shape[1]), dim=1)

@@ -12,6 +12,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from server.config import ServeConfig
 from server.metrics import ServerMetrics
 from server.monitor import StreamMonitor
 from server.snapshot import Snapshot, take_snapshot
+from server.snapshot_topic import weights_sha256
 from server.staging import stack_images
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,8 @@ class ServiceState:
             self.evaluation = AnytimeEvaluation(load_split(cfg.data, "test"), cfg.protocol.eval_period,
                                                 cfg.protocol.eval_batch_size, (cfg.alignment.inference_mode,))
         self.learner = build_learner(cfg, self.n_classes)
+        self.backbone_sha256 = weights_sha256(self.learner.method.backbone)  # as built: a replica builds the same
+        self.on_snapshot: Callable[[Snapshot], None] | None = None  # told every new snapshot (the publisher)
         self.monitor = StreamMonitor(cfg.monitor)
         self.book = StreamBook(learn_replays=cfg.learn_replays)
         self.version = 0
@@ -92,6 +96,8 @@ class ServiceState:
             self.version += 1
             self.snapshot = take_snapshot(self.learner, self.version, self.cfg.alignment.inference_mode)
             self._since_checkpoint += len(batch)
+        if self.on_snapshot is not None:
+            self.on_snapshot(self.snapshot)
         self.metrics.step_seconds.observe(time.perf_counter() - start)
         self.metrics.learn_steps.inc()
         self.metrics.samples_learned.inc(len(batch))

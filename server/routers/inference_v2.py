@@ -56,8 +56,8 @@ def live() -> dict:
 
 @router.get("/health/ready", summary="Server readiness")
 def ready(service: Annotated[Service, Depends(get_service)]) -> dict:
-    if not service.loop.health().kafka_connected:
-        raise ApiError(503, "the learner is not connected to Kafka", "not_ready")
+    if not all((checks := service.readiness()["checks"]).values()):
+        raise ApiError(503, f"not ready: {', '.join(k for k, ok in checks.items() if not ok)} false", "not_ready")
     return {"ready": True}
 
 

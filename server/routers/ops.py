@@ -18,13 +18,12 @@ def livez() -> dict:
     return {"status": "ok"}
 
 
-@router.get("/readyz", summary="Readiness: model loaded and the learner connected to Kafka")
+@router.get("/readyz", summary="Readiness: a learner's model loaded and connected to Kafka; a replica's snapshot "
+                               "loaded")
 def readyz(service: Annotated[Service, Depends(get_service)]) -> JSONResponse:
-    health = service.loop.health()
-    checks = {"model_loaded": True, "kafka_connected": health.kafka_connected, "learner_running": health.running}
-    ok = all(checks.values())
-    body = {"status": "ready" if ok else "not_ready", "checks": checks, "learner_error": health.error}
-    return JSONResponse(body, status_code=200 if ok else 503)
+    readiness = service.readiness()
+    ok = all(readiness["checks"].values())
+    return JSONResponse({"status": "ready" if ok else "not_ready", **readiness}, status_code=200 if ok else 503)
 
 
 @router.get("/v1/status", summary="Learning progress, accuracy and stream health")

@@ -1,0 +1,129 @@
+"""The learner's snapshot publisher: its newest snapshot to the compacted snapshot topic, from its own thread.
+
+``offer`` is all a learning step does (it keeps a reference and wakes the thread), so publishing never blocks
+learning. The thread encodes the newest snapshot offered (``server.snapshot_topic``), sends its parts and waits
+for the broker's acknowledgement, then rests ``publish_interval_s``; versions learned meanwhile are skipped, the
+newest one is always published (at shutdown too, once). A broker that cannot be reached is retried every 2 s
+with the newest snapshot; nothing queues up.
+
+A learner's publisher is ``SnapshotPublisher.create(state)``: none with ``--kafka.snapshot_topic null``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from kafka import KafkaProducer
+from kafka.errors import KafkaError
+
+from mepo_stream.kafka import ensure_snapshot_topic, open_producer
+from server.config import ServeConfig
+from server.metrics import ServerMetrics
+from server.snapshot import Snapshot
+from server.snapshot_topic import Origin, bundle_sha256, encode, to_records
+from server.state import ServiceState
+
+log = logging.getLogger(__name__)
+RETRY_S = 2.0
+ACK_TIMEOUT_S = 30.0
+
+
+class SnapshotPublisher:
+    """Publishes the newest offered snapshot; ``start`` it, ``offer`` snapshots, ``stop`` it."""
+
+    def __init__(self, cfg: ServeConfig, origin: Origin, metrics: ServerMetrics):
+        self.kafka, self.interval, self.origin, self.metrics = cfg.kafka, cfg.publish_interval_s, origin, metrics
+        self._newest: Snapshot | None = None
+        self._sent: Snapshot | None = None
+        self._wake = threading.Condition()
+        self._stop = threading.Event()
+        self._producer: KafkaProducer | None = None
+        self.thread = threading.Thread(target=self._run, name="mepo-publisher", daemon=True)
+
+    @classmethod
+    def create(cls, state: ServiceState) -> SnapshotPublisher | None:
+        """The publisher of a learner's snapshots, or None when no snapshot topic is configured."""
+        cfg = state.cfg
+        if cfg.kafka.snapshot_topic is None:
+            return None
+        names = tuple(state.class_names[label] for label in range(state.n_classes))
+        origin = Origin(cfg.model_name, cfg.method, names, state.backbone_sha256, bundle_sha256(cfg.mepo))
+        return cls(cfg, origin, state.metrics)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def offer(self, snapshot: Snapshot) -> None:
+        """Make ``snapshot`` the next to publish (replacing one not published yet); returns at once."""
+        with self._wake:
+            self._newest = snapshot
+            self._wake.notify()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Publish the newest snapshot if it is not yet (one attempt), then close the producer."""
+        with self._wake:
+            self._stop.set()
+            self._wake.notify()
+        self.thread.join(timeout)
+
+    def _next(self) -> Snapshot | None:
+        """Wait for a snapshot not published yet; None once stopped with nothing left to publish."""
+        with self._wake:
+            while not self._stop.is_set() and self._newest is self._sent:
+                self._wake.wait()
+            return None if self._newest is self._sent else self._newest
+
+    def _run(self) -> None:
+        while (snapshot := self._next()) is not None:
+            try:
+                self._publish(snapshot)
+            except KafkaError as e:
+                self.metrics.snapshot_publish_errors.inc()
+                log.warning("could not publish snapshot version %d to %s (%s); retrying with the newest in %.0f s",
+                            snapshot.version, self.kafka.snapshot_topic, e, RETRY_S)
+                self._close()
+                if self._stop.wait(RETRY_S):
+                    break
+            except Exception:  # a bug, not the broker: stop publishing, keep learning and serving
+                log.exception("the snapshot publisher failed: publishing stops, learning goes on")
+                break
+            else:
+                self._stop.wait(self.interval)
+        self._close()
+
+    def _publish(self, snapshot: Snapshot) -> None:
+        """Encode, send every part, and wait until the broker has acknowledged them all."""
+        start = time.perf_counter()
+        blob = encode(snapshot.trainable_state(), self.origin, snapshot.version, snapshot.samples_seen,
+                      snapshot.exposed, time.time())
+        producer = self._connect()
+        records = to_records(blob, self.origin.model, snapshot.version, self.kafka.snapshot_chunk_bytes)
+        futures = [producer.send(self.kafka.snapshot_topic, key=key, value=value, headers=headers)
+                   for key, value, headers in records]
+        for future in futures:
+            future.get(timeout=ACK_TIMEOUT_S)
+        with self._wake:
+            self._sent = snapshot
+        m = self.metrics
+        m.snapshot_publish_seconds.observe(time.perf_counter() - start)
+        m.snapshots_published.inc()
+        m.snapshot_bytes.set(len(blob))
+        m.published_version.set(snapshot.version)
+        log.debug("published snapshot version %d: %d bytes in %d records", snapshot.version, len(blob), len(records))
+
+    def _connect(self) -> KafkaProducer:
+        if self._producer is None:
+            ensure_snapshot_topic(self.kafka)
+            self._producer = open_producer(self.kafka, max_request_size=self.kafka.snapshot_chunk_bytes + 65536,
+                                           max_block_ms=int(ACK_TIMEOUT_S * 1000))
+        return self._producer
+
+    def _close(self) -> None:
+        if self._producer is not None:
+            try:
+                self._producer.close(timeout=2)
+            except Exception:  # closing after a broker failure must not hide the failure itself
+                log.exception("error while closing the snapshot producer")
+            self._producer = None

@@ -1,0 +1,318 @@
+"""A prediction replica (``mepo serve --role replica``): the learner's snapshots, followed from the compacted snapshot
+topic and served through the same routers, in a process (or on a machine) of its own.
+
+Users who outgrow one process scale predictions out with replicas; the learner stays one ordered consumer. A
+replica builds the backbone and bundle from its own configuration (the learner's ``--backbone.*``, ``--mepo``,
+``--method``, ``--method_config.*``, ``--learner.*``, ``--alignment.*``, ``--seed``, ``--model_name``; the same
+``--config`` file with ``--role replica`` is simplest), hashes them, and reads the snapshot topic from its
+beginning, with no consumer group: a restarted replica catches up from what the topic keeps. For each snapshot
+put back together (``server.snapshot_topic``):
+
+* a record that is not a well-formed part, or a blob whose sha256 or contents do not check out, is skipped and
+  counted (``mepo_replica_snapshots_refused_total{reason="corrupt"}``), never loaded;
+* a snapshot from a learner with another backbone or bundle (their sha256 differ from the replica's own) is
+  refused with a log line naming both hashes (reasons ``backbone_mismatch``, ``bundle_mismatch``); one whose
+  tensors do not fit the replica's method is refused as ``incompatible``;
+* otherwise its tensors are loaded into the replica's method, which is then copied into a new ``Snapshot`` the
+  way the learner makes its own (``take_snapshot``), and swapped in by one reference assignment: a request sees
+  the old model or the new one, whole. A replica at version v answers exactly what the learner answers at v.
+
+When the learner is down the replica keeps serving its last snapshot; when the broker is down too it retries
+every 2 s, still serving. ``/readyz`` is ready once a snapshot is loaded.
+
+Example (a replica before its first snapshot: not ready, predictions answer 503):
+    >>> NO_SNAPSHOT.version, NO_SNAPSHOT.exposed
+    (0, ())
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from kafka import KafkaConsumer, TopicPartition
+from kafka.errors import KafkaError
+
+from mepo_stream.backbone import create_backbone, device
+from mepo_stream.kafka import ensure_snapshot_topic
+from mepo_stream.learner import OnlineLearner
+from mepo_stream.model import BundleParts, assemble, backbone_config
+from server.batching import MicroBatcher
+from server.config import ServeConfig
+from server.dependencies import ApiError
+from server.metrics import ServerMetrics
+from server.snapshot import Snapshot, take_snapshot
+from server.snapshot_topic import (
+    Assembler,
+    CorruptSnapshot,
+    Origin,
+    SnapshotMessage,
+    bundle_sha256,
+    decode,
+    weights_sha256,
+)
+from server.stream import PROBE_EVERY_S, LoopHealth, broker_answers
+
+log = logging.getLogger(__name__)
+NO_SNAPSHOT = Snapshot(method=None, exposed=(), version=0, samples_seen=0, transform=None, device=torch.device("cpu"))
+"""What a replica serves before its first snapshot: no class, so predictions answer 503."""
+RETRY_S = 2.0
+
+
+class Refused(ValueError):
+    """A snapshot this replica cannot serve; ``reason`` labels the refusal metric."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class ReplicaModel:
+    """The replica's own backbone and bundle, and the method rebuilt around them once the label space is known."""
+
+    def __init__(self, cfg: ServeConfig):
+        self.cfg = cfg
+        self.parts = BundleParts.of(cfg.mepo)
+        torch.manual_seed(cfg.seed)  # a random-init backbone (tests) is the learner's only with the learner's seed
+        self.backbone = create_backbone(backbone_config(cfg.backbone, self.parts))
+        self.backbone_sha256 = weights_sha256(self.backbone)
+        self.bundle_sha256 = bundle_sha256(cfg.mepo)
+        self._learner: OnlineLearner | None = None
+
+    def check(self, origin: Origin) -> None:
+        """Raise ``Refused`` unless snapshots of ``origin`` mean to this replica what they meant to the learner."""
+        if origin.backbone_sha256 != self.backbone_sha256:
+            raise Refused("backbone_mismatch", f"the learner's backbone has sha256 {origin.backbone_sha256[:12]}…, "
+                          f"this replica's {self.backbone_sha256[:12]}… (give it the learner's --backbone.*, --seed)")
+        if origin.bundle_sha256 != self.bundle_sha256:
+            raise Refused("bundle_mismatch", f"the learner's bundle has sha256 {str(origin.bundle_sha256)[:12]}…, "
+                          f"this replica's {str(self.bundle_sha256)[:12]}… (give it the learner's --mepo)")
+        if origin.method != self.cfg.method:
+            raise Refused("incompatible", f"the learner runs --method {origin.method}, this replica "
+                          f"{self.cfg.method}")
+
+    def snapshot(self, message: SnapshotMessage) -> Snapshot:
+        """The message's tensors in the replica's method, as a snapshot made the way the learner makes its own."""
+        learner = self._template(len(message.origin.class_names))
+        try:
+            missing, unexpected = learner.method.load_state_dict(message.tensors, strict=False)
+        except RuntimeError as e:  # a shape that differs: another configuration
+            raise Refused("incompatible", f"the tensors do not fit this replica's method: {e}") from e
+        if unexpected or any(not k.startswith("backbone.") for k in missing):
+            raise Refused("incompatible", f"the tensors do not fit this replica's method: missing {missing[:5]}, "
+                          f"unexpected {unexpected[:5]}")
+        learner.exposed, learner.samples_seen = list(message.exposed), message.samples_seen
+        return take_snapshot(learner, message.version, self.cfg.alignment.inference_mode)
+
+    def _template(self, n_classes: int) -> OnlineLearner:
+        """The learner the tensors are loaded into (built on the first snapshot, when the label space is known)."""
+        if self._learner is None or self._learner.n_classes != n_classes:
+            method = assemble(self.cfg.method, n_classes, self.backbone, self.parts, self.cfg.method_config,
+                              self.cfg.alignment)
+            self._learner = OnlineLearner(method, n_classes, self.cfg.learner, device())
+        return self._learner
+
+
+class ReplicaState:
+    """What the routers read on a replica (``snapshot``, ``class_names``, ``metrics``, ``status``), and the swap."""
+
+    def __init__(self, cfg: ServeConfig, metrics: ServerMetrics):
+        self.cfg, self.metrics = cfg, metrics
+        self.model = ReplicaModel(cfg)
+        self.snapshot: Snapshot = NO_SNAPSHOT
+        self.class_names: dict[int, str] = {}
+        self.published_at: float | None = None
+        self.newest_version: int | None = None  # of the last snapshot record seen on the topic
+        metrics.snapshot_age.set_function(lambda: self.age if self.age is not None else float("nan"))
+        metrics.info.info({"backbone": cfg.backbone.name, "mepo_bundle": str(cfg.mepo or ""), "method": cfg.method,
+                           "role": "replica", "backbone_sha256": self.model.backbone_sha256})
+
+    @property
+    def loaded(self) -> bool:
+        return self.published_at is not None
+
+    @property
+    def age(self) -> float | None:
+        """Seconds since the learner published the served snapshot (clocks of two machines: keep them in sync)."""
+        return None if self.published_at is None else max(0.0, time.time() - self.published_at)
+
+    def load(self, blob: bytes) -> None:
+        """Decode, check and swap in one snapshot blob; a refusal is logged and counted and changes nothing."""
+        start = time.perf_counter()
+        try:
+            message = decode(blob)
+            self.model.check(message.origin)
+            snapshot = self.model.snapshot(message)
+        except CorruptSnapshot as e:
+            self.refuse("corrupt", f"skipped a corrupt snapshot: {e}")
+            return
+        except Refused as e:
+            self.refuse(e.reason, f"refused snapshot version {message.version}: {e}")
+            return
+        self.class_names = dict(enumerate(message.origin.class_names))
+        self.snapshot, self.published_at = snapshot, message.published_at  # the swap
+        m = self.metrics
+        m.snapshot_load_seconds.observe(time.perf_counter() - start)
+        m.snapshots_loaded.inc()
+        m.model_version.set(snapshot.version)
+        m.seen_classes.set(len(snapshot.exposed))
+        self.export_lag()
+        log.info("serving snapshot version %d (%d samples, %d classes), published %.1f s ago", snapshot.version,
+                 snapshot.samples_seen, len(snapshot.exposed), self.age)
+
+    def refuse(self, reason: str, message: str) -> None:
+        self.metrics.snapshots_refused.labels(reason).inc()
+        log.error("%s [%s]; still serving version %d", message, reason, self.snapshot.version)
+
+    def export_lag(self) -> None:
+        self.metrics.replica_lag.set(self.lag)
+
+    @property
+    def lag(self) -> int:
+        """Versions between the newest snapshot seen on the topic and the one served."""
+        return 0 if self.newest_version is None else max(0, self.newest_version - self.snapshot.version)
+
+    def status(self) -> dict:
+        snap = self.snapshot
+        me = {"model_version": snap.version, "samples_seen": snap.samples_seen, "lag_versions": self.lag,
+              "snapshot_age_seconds": None if self.age is None else round(self.age, 1)}
+        return {**me, "role": "replica", "classes_seen": len(snap.exposed), "snapshot_loaded": self.loaded,
+                "replicas": {f"{self.cfg.host}:{self.cfg.port}": me}}
+
+
+class SnapshotFollower:
+    """The replica's loop: reads the snapshot topic in a thread and swaps in the newest complete snapshot of each
+    poll (older ones in the same poll are skipped: on a catch-up only the newest is loaded)."""
+
+    def __init__(self, state: ReplicaState):
+        self.state, self.kafka = state, state.cfg.kafka
+        self.assembler = Assembler(state.cfg.model_name)
+        self.positions: dict[TopicPartition, int] = {}  # next offset to read, kept across reconnects
+        self.stop_event, self._paused = threading.Event(), threading.Event()
+        self.connected, self._probed_at, self.error = False, 0.0, None
+        self.consumer: KafkaConsumer | None = None
+        self.thread = threading.Thread(target=self._run, name="mepo-replica", daemon=True)
+
+    # --- lifecycle and the controls the routers use -----------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.stop_event.set()
+        self.thread.join(timeout)
+
+    def pause(self) -> None:
+        """Stop swapping in new snapshots (the current one keeps serving)."""
+        self._paused.set()
+
+    def resume(self) -> None:
+        self._paused.clear()
+
+    def request_checkpoint(self) -> None:
+        raise ApiError(409, "a replica keeps no checkpoint: the learner's is the source of truth", "not_a_learner")
+
+    def health(self) -> LoopHealth:
+        return LoopHealth(self.thread.is_alive(), self.connected, self._paused.is_set(), {}, self.error)
+
+    # --- the loop -----------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                self._connect()
+                self._follow()
+            except KafkaError as e:
+                log.warning("snapshot topic unavailable (%s); serving version %d, retrying in %.0f s", e,
+                            self.state.snapshot.version, RETRY_S)
+                self._close()
+                self.stop_event.wait(RETRY_S)
+            except Exception as e:  # a bug, not a broker problem: stop following, report it, keep serving
+                log.exception("the snapshot follower failed")
+                self.error = f"{type(e).__name__}: {e}"
+                break
+        self._close()
+
+    def _connect(self) -> None:
+        """Assign every partition of the snapshot topic, at the offsets reached so far or at its beginning."""
+        topic = self.kafka.snapshot_topic
+        if topic is None:
+            raise ValueError("a replica needs --kafka.snapshot_topic")
+        ensure_snapshot_topic(self.kafka)
+        self.consumer = consumer = KafkaConsumer(
+            **self.kafka.client_options(), group_id=None, enable_auto_commit=False, auto_offset_reset="earliest",
+            max_partition_fetch_bytes=4 * self.kafka.snapshot_chunk_bytes, fetch_max_bytes=64 * 1024 * 1024)
+        partitions = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        if not partitions:
+            raise KafkaError(f"topic {topic} has no partitions yet")
+        consumer.assign(partitions)
+        for tp in partitions:
+            if tp in self.positions:
+                consumer.seek(tp, self.positions[tp])
+            else:
+                consumer.seek_to_beginning(tp)
+        log.info("following %s from %s", topic, {tp.partition: self.positions.get(tp, 0) for tp in partitions})
+
+    def _follow(self) -> None:
+        while not self.stop_event.is_set():
+            if self._paused.is_set():
+                self.stop_event.wait(0.2)
+                continue
+            polled = self.consumer.poll(timeout_ms=500)
+            self._probe(bool(polled))
+            records = sorted((r for rs in polled.values() for r in rs), key=lambda r: (r.partition, r.offset))
+            newest = None
+            for record in records:
+                self.positions[TopicPartition(record.topic, record.partition)] = record.offset + 1
+                try:
+                    newest = self.assembler.add(record.key, record.value, record.headers) or newest
+                except CorruptSnapshot as e:
+                    self.state.refuse("corrupt", f"skipped corrupt record {record.topic}:{record.partition}"
+                                                 f"@{record.offset}: {e}")
+            self.state.newest_version = self.assembler.newest_version
+            if newest is not None:
+                self.state.load(newest)
+            self.state.export_lag()
+
+    def _probe(self, got_records: bool) -> None:
+        """Records prove the broker answers; otherwise ask it every few seconds (and while disconnected)."""
+        if got_records or time.monotonic() - self._probed_at > PROBE_EVERY_S or not self.connected:
+            self.connected = got_records or broker_answers(self.consumer)
+            self._probed_at = time.monotonic()
+            self.state.metrics.replica_up.set(int(self.connected))
+
+    def _close(self) -> None:
+        if self.consumer is not None:
+            try:
+                self.consumer.close()
+            except Exception:  # closing after a broker failure must not hide the failure itself
+                log.exception("error while closing the snapshot consumer")
+        self.consumer, self.connected = None, False
+        self.state.metrics.replica_up.set(0)
+
+
+@dataclass
+class ReplicaService:
+    """A replica's counterpart of ``server.service.Service``: what the routers reach through ``get_service``."""
+
+    state: ReplicaState
+    loop: SnapshotFollower
+    batcher: MicroBatcher
+
+    @classmethod
+    def start(cls, settings: ServeConfig, metrics: ServerMetrics) -> ReplicaService:
+        """Build the backbone and bundle, then follow the snapshot topic in the follower's thread."""
+        state = ReplicaState(settings, metrics)
+        service = cls(state, SnapshotFollower(state), MicroBatcher())
+        service.loop.start()
+        return service
+
+    def stop(self) -> None:
+        self.loop.stop()
+
+    def readiness(self) -> dict:
+        """Ready once a snapshot is loaded (it keeps serving it while the learner or the broker is down)."""
+        health = self.loop.health()
+        return {"checks": {"snapshot_loaded": self.state.loaded, "follower_running": health.running},
+                "learner_error": health.error}

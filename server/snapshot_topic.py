@@ -1,0 +1,211 @@
+"""Snapshots on the wire: what the learner publishes to the compacted snapshot topic and replicas load.
+
+One published snapshot is one safetensors blob: the trainable tensors of the snapshot's method (prompts, keys,
+head, the classifier's and the alignment's statistics, which are buffers of the method; the backbone only for a
+method that fine-tunes it) and string metadata: ``format``, ``model`` (the served model name), ``method``,
+``version``, ``samples_seen``, ``exposed`` (the label of each head output, JSON), ``class_names`` (JSON),
+``backbone_sha256`` and ``bundle_sha256`` (see :class:`Origin`) and ``published_at`` (Unix time). Safetensors holds
+tensors and strings only: nothing is unpickled on a replica.
+
+The blob travels as ``ceil(size / chunk_bytes)`` records keyed ``<model>/<part>`` (``mepo_stream.kafka.snapshot_key``)
+with headers ``format``, ``model``, ``version``, ``part`` (``"i/n"``) and ``sha256`` (of the whole blob), so a
+compacted topic keeps the newest copy of every part. :class:`Assembler` puts the parts back together, newest
+arrival first, and checks the sha256 before anything is decoded. Parts of different publications never mix:
+they are grouped by version *and* digest.
+
+Example:
+    >>> origin = Origin("mepo", "frozen", ("cat", "dog"), "ab" * 32, None)
+    >>> blob = encode({"classifier.counts": torch.tensor([3.0, 1.0])}, origin, version=7, samples_seen=4,
+    ...               exposed=(1, 0), published_at=0.0)
+    >>> records = to_records(blob, "mepo", 7, chunk_bytes=64)  # a tiny limit: several parts
+    >>> len(records) > 1, records[0][0]
+    (True, b'mepo/0')
+    >>> assembler = Assembler("mepo")
+    >>> [assembler.add(key, value, headers) for key, value, headers in records][-1] == blob
+    True
+    >>> message = decode(blob)
+    >>> message.version, message.exposed, message.origin == origin, message.tensors["classifier.counts"].tolist()
+    (7, (1, 0), True, [3.0, 1.0])
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+from torch import nn
+
+from mepo_stream.artifacts import MANIFEST
+from mepo_stream.files import sha256_file
+from mepo_stream.kafka import snapshot_key
+
+FORMAT = "mepo-snapshot/1"
+Record = tuple[bytes, bytes, list[tuple[str, bytes]]]  # key, value, headers
+
+
+class CorruptSnapshot(ValueError):
+    """A snapshot record or blob that cannot be what a learner published: never loaded."""
+
+
+def weights_sha256(module: nn.Module) -> str:
+    """sha256 of a module's weights as loaded (names, dtypes, shapes and bytes, in state-dict order).
+
+    The weights as loaded, not the file they came from: the position table is resampled to the configured
+    resolution and a random init depends on the seed, and either would make the same tensors mean something else.
+    """
+    digest = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def bundle_sha256(bundle: Path | None) -> str | None:
+    """sha256 of a MePo bundle's manifest (which holds the sha256 of every file of the bundle); None without one."""
+    return None if bundle is None else sha256_file(Path(bundle) / MANIFEST)
+
+
+@dataclass(frozen=True)
+class Origin:
+    """What a learner's snapshots share and a replica must match for their tensors to mean the same thing."""
+
+    model: str  # the served model name (--model_name)
+    method: str  # host method (--method)
+    class_names: tuple[str, ...]  # name of each original label
+    backbone_sha256: str  # weights_sha256 of the backbone as built, before any learning
+    bundle_sha256: str | None  # bundle_sha256 of --mepo
+
+
+@dataclass(frozen=True)
+class SnapshotMessage:
+    """One decoded snapshot: the method's trainable tensors and what a replica needs to serve them."""
+
+    tensors: dict[str, torch.Tensor]
+    origin: Origin
+    version: int
+    samples_seen: int
+    exposed: tuple[int, ...]  # original label of head output k
+    published_at: float  # Unix time
+
+
+def encode(tensors: dict[str, torch.Tensor], origin: Origin, version: int, samples_seen: int,
+           exposed: tuple[int, ...], published_at: float) -> bytes:
+    """The safetensors blob of one snapshot (tensors copied to the CPU; safetensors refuses shared storage)."""
+    meta = {"format": FORMAT, **{k: json.dumps(v) for k, v in asdict(origin).items()}, "version": str(version),
+            "samples_seen": str(samples_seen), "exposed": json.dumps(list(exposed)), "published_at": repr(published_at)}
+    return save_tensors({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}, metadata=meta)
+
+
+def _metadata(blob: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors blob (8-byte little-endian header length, then the JSON header)."""
+    (length,) = struct.unpack("<Q", blob[:8])
+    if length > len(blob) - 8:
+        raise CorruptSnapshot(f"header of {length} bytes in a {len(blob)}-byte blob")
+    return json.loads(blob[8:8 + length])["__metadata__"]
+
+
+def decode(blob: bytes) -> SnapshotMessage:
+    """Parse a blob; any defect raises :class:`CorruptSnapshot` naming it."""
+    try:
+        meta = _metadata(blob)
+        if meta.get("format") != FORMAT:
+            raise CorruptSnapshot(f"format {meta.get('format')!r}, expected {FORMAT!r}")
+        fields = {k: json.loads(meta[k]) for k in Origin.__dataclass_fields__}
+        origin = Origin(**{**fields, "class_names": tuple(fields["class_names"])})
+        return SnapshotMessage(load_tensors(blob), origin, int(meta["version"]), int(meta["samples_seen"]),
+                               tuple(int(y) for y in json.loads(meta["exposed"])), float(meta["published_at"]))
+    except CorruptSnapshot:
+        raise
+    except Exception as e:  # struct, JSON, safetensors, missing keys, wrong types: all mean a blob we cannot trust
+        raise CorruptSnapshot(f"not a readable snapshot: {type(e).__name__}: {e}") from e
+
+
+def to_records(blob: bytes, model: str, version: int, chunk_bytes: int) -> list[Record]:
+    """The Kafka records of one blob: parts of at most ``chunk_bytes`` bytes, in order."""
+    n = max(1, math.ceil(len(blob) / chunk_bytes))
+    digest = hashlib.sha256(blob).hexdigest().encode()
+    return [(snapshot_key(model, i), blob[i * chunk_bytes:(i + 1) * chunk_bytes],
+             [("format", FORMAT.encode()), ("model", model.encode()), ("version", str(version).encode()),
+              ("part", f"{i}/{n}".encode()), ("sha256", digest)]) for i in range(n)]
+
+
+@dataclass
+class _Parts:
+    count: int
+    chunks: dict[int, bytes]
+
+
+class Assembler:
+    """Puts one model's snapshot records back together; at most ``keep`` incomplete snapshots are held.
+
+    ``newest_version`` is the version of the last record of the model seen, complete or not (a replica's lag is
+    measured against it).
+    """
+
+    def __init__(self, model: str, keep: int = 4):
+        self.model, self.keep = model, keep
+        self.newest_version: int | None = None
+        self._pending: dict[tuple[int, str], _Parts] = {}  # (version, sha256) -> parts, in arrival order
+
+    def add(self, key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]] | None) -> bytes | None:
+        """The whole blob once its last part arrives (sha256 checked), else None; a record of another model is
+        ignored (None); a malformed record or a blob whose digest differs raises :class:`CorruptSnapshot`."""
+        head = _headers(headers)
+        if "model" in head and head["model"] != self.model:
+            return None
+        version, part, count, digest = _identity(head)
+        if key != snapshot_key(self.model, part) or value is None:
+            raise CorruptSnapshot(f"part {part} of version {version} has key {key!r} or no value")
+        self.newest_version = version
+        parts = self._pending.setdefault((version, digest), _Parts(count, {}))
+        if parts.count != count:
+            raise CorruptSnapshot(f"version {version} announced {parts.count} parts, then {count}")
+        parts.chunks[part] = value
+        self._evict()
+        if len(parts.chunks) < count:
+            return None
+        self._drop_until((version, digest))
+        blob = b"".join(parts.chunks[i] for i in range(count))
+        if hashlib.sha256(blob).hexdigest() != digest:
+            raise CorruptSnapshot(f"version {version}: the parts' sha256 does not match the announced {digest[:12]}…")
+        return blob
+
+    def _evict(self) -> None:
+        while len(self._pending) > self.keep:
+            del self._pending[next(iter(self._pending))]
+
+    def _drop_until(self, done: tuple[int, str]) -> None:
+        """Forget the completed snapshot and every one that started arriving before it: they are older."""
+        for key in list(self._pending):
+            del self._pending[key]
+            if key == done:
+                return
+
+
+def _headers(headers: list[tuple[str, bytes]] | None) -> dict[str, str]:
+    try:
+        return {k: v.decode() for k, v in headers or []}
+    except (UnicodeDecodeError, AttributeError, ValueError) as e:
+        raise CorruptSnapshot(f"unreadable headers: {e}") from e
+
+
+def _identity(head: dict[str, str]) -> tuple[int, int, int, str]:
+    """(version, part, count, sha256) of a record's headers."""
+    if head.get("format") != FORMAT:
+        raise CorruptSnapshot(f"format {head.get('format')!r}, expected {FORMAT!r}")
+    try:
+        version = int(head["version"])
+        part, count = (int(x) for x in head["part"].split("/"))
+        digest = head["sha256"]
+    except (KeyError, ValueError) as e:
+        raise CorruptSnapshot(f"bad snapshot headers {head}: {e}") from e
+    if not 0 <= part < count or len(digest) != 64:
+        raise CorruptSnapshot(f"bad snapshot headers {head}")
+    return version, part, count, digest
