@@ -20,7 +20,7 @@ from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce
 from server.broker import free_port
 from server.metrics import ServerMetrics
-from tests.conftest import DATA, LiveServer, settings, wait_for
+from tests.helpers import DATA, LiveServer, settings, wait_for
 
 ROOT = Path(__file__).parents[1]
 DEPLOY = ROOT / "deploy"
@@ -55,8 +55,8 @@ def test_every_alert_fires_when_it_should_and_only_then():
 
 
 def server_metric_names() -> set[str]:
-    """Every series name the server exports, from its own registry (labelled families included)."""
-    text = generate_latest(ServerMetrics().registry).decode()
+    """Every series name the server exports, from its own registry (labelled families included), in either role."""
+    text = "".join(generate_latest(ServerMetrics(role).registry).decode() for role in ("learner", "replica"))
     names = set()
     for family, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M):
         suffixes = {"counter": ["_total", "_created"], "histogram": ["_bucket", "_sum", "_count", "_created"],
@@ -87,7 +87,8 @@ def test_dashboard_is_valid_and_uses_only_real_metrics():
     for name in ("mepo_anytime_accuracy_ratio", "mepo_anytime_accuracy_auc_ratio", "mepo_prequential_accuracy_ratio",
                  "mepo_rolling_accuracy_ratio", "mepo_kafka_consumer_lag_records", "mepo_records_dead_lettered_total",
                  "mepo_drift_detections_total", "mepo_model_version", "mepo_learn_step_duration_seconds_bucket",
-                 "mepo_predict_duration_seconds_bucket", "mepo_samples_learned_total"):
+                 "mepo_predict_duration_seconds_bucket", "mepo_samples_learned_total", "mepo_replica_lag_versions",
+                 "mepo_replica_snapshot_age_seconds", "mepo_replica_snapshots_refused_total"):
         assert name in used, f"the dashboard does not show {name}"
     provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/dashboard.yml").read_text())
     assert provider["providers"][0]["type"] == "file"
@@ -102,7 +103,7 @@ def test_rules_use_only_real_metrics():
 def test_compose_wiring_agrees_with_prometheus_grafana_and_readme():
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     services = compose["services"]
-    assert set(services) == {"broker", "learner", "producer", "prometheus", "grafana"}
+    assert set(services) == {"broker", "learner", "replica", "producer", "prometheus", "grafana"}
     scrape = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())["scrape_configs"][0]
     host, port = scrape["static_configs"][0]["targets"][0].split(":")
     assert host in services and f"{port}:{port}" in services[host]["ports"]
@@ -116,13 +117,18 @@ def test_compose_wiring_agrees_with_prometheus_grafana_and_readme():
             elif not source.startswith(("$", "/", "..")):
                 assert source in declared, f"{name} uses undeclared volume {source}"
         check = svc.get("healthcheck", {})
-        assert check.get("test") or check.get("disable") or name == "learner"  # the image's HEALTHCHECK covers it
+        assert check.get("test") or check.get("disable") or name in {"learner", "replica"}  # the image's HEALTHCHECK
+    replica, jobs = services["replica"], yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())["scrape_configs"]
+    assert "--role replica" in replica["command"][0] and "--port 8000" in replica["command"][0]
+    assert all("$${MEPO_MODEL_FLAGS}" in services[s]["command"][0] for s in ("learner", "replica"))
+    assert {"names": ["replica"], "type": "A", "port": 8000} in [c for j in jobs for c in j.get("dns_sd_configs", [])]
+    assert replica["ports"] == ["8001-8004:8000"]
     grafana_mounts = " ".join(services["grafana"]["volumes"])
     assert "./grafana/provisioning:/etc/grafana/provisioning" in grafana_mounts
     provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/dashboard.yml").read_text())
     assert f"./grafana/dashboards:{provider['providers'][0]['options']['path']}" in grafana_mounts
     readme = (ROOT / "README.md").read_text()
-    assert "docker compose -f deploy/compose.yaml up" in readme
+    assert "docker compose -f deploy/compose.yaml up" in readme and "--role replica" in readme and ":8001" in readme
     for svc, port in (("learner", 8000), ("prometheus", 9090), ("grafana", 3000)):
         assert f"{port}:{port}" in services[svc]["ports"] and f":{port}" in readme
     assert "HEALTHCHECK" in (ROOT / "Dockerfile").read_text() and "/readyz" in (ROOT / "Dockerfile").read_text()
