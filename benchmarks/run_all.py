@@ -32,8 +32,8 @@ from benchmarks.service import ROOT, ServiceSpec, paper_recipe
 from mepo_stream.cli import config_options
 
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
-BENCHMARKS = ("learning_quality", "learner_throughput", "predict_latency", "predict_throughput", "alignment_cost",
-              "refine_throughput")
+BENCHMARKS = ("learning_quality", "learner_throughput", "predict_latency", "predict_throughput", "replica_latency",
+              "alignment_cost", "refine_throughput")
 GPU_BENCHMARKS = ("gpu_learner_fp32", "gpu_learner_bf16", "gpu_predict_latency", "gpu_vit_b16")
 ALL = (*BENCHMARKS, *GPU_BENCHMARKS)
 GPU_LEARNER_CONFIGS = ("prequential", "paper_recipe")
@@ -97,6 +97,7 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path) -> tuple[str, lis
         "predict_latency": latency,
         "predict_throughput": lambda: ("predict_throughput", [*stream(spec, 2, 10), "--seconds", n(3, 30),
                                                               "--bare_seconds", n(1, 10)]),
+        "replica_latency": lambda: ("replica_latency", [*stream(spec, 20, 100), "--bare_repeats", n(20, 100)]),
         "alignment_cost": lambda: ("alignment_cost", [*config_options(paper_recipe(spec), "--spec."),
                                                       "--repeats", n(2, 10)]),
         "refine_throughput": lambda: ("refine_throughput", ["--model", spec.model, "--img_size", str(spec.img_size),
@@ -156,6 +157,20 @@ def _throughput_rows(r: dict) -> list[Row]:
              _fmt(r["bare_images_per_s"], "/s"), r["ratio"], "≥ 0.70", r["ratio"] >= 0.7)]
 
 
+def _replica_rows(r: dict) -> list[Row]:
+    rows: list[Row] = []
+    for q, goal in (("p50", 1.3), ("p99", 3.0)):
+        ratio = r[f"ratio_{q}"]
+        rows.append((f"Predict latency {q} on a replica while the learner trains (own cores; bare: the replica's core)",
+                     _fmt(r["latency"]["http"][f"{q}_s"], "ms"), _fmt(r["bare_forward"][f"{q}_s"], "ms"), ratio,
+                     f"≤ {goal}", ratio <= goal))
+    with_clients, ratio = r["clients"], r["throughput_ratio"]
+    rows.append((f"Learner throughput with {with_clients['clients']} clients on a replica, ÷ without (samples/s)",
+                 _fmt(with_clients["samples_per_s"], "/s"), _fmt(r["latency"]["samples_per_s"], "/s") + " (1 client)",
+                 ratio, "≥ 0.70", ratio >= 0.7))
+    return rows
+
+
 def _alignment_rows(r: dict) -> list[Row]:
     return [("Alignment (Cholesky + solve + blend) per training step", _fmt(r["alignment_s"], "ms"),
              _fmt(r["step_s"], "ms") + " (step)", r["ratio"], "< 0.03", r["ratio"] < 0.03)]
@@ -174,7 +189,7 @@ def _bare_learner_rows(r: dict) -> list[Row]:
 
 ROWS: dict[str, Callable[[dict], list[Row]]] = {
     "learning_quality": _quality_rows, "learner_throughput": _learner_rows, "predict_latency": _latency_rows,
-    "predict_throughput": _throughput_rows,
+    "predict_throughput": _throughput_rows, "replica_latency": _replica_rows,
     "alignment_cost": _alignment_rows, "refine_throughput": _refine_rows, "gpu_learner_fp32": _learner_rows,
     "gpu_learner_bf16": _learner_rows, "gpu_predict_latency": _latency_rows, "gpu_vit_b16": _bare_learner_rows,
 }
