@@ -28,7 +28,6 @@ Example (a replica before its first snapshot: not ready, predictions answer 503)
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 
@@ -54,7 +53,7 @@ from server.snapshot_topic import (
     decode,
     weights_sha256,
 )
-from server.stream import PROBE_EVERY_S, LoopHealth, broker_answers
+from server.stream import PROBE_EVERY_S, ConsumerThread, broker_answers
 
 log = logging.getLogger(__name__)
 NO_SNAPSHOT = Snapshot(method=None, exposed=(), version=0, samples_seen=0, transform=None, device=torch.device("cpu"))
@@ -183,39 +182,20 @@ class ReplicaState:
                 "replicas": {f"{self.cfg.host}:{self.cfg.port}": me}}
 
 
-class SnapshotFollower:
+class SnapshotFollower(ConsumerThread):
     """The replica's loop: reads the snapshot topic in a thread and swaps in the newest complete snapshot of each
-    poll (older ones in the same poll are skipped: on a catch-up only the newest is loaded)."""
+    poll (older ones in the same poll are skipped: on a catch-up only the newest is loaded). Pausing stops
+    swapping in new snapshots; the current one keeps serving."""
 
     def __init__(self, state: ReplicaState):
         self.state, self.kafka = state, state.cfg.kafka
         self.assembler = Assembler(state.cfg.model_name)
         self.positions: dict[TopicPartition, int] = {}  # next offset to read, kept across reconnects
-        self.stop_event, self._paused = threading.Event(), threading.Event()
-        self.connected, self._probed_at, self.error = False, 0.0, None
         self.consumer: KafkaConsumer | None = None
-        self.thread = threading.Thread(target=self._run, name="mepo-replica", daemon=True)
-
-    # --- lifecycle and the controls the routers use -----------------------------------------------------------
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self.stop_event.set()
-        self.thread.join(timeout)
-
-    def pause(self) -> None:
-        """Stop swapping in new snapshots (the current one keeps serving)."""
-        self._paused.set()
-
-    def resume(self) -> None:
-        self._paused.clear()
+        super().__init__("mepo-replica")
 
     def request_checkpoint(self) -> None:
         raise ApiError(409, "a replica keeps no checkpoint: the learner's is the source of truth", "not_a_learner")
-
-    def health(self) -> LoopHealth:
-        return LoopHealth(self.thread.is_alive(), self.connected, self._paused.is_set(), {}, self.error)
 
     # --- the loop -----------------------------------------------------------------------------------------------
     def _run(self) -> None:

@@ -129,44 +129,59 @@ class _SeekToHandled(ConsumerRebalanceListener):
         log.info("assigned %s", [tp_key(tp) for tp in assigned])
 
 
-class LearnerLoop:
-    """Runs in a thread next to the HTTP server; it reads Kafka, books every record in ``StreamBook`` and learns
-    through ``ServiceState``."""
+class ConsumerThread:
+    """A Kafka-reading loop in its own thread, with the controls the routers use: the learner's loop and a
+    replica's snapshot follower both are one. Subclasses implement ``_run`` and keep ``connected``, ``error``
+    and ``lag`` current."""
 
-    def __init__(self, state: ServiceState):
-        self.state, self.cfg, self.book = state, state.cfg, state.book
+    stop_timeout: float = 10.0
+
+    def __init__(self, name: str):
         self.stop_event, self._paused = threading.Event(), threading.Event()
-        self._checkpoint_request = threading.Event()
         self.connected, self._probed_at = False, 0.0
         self.error: str | None = None
-        self.consumer: KafkaConsumer | None = None
-        self.producer: KafkaProducer | None = None
         self.lag: dict[str, int] = {}
-        self.decoder = decode_executor(self.cfg.decode_workers)
-        self.thread = threading.Thread(target=self._run, name="mepo-learner", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
-    # --- lifecycle and controls -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        raise NotImplementedError
+
     def start(self) -> None:
         self.thread.start()
 
-    def stop(self, timeout: float = 60.0) -> None:
-        """Learn the records in hand, checkpoint, commit and close."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Ask the loop to finish what it holds and wait for it."""
         self.stop_event.set()
-        self.thread.join(timeout)
+        self.thread.join(self.stop_timeout if timeout is None else timeout)
 
     def pause(self) -> None:
-        """Stop reading records (the batch in hand is kept); predictions go on from the current model."""
+        """Stop taking in new records; predictions go on from the current model."""
         self._paused.set()
 
     def resume(self) -> None:
         self._paused.clear()
 
+    def health(self) -> LoopHealth:
+        return LoopHealth(self.thread.is_alive(), self.connected, self._paused.is_set(), dict(self.lag), self.error)
+
+
+class LearnerLoop(ConsumerThread):
+    """Runs in a thread next to the HTTP server; it reads Kafka, books every record in ``StreamBook`` and learns
+    through ``ServiceState``. Stopping learns the records in hand, checkpoints, commits and closes."""
+
+    stop_timeout = 60.0
+
+    def __init__(self, state: ServiceState):
+        self.state, self.cfg, self.book = state, state.cfg, state.book
+        self._checkpoint_request = threading.Event()
+        self.consumer: KafkaConsumer | None = None
+        self.producer: KafkaProducer | None = None
+        self.decoder = decode_executor(self.cfg.decode_workers)
+        super().__init__("mepo-learner")
+
     def request_checkpoint(self) -> None:
         """Learn the records in hand and persist at the loop's next turn (in its own thread, like every write)."""
         self._checkpoint_request.set()
-
-    def health(self) -> LoopHealth:
-        return LoopHealth(self.thread.is_alive(), self.connected, self._paused.is_set(), dict(self.lag), self.error)
 
     def _connect(self) -> None:
         k = self.cfg.kafka
