@@ -8,9 +8,10 @@ device and under the same autocast dtype, so a ratio compares the same model doi
 and without the service around it. :func:`seconds` is the one clock of every bare loop, and :func:`machine`
 records where a result was measured.
 
-Example:
-    >>> with running_service(ServiceSpec(), work=Path("/tmp/bench")) as service:  # doctest: +SKIP
-    ...     service.wait_learned(500)
+Example (starts a broker and a service, so not a doctest)::
+
+    with running_service(ServiceSpec(), work=Path("/tmp/bench")) as service:
+        service.wait_learned(500)
 """
 
 from __future__ import annotations
