@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 
 from benchmarks.service import write_result
-from mepo_stream.anytime import AnytimeCurve, per_class_accuracy
+from mepo_stream.anytime import AnytimeEvaluation
 from mepo_stream.backbone import BackboneConfig, create_backbone, device, normalization
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.heads import NearestClassMean
@@ -115,13 +115,6 @@ def predict_cached(learner: OnlineLearner, feats: torch.Tensor) -> torch.Tensor:
     return torch.cat(preds)
 
 
-def evaluate_seen(learner: OnlineLearner, feats: torch.Tensor, targets: torch.Tensor) -> tuple[float, dict]:
-    """Micro accuracy and per-class accuracy on the seen classes' test images (the protocol's evaluation)."""
-    keep = torch.isin(targets, torch.tensor(learner.exposed, dtype=torch.long))
-    pred = predict_cached(learner, feats[keep])
-    return (pred == targets[keep]).float().mean().item(), per_class_accuracy(pred, targets[keep])
-
-
 class HeadTracker:
     """Watches every Adam step of the linear head: which rows move without a gradient, and how much each step
     changes the shared logit ``W_k . mu + b_k`` (``mu`` [D] = mean test feature)."""
@@ -159,27 +152,24 @@ class HeadTracker:
                                  .mean(1).cpu())
 
 
-def run_stream(learner: OnlineLearner, train: ImageSet, tasks: list[list[int]], test_feats: torch.Tensor,
-               test_targets: torch.Tensor, eval_period: int) -> dict:
-    """One pass in ``run_seed``'s order and schedule; per-class accuracy at every evaluation, the losses."""
-    curve, anytime, end_of_task, losses = AnytimeCurve(), [], [], []
-    next_eval = eval_period
+def run_stream(learner: OnlineLearner, train: ImageSet, tasks: list[list[int]], test: ImageSet,
+               test_feats: torch.Tensor, eval_period: int) -> dict:
+    """One pass in ``run_seed``'s order, scored by the core's any-time evaluation (``AnytimeEvaluation``, the
+    schedule ``mepo evaluate`` and the service use); per-class accuracy at every evaluation, the losses."""
+    evaluation, anytime, end_of_task, losses = AnytimeEvaluation(test, eval_period, EVAL_BATCH), [], [], []
     for task in tasks:
         for b in range(0, len(task), learner.cfg.batch_size):
             idx = torch.tensor(task[b: b + learner.cfg.batch_size])
             losses.append(learner.observe(train.images[idx], train.targets[idx]))
-            if learner.samples_seen + len(idx) > next_eval:
-                acc, per_class = evaluate_seen(learner, test_feats, test_targets)
-                curve.add_anytime(next_eval, acc)
-                anytime.append({"at": next_eval, "samples_seen": learner.samples_seen, "accuracy": acc,
-                                "per_class": per_class})
-                next_eval += eval_period
+            if (due := evaluation.after_batch(learner, len(idx))) is not None:
+                acc, per_class = due["running"]
+                anytime.append({"at": evaluation.next_eval - eval_period, "samples_seen": learner.samples_seen,
+                                "accuracy": acc, "per_class": per_class})
         if learner.exposed:
-            acc, per_class = evaluate_seen(learner, test_feats, test_targets)
-            curve.add_end_of_task(acc, per_class)
+            acc, per_class = evaluation.end_of_task(learner)["running"]
             end_of_task.append({"samples_seen": learner.samples_seen, "accuracy": acc, "per_class": per_class})
     final = predict_cached(learner, test_feats)
-    run = {**curve.summary(), "anytime": anytime, "end_of_task": end_of_task,
+    run = {**evaluation.curves["running"].summary(), "anytime": anytime, "end_of_task": end_of_task,
            "per_class_end": end_of_task[-1]["per_class"],
            "prediction_share": {c: (final == c).float().mean().item() for c in range(learner.n_classes)}}
     if learner.trains_by_gradient:  # a learner without gradient steps reports 0 for every batch
@@ -314,7 +304,7 @@ def learn(name: str, base: VisionTransformer, train: ImageSet, test: ImageSet, t
                             device())
     linear = cfg.classifier == "linear"
     tracker = HeadTracker(learner.method.head, learner.optimizer, plain["test"].mean(0)) if linear else None
-    run = {"method": method, **run_stream(learner, train, tasks, plain["test"], test.targets, eval_period)}
+    run = {"method": method, **run_stream(learner, train, tasks, test, plain["test"], eval_period)}
     if linear:
         run["head"] = head_report(learner, plain["test"], tracker)
     if cfg.classifier == "slda":

@@ -181,7 +181,7 @@ class AnytimeEvaluation:
         >>> method = build_method("frozen", 2, BackboneConfig(name="test_vit", weights=None, img_size=32))
         >>> learner = OnlineLearner(method, 2, LearnerConfig(autoaugment=None))
         >>> run = AnytimeEvaluation(test, eval_period=2)
-        >>> _ = learner.observe(test.images[:2], test.targets[:2]); run.after_batch(learner, 2)
+        >>> _ = learner.observe(test.images[:2], test.targets[:2]); run.after_batch(learner, 2) is not None
         True
         >>> run.curves["running"].samples
         [2]
@@ -194,22 +194,23 @@ class AnytimeEvaluation:
         self.next_eval = eval_period
         self.curves = {m: AnytimeCurve() for m in modes}
 
-    def after_batch(self, learner: OnlineLearner, batch_len: int) -> bool:
-        """Call after each learned mini-batch of ``batch_len`` samples; evaluates (returns True) when due."""
+    def after_batch(self, learner: OnlineLearner, batch_len: int) -> dict[AlignMode, tuple[float, dict]] | None:
+        """Call after each learned mini-batch of ``batch_len`` samples; when an evaluation is due, runs it and
+        returns (accuracy, per-class accuracy) per mode, else None."""
         if learner.samples_seen + batch_len <= self.next_eval:
-            return False
-        for mode, (acc, _) in evaluate_seen(learner, self.encodings, self.modes).items():
+            return None
+        results = evaluate_seen(learner, self.encodings, self.modes)
+        for mode, (acc, _) in results.items():
             self.curves[mode].add_anytime(self.next_eval, acc)
         self.next_eval += self.eval_period
-        return True
+        return results
 
-    def end_of_task(self, learner: OnlineLearner) -> dict[AlignMode, float]:
-        """The end-of-task evaluation (A_last, A_avg, F_last); returns the accuracy per mode."""
-        out = {}
-        for mode, (acc, class_acc) in evaluate_seen(learner, self.encodings, self.modes).items():
+    def end_of_task(self, learner: OnlineLearner) -> dict[AlignMode, tuple[float, dict]]:
+        """The end-of-task evaluation (A_last, A_avg, F_last); returns (accuracy, per-class accuracy) per mode."""
+        results = evaluate_seen(learner, self.encodings, self.modes)
+        for mode, (acc, class_acc) in results.items():
             self.curves[mode].add_end_of_task(acc, class_acc)
-            out[mode] = acc
-        return out
+        return results
 
     def state_dict(self) -> dict:
         return {"next_eval": self.next_eval, "curves": {m: c.to_dict() for m, c in self.curves.items()}}

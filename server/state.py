@@ -103,7 +103,7 @@ class ServiceState:
         self.metrics.samples_learned.inc(len(batch))
         if self.evaluation is not None:
             with self._lock:
-                if self.evaluation.after_batch(self.learner, len(batch)):
+                if self.evaluation.after_batch(self.learner, len(batch)) is not None:
                     self.metrics.anytime_evals.inc()
         self._export()
 
@@ -112,7 +112,7 @@ class ServiceState:
         if self.evaluation is None or not self.learner.exposed:
             return math.nan
         with self._lock:
-            acc = self.evaluation.end_of_task(self.learner)[self.cfg.alignment.inference_mode]
+            acc = self.evaluation.end_of_task(self.learner)[self.cfg.alignment.inference_mode][0]
             self._idle_eval_at = self.learner.samples_seen
         self._export()
         return acc

@@ -103,7 +103,7 @@ def test_schedule_is_the_reference_rule_and_round_trips(tiny_backbone):
     due = []
     for _ in range(4):  # after each batch, samples_seen + batch > next_eval: 64 > 50, 96 <= 100, 128 > 100, 160 > 150
         learner.observe(_test_set(32).images, torch.arange(32) % 4)
-        due.append(run.after_batch(learner, 32))
+        due.append(run.after_batch(learner, 32) is not None)
     assert due == [True, False, True, True] and run.curves["running"].samples == [50, 100, 150]
     run.end_of_task(learner)
     again = AnytimeEvaluation(test, eval_period=50, batch_size=16)
