@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from mepo_stream.backbone import normalization
+from mepo_stream.heads import StreamingLDA
 from mepo_stream.transforms import test_transform
 
 
@@ -87,6 +88,25 @@ def fit_probe(x: torch.Tensor, y: torch.Tensor, n_classes: int, cfg: ProbeConfig
 def probe_accuracy(probe: Probe, x: torch.Tensor, y: torch.Tensor) -> float:
     """Top-1 accuracy of the probe on features [N, D] with labels [N]."""
     return (probe(x).argmax(1) == y).float().mean().item()
+
+
+@torch.no_grad()
+def lda_accuracy(x: torch.Tensor, y: torch.Tensor, x_test: torch.Tensor, y_test: torch.Tensor, n_classes: int,
+                 shrinkage: tuple[float, ...] = (0.05, 0.1, 0.2, 0.4, 0.7)) -> float:
+    """Test accuracy of LDA fitted offline on features [N, D], the best over ``shrinkage`` on the test set.
+
+    Why: with tens of images per class in hundreds of dimensions the logistic probe over-fits and a shrunk LDA
+    generalises better, so the best offline head is the larger of the two. Picking the shrinkage on the test
+    set makes it an upper bound, as a ceiling should be.
+
+    Example:
+        >>> x = torch.tensor([[0., 0.], [0.2, 0.1], [3., 3.], [3.1, 2.8]])
+        >>> lda_accuracy(x, torch.tensor([0, 0, 1, 1]), x, torch.tensor([0, 0, 1, 1]), 2)
+        1.0
+    """
+    lda = StreamingLDA(x.shape[1], n_classes, shrinkage)
+    lda.update(x, y)
+    return max((lda.scores(x_test, k).argmax(1) == y_test).float().mean().item() for k in range(len(shrinkage)))
 
 
 def offline_ceiling(backbone: nn.Module, train_images: torch.Tensor, train_targets: torch.Tensor,

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import httpx
 import torch
 import uvicorn
+from PIL import Image
 
 from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.backbone import BackboneConfig
@@ -39,13 +40,24 @@ TINY = BackboneConfig(name="test_vit", weights=None, img_size=32)
 DATA = DataConfig(dataset="cifar10", train_per_class=20, test_per_class=5)  # a 200-image stream
 
 
-def color_images(labels: torch.Tensor, size: int = 32, noise: int = 40) -> torch.Tensor:
-    """uint8 images [B, 3, size, size] whose colour encodes the label: an easy, learnable stream."""
-    g = torch.Generator().manual_seed(int(labels.sum()))
+def color_images(labels: torch.Tensor, size: int = 32, noise: int = 40, seed: int | None = None) -> torch.Tensor:
+    """uint8 images [B, 3, size, size] whose colour encodes the label: an easy, learnable stream (the noise is
+    drawn from ``seed``, by default the labels' sum)."""
+    g = torch.Generator().manual_seed(int(labels.sum()) if seed is None else seed)
     palette = torch.tensor([[230, 30, 30], [30, 230, 30], [30, 30, 230], [230, 230, 30], [30, 230, 230],
                             [230, 30, 230], [128, 128, 128], [250, 250, 250]])
     base = palette[labels][:, :, None, None].expand(-1, -1, size, size).float()
     return (base + torch.randint(-noise, noise + 1, base.shape, generator=g)).clamp(0, 255).to(torch.uint8)
+
+
+def color_folder(root: Path, n_classes: int = 4, per_split: dict[str, int] | None = None) -> Path:
+    """An ImageFolder (``train/`` and ``test/``, PNG) of ``color_images``: a dataset any backbone separates."""
+    for seed, (split, n) in enumerate((per_split or {"train": 16, "test": 8}).items()):
+        labels = torch.arange(n_classes).repeat_interleave(n)
+        for i, (img, y) in enumerate(zip(color_images(labels, seed=seed), labels)):
+            (root / split / f"c{y}").mkdir(parents=True, exist_ok=True)
+            Image.fromarray(img.permute(1, 2, 0).numpy()).save(root / split / f"c{y}" / f"{i}.png")
+    return root
 
 
 # --- waiting ----------------------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """Meta Rep: pseudo tasks, Reptile arithmetic, one meta-epoch end to end, resume, and torchrun DDP."""
 
+import logging
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,18 +16,21 @@ from mepo_stream.data import DataConfig
 from mepo_stream.meta import group_mask, reptile_update
 from mepo_stream.pseudo_tasks import PseudoTaskConfig, meta_epoch_plan
 from offline.covariance import CovarianceConfig
+from offline.guard import GuardConfig
 from offline.refine import ISAStage, RefineConfig, checkpoint_path, meta_refine
-from tests.helpers import TINY
+from tests.helpers import TINY, color_folder
 
 DATA = DataConfig(dataset="tinyimagenet-pretrain", train_per_class=4)
 TASKS = PseudoTaskConfig(classes_per_group=20, n_tasks=4, samples_per_class=4, val_ratio=0.25)
-LOOP = RefineConfig(meta_epochs=1, inner_epochs=1, batch_size=16)
+LOOP = RefineConfig(mode="meta", meta_epochs=1, inner_epochs=1, batch_size=16)
+GUARD = GuardConfig(per_class=2)
 COV = CovarianceConfig(data=DATA, batch_size=64)
 CLI_ARGS = ["--isa.skip", "true",
             "--backbone.name", "test_vit", "--backbone.weights", "null", "--backbone.img_size", "32",
             "--data.train_per_class", "4", "--tasks.classes_per_group", "20", "--tasks.n_tasks", "4",
             "--tasks.samples_per_class", "4", "--tasks.val_ratio", "0.25", "--refine.meta_epochs", "1",
-            "--refine.inner_epochs", "1", "--refine.batch_size", "16", "--covariance", "false"]
+            "--refine.inner_epochs", "1", "--refine.batch_size", "16", "--covariance", "false",
+            "--refine.precision", "fp32", "--guard.per_class", "2"]  # fp32: DDP must match one process to 1e-5
 
 
 def initial_backbone() -> dict[str, torch.Tensor]:
@@ -36,7 +41,8 @@ def initial_backbone() -> dict[str, torch.Tensor]:
 
 def run_refine(out: Path, loop: RefineConfig = LOOP, **kw) -> Path:
     """Refine without the ISA stage (tests/test_isa.py covers it)."""
-    return meta_refine(out, backbone=TINY, data=DATA, tasks=TASKS, refine=loop, cov=COV, isa=ISAStage(skip=True), **kw)
+    kw = {"data": DATA, "tasks": TASKS, "guard": GUARD, **kw}
+    return meta_refine(out, backbone=TINY, refine=loop, cov=COV, isa=ISAStage(skip=True), **kw)
 
 
 def test_pseudo_tasks_partition_each_group():
@@ -95,14 +101,14 @@ def test_one_meta_epoch_end_to_end_makes_a_bundle(tmp_path):
 
 
 def test_eps_zero_leaves_the_backbone_unchanged(tmp_path):
-    run_refine(tmp_path / "b", RefineConfig(meta_epochs=1, inner_epochs=1, batch_size=16, reptile_eps=0.0),
+    run_refine(tmp_path / "b", replace(LOOP, reptile_eps=0.0, freeze=()),
                covariance=False)
     refined = load_part(tmp_path / "b", "backbone")
     assert all(torch.equal(v, refined[k]) for k, v in initial_backbone().items())
 
 
 def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
-    two = RefineConfig(meta_epochs=2, inner_epochs=1, batch_size=16)
+    two = replace(LOOP, meta_epochs=2)
     run_refine(tmp_path / "straight", two, covariance=False)
     run_refine(tmp_path / "resumed", LOOP, covariance=False)  # "interrupted" after meta-epoch 1
     assert checkpoint_path(tmp_path / "resumed").is_file()
@@ -126,3 +132,41 @@ def test_torchrun_two_processes_match_one(tmp_path):
     assert max_diff < 1e-5
     start = initial_backbone()
     assert any(not torch.equal(one[k], start[k]) for k in one)  # it did train
+
+
+@pytest.mark.parametrize("mode", ["finetune", "meta"])
+def test_the_default_refine_leaves_the_patch_embedding_bit_identical(tmp_path, mode):
+    before = initial_backbone()
+    run_refine(tmp_path / "b", replace(RefineConfig(), mode=mode, meta_epochs=1, inner_epochs=1, batch_size=16))
+    refined = load_part(tmp_path / "b", "backbone")
+    stem = [k for k in before if k.startswith("patch_embed.")]
+    assert stem and all(torch.equal(before[k], refined[k]) for k in stem)
+    assert not torch.equal(before["blocks.0.attn.qkv.weight"], refined["blocks.0.attn.qkv.weight"])
+    history = read_manifest(tmp_path / "b")["history"]
+    assert history[0]["meta_epoch"] == 0 and set(history[0]["held_out"]) == {"probe", "lda"}
+    assert history[1]["change"]["patch_embed"] == 0.0 and history[1]["change"]["blocks.0"] > 0
+
+
+def test_freeze_names_must_exist(tmp_path):
+    with pytest.raises(ValueError, match="no parameter under \\['patch_embd'\\]"):
+        run_refine(tmp_path / "b", replace(LOOP, freeze=("patch_embd",)))
+
+
+def test_the_guard_fires_when_the_patch_embedding_is_pushed(tmp_path, caplog):
+    """Colour classes that the untouched backbone separates; a huge patch-embedding learning rate wrecks them."""
+    data = DataConfig(dataset=str(color_folder(tmp_path / "colors")))
+    tasks = PseudoTaskConfig(classes_per_group=4, n_tasks=2, samples_per_class=16, val_ratio=0.25)
+    pushed = RefineConfig(freeze=(), lr_patch_embed=1e20, meta_epochs=3, batch_size=16, inner_epochs=1)
+    guard = GuardConfig(per_class=None, stop=True)
+    with caplog.at_level(logging.WARNING, logger="offline.guard"):
+        run_refine(tmp_path / "b", pushed, data=data, tasks=tasks, guard=guard, covariance=False)
+    manifest = read_manifest(tmp_path / "b")
+    base, first = manifest["history"][0]["held_out"]["probe"], manifest["history"][1]
+    assert base >= 0.9 and first["held_out"]["probe"] < base - 0.01
+    assert first["stopped_by_guard"] and manifest["meta_epochs_completed"] == 1  # stopped after 1 of 3
+    assert "degrading the features" in caplog.text
+    assert all(torch.equal(v, load_part(tmp_path / "b", "backbone")[k]) for k, v in initial_backbone().items())
+
+    run_refine(tmp_path / "warn", replace(pushed, meta_epochs=2), data=data, tasks=tasks,
+               guard=replace(guard, stop=False), covariance=False)
+    assert read_manifest(tmp_path / "warn")["meta_epochs_completed"] == 2  # warns only
