@@ -2,7 +2,8 @@
 
 Both loops train the same backbone + meta head with the same SGD optimizer, batch size and resolution, side
 by side in one process (alternating rounds, so drift in machine load hits both equally), on the device
-``mepo refine`` trains on, in fp32 as it does. The bare loop feeds pre-normalised float tensors already on the
+``mepo refine`` trains on, with its frozen stem and in its precision (bf16 autocast where the hardware has it).
+The bare loop feeds pre-normalised float tensors already on the
 device and does forward, cross-entropy, backward and step only; the refine step also indexes uint8 images,
 moves them to the device, augments them, masks the logits to the group and does the DDP-ready loss scaling.
 The ratio refine/bare is the cost of everything around the model's own compute.
@@ -23,28 +24,26 @@ import torch.nn.functional as F
 from benchmarks.service import seconds, write_result
 from mepo_stream.backbone import BackboneConfig, create_backbone, device, normalization
 from mepo_stream.data import ImageSet
-from mepo_stream.transforms import test_transform, train_transform
-from offline.refine import Distributed, MetaModel, RefineConfig, Trainer
-
-
-def _optimizer(model: MetaModel, cfg: RefineConfig) -> torch.optim.SGD:
-    return torch.optim.SGD([{"params": model.backbone.parameters(), "lr": cfg.lr_backbone},
-                            {"params": model.head.parameters(), "lr": cfg.lr_head}], momentum=cfg.momentum)
+from mepo_stream.learner import autocast, resolve_precision
+from mepo_stream.meta import freeze
+from mepo_stream.transforms import test_transform
+from offline.refine import Distributed, MetaModel, RefineConfig, Trainer, param_groups
 
 
 def _loops(backbone: BackboneConfig, batch_size: int, steps: int, n_classes: int, dev: torch.device
-           ) -> tuple[Callable[[], None], Callable[[], None]]:
-    """``steps`` refine steps (``Trainer.step``) and ``steps`` bare SGD steps of the same model, as two closures."""
+           ) -> tuple[Callable[[], None], Callable[[], None], torch.dtype]:
+    """``steps`` refine steps (``Trainer.step``) and ``steps`` bare SGD steps of the same model (the same frozen
+    stem, optimizer groups and autocast precision), as two closures, and that precision."""
     cfg, img_size = RefineConfig(batch_size=batch_size), backbone.img_size
     images = ImageSet(torch.randint(0, 256, (batch_size * 4, 3, 64, 64), dtype=torch.uint8),
                       torch.randint(0, n_classes, (batch_size * 4,)), [str(c) for c in range(n_classes)], [])
-    ours = MetaModel(create_backbone(backbone), n_classes).to(dev)
-    mean, std = normalization(ours.backbone)
-    trainer = Trainer(ours, ours, _optimizer(ours, cfg), images, cfg, Distributed(),
-                      train_transform(img_size, mean, std, None), test_transform(img_size, mean, std))
+    trainer = Trainer.create(backbone, images, cfg, Distributed())
     group = torch.arange(n_classes)
     bare = MetaModel(create_backbone(backbone), n_classes).to(dev)
-    bare_opt = _optimizer(bare, cfg)
+    freeze(bare.backbone, cfg.freeze)
+    bare_opt = torch.optim.SGD(param_groups(bare, cfg), momentum=cfg.momentum)
+    dtype = resolve_precision(cfg.precision, dev)
+    mean, std = normalization(bare.backbone)
     x = test_transform(img_size, mean, std)(images.images[:batch_size].to(dev))  # [B, 3, S, S] float, on dev
     y = images.targets[:batch_size].to(dev)
 
@@ -54,12 +53,13 @@ def _loops(backbone: BackboneConfig, batch_size: int, steps: int, n_classes: int
 
     def run_bare() -> None:
         for _ in range(steps):
-            loss = F.cross_entropy(bare(x), y)
+            with autocast(dev, dtype):
+                loss = F.cross_entropy(bare(x).float(), y)
             bare_opt.zero_grad(set_to_none=True)
             loss.backward()
             bare_opt.step()
 
-    return run_ours, run_bare
+    return run_ours, run_bare, dtype
 
 
 def main(model: str = "vit_small_patch14_dinov2", weights: str | None = None, img_size: int = 84,
@@ -79,7 +79,7 @@ def main(model: str = "vit_small_patch14_dinov2", weights: str | None = None, im
     """
     torch.manual_seed(0)
     dev = device()
-    run_ours, run_bare = _loops(BackboneConfig(model, weights, img_size), batch_size, steps, n_classes, dev)
+    run_ours, run_bare, dtype = _loops(BackboneConfig(model, weights, img_size), batch_size, steps, n_classes, dev)
     timings: dict[str, list[float]] = {"refine": [], "bare": []}
     run_ours(), run_bare()  # warm-up
     for _ in range(rounds):
@@ -90,7 +90,7 @@ def main(model: str = "vit_small_patch14_dinov2", weights: str | None = None, im
         "steps_per_round": steps, "rounds": rounds,
         "refine_images_per_s": max(timings["refine"]), "bare_images_per_s": max(timings["bare"]),
         "ratio": max(timings["refine"]) / max(timings["bare"]), "all_rounds": timings,
-    }, out, dev, torch.float32)  # mepo refine has no autocast
+    }, out, dev, dtype)
 
 
 if __name__ == "__main__":

@@ -111,7 +111,10 @@ def lda_accuracy(x: torch.Tensor, y: torch.Tensor, x_test: torch.Tensor, y_test:
 
 def offline_ceiling(backbone: nn.Module, train_images: torch.Tensor, train_targets: torch.Tensor,
                     test_images: torch.Tensor, test_targets: torch.Tensor, n_classes: int,
-                    cfg: ProbeConfig = ProbeConfig()) -> float:
-    """Test accuracy of the offline probe trained on every training image's frozen features."""
-    probe = fit_probe(extract_features(backbone, train_images), train_targets, n_classes, cfg)
-    return probe_accuracy(probe, extract_features(backbone, test_images), test_targets)
+                    cfg: ProbeConfig = ProbeConfig()) -> dict[str, float]:
+    """Test accuracy of the offline heads trained on every training image's frozen features: the logistic probe,
+    LDA (``lda_accuracy``) and the better of the two, ``best``."""
+    x, x_test = extract_features(backbone, train_images), extract_features(backbone, test_images)
+    probe = probe_accuracy(fit_probe(x, train_targets, n_classes, cfg), x_test, test_targets)
+    lda = lda_accuracy(x, train_targets, x_test, test_targets, n_classes)
+    return {"probe": probe, "lda": lda, "best": max(probe, lda)}

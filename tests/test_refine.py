@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from mepo_stream.artifacts import BundleError, load_part, load_sigma_pre, read_manifest
 from mepo_stream.backbone import BackboneConfig, create_backbone
@@ -17,7 +18,7 @@ from mepo_stream.meta import group_mask, reptile_update
 from mepo_stream.pseudo_tasks import PseudoTaskConfig, meta_epoch_plan
 from offline.covariance import CovarianceConfig
 from offline.guard import GuardConfig
-from offline.refine import ISAStage, RefineConfig, checkpoint_path, meta_refine
+from offline.refine import PAPER_REFINE, ISAStage, RefineConfig, checkpoint_path, meta_refine
 from tests.helpers import TINY, color_folder
 
 DATA = DataConfig(dataset="tinyimagenet-pretrain", train_per_class=4)
@@ -170,3 +171,13 @@ def test_the_guard_fires_when_the_patch_embedding_is_pushed(tmp_path, caplog):
     run_refine(tmp_path / "warn", replace(pushed, meta_epochs=2), data=data, tasks=tasks,
                guard=replace(guard, stop=False), covariance=False)
     assert read_manifest(tmp_path / "warn")["meta_epochs_completed"] == 2  # warns only
+
+
+def test_the_paper_recipe_file_is_the_reference_meta_rep(tmp_path):
+    """``--refine mepo_stream/recipes/refine_paper.yaml`` gives PAPER_REFINE: Meta Rep with nothing frozen."""
+    recipe = Path(__file__).parents[1] / "mepo_stream" / "recipes" / "refine_paper.yaml"
+    result = subprocess.run([sys.executable, "-m", "mepo_stream.cli", "refine", "--out", str(tmp_path),
+                             "--refine", str(recipe), "--print_config"], capture_output=True, text=True, check=True)
+    printed = yaml.safe_load(result.stdout)["refine"]
+    assert RefineConfig(**{**printed, "freeze": tuple(printed["freeze"])}) == PAPER_REFINE
+    assert PAPER_REFINE.mode == "meta" and PAPER_REFINE.freeze == ()
