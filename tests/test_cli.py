@@ -168,9 +168,9 @@ def test_sweep_of_methods_with_mepo_writes_table1_ablation_and_reuses_cached_run
     assert "| method | A_AUC w/o MePo | A_AUC w/ MePo |" in table and "**" in table
     assert "| linear_probe |" in table and "–" in table  # lower bounds run without MePo only
     assert "Meta Rep A_AUC" in (tmp_path / "sweep" / "ablation.md").read_text()
-    assert "A_last ÷ probe w/o" in table and "Ceiling (offline linear probe" in table
+    assert "A_last ÷ probe w/o" in table and "Ceiling (offline heads" in table and "best offline head" in table
     assert set(result["ceiling"]) == {"w/o Meta Rep", "Meta Rep"}  # one probe per backbone
-    assert all(0 < r["ceiling"] <= 1 for r in result["runs"])
+    assert all(0 < r["ceiling"] <= r["best_offline_head"] <= 1 for r in result["runs"])
     cache = tmp_path / "sweep" / "cache"
     ceilings = sorted(p.name for p in cache.iterdir() if p.name.startswith("ceiling-"))
     cached = sorted(p.name for p in cache.iterdir() if not p.name.startswith("ceiling-"))
