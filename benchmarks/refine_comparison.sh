@@ -4,15 +4,18 @@
 # same images and steps), each with its offline heads, the default learner without and with Meta Cov, and MISA
 # with the fixes without and with ISA prompts, on the Tiny-ImageNet downstream half and CIFAR-10, seeds 1-3.
 #
-#   bash benchmarks/refine_comparison.sh [RUNS] [base]   # RUNS defaults to runs/refine_comparison
+#   bash benchmarks/refine_comparison.sh [RUNS] [STAGE] [DATASETS]
 #
-# With "base", only what needs no refined backbone (its Sigma_pre, ISA prompts and evaluations), e.g. while the
-# refines run.
-# Every step is resumable: refines continue from their checkpoint, finished evaluation runs come from the shared
-# cache, finished bundles are kept. Long: about 2 h of refining and 1 h of evaluation on 2 CPU cores.
+# RUNS defaults to runs/refine_comparison. STAGE "base" does only what needs no refined backbone (its Sigma_pre,
+# ISA prompts and evaluations), e.g. while the refines run; "all" (default) everything. DATASETS defaults to
+# "tinyimagenet cifar10"; two invocations with one dataset each share the bundles and run side by side.
+# Every step is resumable: refines continue from their checkpoint, finished bundles are kept, finished evaluation
+# runs come from the dataset's shared cache. Evaluations run most informative first (the default learner, then
+# MISA, then MISA with ISA prompts).
 set -euo pipefail
 RUNS=${1:-runs/refine_comparison}
-ONLY=${2:-all}
+STAGE=${2:-all}
+DATASETS=${3:-tinyimagenet cifar10}
 MEPO=${MEPO:-.venv/bin/mepo}
 mkdir -p "$RUNS"
 COMMON=(--backbone.img_size 84)
@@ -20,18 +23,20 @@ ISA=(--data.train_per_class 10 --isa.lr 1e-4 --isa.epochs 1)
 
 [ -f "$RUNS/cov_base/manifest.json" ] || "$MEPO" covariance --out "$RUNS/cov_base" "${COMMON[@]}" \
     --cov.data.train_per_class 100
-[ -f "$RUNS/isa_base/manifest.json" ] || "$MEPO" isa --out "$RUNS/isa_base" "${COMMON[@]}" "${ISA[@]}"
 MODES=()
-if [ "$ONLY" != base ]; then
+if [ "$STAGE" != base ]; then
     MODES=(finetune meta)
     for mode in "${MODES[@]}"; do
         [ -f "$RUNS/$mode/manifest.json" ] || "$MEPO" refine --out "$RUNS/$mode" --refine.mode "$mode" \
-            "${COMMON[@]}" --tasks.samples_per_class 100 --refine.meta_epochs 3 --cov.data.train_per_class 100 \
+            "${COMMON[@]}" --tasks.samples_per_class 100 --refine.meta_epochs 1 --cov.data.train_per_class 100 \
             --isa.skip true --resume true
-        [ -f "$RUNS/isa_$mode/manifest.json" ] || "$MEPO" isa --bundle "$RUNS/$mode" --out "$RUNS/isa_$mode" \
-            "${COMMON[@]}" "${ISA[@]}"
     done
 fi
+
+isa_prompts() {  # backbone-name [bundle]: ISA prompts for that backbone, made once
+    [ -f "$RUNS/isa_$1/manifest.json" ] && return
+    "$MEPO" isa --out "$RUNS/isa_$1" "${COMMON[@]}" "${ISA[@]}" ${2:+--bundle "$2"}
+}
 
 evaluate() {  # dataset-name out-name extra-flags...: one sweep into its own folder, sharing the dataset's cache
     local name=$1 out=$RUNS/eval/$1/$2; shift 2
@@ -40,19 +45,27 @@ evaluate() {  # dataset-name out-name extra-flags...: one sweep into its own fol
     "$MEPO" evaluate --out "$out" --seeds 1-3 "${COMMON[@]}" --learner.train_encoder false \
         --protocol.eval_period 250 "${DATA[@]}" "$@"
 }
-for name in tinyimagenet cifar10; do
+
+for name in $DATASETS; do
     if [ "$name" = tinyimagenet ]; then
         DATA=(--data.dataset tinyimagenet-downstream --data.train_per_class 25 --data.test_per_class 10)
     else
         DATA=(--data.dataset cifar10 --data.train_per_class 100 --data.test_per_class 50)
     fi
-    evaluate $name frozen_base --methods frozen
-    evaluate $name frozen_cov_base --methods frozen --mepo_cov "$RUNS/cov_base"
-    evaluate $name misa_base --methods misa
-    evaluate $name misa_isa_base --methods misa --mepo_prompts "$RUNS/isa_base"
+    evaluate "$name" frozen_base --methods frozen
+    evaluate "$name" frozen_cov_base --methods frozen --mepo_cov "$RUNS/cov_base"
     for mode in "${MODES[@]}"; do
-        evaluate $name frozen_$mode --methods frozen --mepo "$RUNS/$mode" --mepo_cov "$RUNS/cov_base" --ablation true
-        evaluate $name misa_$mode --methods misa --mepo_rep "$RUNS/$mode"
-        evaluate $name misa_isa_$mode --methods misa --mepo_rep "$RUNS/$mode" --mepo_prompts "$RUNS/isa_$mode"
+        evaluate "$name" "frozen_$mode" --methods frozen --mepo "$RUNS/$mode" --mepo_cov "$RUNS/cov_base" \
+            --ablation true
+    done
+    evaluate "$name" misa_base --methods misa
+    for mode in "${MODES[@]}"; do
+        evaluate "$name" "misa_$mode" --methods misa --mepo_rep "$RUNS/$mode"
+    done
+    isa_prompts base
+    evaluate "$name" misa_isa_base --methods misa --mepo_prompts "$RUNS/isa_base"
+    for mode in "${MODES[@]}"; do
+        isa_prompts "$mode" "$RUNS/$mode"
+        evaluate "$name" "misa_isa_$mode" --methods misa --mepo_rep "$RUNS/$mode" --mepo_prompts "$RUNS/isa_$mode"
     done
 done

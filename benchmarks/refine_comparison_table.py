@@ -1,0 +1,73 @@
+"""The README table of ``benchmarks/refine_comparison.sh``: every backbone's offline heads and online learners.
+
+Reads the sweeps' ``results.json`` under ``RUNS/eval/<dataset>/`` and prints one markdown table per dataset: for
+each backbone (untouched, fine-tuned, Meta Rep), the offline logistic probe and the best offline head of its
+features, then A_last and A_AUC (mean ± std over seeds, batch alignment statistics) of the default learner
+without and with Meta Cov and of MISA with the fixes without and with ISA prompts, each with A_last ÷ the best
+offline head of the same features and stream.
+
+Usage:
+    python -m benchmarks.refine_comparison_table --runs runs/refine_comparison
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+BACKBONES = {"base": "untouched", "finetune": "fine-tuned", "meta": "Meta Rep"}
+# row label -> (sweep folder, variant) per backbone; {b} is the backbone's name
+ROWS = {
+    "default learner (frozen + streaming LDA)": {"base": ("frozen_base", "host"), "*": ("frozen_{b}", "rep")},
+    "default learner + Meta Cov (its own Σ_pre)": {"base": ("frozen_cov_base", "cov"), "*": ("frozen_{b}", "mepo")},
+    "MISA + fixes, random prompts": {"base": ("misa_base", "host"), "*": ("misa_{b}", "rep")},
+    "MISA + fixes, ISA prompts": {"base": ("misa_isa_base", "host"), "*": ("misa_isa_{b}", "rep")},
+}
+
+
+def runs_of(folder: Path, variant: str) -> list[dict]:
+    """The finished runs of one variant in a sweep folder (empty if the sweep has not run)."""
+    path = folder / "results.json"
+    if not path.is_file():
+        return []
+    return [r for r in json.loads(path.read_text())["runs"] if r["variant"] == variant]
+
+
+def cell(values: list[float], scale: float = 100.0, digits: int = 1) -> str:
+    mean = statistics.fmean(values) * scale
+    std = statistics.stdev(values) * scale if len(values) > 1 else 0.0
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def table(folder: Path) -> list[str]:
+    """The markdown rows of one dataset's folder."""
+    lines = ["| backbone | offline probe / best head | learner | seeds | A_last % | A_AUC % | A_last ÷ best head |",
+             "|---|---|---|---|---|---|---|"]
+    for b, label in BACKBONES.items():
+        first = True
+        for row, where in ROWS.items():
+            sweep, variant = where.get(b, where["*"])
+            rs = runs_of(folder / sweep.format(b=b), variant)
+            if not rs:
+                continue
+            heads = f"{100 * rs[0]['ceiling']:.1f} / {100 * rs[0]['best_offline_head']:.1f}" if first else ""
+            a_last = [r["curves"]["batch"]["A_last"] for r in rs]
+            lines.append(f"| {label if first else ''} | {heads} | {row} | {len(rs)} | {cell(a_last)} | "
+                         f"{cell([r['curves']['batch']['A_auc'] for r in rs])} | "
+                         f"{cell([a / r['best_offline_head'] for a, r in zip(a_last, rs)], 1.0, 2)} |")
+            first = False
+    return lines
+
+
+def main(runs: Path = Path("runs/refine_comparison")) -> None:
+    """Print the table of every dataset evaluated under ``runs/eval``."""
+    for folder in sorted((runs / "eval").iterdir()):
+        print(f"\n{folder.name}\n")
+        print("\n".join(table(folder)))
+
+
+if __name__ == "__main__":
+    from jsonargparse import CLI
+
+    CLI(main)
