@@ -59,7 +59,9 @@ def create_app(settings: ServeConfig) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), getattr(exc, "reason", "http_error"))
+        response = error_response(exc.status_code, str(exc.detail), getattr(exc, "reason", "http_error"))
+        response.headers.update(exc.headers or {})  # e.g. a 405's Allow
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

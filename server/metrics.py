@@ -53,6 +53,8 @@ class ServerMetrics:
         self.last_accuracy = Gauge("mepo_last_accuracy_ratio",
                                    "Accuracy on seen-class test images when the stream last went idle (A_last)",
                                    registry=lr)
+        for gauge in (self.prequential, self.rolling, self.anytime, self.a_auc, self.last_accuracy):
+            gauge.set(float("nan"))  # not measured yet: a dashboard must not read 0 % accuracy
         self.anytime_evals = Counter("mepo_anytime_evaluations", "Any-time evaluations run", registry=lr)
         self.seen_classes = Gauge("mepo_seen_classes", "Classes seen in the stream", registry=r)
         self.lag = Gauge("mepo_kafka_consumer_lag_records", "Records behind the partition's high watermark",

@@ -2,6 +2,7 @@
 
 import importlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from jsonargparse import ArgumentParser
 
 from benchmarks.run_all import ALL, BENCHMARKS, END, GPU_BENCHMARKS, START, job, table, update_readme
 from benchmarks.service import ServiceSpec
+from mepo_stream.learner import resolve_precision
 
 ROOT = Path(__file__).parents[1]
 TINY = ["--model", "test_vit", "--weights", "null", "--img_size", "32"]
@@ -36,18 +38,21 @@ def test_run_all_smoke_writes_every_result_and_the_readme_table(tmp_path):
     assert "GPU rows skipped" in out
     results = _results(tmp_path / "results")
     assert set(results) == set(BENCHMARKS)  # the GPU rows skipped (and the CPU rows on the CPU, CUDA or not)
-    assert all(r[key] > 0 for r in results.values() for key in r if key.startswith("ratio"))
+    # well-formed, not fast: a ratio of timings is any finite number (a difference of two can be negative)
+    assert all(math.isfinite(r[key]) for r in results.values() for key in r if key.startswith("ratio"))
     learner = results["learner_throughput"]
     assert learner["stream_samples"] == 100
-    assert all(learner[c]["ratio"] > 0 for c in ("learn_only", "prequential", "paper_recipe"))
+    assert all(math.isfinite(learner[c]["ratio"]) for c in ("learn_only", "prequential", "paper_recipe"))
     assert (learner["paper_recipe"]["method"], learner["paper_recipe"]["classifier"]) == ("misa", "linear")
     assert results["predict_throughput"]["answered"] > 0 and results["predict_throughput"]["failed"] == 0
     quality = results["learning_quality"]
     assert 0 < quality["ceiling"] <= 1 and quality["ratio"] == pytest.approx(quality["a_last"] / quality["ceiling"])
     assert quality["spec"]["method"] == "frozen" and quality["stream_samples"] == 100
     assert 0 < results["predict_latency"]["requests_while_learning"] <= 10
-    assert all(r["machine"]["device"] == "cpu" and r["machine"]["dtype"] == "float32" and r["machine"]["device_name"]
-               and "cuda" in r["machine"] and r["machine"]["torch_threads"] > 0 for r in results.values())
+    auto = str(resolve_precision("auto", torch.device("cpu"))).removeprefix("torch.")  # bf16 where the CPU has it
+    assert all(r["machine"]["device"] == "cpu" and r["machine"]["dtype"] in {"float32", auto}
+               and r["machine"]["device_name"] and "cuda" in r["machine"] and r["machine"]["torch_threads"] > 0
+               for r in results.values())
     text = readme.read_text()
     assert "old table" not in text and text.startswith("# x\n\nbefore\n") and text.endswith(f"{END}\nafter\n")
     assert text.count("| ") > 7 and "Learner throughput" in text and "Alignment" in text

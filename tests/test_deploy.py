@@ -171,3 +171,11 @@ def test_a_real_prometheus_scrapes_the_learner(broker, tmp_path):
         finally:
             prom.terminate()
             prom.wait(30)
+
+
+def test_accuracy_gauges_are_nan_until_measured():
+    """A dashboard must not show 0 % accuracy before anything was measured (/v1/status says null there)."""
+    text = generate_latest(ServerMetrics("learner").registry).decode()
+    for name in ("mepo_prequential_accuracy_ratio", "mepo_rolling_accuracy_ratio", "mepo_anytime_accuracy_ratio",
+                 "mepo_anytime_accuracy_auc_ratio", "mepo_last_accuracy_ratio"):
+        assert f"\n{name} NaN\n" in text, name

@@ -8,12 +8,14 @@ check that every sample is learned exactly once.
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import subprocess
 import sys
 from dataclasses import replace
 
+import pytest
 import torch
 from kafka import KafkaConsumer, KafkaProducer
 from PIL import Image
@@ -139,6 +141,8 @@ def test_http_errors_are_json_4xx_and_admin_needs_the_token(broker, tmp_path):
             "admin_disabled"
         live.app.dependency_overrides.clear()
         assert http.get("/v2/models/other").status_code == 404
+        r = http.get("/v1/predict")  # a 405 names the methods that are allowed
+        assert r.status_code == 405 and r.headers["allow"] == "POST" and set(r.json()) == {"error", "reason"}
         assert http.get("/v2/health/live").json() == {"live": True}
         assert "/v1/predict" in http.get("/openapi.json").json()["paths"]
 
@@ -160,6 +164,22 @@ def test_open_inference_protocol_infer(broker, tmp_path):
         bad = {"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "data": ["%%%"]}]}
         assert http.post("/v2/models/mepo/infer", json=bad).status_code == 400
         assert http.get("/v2/models/mepo").json()["inputs"][0]["datatype"] == "BYTES"
+        http.post("/v1/admin/pause", headers={"authorization": "Bearer s3cret"})  # one model for both answers
+        # KServe/Triton clients send JSON without a Content-Type: the same answer as /v1/predict for the image
+        one = {"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES",
+                           "data": [base64.b64encode(jpeg("red")).decode()]}], "parameters": {"top_k": 3}}
+        r = http.post("/v2/models/mepo/infer", content=json.dumps(one).encode())
+        assert r.status_code == 200, r.text
+        v1 = http.post("/v1/predict", params={"top_k": 3}, content=jpeg("red"),
+                       headers={"content-type": "image/jpeg"}).json()["predictions"][0]["top_k"]
+        out = {o["name"]: o["data"] for o in r.json()["outputs"]}
+        assert out["label"] == [c["label"] for c in v1]
+        assert out["probability"] == pytest.approx([c["probability"] for c in v1], abs=3e-6)
+        for top_k in ("abc", None, [1], 0, -2, 101, 2.5, True):
+            r = http.post("/v2/models/mepo/infer", json={**one, "parameters": {"top_k": top_k}})
+            assert r.status_code == 400 and r.json()["reason"] == "invalid_request", (top_k, r.text)
+        huge = json.dumps(one).replace('"top_k": 3', '"top_k": 1e400').encode()  # inf once parsed
+        assert http.post("/v2/models/mepo/infer", content=huge).status_code == 400
 
 
 def test_kill_9_mid_stream_then_a_restart_ends_exactly_as_an_uninterrupted_run(broker, tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends
@@ -20,7 +21,8 @@ from server.dependencies import ApiError, get_service, get_settings
 from server.prediction import decode_all, predict_images
 from server.service import Service
 
-router = APIRouter(prefix="/v2", tags=["open inference protocol"])
+# KServe/Triton clients send their JSON bodies without a Content-Type header: parse them as JSON all the same.
+router = APIRouter(prefix="/v2", tags=["open inference protocol"], strict_content_type=False)
 INPUT_NAME = "image"
 
 
@@ -79,6 +81,22 @@ def model_ready(name: str, service: Annotated[Service, Depends(get_service)],
     return {"name": name, "ready": bool(service.state.snapshot.exposed)}
 
 
+def parse_top_k(parameters: dict[str, Any] | None, default: int) -> int:
+    """``parameters.top_k`` as a whole number in 1..100 (default ``default``); anything else is the client's error.
+
+    Example:
+        >>> parse_top_k({"top_k": 3}, 5), parse_top_k(None, 5), parse_top_k({"top_k": 3.0}, 5)
+        (3, 5, 3)
+    """
+    value = (parameters or {}).get("top_k", default)
+    whole = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) \
+        and float(value).is_integer()
+    if not whole or not 1 <= value <= 100:
+        raise ApiError(400, f"parameters.top_k must be a whole number from 1 to 100, got {value!r}",
+                       "invalid_request")
+    return int(value)
+
+
 def _decode_b64(item: Any, index: int) -> bytes:
     if not isinstance(item, str):
         raise ApiError(400, f"inputs[0].data[{index}] must be a base64 string", "invalid_request")
@@ -92,6 +110,7 @@ def _decode_b64(item: Any, index: int) -> bytes:
 async def infer(name: str, request: InferRequest, service: Annotated[Service, Depends(get_service)],
                 settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
     _model(name, settings)
+    top_k = parse_top_k(request.parameters, settings.top_k)
     tensor = request.inputs[0]
     if tensor.datatype != "BYTES":
         raise ApiError(400, f"input {tensor.name!r} must have datatype BYTES (encoded images)", "invalid_request")
@@ -99,8 +118,7 @@ async def infer(name: str, request: InferRequest, service: Annotated[Service, De
         raise ApiError(400, f"shape {tensor.shape} does not match {len(tensor.data)} data items", "invalid_request")
     items = [(f"{tensor.name}[{i}]", _decode_b64(d, i)) for i, d in enumerate(tensor.data)]
     images = await run_in_threadpool(decode_all, items, settings)
-    top_k = int((request.parameters or {}).get("top_k", settings.top_k))
-    meta, rows = await run_in_threadpool(predict_images, service, images, max(1, min(top_k, 100)))
+    meta, rows = await run_in_threadpool(predict_images, service, images, top_k)
     k = len(rows[0])
     return {
         "model_name": name, "model_version": str(meta["model_version"]), "id": request.id,
