@@ -33,9 +33,11 @@ if [ "$STAGE" != base ]; then
     done
 fi
 
-isa_prompts() {  # backbone-name [bundle]: ISA prompts for that backbone, made once
-    [ -f "$RUNS/isa_$1/manifest.json" ] && return
-    "$MEPO" isa --out "$RUNS/isa_$1" "${COMMON[@]}" "${ISA[@]}" ${2:+--bundle "$2"}
+isa_prompts() {  # backbone-name [bundle]: ISA prompts for that backbone, made once (locked: datasets run side by side)
+    (
+        flock 9
+        [ -f "$RUNS/isa_$1/manifest.json" ] || "$MEPO" isa --out "$RUNS/isa_$1" "${COMMON[@]}" "${ISA[@]}" ${2:+--bundle "$2"}
+    ) 9>"$RUNS/.isa_$1.lock"
 }
 
 evaluate() {  # dataset-name out-name extra-flags...: one sweep into its own folder, sharing the dataset's cache

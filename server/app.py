@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.body_limit import BodyLimit
 from server.config import ServeConfig
 from server.dependencies import error_response
 from server.metrics import ServerMetrics
@@ -46,6 +47,7 @@ def create_app(settings: ServeConfig) -> FastAPI:
 
     app = FastAPI(title="mepo-stream", version="0.1.0", lifespan=lifespan,
                   description="Streaming continual learner (MePo) with a real-time prediction API.")
+    app.add_middleware(BodyLimit, limits=settings.limits, max_files=settings.max_files)
     app.state.settings = settings
     app.state.metrics = metrics
     app.include_router(predict.router)

@@ -28,11 +28,8 @@ UPLOAD_SCHEMA = {
 
 
 async def read_uploads(request: Request, settings: ServeConfig) -> list[tuple[str, bytes]]:
-    """(name, bytes) of every uploaded image, refusing oversize bodies before reading them whole."""
+    """(name, bytes) of every uploaded image (``server.body_limit`` stops an oversize body while it streams in)."""
     content_type = request.headers.get("content-type", "")
-    declared = int(request.headers.get("content-length") or 0)
-    if declared > settings.limits.max_bytes * settings.max_files:
-        raise ApiError(413, f"request body of {declared} bytes is too large", "too_large")
     if content_type.startswith("multipart/form-data"):
         form = await request.form(max_files=settings.max_files + 1)
         files = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
