@@ -26,6 +26,7 @@ from server.body_limit import BodyLimit
 from server.config import ServeConfig
 from server.dependencies import error_response
 from server.metrics import ServerMetrics
+from server.request_count import CountPredictions
 from server.replica import ReplicaService
 from server.routers import inference_v2, ops, page, predict
 from server.service import Service
@@ -48,6 +49,7 @@ def create_app(settings: ServeConfig) -> FastAPI:
     app = FastAPI(title="mepo-stream", version="0.1.0", lifespan=lifespan,
                   description="Streaming continual learner (MePo) with a real-time prediction API.")
     app.add_middleware(BodyLimit, limits=settings.limits, max_files=settings.max_files)
+    app.add_middleware(CountPredictions, metrics=metrics)  # outermost: it sees the body limit's 413 too
     app.state.settings = settings
     app.state.metrics = metrics
     app.include_router(predict.router)

@@ -19,6 +19,7 @@ import pytest
 import torch
 from kafka import KafkaConsumer, KafkaProducer
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.data import list_files
@@ -180,6 +181,10 @@ def test_open_inference_protocol_infer(broker, tmp_path):
             assert r.status_code == 400 and r.json()["reason"] == "invalid_request", (top_k, r.text)
         huge = json.dumps(one).replace('"top_k": 3', '"top_k": 1e400').encode()  # inf once parsed
         assert http.post("/v2/models/mepo/infer", content=huge).status_code == 400
+        assert http.post("/v2/models/mepo/infer", json={"inputs": []}).status_code == 422  # before the route runs
+        counted = {s.labels["status"]: s.value for f in text_string_to_metric_families(http.get("/metrics").text)
+                   if f.name == "mepo_predict_requests" for s in f.samples if s.name.endswith("_total")}
+        assert counted == {"200": 3, "400": 10, "422": 1}  # every /v2 infer counts, failed ones too
 
 
 def test_kill_9_mid_stream_then_a_restart_ends_exactly_as_an_uninterrupted_run(broker, tmp_path):

@@ -55,13 +55,7 @@ async def predict(
     top_k: Annotated[int | None, Query(ge=1, le=100, description="labels per image")] = None,
 ) -> dict:
     """Top-k labels (with names and probabilities) over the classes seen so far, from the current model."""
-    metrics = service.state.metrics
-    try:
-        items = await read_uploads(request, settings)
-        images = await run_in_threadpool(decode_all, items, settings)
-        meta, rows = await run_in_threadpool(predict_images, service, images, top_k or settings.top_k)
-    except ApiError as e:
-        metrics.predict_requests.labels(str(e.status_code)).inc()
-        raise
-    metrics.predict_requests.labels("200").inc()
+    items = await read_uploads(request, settings)
+    images = await run_in_threadpool(decode_all, items, settings)
+    meta, rows = await run_in_threadpool(predict_images, service, images, top_k or settings.top_k)
     return {**meta, "predictions": [{"filename": name, "top_k": row} for (name, _), row in zip(items, rows)]}
