@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -46,7 +47,8 @@ def create_app(settings: ServeConfig) -> FastAPI:
         yield
         service.stop()
 
-    app = FastAPI(title="mepo-stream", version="0.1.0", lifespan=lifespan,
+    # FastAPIOffline: /docs and /redoc load their JavaScript and CSS from the fastapi-offline wheel, not a CDN
+    app = FastAPIOffline(title="mepo-stream", version="0.1.0", lifespan=lifespan,
                   description="Streaming continual learner (MePo) with a real-time prediction API.")
     app.add_middleware(BodyLimit, limits=settings.limits, max_files=settings.max_files)
     app.add_middleware(CountPredictions, metrics=metrics)  # outermost: it sees the body limit's 413 too

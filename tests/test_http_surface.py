@@ -1,8 +1,10 @@
-"""Request-size limits hold on every path, with or without a Content-Length: a 300 MB chunked upload gets a 413
-after the limit and the server's memory stays bounded (measured on the real ``mepo serve`` process)."""
+"""The HTTP surface's safety nets: request-size limits hold on every path, with or without a Content-Length (a
+300 MB chunked upload gets a 413 after the limit and the real ``mepo serve`` process's memory stays bounded), and
+the docs pages need nothing from the internet."""
 
 from __future__ import annotations
 
+import re
 import select
 import socket
 import threading
@@ -10,8 +12,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 
 from mepo_stream.images import ImageLimits
+from server.app import create_app
+from server.config import ServeConfig
 from tests.helpers import http_client, serve_process, settings, wait_for
 
 TOTAL = 300 * 1024 * 1024
@@ -106,3 +111,13 @@ def test_chunked_uploads_of_300_mb_get_413_with_bounded_memory(broker, tmp_path)
     finally:
         server.terminate()
         server.wait(60)
+
+
+def test_the_docs_pages_load_every_asset_from_the_server_itself():
+    """/docs and /redoc work without internet access: each script, stylesheet and icon comes from this server."""
+    client = TestClient(create_app(ServeConfig()))  # no lifespan: no model, no broker needed for the docs
+    for page in ("/docs", "/redoc"):
+        html = client.get(page).text
+        assets = re.findall(r'(?:src|href)=["\']([^"\']+)["\']', html) + re.findall(r"url: ['\"]([^'\"]+)['\"]", html)
+        assert assets and all(a.startswith("/") for a in assets), (page, assets)
+        assert all(client.get(a).status_code == 200 for a in assets), page
