@@ -2,7 +2,8 @@
 # What MePo's refine gives downstream (README "Does the refine lift the ceiling?"): three backbones (the untouched
 # DINOv2 ViT-S/14, plain supervised fine-tuning, the paper's Meta Rep; both refines with the stem frozen, at the
 # same images and steps), each with its offline heads, the default learner without and with Meta Cov, and MISA
-# with the fixes without and with ISA prompts, on the Tiny-ImageNet downstream half and CIFAR-10, seeds 1-3.
+# with the fixes without and with ISA prompts, on the Tiny-ImageNet downstream half and CIFAR-10, seeds 1-3; plus
+# fine-tuning at twice the budget with the default learner.
 #
 #   bash benchmarks/refine_comparison.sh [RUNS] [STAGE] [DATASETS]
 #
@@ -23,14 +24,17 @@ ISA=(--data.train_per_class 10 --isa.lr 1e-4 --isa.epochs 1)
 
 [ -f "$RUNS/cov_base/manifest.json" ] || "$MEPO" covariance --out "$RUNS/cov_base" "${COMMON[@]}" \
     --cov.data.train_per_class 100
-MODES=()
+refine() {  # name mode meta-epochs: a refined bundle with Sigma_pre, resumable
+    [ -f "$RUNS/$1/manifest.json" ] || "$MEPO" refine --out "$RUNS/$1" --refine.mode "$2" "${COMMON[@]}" \
+        --tasks.samples_per_class 100 --refine.meta_epochs "$3" --cov.data.train_per_class 100 --isa.skip true \
+        --resume true
+}
+MODES=()  # the same budget: one meta-epoch each; finetune2 (default learner only) has twice the budget
 if [ "$STAGE" != base ]; then
     MODES=(finetune meta)
-    for mode in "${MODES[@]}"; do
-        [ -f "$RUNS/$mode/manifest.json" ] || "$MEPO" refine --out "$RUNS/$mode" --refine.mode "$mode" \
-            "${COMMON[@]}" --tasks.samples_per_class 100 --refine.meta_epochs 1 --cov.data.train_per_class 100 \
-            --isa.skip true --resume true
-    done
+    refine finetune finetune 1
+    refine meta meta 1
+    refine finetune2 finetune 2
 fi
 
 isa_prompts() {  # backbone-name [bundle]: ISA prompts for that backbone, made once (locked: datasets run side by side)
@@ -56,7 +60,7 @@ for name in $DATASETS; do
     fi
     evaluate "$name" frozen_base --methods frozen
     evaluate "$name" frozen_cov_base --methods frozen --mepo_cov "$RUNS/cov_base"
-    for mode in "${MODES[@]}"; do
+    for mode in "${MODES[@]}" ${MODES[@]:+finetune2}; do
         evaluate "$name" "frozen_$mode" --methods frozen --mepo "$RUNS/$mode" --mepo_cov "$RUNS/cov_base" \
             --ablation true
     done

@@ -16,7 +16,8 @@ import json
 import statistics
 from pathlib import Path
 
-BACKBONES = {"base": "untouched", "finetune": "fine-tuned", "meta": "Meta Rep"}
+BACKBONES = {"base": "untouched", "finetune": "fine-tuned", "meta": "Meta Rep",
+             "finetune2": "fine-tuned, twice the budget"}
 # row label -> (sweep folder, variant) per backbone; {b} is the backbone's name
 ROWS = {
     "default learner (frozen + streaming LDA)": {"base": ("frozen_base", "host"), "*": ("frozen_{b}", "rep")},
