@@ -152,7 +152,8 @@ def test_open_inference_protocol_infer(broker, tmp_path):
     import base64
 
     cfg = settings(broker, tmp_path)
-    with LiveServer(cfg) as http:
+    live = LiveServer(cfg)
+    with live as http:
         produce(DATA, STREAM, cfg.kafka, ReplayConfig(limit=48))
         wait_for(lambda: http.get("/v1/status").json()["samples_seen"] >= 48, what="48 samples")
         request = {"id": "r1", "inputs": [{"name": "image", "shape": [2], "datatype": "BYTES",
@@ -185,6 +186,28 @@ def test_open_inference_protocol_infer(broker, tmp_path):
         counted = {s.labels["status"]: s.value for f in text_string_to_metric_families(http.get("/metrics").text)
                    if f.name == "mepo_predict_requests" for s in f.samples if s.name.endswith("_total")}
         assert counted == {"200": 3, "400": 10, "422": 1}  # every /v2 infer counts, failed ones too
+        triton_client_agrees(live.port, cfg, jpeg("red"), v1)
+
+
+def triton_client_agrees(port: int, cfg: ServeConfig, image: bytes, v1: list[dict]) -> None:
+    """The Triton/KServe HTTP client library, as users call it: health, metadata, config, statistics, infer."""
+    import base64
+
+    import numpy as np
+    import tritonclient.http as triton
+
+    client = triton.InferenceServerClient(f"127.0.0.1:{port}")
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("mepo")
+    assert client.get_model_metadata("mepo")["inputs"][0]["datatype"] == "BYTES"
+    assert client.get_model_config("mepo")["max_batch_size"] == cfg.max_files
+    before = client.get_inference_statistics("mepo")["model_stats"][0]["inference_count"]
+    image_input = triton.InferInput("image", [1], "BYTES")
+    image_input.set_data_from_numpy(np.array([base64.b64encode(image).decode()], dtype=object), binary_data=False)
+    outputs = [triton.InferRequestedOutput(n, binary_data=False) for n in ("label", "probability")]
+    result = client.infer("mepo", [image_input], outputs=outputs, parameters={"top_k": 3})
+    assert result.as_numpy("label")[0].tolist() == [c["label"] for c in v1]
+    assert result.as_numpy("probability")[0] == pytest.approx([c["probability"] for c in v1], abs=3e-6)
+    assert client.get_inference_statistics("mepo")["model_stats"][0]["inference_count"] == before + 1
 
 
 def test_kill_9_mid_stream_then_a_restart_ends_exactly_as_an_uninterrupted_run(broker, tmp_path):

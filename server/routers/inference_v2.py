@@ -63,6 +63,12 @@ def ready(service: Annotated[Service, Depends(get_service)]) -> dict:
     return {"ready": True}
 
 
+@router.get("/models/stats", summary="Statistics of every model (Triton's statistics extension)")
+def all_stats(service: Annotated[Service, Depends(get_service)],
+              settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
+    return {"model_stats": [model_statistics(settings.model_name, service)]}
+
+
 @router.get("/models/{name}", summary="Model metadata")
 def model_metadata(name: str, settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
     _model(name, settings)
@@ -72,6 +78,36 @@ def model_metadata(name: str, settings: Annotated[ServeConfig, Depends(get_setti
         "outputs": [{"name": "label", "datatype": "INT64", "shape": [-1, -1]},
                     {"name": "probability", "datatype": "FP32", "shape": [-1, -1]}],
     }
+
+
+@router.get("/models/{name}/config", summary="Model configuration (Triton's model-config extension)")
+def model_config(name: str, settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
+    _model(name, settings)
+    return {
+        "name": name, "platform": "pytorch", "backend": "pytorch", "max_batch_size": settings.max_files,
+        "input": [{"name": INPUT_NAME, "data_type": "TYPE_STRING", "dims": [-1]}],
+        "output": [{"name": "label", "data_type": "TYPE_INT64", "dims": [-1, -1]},
+                   {"name": "probability", "data_type": "TYPE_FP32", "dims": [-1, -1]}],
+    }
+
+
+@router.get("/models/{name}/stats", summary="Model statistics (Triton's statistics extension)")
+def stats(name: str, service: Annotated[Service, Depends(get_service)],
+          settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
+    _model(name, settings)
+    return {"model_stats": [model_statistics(name, service)]}
+
+
+def model_statistics(name: str, service: Service) -> dict:
+    """Request counts and time from the service's Prometheus series, in Triton's statistics layout."""
+    registry = service.state.metrics.registry
+    requests = {s.labels["status"]: int(s.value) for m in registry.collect() if m.name == "mepo_predict_requests"
+                for s in m.samples if s.name.endswith("_total")}
+    ok, failed = requests.get("200", 0), sum(n for status, n in requests.items() if status != "200")
+    seconds = registry.get_sample_value("mepo_predict_duration_seconds_sum") or 0.0
+    return {"name": name, "version": str(service.state.snapshot.version), "inference_count": ok,
+            "execution_count": ok, "inference_stats": {"success": {"count": ok, "ns": int(seconds * 1e9)},
+                                                       "fail": {"count": failed, "ns": 0}}}
 
 
 @router.get("/models/{name}/ready", summary="Model readiness")
