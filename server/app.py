@@ -19,15 +19,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.body_limit import BodyLimit
 from server.config import ServeConfig
 from server.dependencies import error_response
 from server.metrics import ServerMetrics
-from server.request_count import CountPredictions
 from server.replica import ReplicaService
 from server.routers import inference_v2, ops, page, predict
 from server.service import Service
@@ -47,11 +44,8 @@ def create_app(settings: ServeConfig) -> FastAPI:
         yield
         service.stop()
 
-    # FastAPIOffline: /docs and /redoc load their JavaScript and CSS from the fastapi-offline wheel, not a CDN
-    app = FastAPIOffline(title="mepo-stream", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="mepo-stream", version="0.1.0", lifespan=lifespan,
                   description="Streaming continual learner (MePo) with a real-time prediction API.")
-    app.add_middleware(BodyLimit, limits=settings.limits, max_files=settings.max_files)
-    app.add_middleware(CountPredictions, metrics=metrics)  # outermost: it sees the body limit's 413 too
     app.state.settings = settings
     app.state.metrics = metrics
     app.include_router(predict.router)
@@ -65,9 +59,7 @@ def create_app(settings: ServeConfig) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        response = error_response(exc.status_code, str(exc.detail), getattr(exc, "reason", "http_error"))
-        response.headers.update(exc.headers or {})  # e.g. a 405's Allow
-        return response
+        return error_response(exc.status_code, str(exc.detail), getattr(exc, "reason", "http_error"))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

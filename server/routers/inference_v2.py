@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import math
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends
@@ -21,8 +20,7 @@ from server.dependencies import ApiError, get_service, get_settings
 from server.prediction import decode_all, predict_images
 from server.service import Service
 
-# KServe/Triton clients send their JSON bodies without a Content-Type header: parse them as JSON all the same.
-router = APIRouter(prefix="/v2", tags=["open inference protocol"], strict_content_type=False)
+router = APIRouter(prefix="/v2", tags=["open inference protocol"])
 INPUT_NAME = "image"
 
 
@@ -63,12 +61,6 @@ def ready(service: Annotated[Service, Depends(get_service)]) -> dict:
     return {"ready": True}
 
 
-@router.get("/models/stats", summary="Statistics of every model (Triton's statistics extension)")
-def all_stats(service: Annotated[Service, Depends(get_service)],
-              settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
-    return {"model_stats": [model_statistics(settings.model_name, service)]}
-
-
 @router.get("/models/{name}", summary="Model metadata")
 def model_metadata(name: str, settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
     _model(name, settings)
@@ -80,57 +72,11 @@ def model_metadata(name: str, settings: Annotated[ServeConfig, Depends(get_setti
     }
 
 
-@router.get("/models/{name}/config", summary="Model configuration (Triton's model-config extension)")
-def model_config(name: str, settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
-    _model(name, settings)
-    return {
-        "name": name, "platform": "pytorch", "backend": "pytorch", "max_batch_size": settings.max_files,
-        "input": [{"name": INPUT_NAME, "data_type": "TYPE_STRING", "dims": [-1]}],
-        "output": [{"name": "label", "data_type": "TYPE_INT64", "dims": [-1, -1]},
-                   {"name": "probability", "data_type": "TYPE_FP32", "dims": [-1, -1]}],
-    }
-
-
-@router.get("/models/{name}/stats", summary="Model statistics (Triton's statistics extension)")
-def stats(name: str, service: Annotated[Service, Depends(get_service)],
-          settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
-    _model(name, settings)
-    return {"model_stats": [model_statistics(name, service)]}
-
-
-def model_statistics(name: str, service: Service) -> dict:
-    """Request counts and time from the service's Prometheus series, in Triton's statistics layout."""
-    registry = service.state.metrics.registry
-    requests = {s.labels["status"]: int(s.value) for m in registry.collect() if m.name == "mepo_predict_requests"
-                for s in m.samples if s.name.endswith("_total")}
-    ok, failed = requests.get("200", 0), sum(n for status, n in requests.items() if status != "200")
-    seconds = registry.get_sample_value("mepo_predict_duration_seconds_sum") or 0.0
-    return {"name": name, "version": str(service.state.snapshot.version), "inference_count": ok,
-            "execution_count": ok, "inference_stats": {"success": {"count": ok, "ns": int(seconds * 1e9)},
-                                                       "fail": {"count": failed, "ns": 0}}}
-
-
 @router.get("/models/{name}/ready", summary="Model readiness")
 def model_ready(name: str, service: Annotated[Service, Depends(get_service)],
                 settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
     _model(name, settings)
     return {"name": name, "ready": bool(service.state.snapshot.exposed)}
-
-
-def parse_top_k(parameters: dict[str, Any] | None, default: int) -> int:
-    """``parameters.top_k`` as a whole number in 1..100 (default ``default``); anything else is the client's error.
-
-    Example:
-        >>> parse_top_k({"top_k": 3}, 5), parse_top_k(None, 5), parse_top_k({"top_k": 3.0}, 5)
-        (3, 5, 3)
-    """
-    value = (parameters or {}).get("top_k", default)
-    whole = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) \
-        and float(value).is_integer()
-    if not whole or not 1 <= value <= 100:
-        raise ApiError(400, f"parameters.top_k must be a whole number from 1 to 100, got {value!r}",
-                       "invalid_request")
-    return int(value)
 
 
 def _decode_b64(item: Any, index: int) -> bytes:
@@ -146,7 +92,6 @@ def _decode_b64(item: Any, index: int) -> bytes:
 async def infer(name: str, request: InferRequest, service: Annotated[Service, Depends(get_service)],
                 settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
     _model(name, settings)
-    top_k = parse_top_k(request.parameters, settings.top_k)
     tensor = request.inputs[0]
     if tensor.datatype != "BYTES":
         raise ApiError(400, f"input {tensor.name!r} must have datatype BYTES (encoded images)", "invalid_request")
@@ -154,7 +99,8 @@ async def infer(name: str, request: InferRequest, service: Annotated[Service, De
         raise ApiError(400, f"shape {tensor.shape} does not match {len(tensor.data)} data items", "invalid_request")
     items = [(f"{tensor.name}[{i}]", _decode_b64(d, i)) for i, d in enumerate(tensor.data)]
     images = await run_in_threadpool(decode_all, items, settings)
-    meta, rows = await run_in_threadpool(predict_images, service, images, top_k)
+    top_k = int((request.parameters or {}).get("top_k", settings.top_k))
+    meta, rows = await run_in_threadpool(predict_images, service, images, max(1, min(top_k, 100)))
     k = len(rows[0])
     return {
         "model_name": name, "model_version": str(meta["model_version"]), "id": request.id,

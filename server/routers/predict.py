@@ -28,8 +28,11 @@ UPLOAD_SCHEMA = {
 
 
 async def read_uploads(request: Request, settings: ServeConfig) -> list[tuple[str, bytes]]:
-    """(name, bytes) of every uploaded image (``server.body_limit`` stops an oversize body while it streams in)."""
+    """(name, bytes) of every uploaded image, refusing oversize bodies before reading them whole."""
     content_type = request.headers.get("content-type", "")
+    declared = int(request.headers.get("content-length") or 0)
+    if declared > settings.limits.max_bytes * settings.max_files:
+        raise ApiError(413, f"request body of {declared} bytes is too large", "too_large")
     if content_type.startswith("multipart/form-data"):
         form = await request.form(max_files=settings.max_files + 1)
         files = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
@@ -55,7 +58,13 @@ async def predict(
     top_k: Annotated[int | None, Query(ge=1, le=100, description="labels per image")] = None,
 ) -> dict:
     """Top-k labels (with names and probabilities) over the classes seen so far, from the current model."""
-    items = await read_uploads(request, settings)
-    images = await run_in_threadpool(decode_all, items, settings)
-    meta, rows = await run_in_threadpool(predict_images, service, images, top_k or settings.top_k)
+    metrics = service.state.metrics
+    try:
+        items = await read_uploads(request, settings)
+        images = await run_in_threadpool(decode_all, items, settings)
+        meta, rows = await run_in_threadpool(predict_images, service, images, top_k or settings.top_k)
+    except ApiError as e:
+        metrics.predict_requests.labels(str(e.status_code)).inc()
+        raise
+    metrics.predict_requests.labels("200").inc()
     return {**meta, "predictions": [{"filename": name, "top_k": row} for (name, _), row in zip(items, rows)]}
