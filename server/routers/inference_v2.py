@@ -16,12 +16,13 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from server.config import ServeConfig
-from server.dependencies import ApiError, get_service, get_settings
+from server.dependencies import ApiError, errors, get_service, get_settings
 from server.prediction import decode_all, predict_images
 from server.service import Service
 
-router = APIRouter(prefix="/v2", tags=["open inference protocol"])
+router = APIRouter(prefix="/v2", tags=["open inference protocol"], strict_content_type=False)
 INPUT_NAME = "image"
+MAX_TOP_K = 100
 
 
 class InferInput(BaseModel):
@@ -40,6 +41,7 @@ class InferRequest(BaseModel):
 
 
 def _model(name: str, settings: ServeConfig) -> None:
+    """404 for any model but the one served."""
     if name != settings.model_name:
         raise ApiError(404, f"unknown model {name!r}; this server serves {settings.model_name!r}", "unknown_model")
 
@@ -54,14 +56,37 @@ def live() -> dict:
     return {"live": True}
 
 
-@router.get("/health/ready", summary="Server readiness")
+@router.get("/health/ready", summary="Server readiness", responses=errors(503))
 def ready(service: Annotated[Service, Depends(get_service)]) -> dict:
     if not all((checks := service.readiness()["checks"]).values()):
         raise ApiError(503, f"not ready: {', '.join(k for k, ok in checks.items() if not ok)} false", "not_ready")
     return {"ready": True}
 
 
-@router.get("/models/{name}", summary="Model metadata")
+def _statistics(name: str, service: Service) -> dict:
+    """Triton's per-model statistics from the service's Prometheus series (both protocols: one model serves
+    them); durations in nanoseconds, successes being the 200 answers."""
+    metrics = service.state.metrics
+    counts = [s for m in metrics.predict_requests.collect() for s in m.samples if s.name.endswith("_total")]
+    success = int(sum(s.value for s in counts if s.labels["status"] == "200"))
+    seconds = metrics.registry.get_sample_value("mepo_predict_duration_seconds_sum") or 0.0
+    return {
+        "name": name, "version": str(service.state.snapshot.version), "last_inference": 0,
+        "inference_count": success, "execution_count": success,
+        "inference_stats": {"success": {"count": success, "ns": int(seconds * 1e9)},
+                            "fail": {"count": int(sum(s.value for s in counts)) - success, "ns": 0}},
+    }
+
+
+# declared before /models/{name}, which would match it
+@router.get("/models/stats", summary="Statistics of every model (Triton's statistics extension)",
+            responses=errors(503))
+def all_statistics(service: Annotated[Service, Depends(get_service)],
+                   settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
+    return {"model_stats": [_statistics(settings.model_name, service)]}
+
+
+@router.get("/models/{name}", summary="Model metadata", responses=errors(404, 422))
 def model_metadata(name: str, settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
     _model(name, settings)
     return {
@@ -72,11 +97,52 @@ def model_metadata(name: str, settings: Annotated[ServeConfig, Depends(get_setti
     }
 
 
-@router.get("/models/{name}/ready", summary="Model readiness")
+@router.get("/models/{name}/ready", summary="Model readiness", responses=errors(404, 422, 503))
 def model_ready(name: str, service: Annotated[Service, Depends(get_service)],
                 settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
     _model(name, settings)
     return {"name": name, "ready": bool(service.state.snapshot.exposed)}
+
+
+@router.get("/models/{name}/config", summary="Model configuration (Triton's model-configuration extension)",
+            responses=errors(404, 422))
+def model_config(name: str, settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
+    _model(name, settings)
+    return {
+        "name": name, "platform": "pytorch", "backend": "mepo-stream", "max_batch_size": 0,
+        "input": [{"name": INPUT_NAME, "data_type": "TYPE_STRING", "dims": [-1]}],
+        "output": [{"name": "label", "data_type": "TYPE_INT64", "dims": [-1, -1]},
+                   {"name": "probability", "data_type": "TYPE_FP32", "dims": [-1, -1]}],
+        "parameters": {"top_k": {"string_value": str(settings.top_k)},
+                       "max_images": {"string_value": str(settings.max_files)}},
+    }
+
+
+@router.get("/models/{name}/stats", summary="Model statistics (Triton's statistics extension)",
+            responses=errors(404, 422, 503))
+def model_statistics(name: str, service: Annotated[Service, Depends(get_service)],
+                     settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
+    _model(name, settings)
+    return {"model_stats": [_statistics(name, service)]}
+
+
+@router.post("/repository/index", summary="Model repository index (Triton's model-repository extension)",
+             responses=errors(503))
+def repository_index(service: Annotated[Service, Depends(get_service)],
+                     settings: Annotated[ServeConfig, Depends(get_settings)]) -> list[dict]:
+    ready = bool(service.state.snapshot.exposed)
+    return [{"name": settings.model_name, "version": str(service.state.snapshot.version),
+             "state": "READY" if ready else "UNAVAILABLE", "reason": "" if ready else "no classes learned yet"}]
+
+
+def _top_k(parameters: dict[str, Any] | None, default: int) -> int:
+    """``parameters.top_k``: a JSON integer from 1 to 100; anything else is the client's error (400), never a
+    500 from an unguarded ``int()``."""
+    value = (parameters or {}).get("top_k", default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOP_K:
+        raise ApiError(400, f"parameters.top_k must be an integer from 1 to {MAX_TOP_K}, not {value!r:.40}",
+                       "invalid_request")
+    return value
 
 
 def _decode_b64(item: Any, index: int) -> bytes:
@@ -88,10 +154,11 @@ def _decode_b64(item: Any, index: int) -> bytes:
         raise ApiError(400, f"inputs[0].data[{index}] is not valid base64", "invalid_request") from e
 
 
-@router.post("/models/{name}/infer", summary="Inference")
+@router.post("/models/{name}/infer", summary="Inference", responses=errors(400, 404, 413, 422, 503))
 async def infer(name: str, request: InferRequest, service: Annotated[Service, Depends(get_service)],
                 settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
     _model(name, settings)
+    top_k = _top_k(request.parameters, settings.top_k)
     tensor = request.inputs[0]
     if tensor.datatype != "BYTES":
         raise ApiError(400, f"input {tensor.name!r} must have datatype BYTES (encoded images)", "invalid_request")
@@ -99,8 +166,7 @@ async def infer(name: str, request: InferRequest, service: Annotated[Service, De
         raise ApiError(400, f"shape {tensor.shape} does not match {len(tensor.data)} data items", "invalid_request")
     items = [(f"{tensor.name}[{i}]", _decode_b64(d, i)) for i, d in enumerate(tensor.data)]
     images = await run_in_threadpool(decode_all, items, settings)
-    top_k = int((request.parameters or {}).get("top_k", settings.top_k))
-    meta, rows = await run_in_threadpool(predict_images, service, images, max(1, min(top_k, 100)))
+    meta, rows = await run_in_threadpool(predict_images, service, images, top_k)
     k = len(rows[0])
     return {
         "model_name": name, "model_version": str(meta["model_version"]), "id": request.id,
