@@ -68,7 +68,7 @@ class BodyLimit:
 
 class PredictCounter:
     """Counts every prediction request in ``mepo_predict_requests_total{protocol, status}``, those refused before
-    their route ran included."""
+    their route ran included (not an unhandled error's 500: Starlette renders it outside every middleware)."""
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
         self.app = app
