@@ -117,13 +117,14 @@ def test_v2_requests_failed_ones_included_are_counted_in_the_metrics(live):
         return {m[0]: float(m[1]) for m in re.findall(
             rf'mepo_predict_requests_total{{protocol="{protocol}",status="(\d+)"}} (\S+)', text)}
 
-    before = counted("v2")
+    before, before_v1 = counted("v2"), counted("v1")
     assert http.post(f"/v2/models/{cfg.model_name}/infer", json=_request()).status_code == 200
     assert http.post(f"/v2/models/{cfg.model_name}/infer", json={"inputs": []}).status_code == 422
-    assert http.post(f"/v2/models/{cfg.model_name}/infer", json=_request(parameters={"top_k": "x"})).status_code == 400
+    assert http.post(f"/v2/models/{cfg.model_name}/infer", json=_request(tensor={"shape": [2]})).status_code == 400
     after = counted("v2")
     assert {s: after.get(s, 0) - before.get(s, 0) for s in ("200", "400", "422")} == {"200": 1, "400": 1, "422": 1}
-    assert counted("v1")  # the /v1 route keeps its series, now under protocol="v1"
+    assert http.post("/v1/predict", content=b"{}", headers={"content-type": "application/json"}).status_code == 415
+    assert counted("v1").get("415", 0) - before_v1.get("415", 0) == 1  # /v1 counted as before, protocol="v1"
 
 
 def test_docs_reference_only_local_assets_that_are_served(live):

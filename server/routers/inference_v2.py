@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends
-from pydantic import BaseModel, Field
+from fastapi import APIRouter, Depends, Path
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from server.config import ServeConfig
@@ -23,19 +23,32 @@ from server.service import Service
 router = APIRouter(prefix="/v2", tags=["open inference protocol"], strict_content_type=False)
 INPUT_NAME = "image"
 MAX_TOP_K = 100
+ModelName = Annotated[str, Path(description="The served model's name (`--model_name`)", examples=["mepo"])]
 
 
 class InferInput(BaseModel):
+    """The images: a ``BYTES`` tensor of shape ``[N]``, one base64 string per encoded image (the schema says all
+    it can; ``shape`` matching ``data`` and the strings decoding to images are checked by the route: 400, 422)."""
+
     name: str
-    shape: list[int]
-    datatype: str
+    shape: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, max_length=1)
+    datatype: Literal["BYTES"]
     parameters: dict[str, Any] | None = None
-    data: list[Any]
+    data: list[str]
+
+
+class InferParameters(BaseModel):
+    """Request parameters: ``top_k``, strictly a JSON integer (never a string, float or bool to coerce); other
+    parameters clients send (Triton's ``binary_data_output``) are ignored."""
+
+    model_config = ConfigDict(extra="allow")
+    top_k: int = Field(default=None, ge=1, le=MAX_TOP_K, strict=True,  # type: ignore[assignment]
+                       description="labels per image; default the server's --top_k")
 
 
 class InferRequest(BaseModel):
     id: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: InferParameters | None = None
     inputs: list[InferInput] = Field(min_length=1)
     outputs: list[dict[str, Any]] | None = None
 
@@ -87,7 +100,7 @@ def all_statistics(service: Annotated[Service, Depends(get_service)],
 
 
 @router.get("/models/{name}", summary="Model metadata", responses=errors(404, 422))
-def model_metadata(name: str, settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
+def model_metadata(name: ModelName, settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
     _model(name, settings)
     return {
         "name": name, "versions": [], "platform": "pytorch",
@@ -98,7 +111,7 @@ def model_metadata(name: str, settings: Annotated[ServeConfig, Depends(get_setti
 
 
 @router.get("/models/{name}/ready", summary="Model readiness", responses=errors(404, 422, 503))
-def model_ready(name: str, service: Annotated[Service, Depends(get_service)],
+def model_ready(name: ModelName, service: Annotated[Service, Depends(get_service)],
                 settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
     _model(name, settings)
     return {"name": name, "ready": bool(service.state.snapshot.exposed)}
@@ -106,7 +119,7 @@ def model_ready(name: str, service: Annotated[Service, Depends(get_service)],
 
 @router.get("/models/{name}/config", summary="Model configuration (Triton's model-configuration extension)",
             responses=errors(404, 422))
-def model_config(name: str, settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
+def model_config(name: ModelName, settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
     _model(name, settings)
     return {
         "name": name, "platform": "pytorch", "backend": "mepo-stream", "max_batch_size": 0,
@@ -120,7 +133,7 @@ def model_config(name: str, settings: Annotated[ServeConfig, Depends(get_setting
 
 @router.get("/models/{name}/stats", summary="Model statistics (Triton's statistics extension)",
             responses=errors(404, 422, 503))
-def model_statistics(name: str, service: Annotated[Service, Depends(get_service)],
+def model_statistics(name: ModelName, service: Annotated[Service, Depends(get_service)],
                      settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
     _model(name, settings)
     return {"model_stats": [_statistics(name, service)]}
@@ -135,19 +148,7 @@ def repository_index(service: Annotated[Service, Depends(get_service)],
              "state": "READY" if ready else "UNAVAILABLE", "reason": "" if ready else "no classes learned yet"}]
 
 
-def _top_k(parameters: dict[str, Any] | None, default: int) -> int:
-    """``parameters.top_k``: a JSON integer from 1 to 100; anything else is the client's error (400), never a
-    500 from an unguarded ``int()``."""
-    value = (parameters or {}).get("top_k", default)
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOP_K:
-        raise ApiError(400, f"parameters.top_k must be an integer from 1 to {MAX_TOP_K}, not {value!r:.40}",
-                       "invalid_request")
-    return value
-
-
-def _decode_b64(item: Any, index: int) -> bytes:
-    if not isinstance(item, str):
-        raise ApiError(400, f"inputs[0].data[{index}] must be a base64 string", "invalid_request")
+def _decode_b64(item: str, index: int) -> bytes:
     try:
         return base64.b64decode(item, validate=True)
     except (binascii.Error, ValueError) as e:
@@ -155,13 +156,11 @@ def _decode_b64(item: Any, index: int) -> bytes:
 
 
 @router.post("/models/{name}/infer", summary="Inference", responses=errors(400, 404, 413, 422, 503))
-async def infer(name: str, request: InferRequest, service: Annotated[Service, Depends(get_service)],
+async def infer(name: ModelName, request: InferRequest, service: Annotated[Service, Depends(get_service)],
                 settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
     _model(name, settings)
-    top_k = _top_k(request.parameters, settings.top_k)
+    top_k = (request.parameters and request.parameters.top_k) or settings.top_k
     tensor = request.inputs[0]
-    if tensor.datatype != "BYTES":
-        raise ApiError(400, f"input {tensor.name!r} must have datatype BYTES (encoded images)", "invalid_request")
     if tensor.shape != [len(tensor.data)]:
         raise ApiError(400, f"shape {tensor.shape} does not match {len(tensor.data)} data items", "invalid_request")
     items = [(f"{tensor.name}[{i}]", _decode_b64(d, i)) for i, d in enumerate(tensor.data)]
