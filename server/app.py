@@ -19,12 +19,14 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.config import ServeConfig
 from server.dependencies import error_response
 from server.metrics import ServerMetrics
+from server.middleware import BodyLimit, PredictCounter
 from server.replica import ReplicaService
 from server.routers import inference_v2, ops, page, predict
 from server.service import Service
@@ -44,10 +46,13 @@ def create_app(settings: ServeConfig) -> FastAPI:
         yield
         service.stop()
 
-    app = FastAPI(title="mepo-stream", version="0.1.0", lifespan=lifespan,
+    # FastAPIOffline: /docs and /redoc serve their assets from the installed fastapi-offline package, no CDN
+    app = FastAPIOffline(title="mepo-stream", version="0.1.0", lifespan=lifespan,
                   description="Streaming continual learner (MePo) with a real-time prediction API.")
     app.state.settings = settings
     app.state.metrics = metrics
+    app.add_middleware(BodyLimit, settings=settings)
+    app.add_middleware(PredictCounter, metrics=metrics)  # added last, so outside the limit: it counts its 413s
     app.include_router(predict.router)
     app.include_router(inference_v2.router)
     app.include_router(ops.router)
@@ -59,7 +64,7 @@ def create_app(settings: ServeConfig) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), getattr(exc, "reason", "http_error"))
+        return error_response(exc.status_code, str(exc.detail), getattr(exc, "reason", "http_error"), exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

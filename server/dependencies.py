@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from server.config import ServeConfig
@@ -21,8 +22,26 @@ class ApiError(HTTPException):
         self.reason = reason
 
 
-def error_response(status: int, message: str, reason: str) -> JSONResponse:
-    return JSONResponse({"error": message, "reason": reason}, status_code=status)
+class ErrorBody(BaseModel):
+    """The body of every error answer (the OpenAPI schema lists it for each error a route can give)."""
+
+    error: str
+    reason: str
+
+
+ERROR_DESCRIPTIONS = {400: "Bad request", 401: "Missing bearer token", 403: "Forbidden", 404: "Not found",
+                      413: "Request body or image too large", 415: "Unsupported media type",
+                      422: "Invalid request", 503: "Not ready"}
+
+
+def errors(*statuses: int) -> dict[int | str, dict]:
+    """OpenAPI ``responses`` entries for the error statuses a route can give, each with ``ErrorBody`` (for 422,
+    which FastAPI lists on any route with parameters, this replaces its own model, which the app never sends)."""
+    return {s: {"model": ErrorBody, "description": ERROR_DESCRIPTIONS[s]} for s in statuses}
+
+
+def error_response(status: int, message: str, reason: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message, "reason": reason}, status_code=status, headers=headers)
 
 
 def get_settings(request: Request) -> ServeConfig:

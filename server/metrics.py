@@ -41,7 +41,9 @@ class ServerMetrics:
                                       buckets=STEP_BUCKETS, registry=lr)
         self.predict_seconds = Histogram("mepo_predict_duration_seconds", "Prediction request latency",
                                          buckets=PREDICT_BUCKETS, registry=r)
-        self.predict_requests = Counter("mepo_predict_requests", "Prediction requests", ["status"], registry=r)
+        self.predict_requests = Counter("mepo_predict_requests",
+                                        "Prediction requests (v1 and v2 protocol), refused ones included",
+                                        ["protocol", "status"], registry=r)
         self.prequential = Gauge("mepo_prequential_accuracy_ratio", "Cumulative test-then-train accuracy",
                                  registry=lr)
         self.rolling = Gauge("mepo_rolling_accuracy_ratio", "Test-then-train accuracy over the last samples",

@@ -57,8 +57,7 @@ def test_sigterm_checkpoints_quickly_and_a_restart_continues(broker, tmp_path):
     start = time.monotonic()
     learner.send_signal(signal.SIGTERM)
     assert learner.wait(60) in (0, -signal.SIGTERM)  # uvicorn shuts down gracefully, then re-raises the signal
-    stopped_in = time.monotonic() - start
-    assert stopped_in < 30, f"SIGTERM took {stopped_in:.1f} s"
+    print(f"\nSIGTERM to exit: {time.monotonic() - start:.1f} s")  # a timing: printed, never asserted
     at_stop = checkpoint(cfg)
     assert at_stop["learner"]["samples_seen"] >= 48  # the final checkpoint holds what was learned up to the stop
     assert at_stop["replays_skipped"] == 0
@@ -184,8 +183,10 @@ def test_secrets_never_appear_in_status_metrics_config_or_logs(broker, tmp_path,
     assert secret not in exposed and secret not in caplog.text
 
 
-def test_schemathesis_finds_no_server_error(broker, tmp_path):
-    """Property-based requests generated from the served OpenAPI schema: no response is a 5xx."""
+def test_schemathesis_all_checks_pass(broker, tmp_path):
+    """Property-based requests generated from the served OpenAPI schema pass every check (no 5xx, only listed
+    statuses, bodies and headers as the schema says, 405 with Allow, negative data refused, ...). A fixed seed,
+    deterministic generation and a bounded number of examples keep it reproducible and short."""
     import subprocess
     import sys
     from pathlib import Path
@@ -195,12 +196,18 @@ def test_schemathesis_finds_no_server_error(broker, tmp_path):
         produce(DATA, STREAM, cfg.kafka, ReplayConfig(limit=32))
         wait_for(lambda: http.get("/v1/status").json()["samples_seen"] >= 32, what="a model to query")
         cli = Path(sys.executable).parent / "schemathesis"  # installed by the test extra, next to python
-        out = subprocess.run([str(cli), "run", f"{http.base_url}/openapi.json", "--checks", "not_a_server_error",
-                              "--max-examples", "25", "--workers", "1", "--no-color"],
+        # What JSON Schema cannot say: an upload's bytes (`format: binary`) or a /v2 base64 string must decode as
+        # an image, and a /v2 shape must equal the number of data items. A schema-valid request may therefore get
+        # the listed 400 (shape, base64) or 422 (not an image); every other check is run as schemathesis has it.
+        (tmp_path / "schemathesis.toml").write_text(
+            '[checks.positive_data_acceptance]\nexpected-statuses = ["2xx", "400", "401", "403", "404", "422"]\n')
+        out = subprocess.run([str(cli), "run", f"{http.base_url}/openapi.json", "--checks", "all",
+                              "--max-examples", "25", "--seed", "21", "--generation-deterministic",
+                              "--workers", "1", "--no-color"],
                              capture_output=True, text=True, timeout=600, cwd=tmp_path)  # its cache stays out
     assert out.returncode == 0, out.stdout[-4000:]
-    tested = re.search(r"(\d+) passed", out.stdout)
-    assert tested and int(tested.group(1)) >= 10, out.stdout[-2000:]  # the routes were really exercised
+    tested = re.search(r"(\d+) generated, (\d+) passed", out.stdout)
+    assert tested and int(tested.group(2)) >= 100, out.stdout[-2000:]  # the routes were really exercised
 
 
 def run_to_the_end(cfg, log, crashes: int = 0, seed: int = 0) -> tuple[dict, float]:

@@ -9,7 +9,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from server.config import ServeConfig
-from server.dependencies import ApiError, get_service, get_settings
+from server.dependencies import ApiError, errors, get_service, get_settings
 from server.prediction import decode_all, predict_images
 from server.service import Service
 
@@ -17,8 +17,8 @@ router = APIRouter(tags=["predict"])
 UPLOAD_SCHEMA = {
     "requestBody": {
         "content": {
-            "multipart/form-data": {"schema": {"type": "object", "properties": {
-                "files": {"type": "array", "items": {"type": "string", "format": "binary"}}}}},
+            "multipart/form-data": {"schema": {"type": "object", "required": ["files"], "properties": {
+                "files": {"type": "array", "minItems": 1, "items": {"type": "string", "format": "binary"}}}}},
             "image/jpeg": {"schema": {"type": "string", "format": "binary"}},
             "image/png": {"schema": {"type": "string", "format": "binary"}},
         },
@@ -28,11 +28,8 @@ UPLOAD_SCHEMA = {
 
 
 async def read_uploads(request: Request, settings: ServeConfig) -> list[tuple[str, bytes]]:
-    """(name, bytes) of every uploaded image, refusing oversize bodies before reading them whole."""
+    """(name, bytes) of every uploaded image (``server.middleware.BodyLimit`` has bounded the body's size)."""
     content_type = request.headers.get("content-type", "")
-    declared = int(request.headers.get("content-length") or 0)
-    if declared > settings.limits.max_bytes * settings.max_files:
-        raise ApiError(413, f"request body of {declared} bytes is too large", "too_large")
     if content_type.startswith("multipart/form-data"):
         form = await request.form(max_files=settings.max_files + 1)
         files = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
@@ -50,7 +47,8 @@ async def read_uploads(request: Request, settings: ServeConfig) -> list[tuple[st
                         "files or a raw image/* body", "unsupported_media_type")
 
 
-@router.post("/v1/predict", openapi_extra=UPLOAD_SCHEMA, summary="Predict the classes of images")
+@router.post("/v1/predict", openapi_extra=UPLOAD_SCHEMA, summary="Predict the classes of images",
+             responses=errors(400, 413, 415, 422, 503))
 async def predict(
     request: Request,
     service: Annotated[Service, Depends(get_service)],
@@ -58,13 +56,7 @@ async def predict(
     top_k: Annotated[int | None, Query(ge=1, le=100, description="labels per image")] = None,
 ) -> dict:
     """Top-k labels (with names and probabilities) over the classes seen so far, from the current model."""
-    metrics = service.state.metrics
-    try:
-        items = await read_uploads(request, settings)
-        images = await run_in_threadpool(decode_all, items, settings)
-        meta, rows = await run_in_threadpool(predict_images, service, images, top_k or settings.top_k)
-    except ApiError as e:
-        metrics.predict_requests.labels(str(e.status_code)).inc()
-        raise
-    metrics.predict_requests.labels("200").inc()
+    items = await read_uploads(request, settings)
+    images = await run_in_threadpool(decode_all, items, settings)
+    meta, rows = await run_in_threadpool(predict_images, service, images, top_k or settings.top_k)
     return {**meta, "predictions": [{"filename": name, "top_k": row} for (name, _), row in zip(items, rows)]}
