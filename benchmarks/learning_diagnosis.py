@@ -158,10 +158,10 @@ def run_stream(learner: OnlineLearner, train: ImageSet, tasks: list[list[int]], 
     schedule ``mepo evaluate`` and the service use); per-class accuracy at every evaluation, the losses."""
     evaluation, anytime, end_of_task, losses = AnytimeEvaluation(test, eval_period, EVAL_BATCH), [], [], []
     for task in tasks:
-        for b in range(0, len(task), learner.cfg.batch_size):
-            idx = torch.tensor(task[b: b + learner.cfg.batch_size])
+        for batch in evaluation.batches(learner, task, learner.cfg.batch_size):
+            idx = torch.tensor(batch)
             losses.append(learner.observe(train.images[idx], train.targets[idx]))
-            if (due := evaluation.after_batch(learner, len(idx))) is not None:
+            if (due := evaluation.after_batch(learner)) is not None:
                 acc, per_class = due["running"]
                 anytime.append({"at": evaluation.next_eval - eval_period, "samples_seen": learner.samples_seen,
                                 "accuracy": acc, "per_class": per_class})

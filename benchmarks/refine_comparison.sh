@@ -3,12 +3,13 @@
 # DINOv2 ViT-S/14, plain supervised fine-tuning, the paper's Meta Rep; both refines with the stem frozen, at the
 # same images and steps), each with its offline heads, the default learner without and with Meta Cov, and MISA
 # with the fixes without and with ISA prompts, on the Tiny-ImageNet downstream half and CIFAR-10, seeds 1-3; plus
-# fine-tuning at twice the budget with the default learner.
+# fine-tuning at twice the budget with the default learner; and Table 1 (every host, Tiny-ImageNet) with each refine.
 #
 #   bash benchmarks/refine_comparison.sh [RUNS] [STAGE] [DATASETS]
 #
 # RUNS defaults to runs/refine_comparison. STAGE "base" does only what needs no refined backbone (its Sigma_pre,
-# ISA prompts and evaluations), e.g. while the refines run; "all" (default) everything. DATASETS defaults to
+# ISA prompts and evaluations), e.g. while the refines run; "table1" only Table 1 and its ablation (every host, with
+# each refine as Meta Rep, Meta Cov with the untouched Sigma_pre, and both); "all" (default) everything. DATASETS defaults to
 # "tinyimagenet cifar10"; two invocations with one dataset each share the bundles and run side by side.
 # Every step is resumable: refines continue from their checkpoint, finished bundles are kept, finished evaluation
 # runs come from the dataset's shared cache. Evaluations run most informative first (the default learner, then
@@ -52,6 +53,15 @@ evaluate() {  # dataset-name out-name extra-flags...: one sweep into its own fol
         --protocol.eval_period 250 "${DATA[@]}" "$@"
 }
 
+table1() {  # every host of Table 1 with each same-budget refine, ablation included (Tiny-ImageNet)
+    DATA=(--data.dataset tinyimagenet-downstream --data.train_per_class 25 --data.test_per_class 10)
+    for mode in meta finetune; do
+        evaluate tinyimagenet "table1_$mode" --methods frozen,misa,dualprompt,deep_l2p,coda_p,mvp \
+            --mepo "$RUNS/$mode" --mepo_cov "$RUNS/cov_base" --ablation true
+    done
+}
+if [ "$STAGE" = table1 ]; then table1; exit 0; fi
+
 for name in $DATASETS; do
     if [ "$name" = tinyimagenet ]; then
         DATA=(--data.dataset tinyimagenet-downstream --data.train_per_class 25 --data.test_per_class 10)
@@ -75,3 +85,4 @@ for name in $DATASETS; do
         evaluate "$name" "misa_isa_$mode" --methods misa --mepo_rep "$RUNS/$mode" --mepo_prompts "$RUNS/isa_$mode"
     done
 done
+[ "$STAGE" = base ] || table1

@@ -3,9 +3,11 @@
 One implementation for ``mepo evaluate`` and the streaming server, so both report the same A_AUC for the
 same stream. Definitions follow the reference trainer (MISA/MePo ``_trainer.py``):
 
-* an *any-time* evaluation runs when ``samples_seen + batch > next_eval`` after a mini-batch is learned (then
-  ``next_eval += eval_period``), on the test samples of the classes seen so far, and records micro top-1
-  accuracy at position ``next_eval``; **A_AUC** is the plain mean of those accuracies;
+* an *any-time* evaluation runs on the test samples of the classes seen so far once exactly ``next_eval``
+  samples are learned (then ``next_eval += eval_period``), and records micro top-1 accuracy at that position;
+  **A_AUC** is the plain mean of those accuracies. The reference evaluates after the mini-batch that would
+  cross ``next_eval`` (``samples_seen + batch > next_eval``), up to a batch early; here a mini-batch is cut
+  short at ``next_eval`` instead (``AnytimeEvaluation.room``), so the evaluation "at 500" sees 500 samples;
 * an *end-of-task* evaluation runs after each (hidden) task; **A_last** is the last one, **A_avg** their mean;
 * **F_last** is the mean, over classes whose best earlier end-of-task accuracy is > 0, of that best earlier
   accuracy minus the final accuracy.
@@ -20,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -170,7 +173,10 @@ def evaluate_seen(learner: OnlineLearner, encodings: EncodedTestSet, modes: tupl
 
 
 class AnytimeEvaluation:
-    """One run's any-time evaluation: the reference's schedule, the test encodings and a curve per mode.
+    """One run's any-time evaluation: the schedule, the test encodings and a curve per mode.
+
+    Whoever assembles the mini-batches asks ``room`` how many samples may be learned before the next
+    evaluation and cuts the batch there; ``after_batch`` then evaluates exactly at the scheduled position.
 
     Example:
         >>> from mepo_stream.learner import LearnerConfig
@@ -181,10 +187,12 @@ class AnytimeEvaluation:
         >>> method = build_method("frozen", 2, BackboneConfig(name="test_vit", weights=None, img_size=32))
         >>> learner = OnlineLearner(method, 2, LearnerConfig(autoaugment=None))
         >>> run = AnytimeEvaluation(test, eval_period=2)
-        >>> _ = learner.observe(test.images[:2], test.targets[:2]); run.after_batch(learner, 2) is not None
+        >>> run.room(learner, batch_size=32)  # the first mini-batch stops at the evaluation due at 2
+        2
+        >>> _ = learner.observe(test.images[:2], test.targets[:2]); run.after_batch(learner) is not None
         True
-        >>> run.curves["running"].samples
-        [2]
+        >>> run.curves["running"].samples, run.room(learner, batch_size=32)
+        ([2], 2)
     """
 
     def __init__(self, test: ImageSet, eval_period: int, batch_size: int = 128,
@@ -194,10 +202,25 @@ class AnytimeEvaluation:
         self.next_eval = eval_period
         self.curves = {m: AnytimeCurve() for m in modes}
 
-    def after_batch(self, learner: OnlineLearner, batch_len: int) -> dict[AlignMode, tuple[float, dict]] | None:
-        """Call after each learned mini-batch of ``batch_len`` samples; when an evaluation is due, runs it and
-        returns (accuracy, per-class accuracy) per mode, else None."""
-        if learner.samples_seen + batch_len <= self.next_eval:
+    def room(self, learner: OnlineLearner, batch_size: int) -> int:
+        """The size of the next mini-batch: ``batch_size``, or fewer so that it ends at the next evaluation."""
+        if self.eval_period <= 0:
+            return batch_size
+        return max(1, min(batch_size, self.next_eval - learner.samples_seen))
+
+    def batches(self, learner: OnlineLearner, task: list[int], batch_size: int) -> Iterator[list[int]]:
+        """A task's stream indices as mini-batches in order, each cut at the next scheduled evaluation; learn each
+        (and call ``after_batch``) before taking the next."""
+        start = 0
+        while start < len(task):
+            batch = task[start : start + self.room(learner, batch_size)]
+            start += len(batch)
+            yield batch
+
+    def after_batch(self, learner: OnlineLearner) -> dict[AlignMode, tuple[float, dict]] | None:
+        """Call after each learned mini-batch; when the learner has reached the next scheduled position, runs the
+        evaluation and returns (accuracy, per-class accuracy) per mode, else None."""
+        if self.eval_period <= 0 or learner.samples_seen < self.next_eval:
             return None
         results = evaluate_seen(learner, self.encodings, self.modes)
         for mode, (acc, _) in results.items():

@@ -89,12 +89,12 @@ def run_seed(run: SeedRun) -> dict:
     start = time.time()
     bar = tqdm(total=len(stream.order), desc=f"{run.method} seed {run.seed}", unit="img", leave=False)
     for task in stream.tasks:
-        for b in range(0, len(task), run.learner.batch_size):
-            idx = torch.tensor(task[b : b + run.learner.batch_size])
+        for batch in evaluation.batches(learner, task, run.learner.batch_size):  # never across a task's end
+            idx = torch.tensor(batch)
             loss = learner.observe(train.images[idx], train.targets[idx])
             bar.update(len(idx))
             bar.set_postfix(loss=f"{loss:.3f}", classes=len(learner.exposed))
-            evaluation.after_batch(learner, len(idx))
+            evaluation.after_batch(learner)
         if learner.exposed:
             evaluation.end_of_task(learner)
     bar.close()

@@ -57,8 +57,16 @@ from mepo_stream.backbone import BackboneConfig, create_backbone, device, normal
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.learner import autocast, resolve_precision
-from mepo_stream.meta import (MaskMode, MetaHead, freeze, group_changes, group_mask, matches, relative_change,
-                              reptile_update)
+from mepo_stream.meta import (
+    MaskMode,
+    MetaHead,
+    freeze,
+    group_changes,
+    group_mask,
+    matches,
+    relative_change,
+    reptile_update,
+)
 from mepo_stream.methods import MethodsConfig
 from mepo_stream.pseudo_tasks import GroupPlan, PseudoTaskConfig, meta_epoch_plan, shuffled_batches
 from mepo_stream.transforms import Transform, test_transform, train_transform
@@ -245,8 +253,9 @@ class Trainer:
         """One meta-epoch of the configured mode over that epoch's plan; returns its last losses."""
         plans = meta_epoch_plan(self.images.targets, tasks, self.cfg.seed, epoch)
         g = torch.Generator().manual_seed(self.cfg.seed * 7919 + epoch)
-        with tqdm(total=epoch_images(plans, self.cfg.inner_epochs), desc=f"{self.cfg.mode} {epoch}/{self.cfg.meta_epochs}",
-                  unit="img", disable=self.ddp.rank != 0) as bar:
+        desc = f"{self.cfg.mode} {epoch}/{self.cfg.meta_epochs}"
+        with tqdm(total=epoch_images(plans, self.cfg.inner_epochs), desc=desc, unit="img",
+                  disable=self.ddp.rank != 0) as bar:
             if self.cfg.mode == "finetune":
                 return {"train_loss": self.finetune(plans, g, bar)}
             inner, outer, moved = [self.group(p, g, bar) for p in plans][-1]

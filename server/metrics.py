@@ -55,12 +55,18 @@ class ServerMetrics:
         self.last_accuracy = Gauge("mepo_last_accuracy_ratio",
                                    "Accuracy on seen-class test images when the stream last went idle (A_last)",
                                    registry=lr)
+        self.class_accuracy = Gauge("mepo_class_accuracy_ratio",
+                                    "Accuracy per seen class on its test images, at the latest evaluation",
+                                    ["class_name"], registry=lr)
         for gauge in (self.prequential, self.rolling, self.anytime, self.a_auc, self.last_accuracy):
             gauge.set(float("nan"))  # not measured yet: a dashboard must not read 0 % accuracy
         self.anytime_evals = Counter("mepo_anytime_evaluations", "Any-time evaluations run", registry=lr)
         self.seen_classes = Gauge("mepo_seen_classes", "Classes seen in the stream", registry=r)
-        self.lag = Gauge("mepo_kafka_consumer_lag_records", "Records behind the partition's high watermark",
+        self.lag = Gauge("mepo_kafka_consumer_lag_records",
+                         "Records not yet learned: behind the high watermark or waiting in a mini-batch",
                          ["partition"], registry=lr)
+        self.last_learned = Gauge("mepo_last_learned_timestamp_seconds", "Time the last mini-batch was learned",
+                                  registry=lr)
         self.checkpoint_seconds = Histogram("mepo_checkpoint_duration_seconds", "Checkpoint write time",
                                             buckets=STEP_BUCKETS, registry=lr)
         self.last_checkpoint = Gauge("mepo_last_checkpoint_timestamp_seconds", "Time of the last checkpoint",

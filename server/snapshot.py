@@ -70,11 +70,12 @@ class Snapshot:
 def take_snapshot(learner: OnlineLearner, version: int, align_mode: AlignMode = "running") -> Snapshot:
     """Copy the learner's trainable state (sharing its backbone when that is frozen) into an eval-mode snapshot."""
     method = learner.method
+    if isinstance(method.classifier, StreamingLDA) and method.classifier.seen:
+        method.classifier.solve(method.classifier.chosen)  # once, not per request; the copy and the learner's
+        # prequential scoring of the next batch share it
     memo = {} if method.trains_backbone else {id(method.backbone): method.backbone}
     frozen = copy.deepcopy(method, memo=memo).eval()
     if frozen.alignment is not None and int(frozen.alignment.running_batches) > 0:
         frozen.alignment.running_factor()  # factorise once here, not on every request
-    if isinstance(frozen.classifier, StreamingLDA) and frozen.classifier.seen:
-        frozen.classifier.solve(frozen.classifier.chosen)  # likewise the LDA solve
     return Snapshot(frozen, tuple(learner.exposed), version, learner.samples_seen, learner.test_tf, learner.device,
                     learner.dtype, align_mode)

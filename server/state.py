@@ -62,6 +62,8 @@ class ServiceState:
         self.book = StreamBook(learn_replays=cfg.learn_replays)
         self.version = 0
         self.last_checkpoint_time = math.nan
+        self.last_learned_time = math.nan  # wall time of the last learned mini-batch (not checkpointed)
+        self.class_accuracy: dict[int, float] = {}  # per class id, of the latest evaluation
         self._since_checkpoint = 0
         self._idle_eval_at = -1
         self._lock = threading.Lock()  # one writer at a time: the learner thread, or kafka-python's in a rebalance
@@ -76,6 +78,14 @@ class ServiceState:
         return self.cfg.checkpoint_dir / CHECKPOINT
 
     # --- learning -------------------------------------------------------------------------------------------
+    @property
+    def batch_limit(self) -> int:
+        """The most samples the next mini-batch may hold: the learner's batch size, cut at the next scheduled
+        any-time evaluation so that it runs exactly there, as in ``mepo evaluate``."""
+        if self.evaluation is None:
+            return self.cfg.learner.batch_size
+        return self.evaluation.room(self.learner, self.cfg.learner.batch_size)
+
     def learn(self, batch: list[Sample]) -> None:
         """Test-then-train one mini-batch, publish the new snapshot, run due evaluations."""
         images = stack_images([s.image for s in batch], self.learner.device)  # [B, 3, S, S] uint8, pinned on CUDA
@@ -98,13 +108,15 @@ class ServiceState:
             self._since_checkpoint += len(batch)
         if self.on_snapshot is not None:
             self.on_snapshot(self.snapshot)
+        self.last_learned_time = time.time()
         self.metrics.step_seconds.observe(time.perf_counter() - start)
         self.metrics.learn_steps.inc()
         self.metrics.samples_learned.inc(len(batch))
         if self.evaluation is not None:
             with self._lock:
-                if self.evaluation.after_batch(self.learner, len(batch)) is not None:
+                if (results := self.evaluation.after_batch(self.learner)) is not None:
                     self.metrics.anytime_evals.inc()
+                    self.class_accuracy = results[self.cfg.alignment.inference_mode][1]
         self._export()
 
     def evaluate_now(self) -> float:
@@ -112,7 +124,7 @@ class ServiceState:
         if self.evaluation is None or not self.learner.exposed:
             return math.nan
         with self._lock:
-            acc = self.evaluation.end_of_task(self.learner)[self.cfg.alignment.inference_mode][0]
+            acc, self.class_accuracy = self.evaluation.end_of_task(self.learner)[self.cfg.alignment.inference_mode]
             self._idle_eval_at = self.learner.samples_seen
         self._export()
         return acc
@@ -168,6 +180,7 @@ class ServiceState:
         self.book.load_state_dict(state)
         if self.evaluation is not None and state["anytime"] is not None:
             self.evaluation.load_state_dict(state["anytime"])
+            self.class_accuracy = dict(next(reversed(self.curve.task_class_accuracy), {}))
         torch.set_rng_state(state["rng"])
         self.last_checkpoint_time = float(state["time"])
         log.info("restored checkpoint %s: %d samples learned, offsets %s", self.checkpoint_path,
@@ -187,6 +200,10 @@ class ServiceState:
             m.a_auc.set(curve.a_auc)
         if curve.task_accuracy:
             m.last_accuracy.set(curve.a_last)
+        for c, acc in self.class_accuracy.items():
+            m.class_accuracy.labels(self.class_names.get(c, str(c))).set(acc)
+        if not math.isnan(self.last_learned_time):
+            m.last_learned.set(self.last_learned_time)
 
     def status(self) -> dict:
         b, curve = self.book, self.curve
@@ -207,4 +224,7 @@ class ServiceState:
             "replays_skipped": b.replays_skipped,
             "checkpoint_age_seconds": None if math.isnan(self.last_checkpoint_time)
             else round(time.time() - self.last_checkpoint_time, 1),
+            "idle_seconds": None if math.isnan(self.last_learned_time)
+            else round(time.time() - self.last_learned_time, 1),
+            "class_accuracy": {self.class_names.get(c, str(c)): acc for c, acc in sorted(self.class_accuracy.items())},
         }

@@ -12,7 +12,8 @@ the ``StreamBook``'s (``server.book``), and the model is ``ServiceState``'s.
   ``error_message``, ``source_topic``, ``source_partition`` and ``source_offset``; it is counted, and the loop
   moves on. A replayed sample (already learned, or still waiting in a mini-batch) is skipped and counted
   (unless ``learn_replays``): every sample id is claimed in the book before its image is decoded.
-* Mini-batches are assembled in offset order; a partial batch is learned when the topic goes idle.
+* Mini-batches are assembled in offset order, cut short where an any-time evaluation is scheduled
+  (``ServiceState.batch_limit``); a partial batch is learned when the topic goes idle.
 * Keeping the GPU fed: the images of one poll are decoded and validated in a thread pool
   (``decode_workers``), between claims made and results applied in offset order, so the outcome is the
   inline one. ``ServiceState.learn`` stacks the batch into pinned memory on a CUDA learner
@@ -28,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -105,7 +107,7 @@ class LoopHealth:
     running: bool  # the loop's thread is alive (it stops on a bug, see ``error``)
     kafka_connected: bool  # partitions assigned and the broker answering
     paused: bool
-    consumer_lag: dict[str, int]  # records behind the high watermark, per "topic:partition"
+    consumer_lag: dict[str, int]  # records not yet learned (unread or waiting in a batch), per "topic:partition"
     error: str | None  # why the loop stopped, if it failed
 
 
@@ -226,7 +228,6 @@ class LearnerLoop(ConsumerThread):
     # --- the loop -----------------------------------------------------------------------------------------------
     def _consume(self) -> None:
         assert self.consumer is not None
-        batch_size = self.cfg.learner.batch_size
         while not self.stop_event.is_set():
             if self._checkpoint_request.is_set():
                 self._checkpoint_request.clear()
@@ -235,12 +236,13 @@ class LearnerLoop(ConsumerThread):
             if self._paused.is_set():
                 self.stop_event.wait(0.2)
                 continue
-            polled = self.consumer.poll(timeout_ms=500, max_records=batch_size - len(self.book.pending))
+            room = max(1, self.state.batch_limit - len(self.book.pending))
+            polled = self.consumer.poll(timeout_ms=500, max_records=room)
             self._probe()
             records = sorted((r for rs in polled.values() for r in rs), key=lambda r: (r.partition, r.offset))
             self._accept_poll(records)
             pending = len(self.book.pending)
-            if pending >= batch_size or (pending and not records):
+            if pending >= self.state.batch_limit or (pending and not records):
                 self.learn_pending()
             if not records and not self.book.pending:
                 self._on_idle()
@@ -319,9 +321,12 @@ class LearnerLoop(ConsumerThread):
             raise
 
     def learn_pending(self) -> None:
-        """Learn the pending records as one mini-batch; records accepted while the step runs stay pending."""
-        batch = [p.sample for p in self.book.pending]
-        if batch:
+        """Learn the pending records in mini-batches of at most ``batch_limit`` (cut at a scheduled evaluation);
+        records accepted while a step runs stay pending."""
+        waiting = [p.sample for p in self.book.pending]
+        while waiting:
+            limit = self.state.batch_limit
+            batch, waiting = waiting[:limit], waiting[limit:]
             self.state.learn(batch)
 
     def _dead_letter(self, record, reason: str, message: str) -> None:
@@ -359,7 +364,10 @@ class LearnerLoop(ConsumerThread):
                 log.warning("offset commit failed (the checkpoint holds them): %s", e)
 
     def _update_lag(self) -> None:
+        """Records not yet learned per partition: those behind the high watermark and those read but waiting in
+        the mini-batch."""
         assert self.consumer is not None
+        waiting = Counter(p.key for p in self.book.pending)
         for tp in self.consumer.assignment():
             high = self.consumer.highwater(tp)
             if high is not None:
@@ -367,5 +375,5 @@ class LearnerLoop(ConsumerThread):
                     position = self.consumer.position(tp, timeout_ms=1000)
                 except KafkaError:  # no position yet, or the broker is stalled: keep the last lag
                     continue
-                self.lag[tp_key(tp)] = max(0, high - position)
+                self.lag[tp_key(tp)] = max(0, high - position) + waiting[tp_key(tp)]
                 self.state.metrics.lag.labels(str(tp.partition)).set(self.lag[tp_key(tp)])

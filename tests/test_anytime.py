@@ -97,18 +97,29 @@ def test_evaluation_equals_a_fresh_forward_and_encodes_a_fixed_encoder_once(tiny
         assert n_encoded == len(test)  # each test image encoded once over three evaluations
 
 
-def test_schedule_is_the_reference_rule_and_round_trips(tiny_backbone):
+def test_evaluations_run_exactly_at_their_scheduled_positions_and_round_trip(tiny_backbone):
     learner, test = _learner(tiny_backbone, "frozen", LearnerConfig(autoaugment=None)), _test_set()
     run = AnytimeEvaluation(test, eval_period=50, batch_size=16)
-    due = []
-    for _ in range(4):  # after each batch, samples_seen + batch > next_eval: 64 > 50, 96 <= 100, 128 > 100, 160 > 150
-        learner.observe(_test_set(32).images, torch.arange(32) % 4)
-        due.append(run.after_batch(learner, 32) is not None)
-    assert due == [True, False, True, True] and run.curves["running"].samples == [50, 100, 150]
+    sizes, positions = [], []
+    for batch in run.batches(learner, list(range(160)), batch_size=32):  # batches cut at 50, 100, 150
+        learner.observe(_test_set(len(batch)).images, torch.arange(len(batch)) % 4)
+        sizes.append(len(batch))
+        if run.after_batch(learner) is not None:
+            positions.append(learner.samples_seen)
+    assert sizes == [32, 18, 32, 18, 32, 18, 10] and positions == [50, 100, 150]
+    assert run.curves["running"].samples == [50, 100, 150]
     run.end_of_task(learner)
     again = AnytimeEvaluation(test, eval_period=50, batch_size=16)
     again.load_state_dict(run.state_dict())
-    assert again.next_eval == 200 and again.curves == run.curves
+    assert again.next_eval == 200 and again.curves == run.curves and again.room(learner, 32) == 32
+
+
+def test_no_schedule_without_a_period(tiny_backbone):
+    learner = _learner(tiny_backbone, "frozen", LearnerConfig(autoaugment=None))
+    run = AnytimeEvaluation(_test_set(), eval_period=0)
+    assert run.room(learner, 32) == 32
+    learner.observe(_test_set(32).images, torch.arange(32) % 4)
+    assert run.after_batch(learner) is None and run.curves["running"].samples == []
 
 
 def test_service_and_evaluate_report_the_same_anytime_accuracy(tmp_path):
@@ -121,10 +132,10 @@ def test_service_and_evaluate_report_the_same_anytime_accuracy(tmp_path):
                       checkpoint_dir=tmp_path / "ckpt")
     state, train = ServiceState(cfg, ServerMetrics()), load_split(data, "train")
     for task in si_blurry_stream(train.targets.tolist(), seed=1).tasks:  # evaluate's batches: never across tasks
-        for b in range(0, len(task), cfg.learner.batch_size):
-            state.learn([Sample(train.images[i], RecordMeta(int(train.targets[i]), i, i, "s"))
-                         for i in task[b : b + cfg.learner.batch_size]])
+        while task:  # the service's rule: at most batch_limit samples, so a batch ends at each scheduled evaluation
+            batch, task = task[: state.batch_limit], task[state.batch_limit :]
+            state.learn([Sample(train.images[i], RecordMeta(int(train.targets[i]), i, i, "s")) for i in batch])
     served = state.status()["anytime_accuracy"]
-    assert served["samples"] == offline["samples"] and len(served["samples"]) >= 3
+    assert served["samples"] == offline["samples"] == list(range(period, len(train) + 1, period))
     assert served["accuracy"] == pytest.approx(offline["accuracy"], abs=1e-6)
     assert served["a_auc"] == pytest.approx(offline["A_auc"], abs=1e-6)

@@ -78,7 +78,7 @@ def test_dashboard_is_valid_and_uses_only_real_metrics():
     assert len(ids) == len(set(ids))
     exprs = [a["expr"] for a in dash["annotations"]["list"]]
     for p in dash["panels"]:
-        assert {"x", "y", "w", "h"} <= set(p["gridPos"]) and p["type"] in {"timeseries", "stat"}
+        assert {"x", "y", "w", "h"} <= set(p["gridPos"]) and p["type"] in {"timeseries", "stat", "bargauge"}
         assert p["datasource"]["uid"] == uid and p["targets"]
         exprs += [t["expr"] for t in p["targets"]]
     known = server_metric_names()
@@ -88,7 +88,8 @@ def test_dashboard_is_valid_and_uses_only_real_metrics():
                  "mepo_rolling_accuracy_ratio", "mepo_kafka_consumer_lag_records", "mepo_records_dead_lettered_total",
                  "mepo_drift_detections_total", "mepo_model_version", "mepo_learn_step_duration_seconds_bucket",
                  "mepo_predict_duration_seconds_bucket", "mepo_samples_learned_total", "mepo_replica_lag_versions",
-                 "mepo_replica_snapshot_age_seconds", "mepo_replica_snapshots_refused_total"):
+                 "mepo_replica_snapshot_age_seconds", "mepo_replica_snapshots_refused_total",
+                 "mepo_class_accuracy_ratio", "mepo_last_learned_timestamp_seconds", "mepo_predict_requests_total"):
         assert name in used, f"the dashboard does not show {name}"
     provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/dashboard.yml").read_text())
     assert provider["providers"][0]["type"] == "file"
@@ -167,6 +168,11 @@ def test_a_real_prometheus_scrapes_the_learner(broker, tmp_path):
             for name in ("mepo_anytime_accuracy_ratio", "mepo_anytime_accuracy_auc_ratio"):
                 series = wait_for(lambda n=name: query(url, n), 60, name)
                 assert 0.0 <= float(series[0]["value"][1]) <= 1.0
+            per_class = wait_for(lambda: query(url, "mepo_class_accuracy_ratio"), 60, "per-class accuracy")
+            names = set(http.get("/v1/status").json()["class_accuracy"])
+            assert {r["metric"]["class_name"] for r in per_class} == names and len(names) == 10
+            assert all(0.0 <= float(r["value"][1]) <= 1.0 for r in per_class)
+            assert wait_for(lambda: query(url, "time() - mepo_last_learned_timestamp_seconds"), 60, "last learned")
             assert query(url, 'up{job="mepo-learner"}')[0]["value"][1] == "1"
         finally:
             prom.terminate()

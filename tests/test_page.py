@@ -40,7 +40,8 @@ EMPTY_STATUS = {"samples_seen": 0, "classes_seen": 0, "model_version": 0,
                 "anytime_accuracy": {"last": None, "a_auc": None, "evaluations": 0, "samples": [], "accuracy": []},
                 "a_last": None, "prequential_accuracy": {"cumulative": None, "rolling": None, "samples": 0},
                 "drift_events": [], "dead_lettered": 0, "replays_skipped": 0, "checkpoint_age_seconds": None,
-                "paused": False, "kafka_connected": False, "consumer_lag": {}, "learner_error": None}
+                "idle_seconds": None, "class_accuracy": {}, "paused": False, "kafka_connected": False,
+                "consumer_lag": {}, "learner_error": None}
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +144,20 @@ def test_initial_status_with_nulls_and_a_replicas_section(browser, tmp_path):
         wait_until(browser, lambda d: not d.find_element(By.ID, "replicas-panel").is_displayed(), "no replicas")
 
 
+def test_the_pill_says_idle_when_nothing_is_learned_and_live_when_learning(browser):
+    status = {**EMPTY_STATUS, "kafka_connected": True, "samples_seen": 64, "idle_seconds": 30.0}
+    with serve_app(stub_app(status)) as url:
+        browser.get(url)
+        wait_until(browser, lambda d: text(d, "connection").startswith("idle"), "the idle pill")
+        assert text(browser, "connection") == "idle · nothing learned for 30 s"
+        assert browser.find_element(By.ID, "connection").get_attribute("class") == "pill idle"
+        status["idle_seconds"] = 0.4
+        wait_until(browser, lambda d: text(d, "connection") == "live", "the live pill")
+        status["paused"] = True
+        wait_until(browser, lambda d: text(d, "connection") == "learning paused", "the paused pill")
+        assert script_errors(browser) == []
+
+
 def test_page_follows_the_learner_and_answers_an_upload(broker, browser, tmp_path):
     """The curve fills in as the stream is learned; an upload gets the current model's top-k with probabilities."""
     cfg = settings(broker, tmp_path)
@@ -160,6 +175,7 @@ def test_page_follows_the_learner_and_answers_an_upload(broker, browser, tmp_pat
         assert len(browser.find_elements(By.CSS_SELECTOR, "#curve circle.point")) == int(points)
         assert text(browser, "a-auc") == f"{status['anytime_accuracy']['a_auc']:.3f}"
         assert text(browser, "classes") == "10" and text(browser, "rate") != "—"
+        wait_until(browser, lambda d: text(d, "connection").startswith("idle"), "idle once the stream is learned")
         upload(browser, list_files(DATA, "test").files[0])
         rows = wait_until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#top-k li"), "the top-k answer")
         names = set(list_files(DATA, "train").class_names)

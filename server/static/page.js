@@ -4,6 +4,7 @@
 "use strict";
 
 const POLL_MS = 1000;
+const IDLE_AFTER_S = 5; // no sample learned for this long: the stream is idle, not live
 const RATE_WINDOW_MS = 10000;
 const TOP_K = 5;
 const SVG_NS = "http://www.w3.org/2000/svg";
@@ -147,13 +148,16 @@ function renderReplicas(replicas) {
   $("replicas").replaceChildren(rows.length ? el("table", {}, [header, ...body]) : el("p", { class: "note" }, "none"));
 }
 
-/** The header pill: live, paused, disconnected from Kafka, or the learner's error. */
+/** The header pill: live, idle (nothing learned for IDLE_AFTER_S), paused, disconnected from Kafka, or the
+ *  learner's error. */
 function renderConnection(s) {
   const pill = $("connection");
   const problem = s.learner_error ? `learner error: ${s.learner_error}`
     : s.kafka_connected === false ? "not connected to Kafka" : null;
-  pill.className = `pill ${problem ? "bad" : s.paused ? "warn" : "ok"}`;
-  pill.textContent = problem || (s.paused ? "learning paused" : "live");
+  const idle = !s.paused && s.idle_seconds !== null && s.idle_seconds !== undefined && s.idle_seconds > IDLE_AFTER_S;
+  pill.className = `pill ${problem ? "bad" : s.paused ? "warn" : idle ? "idle" : "ok"}`;
+  pill.textContent = problem || (s.paused ? "learning paused"
+    : idle ? `idle · nothing learned for ${fmt(s.idle_seconds, 0)} s` : "live");
   const age = s.checkpoint_age_seconds;
   $("status-detail").textContent = `updated ${new Date().toLocaleTimeString()}` +
     (age === null || age === undefined ? "" : ` · last checkpoint ${fmt(age, 0)} s ago`);

@@ -1,0 +1,279 @@
+"""One fast test per guarantee of README's "Reliability" and "exactly once" sections, each failing when that
+guarantee alone is broken (``make mutate`` checks that they do).
+
+The learner loop runs over the fake Kafka clients of ``tests.fakes``, whose event log records the order of the
+loop's side effects (dead-letter sends, producer flushes, checkpoints, commits); faults are injected (a save that
+raises half-way), never waited for.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from prometheus_client import generate_latest
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+
+import mepo_stream.checkpoint as checkpoint
+import server.state as state_module
+from mepo_stream.anytime import ProtocolConfig
+from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
+from mepo_stream.images import ImageLimits
+from mepo_stream.records import RecordError, parse_headers, record_headers
+from server.app import create_app
+from server.dependencies import get_service
+from server.replica import Refused, ReplicaModel
+from server.snapshot_topic import Origin
+from server.state import CHECKPOINT
+from tests.fakes import STREAM_ID, TOPIC, FakeConsumer, record, records, run_loop, service
+from tests.helpers import settings
+
+NO_BROKER = SimpleNamespace(bootstrap="127.0.0.1:9")
+
+
+def logged_checkpoints(monkeypatch, events: list) -> None:
+    """Every checkpoint written goes to ``events`` as ("checkpoint", offsets), once it is on disk."""
+
+    def save(path, state):
+        written = save_checkpoint(path, state)
+        events.append(("checkpoint", dict(state["offsets"])))
+        return written
+
+    monkeypatch.setattr(state_module, "save_checkpoint", save)
+
+
+# --- offsets, checkpoints and dead letters ----------------------------------------------------------------------
+def test_offsets_are_committed_only_after_a_checkpoint_holding_them(tmp_path, monkeypatch):
+    state, loop, _ = service(tmp_path, checkpoint_every=16)
+    events: list = []
+    logged_checkpoints(monkeypatch, events)
+    consumer = run_loop(monkeypatch, loop, records(list(range(40))), events)
+    commits = [i for i, e in enumerate(events) if e[0] == "commit"]
+    assert len(commits) >= 2 and consumer.committed == {f"{TOPIC}:0": 40}
+    for i in commits:
+        saved = [e[1] for e in events[:i] if e[0] == "checkpoint"]
+        assert saved and saved[-1] == events[i][1], f"commit {events[i]} without its checkpoint before it"
+
+
+def test_a_failed_checkpoint_commits_nothing(tmp_path, monkeypatch):
+    state, loop, _ = service(tmp_path, checkpoint_every=16)
+    events: list = []
+    calls = []
+
+    def save_once_then_fail(path, saved):
+        calls.append(1)
+        if len(calls) > 1:
+            raise OSError("disk full")
+        return save_checkpoint(path, saved)
+
+    monkeypatch.setattr(state_module, "save_checkpoint", save_once_then_fail)
+    consumer = FakeConsumer(loop, records(list(range(40))), events)
+    monkeypatch.setattr("server.stream.ensure_topics", lambda kafka, *topics: None)
+    monkeypatch.setattr("server.stream.open_producer", lambda kafka, **_: loop.producer)
+    monkeypatch.setattr("server.stream.KafkaConsumer", lambda **_: consumer)
+    loop._run()
+    assert loop.error == "OSError: disk full"  # the loop stops, reports, and keeps serving
+    assert consumer.committed == load_checkpoint(state.checkpoint_path)["offsets"] == {f"{TOPIC}:0": 16}
+
+
+def test_a_crash_in_the_middle_of_a_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
+    path = tmp_path / CHECKPOINT
+    save_checkpoint(path, {"offsets": {"images:0": 16}, "w": torch.ones(1000)})
+    real_save = torch.save
+
+    def crash_half_way(obj, f):  # the bytes reach the disk, then the process "dies"
+        real_save(obj, f)
+        os.truncate(f, os.path.getsize(f) // 2)
+        raise KeyboardInterrupt("killed while writing")
+
+    monkeypatch.setattr(checkpoint.torch, "save", crash_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(path, {"offsets": {"images:0": 32}, "w": torch.zeros(1000)})
+    kept = load_checkpoint(path)
+    assert kept["offsets"] == {"images:0": 16} and torch.equal(kept["w"], torch.ones(1000))
+    assert [p.name for p in tmp_path.iterdir()] == [CHECKPOINT]  # no temporary file left behind
+
+
+def test_dead_letters_are_flushed_before_the_offsets_that_skip_them_are_saved_or_committed(tmp_path, monkeypatch):
+    state, loop, _ = service(tmp_path, checkpoint_every=16)
+    events: list = []
+    logged_checkpoints(monkeypatch, events)
+    log = records(list(range(20)))
+    log[3] = record(3, 3, value=b"not an image")
+    run_loop(monkeypatch, loop, log, events)
+    sent = events.index(("send", state.cfg.kafka.dead_letter_topic))
+    first_past = next(i for i, e in enumerate(events) if e[0] in ("checkpoint", "commit") and e[1][f"{TOPIC}:0"] > 3)
+    assert ("flush",) in events[sent:first_past], events
+
+
+def test_dead_letter_records_carry_every_header_and_the_original_record(tmp_path):
+    state, loop, _ = service(tmp_path)
+    bad_image, bad_label = record(7, 3, value=b"not an image"), record(8, 4)
+    bad_label.headers = record_headers(10, 4, 4, STREAM_ID, "cifar10")  # labels are 0..9
+    loop._accept(bad_image)
+    loop._accept(bad_label)
+    assert [m["topic"] for m in loop.producer.sent] == [state.cfg.kafka.dead_letter_topic] * 2
+    for sent, original, reason in zip(loop.producer.sent, (bad_image, bad_label), ("not_an_image",
+                                                                                    "label_out_of_range")):
+        headers = sent["headers"]
+        names = [k for k, _ in headers[:5]]
+        assert names == ["error", "error_message", "source_topic", "source_partition", "source_offset"]
+        h = dict(headers[:5])
+        assert h["error"] == reason.encode() and h["error_message"]
+        assert (h["source_topic"], h["source_partition"], h["source_offset"]) == (
+            TOPIC.encode(), b"0", str(original.offset).encode())
+        assert headers[5:] == original.headers and sent["value"] == original.value and sent["key"] == original.key
+    assert state.book.dead_lettered == 2 and state.book.offsets == {f"{TOPIC}:0": 9}
+
+
+def test_a_partial_batch_is_learned_as_soon_as_the_topic_goes_idle(tmp_path, monkeypatch):
+    state, loop, _ = service(tmp_path)  # batch size 16
+    events: list = []
+    learn = state.learn
+    state.learn = lambda batch: events.append(("learn", len(batch))) or learn(batch)
+    run_loop(monkeypatch, loop, records(list(range(5))), events, idle_polls=1)
+    idle = [i for i, e in enumerate(events) if e == ("idle poll",)]
+    assert events[idle[0] + 1] == ("learn", 5) and idle[1] > idle[0] + 1  # learned before the loop stopped
+
+
+# --- what a record and a checkpoint may hold --------------------------------------------------------------------
+@pytest.mark.parametrize(("label", "ok"), [(0, True), (9, True), (10, False), (-1, False)])
+def test_labels_are_bounded_by_the_label_space(label, ok):
+    headers = record_headers(label, 0, 0, STREAM_ID, "cifar10")
+    if ok:
+        assert parse_headers(headers, n_classes=10).label == label
+    else:
+        with pytest.raises(RecordError, match="outside 0..9") as e:
+            parse_headers(headers, n_classes=10)
+        assert e.value.reason == "label_out_of_range"
+
+
+class Payload:
+    """Unpickling this object runs code: it writes a marker file."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_holding_a_pickled_object_is_refused_without_running_it(tmp_path):
+    path, marker = tmp_path / CHECKPOINT, tmp_path / "ran"
+    torch.save({"offsets": {}, "learner": Payload(str(marker))}, path)
+    with pytest.raises(ValueError, match="is not a readable mepo checkpoint"):
+        load_checkpoint(path)
+    assert not marker.exists()
+
+
+# --- HTTP: admin token and body limits --------------------------------------------------------------------------
+def admin_client(tmp_path, token: str | None) -> tuple[TestClient, list[tuple[str, str]], list[str]]:
+    """The app with a stand-in service whose loop records the admin actions; its admin routes, from the schema."""
+    app = create_app(settings(NO_BROKER, tmp_path, admin_token=token))
+    calls: list[str] = []
+    loop = SimpleNamespace(**{name: (lambda name=name: calls.append(name))
+                              for name in ("pause", "resume", "request_checkpoint")})
+    app.dependency_overrides[get_service] = lambda: SimpleNamespace(loop=loop)
+    admin = [(path, method) for path, ops in app.openapi()["paths"].items() if "/admin/" in path for method in ops]
+    return TestClient(app), admin, calls  # no lifespan: no model, no broker
+
+
+def refused(response, status: int, reason: str) -> bool:
+    body = response.json()
+    return response.status_code == status and body["reason"] == reason and bool(body["error"])
+
+
+def test_every_admin_route_needs_the_token(tmp_path):
+    client, admin, calls = admin_client(tmp_path, "s3cret")
+    assert {p for p, _ in admin} == {"/v1/admin/checkpoint", "/v1/admin/pause", "/v1/admin/resume"}
+    for path, method in admin:
+        done = len(calls)
+        assert refused(client.request(method, path), 401, "unauthorized"), path
+        wrong = {"Authorization": "Bearer s3cre"}
+        assert refused(client.request(method, path, headers=wrong), 403, "forbidden"), path
+        for header in ("Basic s3cret", "Bearer", "Bearer ", "s3cret", "Token Bearer s3cret"):
+            assert refused(client.request(method, path, headers={"Authorization": header}), 401, "unauthorized"), (
+                path, header)
+        assert len(calls) == done, f"{path} acted without the token"
+        assert client.request(method, path, headers={"Authorization": "bearer s3cret"}).status_code == 200, path
+    assert sorted(calls) == ["pause", "request_checkpoint", "resume"]
+
+
+def test_admin_routes_are_closed_when_no_token_is_configured(tmp_path):
+    client, admin, calls = admin_client(tmp_path, None)
+    for path, method in admin:
+        for headers in ({}, {"Authorization": "Bearer "}, {"Authorization": "Bearer None"}):
+            assert refused(client.request(method, path, headers=headers), 403, "admin_disabled"), path
+    assert calls == []
+
+
+def echo_app(tmp_path, max_bytes: int, max_files: int) -> TestClient:
+    """The app (its middleware and error handlers) plus a route that reads the whole body and answers its length."""
+    app = create_app(settings(NO_BROKER, tmp_path, limits=ImageLimits(max_bytes=max_bytes), max_files=max_files))
+
+    @app.post("/upload")
+    async def upload(request: Request) -> PlainTextResponse:
+        return PlainTextResponse(str(len(await request.body())))
+
+    return TestClient(app)
+
+
+LIMITS = {"image/png": 1000,  # one image
+          "multipart/form-data; boundary=x": 2 * (1000 + 64 * 1024),  # max_files images and their part headers
+          "application/json": 2 * 1334 + 64 * 1024,  # max_files images in base64 (4/3, rounded up) and the JSON
+          "": 2 * 1334 + 64 * 1024}  # no Content-Type: read as JSON (as OIP clients send it)
+
+
+@pytest.mark.parametrize("content_type", list(LIMITS))
+@pytest.mark.parametrize("chunked", [False, True])
+def test_the_upload_limit_admits_the_limit_and_refuses_one_byte_more(tmp_path, content_type, chunked):
+    client, limit = echo_app(tmp_path, max_bytes=1000, max_files=2), LIMITS[content_type]
+
+    def body(n: int):
+        data = b"x" * n
+        return (data[i: i + 4096] for i in range(0, n, 4096)) if chunked else data
+
+    headers = {"Content-Type": content_type} if content_type else {}
+    ok = client.post("/upload", content=body(limit), headers=headers)
+    assert ok.status_code == 200 and ok.text == str(limit)
+    assert refused(client.post("/upload", content=body(limit + 1), headers=headers), 413, "too_large")
+
+
+# --- replicas ---------------------------------------------------------------------------------------------------
+def test_a_replica_refuses_a_snapshot_from_another_bundle(tmp_path):
+    model = ReplicaModel(settings(NO_BROKER, tmp_path))  # no --mepo: its bundle hash is None
+    ours = Origin("mepo", model.cfg.method, ("a", "b"), model.backbone_sha256, None)
+    model.check(ours)
+    with pytest.raises(Refused, match="bundle has sha256 ffffffffffff…, this replica's None… .give it the "
+                                      "learner's --mepo") as e:
+        model.check(Origin("mepo", model.cfg.method, ("a", "b"), model.backbone_sha256, "f" * 64))
+    assert e.value.reason == "bundle_mismatch"
+
+
+# --- what operators see -----------------------------------------------------------------------------------------
+def test_lag_counts_the_records_read_but_not_yet_learned(tmp_path):
+    state, loop, _ = service(tmp_path)
+    loop.consumer = consumer = FakeConsumer(loop, records(list(range(8))))
+    polled = consumer.poll(timeout_ms=0, max_records=5)
+    loop._accept_poll(next(iter(polled.values())))
+    loop._update_lag()
+    assert loop.lag == {f"{TOPIC}:0": 8}  # 3 unread + 5 waiting in the mini-batch
+    loop.learn_pending()
+    loop._update_lag()
+    metric = state.metrics.lag.labels("0")._value.get()
+    assert loop.lag == {f"{TOPIC}:0": 3} and metric == 3
+
+
+def test_per_class_accuracy_of_the_latest_evaluation_is_exported(tmp_path, monkeypatch):
+    state, loop, _ = service(tmp_path, protocol=ProtocolConfig(eval_period=10))
+    run_loop(monkeypatch, loop, records(list(range(30))))
+    assert state.curve.samples == [10, 20, 30]  # the loop cut its batches at the scheduled positions
+    per_class = state.status()["class_accuracy"]
+    assert set(per_class) == {state.class_names[c] for c in range(10)}
+    text = generate_latest(state.metrics.registry).decode()
+    for name, acc in per_class.items():
+        assert f'mepo_class_accuracy_ratio{{class_name="{name}"}} {float(acc)}' in text
