@@ -66,6 +66,10 @@ class LearnerConfig:
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Autocast precision of the backbone and prompts (alignment and statistics stay fp32/fp64): auto = bf16 where
     the hardware multiplies bf16 natively (a bf16 CUDA GPU, a CPU with AMX or AVX512-BF16), fp32 elsewhere."""
+    cast_frozen_backbone: bool = True
+    """At bf16, also cast the backbone of a host without prompts (the default, ``frozen``) to bf16 weights when
+    nothing trains it (not only autocast): no bf16 copy of its weights is made on every forward (README
+    "Benchmarks": faster on CPU, features within 1e-5 cosine)."""
     lr: float = 5e-3
     """Adam learning rate (constant)."""
     batch_size: int = 32
@@ -127,6 +131,14 @@ def make_classifier(cfg: LearnerConfig, method: ContinualMethod, n_classes: int)
     return StreamingLDA(dim, n_classes, cfg.slda_shrinkage, prior)
 
 
+def plain_frozen_backbone(method: ContinualMethod) -> bool:
+    """The method encodes with its backbone alone (no prompts mixed into its layers), and nothing trains it: its
+    weights may then be cast to bf16 (prompts in fp32 would meet bf16 LayerNorm weights outside autocast's casts)."""
+    names = [n for n, _ in method.named_parameters()]
+    backbone_trains = any(p.requires_grad for p in method.backbone.parameters())
+    return not backbone_trains and all(n.startswith(("backbone.", "head.")) for n in names)
+
+
 class OnlineLearner:
     """Wraps a host method with the label map, optimizer, transforms and the online update."""
 
@@ -140,6 +152,8 @@ class OnlineLearner:
         method.standardize = RunningStandardize(method.backbone.num_features) if cfg.standardize else None
         self.method = method.to(self.device)
         self.dtype = resolve_precision(cfg.precision, self.device)
+        if cfg.cast_frozen_backbone and self.dtype != torch.float32 and plain_frozen_backbone(method):
+            method.backbone.to(self.dtype)  # read under autocast as it is: no per-forward weight cast
         img_size = method.backbone.patch_embed.img_size[0]
         mean, std = normalization(method.backbone)
         self.train_tf: Transform = train_transform(img_size, mean, std, cfg.autoaugment)

@@ -35,11 +35,13 @@ log = logging.getLogger(__name__)
 CHECKPOINT = "learner.pt"
 
 
-def build_learner(cfg: ServeConfig, n_classes: int) -> OnlineLearner:
-    """The host method with every part of the MePo bundle it has (backbone, Sigma_pre, ISA prompts)."""
+def build_learner(cfg: ServeConfig, n_classes: int) -> tuple[OnlineLearner, str]:
+    """The host method with every part of the MePo bundle it has (backbone, Sigma_pre, ISA prompts), and the
+    backbone's sha256 as built, before the learner may cast it (a replica hashes the one it builds the same way)."""
     method = build_method(cfg.method, n_classes, cfg.backbone, BundleParts.of(cfg.mepo), cfg.method_config,
                           cfg.alignment)
-    return OnlineLearner(method, n_classes, cfg.learner, device())
+    sha256 = weights_sha256(method.backbone)
+    return OnlineLearner(method, n_classes, cfg.learner, device()), sha256
 
 
 class ServiceState:
@@ -55,8 +57,7 @@ class ServiceState:
         if cfg.protocol.eval_period > 0:  # the schedule, scoring and curve of `mepo evaluate`, in the served mode
             self.evaluation = AnytimeEvaluation(load_split(cfg.data, "test"), cfg.protocol.eval_period,
                                                 cfg.protocol.eval_batch_size, (cfg.alignment.inference_mode,))
-        self.learner = build_learner(cfg, self.n_classes)
-        self.backbone_sha256 = weights_sha256(self.learner.method.backbone)  # as built: a replica builds the same
+        self.learner, self.backbone_sha256 = build_learner(cfg, self.n_classes)
         self.on_snapshot: Callable[[Snapshot], None] | None = None  # told every new snapshot (the publisher)
         self.monitor = StreamMonitor(cfg.monitor)
         self.book = StreamBook(learn_replays=cfg.learn_replays)

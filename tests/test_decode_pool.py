@@ -18,7 +18,7 @@ from PIL import Image
 import server.stream as stream
 from mepo_stream.records import record_headers
 from server.staging import stack_images
-from tests.test_exactly_once import STREAM_ID, FakeConsumer, FakeProducer, FakeRecord, jpeg, record, service
+from tests.fakes import STREAM_ID, FakeConsumer, FakeProducer, FakeRecord, jpeg, record, service
 
 TRUNCATED = jpeg("red")[:60]  # a valid header, then the image breaks off
 

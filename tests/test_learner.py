@@ -1,3 +1,4 @@
+import copy
 from dataclasses import replace
 
 import pytest
@@ -172,3 +173,20 @@ def test_test_then_train_equals_predict_then_observe(tiny_backbone):
         assert (got is None and expected is None) or torch.equal(got, expected)
     for k, v in a.method.state_dict().items():
         torch.testing.assert_close(v, b.method.state_dict()[k], msg=k)
+
+
+def test_the_default_learner_at_bf16_with_a_cast_backbone_predicts_as_at_fp32(tiny_backbone):
+    """The bf16 path (autocast, the frozen backbone stored in bf16) learns the same stream to the same answers."""
+    learners = {p: OnlineLearner(create_method("frozen", copy.deepcopy(tiny_backbone), 8), 8,
+                                 LearnerConfig(precision=p, autoaugment=None)) for p in ("fp32", "bf16")}
+    assert learners["bf16"].method.backbone.cls_token.dtype == torch.bfloat16
+    assert learners["fp32"].method.backbone.cls_token.dtype == torch.float32
+    stream = torch.randint(0, 8, (256,), generator=torch.Generator().manual_seed(2))
+    for learner in learners.values():
+        for y in stream.split(32):
+            learner.observe(color_images(y, seed=int(y.sum())), y)
+    test = torch.arange(8).repeat(8)
+    images = color_images(test, seed=99)
+    pred = {p: learner.predict(images, ("running",))["running"] for p, learner in learners.items()}
+    assert (pred["bf16"] == pred["fp32"]).float().mean() >= 0.95
+    assert (pred["fp32"] == test).float().mean() > 0.5  # chance is 1/8

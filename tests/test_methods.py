@@ -32,8 +32,8 @@ def test_every_method_learns_above_chance(method, tiny_backbone):
 
 
 def backbone_shift(learner: OnlineLearner, start: dict[str, torch.Tensor]) -> float:
-    now = learner.method.backbone.state_dict()
-    return sum((now[k] - v).norm().item() for k, v in start.items())
+    now = learner.method.backbone.state_dict()  # a frozen backbone may be stored in bf16: compare in its dtype
+    return sum((now[k].float() - v.to(now[k].dtype).float()).norm().item() for k, v in start.items())
 
 
 def test_linear_probe_never_changes_the_backbone(tiny_backbone):

@@ -30,7 +30,7 @@ from server.config import ServeConfig
 from server.metrics import ServerMetrics
 from server.replica import ReplicaService
 from server.snapshot import Snapshot, take_snapshot
-from server.snapshot_topic import Assembler, CorruptSnapshot, Origin, encode, to_records, weights_sha256
+from server.snapshot_topic import Assembler, CorruptSnapshot, Origin, encode, to_records
 from server.state import build_learner
 from tests.helpers import DATA, TINY, color_images, serve_process, settings, wait_for
 
@@ -108,12 +108,12 @@ def test_two_replicas_follow_the_learner_answer_as_it_does_and_survive_restarts(
 def learner_snapshot(cfg: ServeConfig, version: int = 1) -> tuple[Snapshot, bytes]:
     """A learner of ``cfg`` (built as the service builds it) after one mini-batch, and its published blob."""
     torch.manual_seed(cfg.seed)
-    learner = build_learner(cfg, 10)
+    learner, backbone_sha256 = build_learner(cfg, 10)
     labels = torch.tensor([0, 1, 2, 3] * 4)
     learner.observe(color_images(labels), labels)
     snapshot = take_snapshot(learner, version, cfg.alignment.inference_mode)
     origin = Origin(cfg.model_name, cfg.method, tuple(list_files(DATA, "train").class_names),
-                    weights_sha256(learner.method.backbone), None)
+                    backbone_sha256, None)
     return snapshot, encode(snapshot.trainable_state(), origin, version, learner.samples_seen,
                             tuple(learner.exposed), time.time())
 
