@@ -41,7 +41,7 @@ fi
 isa_prompts() {  # backbone-name [bundle]: ISA prompts for that backbone, made once (locked: datasets run side by side)
     (
         flock 9
-        [ -f "$RUNS/isa_$1/manifest.json" ] || "$MEPO" isa --out "$RUNS/isa_$1" "${COMMON[@]}" "${ISA[@]}" ${2:+--bundle "$2"}
+        [ -f "$RUNS/isa_$1/manifest.json" ] || "$MEPO" isa --out "$RUNS/isa_$1" "${COMMON[@]}" "${ISA[@]}" ${2:+--mepo "$2"}
     ) 9>"$RUNS/.isa_$1.lock"
 }
 

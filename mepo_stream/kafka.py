@@ -69,6 +69,18 @@ class KafkaConfig:
         return {"bootstrap_servers": self.bootstrap_servers.split(","), **opts}
 
 
+@dataclass(frozen=True)
+class ReplayConfig:
+    """How fast and how much a producer replays (``mepo produce``, and ``mepo demo``'s producer)."""
+
+    rate: float | None = None
+    """Records per second (null: as fast as the broker takes them)."""
+    limit: int | None = None
+    """Stop after this many records (null: the whole stream)."""
+    partitions: int = 1
+    """Partitions of the topic if it has to be created."""
+
+
 def record_key(stream_id: str) -> bytes:
     """The partition key of every record of a stream: its id, so the whole stream lands on one partition and
     is read in order, whatever the topic's partition count."""

@@ -27,8 +27,8 @@ import torch
 
 
 @dataclass(frozen=True)
-class SiBlurryConfig:
-    """How a dataset becomes a Si-Blurry stream."""
+class SiBlurryShape:
+    """How a dataset becomes Si-Blurry streams, whatever the seed (``mepo evaluate`` takes its seeds apart)."""
 
     n_tasks: int = 5
     """Number of (hidden) tasks the stream is cut into."""
@@ -36,6 +36,12 @@ class SiBlurryConfig:
     """Disjoint-class ratio in percent (the reference's ``--n``)."""
     m: int = 10
     """Blurry-sample ratio in percent (the reference's ``--m``)."""
+
+
+@dataclass(frozen=True)
+class SiBlurryConfig(SiBlurryShape):
+    """How a dataset becomes one Si-Blurry stream."""
+
     seed: int = 1
     """Seed of the one ``torch.Generator`` every draw comes from."""
 

@@ -38,7 +38,7 @@ from mepo_stream.learner import LearnerConfig, OnlineLearner
 from mepo_stream.methods import METHODS, MethodsConfig
 from mepo_stream.model import BundleParts, assemble, backbone_config
 from mepo_stream.probe import ProbeConfig, offline_ceiling
-from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
+from mepo_stream.sampler import SiBlurryConfig, SiBlurryShape, si_blurry_stream
 
 log = logging.getLogger(__name__)
 MODES: tuple[AlignMode, ...] = ("batch", "running")
@@ -386,7 +386,7 @@ class Sweep:
 def evaluate(
     out: Path = Path("runs/evaluate"), seeds: str = "1-5", methods: str = "frozen", mepo: Path | None = None,
     mepo_rep: Path | None = None, mepo_cov: Path | None = None, mepo_prompts: Path | None = None,
-    ablation: bool = False, data: DataConfig = DataConfig(), stream: SiBlurryConfig = SiBlurryConfig(),
+    ablation: bool = False, data: DataConfig = DataConfig(), stream: SiBlurryShape = SiBlurryShape(),
     backbone: BackboneConfig = BackboneConfig(), method_config: MethodsConfig = MethodsConfig(),
     learner: LearnerConfig = LearnerConfig(), alignment: AlignmentConfig = AlignmentConfig(),
     protocol: ProtocolConfig = ProtocolConfig(), probe: ProbeConfig = ProbeConfig(),
@@ -413,7 +413,7 @@ def evaluate(
         mepo_prompts: A bundle whose ISA prompts (mepo isa) start the prompt-based hosts, in every variant.
         ablation: With --mepo, also run Meta Rep alone and Meta Cov alone (writes ablation.md).
         data: Downstream dataset.
-        stream: Si-Blurry stream settings (the seed field is replaced by each of --seeds).
+        stream: Si-Blurry stream settings (the seeds are --seeds).
         backbone: Pretrained backbone.
         method_config: Per-method hyperparameters (--method_config.misa.e_pool, ...).
         learner: Online learning settings (--learner.classifier linear ... for the paper's recipe; see README).
@@ -426,8 +426,8 @@ def evaluate(
     jobs = plan_jobs(names, parse_seeds(seeds), mepo is not None, mepo_rep is not None, mepo_cov is not None,
                      ablation)
     (out / "cache").mkdir(parents=True, exist_ok=True)
-    sweep = Sweep(out, bundles, load_split(data, "train"), load_split(data, "test"), data, stream, backbone,
-                  method_config, learner, alignment, protocol, probe)
+    sweep = Sweep(out, bundles, load_split(data, "train"), load_split(data, "test"), data,
+                  SiBlurryConfig(**asdict(stream)), backbone, method_config, learner, alignment, protocol, probe)
     runs = [sweep.run(job) for job in tqdm(jobs, desc="runs", unit="run")]
     return report(sweep, names, jobs, runs, mepo)
 

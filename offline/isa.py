@@ -23,7 +23,7 @@ bundle's own backbone, on the Tiny-ImageNet pretraining half, so it can never ha
 
 Example:
     mepo isa --out runs/isa --backbone.img_size 84 --data.train_per_class 10 --isa.epochs 1
-    mepo isa --bundle runs/refined --backbone.img_size 84      # adds the prompts to an existing bundle
+    mepo isa --mepo runs/refined --backbone.img_size 84      # adds the prompts to an existing bundle
 """
 
 from __future__ import annotations
@@ -320,7 +320,7 @@ def add_prompts(out: Path, bundle: Path | None, backbone: BackboneConfig, data: 
 
 # ``mepo isa`` (pyproject.toml); not named ``isa``, which its --isa.* option group would shadow
 def initial_session_adaptation(
-    bundle: Path | None = None,
+    mepo: Path | None = None,
     out: Path | None = None,
     backbone: BackboneConfig = BackboneConfig(),
     data: DataConfig = DataConfig(dataset="tinyimagenet-pretrain"),
@@ -330,17 +330,17 @@ def initial_session_adaptation(
     """Warm a prompt host's g/e prompts and keys with MISA's initial session adaptation; store them in a bundle.
 
     Args:
-        bundle: MePo bundle to add the prompts to (its backbone is used when it has one; its other parts and
+        mepo: MePo bundle to add the prompts to (its backbone is used when it has one; its other parts and
             manifest keys are kept). Without one, a new bundle is written at --out with --backbone.
-        out: Where to write the bundle (default: --bundle itself, rewritten atomically).
+        out: Where to write the bundle (default: --mepo itself, rewritten atomically).
         backbone: The backbone (its name and img_size must match the bundle's; its weights are replaced by the
             bundle's backbone when it has one).
         data: Pretraining data of the session and the pool (never a downstream class).
         isa: Initial session adaptation settings.
         method_config: Prompt layout of the host (--method_config.misa.e_pool, ...; as for mepo evaluate).
     """
-    target = out or bundle
+    target = out or mepo
     if target is None:
-        raise ValueError("pass --bundle (to add the prompts to it) or --out (for a new bundle), or both")
+        raise ValueError("pass --mepo (a bundle to add the prompts to) or --out (for a new bundle), or both")
     images = load_split(data, "train")
-    return add_prompts(Path(target), bundle, backbone, data, images, isa, method_config)
+    return add_prompts(Path(target), mepo, backbone, data, images, isa, method_config)

@@ -121,6 +121,14 @@ PAPER_REFINE = RefineConfig(mode="meta", freeze=())
 
 
 @dataclass(frozen=True)
+class CovarianceStage(CovarianceConfig):
+    """Sigma_pre of the refined backbone as refine's next stage."""
+
+    skip: bool = False
+    """Leave the stage out: the bundle gets no sigma_pre.safetensors."""
+
+
+@dataclass(frozen=True)
 class ISAStage(ISAConfig):
     """MISA's initial session adaptation as refine's last stage, with the refined backbone and refine's data."""
 
@@ -305,8 +313,7 @@ def meta_refine(
     data: DataConfig = DataConfig(dataset="tinyimagenet-pretrain"),
     tasks: PseudoTaskConfig = PseudoTaskConfig(),
     refine: RefineConfig = RefineConfig(),
-    cov: CovarianceConfig = CovarianceConfig(),
-    covariance: bool = True,
+    cov: CovarianceStage = CovarianceStage(),
     isa: ISAStage = ISAStage(),
     method_config: MethodsConfig = MethodsConfig(),
     guard: GuardConfig = GuardConfig(),
@@ -322,8 +329,7 @@ def meta_refine(
         data: Pretraining data the pseudo tasks are drawn from (never a downstream class).
         tasks: Pseudo task construction (in finetune mode: which images, and how many per epoch).
         refine: The refine loop (--refine.mode meta: the paper's Meta Rep).
-        cov: Sigma_pre estimation with the refined backbone.
-        covariance: Compute Sigma_pre after refining.
+        cov: Sigma_pre estimation with the refined backbone (--cov.skip true leaves it out).
         isa: MISA's initial session adaptation with the refined backbone on --data, after Sigma_pre
             (--isa.skip true leaves it out).
         method_config: Prompt layout of the ISA host (--method_config.misa.e_pool, ...; as for mepo evaluate).
@@ -341,7 +347,7 @@ def meta_refine(
     history = meta_train(trainer, tasks, first, history, ckpt, start, watch)
     wall = time.time() - start
     if ddp.rank == 0:
-        write_refined_bundle(out, trainer.model, images, backbone, data, tasks, refine, cov if covariance else None,
+        write_refined_bundle(out, trainer.model, images, backbone, data, tasks, refine, None if cov.skip else cov,
                              history, trainer.seen_images, wall)
     ddp.finish()
     if ddp.rank == 0 and not isa.skip:  # one process: the other ranks are done and must not wait on it
@@ -399,6 +405,7 @@ def write_refined_bundle(out: Path, model: MetaModel, images: ImageSet, backbone
     if cov is not None:
         ref = images if cov.data == data else load_split(cov.data, "train")
         parts[SIGMA_PRE] = {SIGMA_PRE: sigma_pre(model.backbone, ref, cov)}
-        manifest["covariance"] = {**asdict(cov), "n_classes": len(ref.classes), "n_images": len(ref)}
+        settings = {k: v for k, v in asdict(cov).items() if k != "skip"}
+        manifest["covariance"] = {**settings, "n_classes": len(ref.classes), "n_images": len(ref)}
     write_bundle(out, parts, manifest)
     log.info("wrote MePo bundle %s (%d meta-epochs, %.0f s)", out, manifest["meta_epochs_completed"], wall)

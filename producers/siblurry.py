@@ -14,29 +14,16 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 from tqdm import tqdm
 
 from mepo_stream.data import DataConfig, list_files
-from mepo_stream.kafka import KafkaConfig, ensure_topics, open_producer, record_key
+from mepo_stream.kafka import KafkaConfig, ReplayConfig, ensure_topics, open_producer, record_key
 from mepo_stream.records import record_headers
 from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
 
 log = logging.getLogger(__name__)
 CONTENT_TYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".webp": "image/webp"}
-
-
-@dataclass(frozen=True)
-class ReplayConfig:
-    """How fast and how much to replay."""
-
-    rate: float | None = None
-    """Records per second (null: as fast as the broker takes them)."""
-    limit: int | None = None
-    """Stop after this many records (null: the whole stream)."""
-    partitions: int = 1
-    """Partitions of the topic if it has to be created."""
 
 
 def stream_id(data: DataConfig, stream: SiBlurryConfig) -> str:

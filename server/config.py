@@ -15,7 +15,7 @@ from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.backbone import BackboneConfig
 from mepo_stream.data import DataConfig
 from mepo_stream.images import ImageLimits
-from mepo_stream.kafka import KafkaConfig
+from mepo_stream.kafka import KafkaConfig, ReplayConfig
 from mepo_stream.learner import LearnerConfig
 from mepo_stream.methods import MethodsConfig
 from server.monitor import MonitorConfig
@@ -106,8 +106,8 @@ class DemoConfig(ServeConfig):
     """The demo's checkpoint (removed at start: the embedded broker starts empty too); the broker log goes beside."""
     checkpoint_every: int = 256
     """Checkpoint after this many learned samples."""
-    rate: float | None = None
-    """Producer records per second (null: as fast as possible)."""
+    replay: ReplayConfig = ReplayConfig()
+    """The demo's producer (``mepo produce --replay.*``): records per second, how many, partitions."""
     until_done: bool = False
     """Exit (and print a summary) once the whole stream is learned, instead of serving on."""
     embedded_broker: bool = True

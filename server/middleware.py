@@ -66,7 +66,7 @@ class BodyLimit:
         await self.app(scope, counted, send)
 
 
-class PredictCounter:
+class PredictCounter:  # pragma: no mutate block (metrics: tests/test_http_api.py)
     """Counts every prediction request in ``mepo_predict_requests_total{protocol, status}``, those refused before
     their route ran included (not an unhandled error's 500: Starlette renders it outside every middleware)."""
 

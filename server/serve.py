@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import subprocess
 import sys
 import threading
@@ -14,6 +15,7 @@ from dataclasses import replace
 import uvicorn
 from fastapi import FastAPI
 
+from mepo_stream.cli import config_options
 from mepo_stream.data import list_files
 from mepo_stream.kafka import ensure_topics
 from server.app import create_app
@@ -46,7 +48,7 @@ def _start_producer(cfg: DemoConfig) -> subprocess.Popen:
     produce = [sys.executable, "-m", "mepo_stream.cli", "produce", "--data.dataset", str(cfg.data.dataset),
                "--data.train_per_class", str(cfg.data.train_per_class),
                "--kafka.bootstrap_servers", cfg.kafka.bootstrap_servers, "--kafka.topic", cfg.kafka.topic]
-    return subprocess.Popen(produce + (["--replay.rate", str(cfg.rate)] if cfg.rate else []))
+    return subprocess.Popen(produce + config_options(cfg.replay, "--replay."))
 
 
 def _summary(app: FastAPI, wall_time: float) -> None:
@@ -60,7 +62,7 @@ def _summary(app: FastAPI, wall_time: float) -> None:
 
 def demo(cfg: DemoConfig = DemoConfig()) -> None:
     """Start a local broker, replay a Si-Blurry stream of bundled data into it, and serve the learner (the
-    options are ``DemoConfig``'s: every ``mepo serve`` option plus --rate, --until_done, --embedded_broker)."""
+    options are ``DemoConfig``'s: every ``mepo serve`` option plus --replay.*, --until_done, --embedded_broker)."""
     cfg.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     (cfg.checkpoint_dir / CHECKPOINT).unlink(missing_ok=True)  # the in-memory broker starts empty too
     broker = EmbeddedBroker(log_path=cfg.checkpoint_dir.parent / "broker.log") if cfg.embedded_broker \
@@ -73,7 +75,7 @@ def demo(cfg: DemoConfig = DemoConfig()) -> None:
         app = create_app(cfg)
         server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning"))
         if cfg.until_done:
-            expected = len(list_files(cfg.data, "train").files)
+            expected = min(len(list_files(cfg.data, "train").files), cfg.replay.limit or math.inf)
             threading.Thread(target=_stop_when_learned, args=(app, server, producer, expected), daemon=True).start()
         url = f"http://127.0.0.1:{cfg.port}"
         print(f"live page: {url}/", flush=True)

@@ -188,7 +188,7 @@ class ServiceState:
                  self.learner.samples_seen, self.book.offsets)
 
     # --- reporting ------------------------------------------------------------------------------------------
-    def _export(self) -> None:
+    def _export(self) -> None:  # pragma: no mutate block (reporting: tests/test_deploy.py, test_streaming.py)
         m = self.metrics
         m.seen_classes.set(len(self.learner.exposed))
         m.model_version.set(self.version)
@@ -206,7 +206,7 @@ class ServiceState:
         if not math.isnan(self.last_learned_time):
             m.last_learned.set(self.last_learned_time)
 
-    def status(self) -> dict:
+    def status(self) -> dict:  # pragma: no mutate block (reporting: tests/test_streaming.py, test_page.py)
         b, curve = self.book, self.curve
         return {
             "samples_seen": self.learner.samples_seen,

@@ -183,3 +183,33 @@ def test_sweep_of_methods_with_mepo_writes_table1_ablation_and_reuses_cached_run
     rerun = json.loads((tmp_path / "sweep" / "results.json").read_text())["runs"]
     assert -1.0 in [r["wall_time_s"] for r in rerun] and len(rerun) == 5
     assert sorted(p.name for p in cache.iterdir()) == sorted(cached + ceilings)  # nothing computed again
+
+
+def option_types(command: tuple[str, ...], capsys) -> dict[str, str]:
+    """Option -> its type as ``--help`` states it, with None-ability left out (an optional path is a path)."""
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    text = re.sub(r"\n {8,}", " ", capsys.readouterr().out)  # one line per option
+    types = {}
+    for name, kind in re.findall(r"^  (?:-\S+, )?(--[\w.]+).*?\((?:required, )?type: (.*?), default: ", text, re.M):
+        kind = re.sub(r"<class '(\w+)'>", r"\1", kind)
+        types[name] = re.sub(r"^Optional\[(.*)\]$", r"\1", re.sub(r" \| (null|None)|(null|None) \| ", "", kind))
+    return types
+
+
+SYNONYMS = {"--bundle": "--mepo", "--rate": "--replay.rate"}
+"""Names that once meant what another option means: the bundle is --mepo and the replay rate --replay.rate in
+every command."""
+
+
+def test_one_option_name_means_one_thing_across_all_commands(capsys):
+    seen: dict[str, dict[str, str]] = {}
+    for command in subcommands():
+        if command and command[-1] not in {"backbone"}:  # a group has no options of its own
+            for name, kind in option_types(command, capsys).items():
+                seen.setdefault(name, {})[" ".join(command)] = kind
+    assert len(seen) > 50
+    conflicts = {name: by_command for name, by_command in seen.items() if len(set(by_command.values())) > 1}
+    assert not conflicts, f"one option name, several types: {conflicts}"
+    assert not SYNONYMS.keys() & seen.keys(), {name: seen[name] for name in SYNONYMS.keys() & seen.keys()}
+    assert "--stream.seed" not in {n for n, by in seen.items() if "evaluate" in by}  # evaluate's seeds: --seeds

@@ -8,7 +8,9 @@ raises half-way), never waited for.
 
 from __future__ import annotations
 
+import asyncio
 import os
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -21,14 +23,15 @@ from starlette.responses import PlainTextResponse
 import mepo_stream.checkpoint as checkpoint
 import server.state as state_module
 from mepo_stream.anytime import ProtocolConfig
+from mepo_stream.artifacts import SIGMA_PRE, write_bundle
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.images import ImageLimits
 from mepo_stream.records import RecordError, parse_headers, record_headers
 from server.app import create_app
 from server.dependencies import get_service
 from server.replica import Refused, ReplicaModel
-from server.snapshot_topic import Origin
-from server.state import CHECKPOINT
+from server.snapshot_topic import Origin, bundle_sha256
+from server.state import CHECKPOINT, build_learner
 from tests.fakes import STREAM_ID, TOPIC, FakeConsumer, record, records, run_loop, service
 from tests.helpers import settings
 
@@ -195,6 +198,8 @@ def test_every_admin_route_needs_the_token(tmp_path):
         assert refused(client.request(method, path), 401, "unauthorized"), path
         wrong = {"Authorization": "Bearer s3cre"}
         assert refused(client.request(method, path, headers=wrong), 403, "forbidden"), path
+        assert refused(client.request(method, path, headers={"Authorization": "Bearer s3cret x"}), 403,
+                       "forbidden"), path  # the token is all after the first space
         for header in ("Basic s3cret", "Bearer", "Bearer ", "s3cret", "Token Bearer s3cret"):
             assert refused(client.request(method, path, headers={"Authorization": header}), 401, "unauthorized"), (
                 path, header)
@@ -243,15 +248,61 @@ def test_the_upload_limit_admits_the_limit_and_refuses_one_byte_more(tmp_path, c
     assert refused(client.post("/upload", content=body(limit + 1), headers=headers), 413, "too_large")
 
 
+def drive(app, headers: dict[str, str], chunks: list[bytes]) -> tuple[int, int]:
+    """One request straight through the ASGI app, its body in ``chunks`` (one ASGI message each, as a chunked
+    upload arrives); returns the status and how many body messages the app took."""
+    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+    taken, status = [], []
+
+    async def receive():
+        taken.append(1)
+        return messages[len(taken) - 1] if len(taken) <= len(messages) else {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            status.append(message["status"])
+
+    scope = {"type": "http", "method": "POST", "path": "/upload", "raw_path": b"/upload", "query_string": b"",
+             "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()], "http_version": "1.1",
+             "scheme": "http", "server": ("test", 80), "client": ("test", 1), "root_path": "", "app": app}
+    asyncio.run(app(scope, receive, send))
+    return status[0], len(taken)
+
+
+@pytest.mark.parametrize("content_type", list(LIMITS))
+def test_a_chunked_upload_is_refused_once_its_running_total_passes_the_limit(tmp_path, content_type):
+    app, limit = echo_app(tmp_path, max_bytes=1000, max_files=2).app, LIMITS[content_type]
+    headers = {"content-type": content_type} if content_type else {}
+    piece = 300  # every chunk below every limit: only the running total can pass it
+    chunks = [b"x" * piece] * (limit // piece) + [b"x" * (limit % piece)]
+    assert drive(app, headers, chunks)[0] == 200
+    status, taken = drive(app, headers, chunks + [b"x"] * 1000)
+    assert status == 413 and taken == len(chunks) + 1  # stopped at the first byte over, the rest never read
+
+
+def test_a_declared_oversize_body_is_refused_before_any_of_it_is_read(tmp_path):
+    app = echo_app(tmp_path, max_bytes=1000, max_files=2).app
+    assert drive(app, {"content-type": "image/png", "content-length": "1001"}, [b"x" * 1001]) == (413, 0)
+    assert drive(app, {"content-type": "image/png", "content-length": "1000"}, [b"x" * 1000]) == (200, 1)
+
+
 # --- replicas ---------------------------------------------------------------------------------------------------
 def test_a_replica_refuses_a_snapshot_from_another_bundle(tmp_path):
-    model = ReplicaModel(settings(NO_BROKER, tmp_path))  # no --mepo: its bundle hash is None
-    ours = Origin("mepo", model.cfg.method, ("a", "b"), model.backbone_sha256, None)
+    bundle = write_bundle(tmp_path / "bundle", {SIGMA_PRE: {SIGMA_PRE: torch.eye(64, dtype=torch.float64)}},
+                          {"kind": "covariance"})
+    cfg = settings(NO_BROKER, tmp_path, mepo=bundle)
+    _, learner_sha256 = build_learner(cfg, 10)  # the learner's backbone hash, as it computes it
+    model = ReplicaModel(cfg)
+    ours = Origin("mepo", cfg.method, ("a", "b"), learner_sha256, bundle_sha256(bundle))
     model.check(ours)
-    with pytest.raises(Refused, match="bundle has sha256 ffffffffffff…, this replica's None… .give it the "
-                                      "learner's --mepo") as e:
-        model.check(Origin("mepo", model.cfg.method, ("a", "b"), model.backbone_sha256, "f" * 64))
-    assert e.value.reason == "bundle_mismatch"
+    for theirs, shown in ((None, "None"), ("f" * 64, "f" * 12)):
+        with pytest.raises(Refused, match=f"bundle has sha256 {shown}…, this replica's {bundle_sha256(bundle)[:12]}… "
+                                          f".give it the learner's --mepo") as e:
+            model.check(replace(ours, bundle_sha256=theirs))
+        assert e.value.reason == "bundle_mismatch"
+    with pytest.raises(Refused, match="backbone has sha256") as e:
+        model.check(replace(ours, backbone_sha256="0" * 64))
+    assert e.value.reason == "backbone_mismatch"
 
 
 # --- what operators see -----------------------------------------------------------------------------------------
@@ -266,6 +317,14 @@ def test_lag_counts_the_records_read_but_not_yet_learned(tmp_path):
     loop._update_lag()
     metric = state.metrics.lag.labels("0")._value.get()
     assert loop.lag == {f"{TOPIC}:0": 3} and metric == 3
+
+
+def test_an_idle_stream_is_evaluated_once_where_it_stopped(tmp_path, monkeypatch):
+    state, loop, _ = service(tmp_path, protocol=ProtocolConfig(eval_period=10))
+    run_loop(monkeypatch, loop, records(list(range(25))), idle_polls=3)
+    curve = state.curve
+    assert curve.samples == [10, 20] and len(curve.task_accuracy) == 1  # A_last at 25, not again while idle
+    assert state.status()["a_last"] == curve.task_accuracy[0] and not state.idle_evaluation_due
 
 
 def test_per_class_accuracy_of_the_latest_evaluation_is_exported(tmp_path, monkeypatch):

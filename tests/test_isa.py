@@ -15,7 +15,7 @@ from mepo_stream.model import BundleParts, build_method
 from mepo_stream.pseudo_tasks import PseudoTaskConfig
 from offline.covariance import CovarianceConfig, covariance
 from offline.isa import ISAConfig, PoolBatches, build_host, class_split, initial_session_adaptation, warm_prompts
-from offline.refine import ISAStage, RefineConfig, meta_refine
+from offline.refine import CovarianceStage, ISAStage, RefineConfig, meta_refine
 from tests.helpers import TINY, color_images
 
 DATA = DataConfig(dataset="tinyimagenet-pretrain", train_per_class=4)
@@ -62,7 +62,7 @@ def test_class_split_and_pool_draws():
 def test_isa_writes_prompts_a_learner_starts_from(tmp_path):
     covariance(tmp_path / "b", backbone=TINY, cov=COV)  # an existing bundle: Sigma_pre only
     before = read_manifest(tmp_path / "b")
-    main(["isa", "--bundle", str(tmp_path / "b"), *CLI_TINY, "--data.train_per_class", "4", "--isa.epochs", "1",
+    main(["isa", "--mepo", str(tmp_path / "b"), *CLI_TINY, "--data.train_per_class", "4", "--isa.epochs", "1",
           "--isa.online_iter", "1", "--isa.autoaugment", "null"])
     manifest = read_manifest(tmp_path / "b")  # verifies every hash, prompts.safetensors included
     assert set(manifest["files"]) == {"sigma_pre.safetensors", "prompts.safetensors"}
@@ -105,14 +105,14 @@ def test_clear_errors(tmp_path):
                                    isa=replace(FAST, method="linear_probe"))
     covariance(tmp_path / "cov", backbone=TINY, cov=COV)
     with pytest.raises(ValueError, match="img_size 32, not 48"):
-        initial_session_adaptation(bundle=tmp_path / "cov", backbone=replace(TINY, img_size=48), data=DATA, isa=FAST)
+        initial_session_adaptation(mepo=tmp_path / "cov", backbone=replace(TINY, img_size=48), data=DATA, isa=FAST)
 
 
 def test_refine_ends_with_the_isa_stage_unless_skipped(tmp_path):
     loop = RefineConfig(meta_epochs=1, inner_epochs=1, batch_size=16)
     for skip in (False, True):
-        meta_refine(tmp_path / f"b{skip}", backbone=TINY, data=DATA, tasks=TASKS, refine=loop, covariance=False,
-                    isa=ISAStage(epochs=1, online_iter=1, autoaugment=None, skip=skip))
+        meta_refine(tmp_path / f"b{skip}", backbone=TINY, data=DATA, tasks=TASKS, refine=loop,
+                    cov=CovarianceStage(skip=True), isa=ISAStage(epochs=1, online_iter=1, autoaugment=None, skip=skip))
     manifest = read_manifest(tmp_path / "bFalse")
     assert set(manifest["files"]) == {"backbone.safetensors", "prompts.safetensors"}
     assert manifest["kind"] == "refined" and manifest["meta_epochs_completed"] == 1 and "skip" not in manifest["isa"]

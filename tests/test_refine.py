@@ -16,21 +16,21 @@ from mepo_stream.backbone import BackboneConfig, create_backbone
 from mepo_stream.data import DataConfig
 from mepo_stream.meta import group_mask, reptile_update
 from mepo_stream.pseudo_tasks import PseudoTaskConfig, meta_epoch_plan
-from offline.covariance import CovarianceConfig
 from offline.guard import GuardConfig
-from offline.refine import PAPER_REFINE, ISAStage, RefineConfig, checkpoint_path, meta_refine
+from offline.refine import PAPER_REFINE, CovarianceStage, ISAStage, RefineConfig, checkpoint_path, meta_refine
 from tests.helpers import TINY, color_folder
 
 DATA = DataConfig(dataset="tinyimagenet-pretrain", train_per_class=4)
 TASKS = PseudoTaskConfig(classes_per_group=20, n_tasks=4, samples_per_class=4, val_ratio=0.25)
 LOOP = RefineConfig(mode="meta", meta_epochs=1, inner_epochs=1, batch_size=16)
 GUARD = GuardConfig(per_class=2)
-COV = CovarianceConfig(data=DATA, batch_size=64)
+COV = CovarianceStage(data=DATA, batch_size=64)
+NO_COV = replace(COV, skip=True)
 CLI_ARGS = ["--isa.skip", "true",
             "--backbone.name", "test_vit", "--backbone.weights", "null", "--backbone.img_size", "32",
             "--data.train_per_class", "4", "--tasks.classes_per_group", "20", "--tasks.n_tasks", "4",
             "--tasks.samples_per_class", "4", "--tasks.val_ratio", "0.25", "--refine.meta_epochs", "1",
-            "--refine.inner_epochs", "1", "--refine.batch_size", "16", "--covariance", "false",
+            "--refine.inner_epochs", "1", "--refine.batch_size", "16", "--cov.skip", "true",
             "--refine.precision", "fp32", "--guard.per_class", "2"]  # fp32: DDP must match one process to 1e-5
 
 
@@ -42,8 +42,8 @@ def initial_backbone() -> dict[str, torch.Tensor]:
 
 def run_refine(out: Path, loop: RefineConfig = LOOP, **kw) -> Path:
     """Refine without the ISA stage (tests/test_isa.py covers it)."""
-    kw = {"data": DATA, "tasks": TASKS, "guard": GUARD, **kw}
-    return meta_refine(out, backbone=TINY, refine=loop, cov=COV, isa=ISAStage(skip=True), **kw)
+    kw = {"data": DATA, "tasks": TASKS, "guard": GUARD, "cov": COV, **kw}
+    return meta_refine(out, backbone=TINY, refine=loop, isa=ISAStage(skip=True), **kw)
 
 
 def test_pseudo_tasks_partition_each_group():
@@ -87,7 +87,7 @@ def test_group_mask_modes():
 
 def test_one_meta_epoch_end_to_end_makes_a_bundle(tmp_path):
     before = initial_backbone()
-    run_refine(tmp_path / "bundle", covariance=True)
+    run_refine(tmp_path / "bundle")
     manifest = read_manifest(tmp_path / "bundle")
     assert manifest["meta_epochs_completed"] == 1 and manifest["refine"]["reptile_eps"] == 0.1
     assert manifest["data"]["classes"][0] == "n01443537" and len(manifest["data"]["classes"]) == 100
@@ -103,17 +103,17 @@ def test_one_meta_epoch_end_to_end_makes_a_bundle(tmp_path):
 
 def test_eps_zero_leaves_the_backbone_unchanged(tmp_path):
     run_refine(tmp_path / "b", replace(LOOP, reptile_eps=0.0, freeze=()),
-               covariance=False)
+               cov=NO_COV)
     refined = load_part(tmp_path / "b", "backbone")
     assert all(torch.equal(v, refined[k]) for k, v in initial_backbone().items())
 
 
 def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
     two = replace(LOOP, meta_epochs=2)
-    run_refine(tmp_path / "straight", two, covariance=False)
-    run_refine(tmp_path / "resumed", LOOP, covariance=False)  # "interrupted" after meta-epoch 1
+    run_refine(tmp_path / "straight", two, cov=NO_COV)
+    run_refine(tmp_path / "resumed", LOOP, cov=NO_COV)  # "interrupted" after meta-epoch 1
     assert checkpoint_path(tmp_path / "resumed").is_file()
-    run_refine(tmp_path / "resumed", two, covariance=False, resume=True)
+    run_refine(tmp_path / "resumed", two, cov=NO_COV, resume=True)
     assert read_manifest(tmp_path / "resumed")["meta_epochs_completed"] == 2
     a, b = load_part(tmp_path / "straight", "backbone"), load_part(tmp_path / "resumed", "backbone")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -160,7 +160,7 @@ def test_the_guard_fires_when_the_patch_embedding_is_pushed(tmp_path, caplog):
     pushed = RefineConfig(freeze=(), lr_patch_embed=1e20, meta_epochs=3, batch_size=16, inner_epochs=1)
     guard = GuardConfig(per_class=None, stop=True)
     with caplog.at_level(logging.WARNING, logger="offline.guard"):
-        run_refine(tmp_path / "b", pushed, data=data, tasks=tasks, guard=guard, covariance=False)
+        run_refine(tmp_path / "b", pushed, data=data, tasks=tasks, guard=guard, cov=NO_COV)
     manifest = read_manifest(tmp_path / "b")
     base, first = manifest["history"][0]["held_out"]["probe"], manifest["history"][1]
     assert base >= 0.9 and first["held_out"]["probe"] < base - 0.01
@@ -169,7 +169,7 @@ def test_the_guard_fires_when_the_patch_embedding_is_pushed(tmp_path, caplog):
     assert all(torch.equal(v, load_part(tmp_path / "b", "backbone")[k]) for k, v in initial_backbone().items())
 
     run_refine(tmp_path / "warn", replace(pushed, meta_epochs=2), data=data, tasks=tasks,
-               guard=replace(guard, stop=False), covariance=False)
+               guard=replace(guard, stop=False), cov=NO_COV)
     assert read_manifest(tmp_path / "warn")["meta_epochs_completed"] == 2  # warns only
 
 
