@@ -1,7 +1,7 @@
 """Why the online learners collapse, measured: one Si-Blurry stream, the paper's recipe against the default.
 
-The stream, its mini-batches (never across a task boundary) and the evaluation schedule are ``mepo evaluate``'s
-(``offline.evaluate.run_seed``). Two learners see it:
+The stream, its mini-batches (never across a task boundary or a scheduled evaluation) and the evaluation
+schedule are ``mepo evaluate``'s (``offline.evaluate.run_seed``). Two learners see it:
 
 * ``paper_recipe``: ``linear_probe`` with ``PAPER_RECIPE`` (SGD-trained linear head, batch-present logit mask,
   3 Adam steps per mini-batch, no mask at evaluation);
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 
 from benchmarks.service import write_result
-from mepo_stream.anytime import AnytimeEvaluation
+from mepo_stream.anytime import AnytimeEvaluation, stream_batches
 from mepo_stream.backbone import BackboneConfig, create_backbone, device, normalization
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.heads import NearestClassMean
@@ -63,11 +63,6 @@ EVAL_BATCH = 128
 LEARNERS = {"paper_recipe": ("linear_probe", PAPER_RECIPE), "default": ("frozen", LearnerConfig())}
 """The two learners compared: name -> (host method, learner configuration)."""
 TITLES = {"paper_recipe": "linear_probe, SGD head, batch mask", "default": "frozen, streaming LDA"}
-
-
-def stream_batches(tasks: list[list[int]], batch_size: int) -> list[list[int]]:
-    """The stream's mini-batches as ``run_seed`` cuts them: consecutive, never across a task boundary."""
-    return [task[b: b + batch_size] for task in tasks for b in range(0, len(task), batch_size)]
 
 
 def count_single_class(batches: list[list[int]], targets: torch.Tensor) -> int:
@@ -344,7 +339,7 @@ def main(data: DataConfig = DataConfig("cifar10", train_per_class=100, test_per_
     cfgs = {name: replace(cfg, autoaugment=autoaugment) for name, (_, cfg) in LEARNERS.items()}
     runs = {name: learn(name, base, train, test, tasks, plain, cfg, stream.seed, eval_period)
             for name, cfg in cfgs.items()}
-    batches = stream_batches(tasks, cfgs["paper_recipe"].batch_size)
+    batches = stream_batches(tasks, cfgs["paper_recipe"].batch_size, eval_period)
     single = count_single_class(batches, train.targets)
     result = {
         "benchmark": "learning_diagnosis",

@@ -32,8 +32,8 @@ from benchmarks.service import ROOT, ServiceSpec, paper_recipe
 from mepo_stream.cli import config_options
 
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
-BENCHMARKS = ("learning_quality", "learner_throughput", "predict_latency", "predict_throughput", "replica_latency",
-              "alignment_cost", "refine_throughput")
+BENCHMARKS = ("model_arithmetic", "learning_quality", "learner_throughput", "predict_latency", "predict_throughput",
+              "replica_latency", "alignment_cost", "refine_throughput")
 GPU_BENCHMARKS = ("gpu_learner_fp32", "gpu_learner_bf16", "gpu_predict_latency", "gpu_vit_b16")
 ALL = (*BENCHMARKS, *GPU_BENCHMARKS)
 GPU_LEARNER_CONFIGS = ("prequential", "paper_recipe")
@@ -93,6 +93,7 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path) -> tuple[str, lis
         "learning_quality": lambda: ("learning_quality", [
             *config_options(replace(spec, train_per_class=int(n(10, 100))), "--spec."), "--test_per_class", n(5, 50),
             "--eval_period", n(50, 250), "--work", str(work / name)]),
+        "model_arithmetic": lambda: ("model_arithmetic", [*config_options(spec, "--spec."), "--repeats", n(2, 20)]),
         "learner_throughput": lambda: learner(spec),
         "predict_latency": latency,
         "predict_throughput": lambda: ("predict_throughput", [*stream(spec, 2, 10), "--seconds", n(3, 30),
@@ -187,8 +188,24 @@ def _bare_learner_rows(r: dict) -> list[Row]:
              f"(samples/s)", _fmt(rate, "/s"), "–", None, "≥ 400/s on an H100-class GPU", rate >= 400)]
 
 
+def _arithmetic_rows(r: dict) -> list[Row]:
+    """Each native precision's bare forward against the fastest one; FLOP/s against the peak where known."""
+    rows: list[Row] = []
+    fastest = r["precisions"][r["fastest"]]
+    for name, p in r["precisions"].items():
+        share = "" if p["share_of_peak"] is None else f", {100 * p['share_of_peak']:.1f} % of peak"
+        rows.append((f"Backbone forward, batch {r['batch']}, {name} (images/s; {r['flops_per_image'] / 1e9:.2f} "
+                     f"GFLOP per image: {p['achieved_flops_per_s'] / 1e9:.0f} GFLOP/s achieved{share})",
+                     _fmt(p["batch_images_per_s"], "/s"), _fmt(fastest["batch_images_per_s"], "/s") +
+                     f" ({r['fastest']})", p["batch_images_per_s"] / fastest["batch_images_per_s"], "–", None))
+    rows.append((f"Backbone forward, one image, p50 ({r['fastest']})", _fmt(fastest["single_image_p50_s"], "ms"), "–",
+                 None, "–", None))
+    return rows
+
+
 ROWS: dict[str, Callable[[dict], list[Row]]] = {
-    "learning_quality": _quality_rows, "learner_throughput": _learner_rows, "predict_latency": _latency_rows,
+    "model_arithmetic": _arithmetic_rows, "learning_quality": _quality_rows, "learner_throughput": _learner_rows,
+    "predict_latency": _latency_rows,
     "predict_throughput": _throughput_rows, "replica_latency": _replica_rows,
     "alignment_cost": _alignment_rows, "refine_throughput": _refine_rows, "gpu_learner_fp32": _learner_rows,
     "gpu_learner_bf16": _learner_rows, "gpu_predict_latency": _latency_rows, "gpu_vit_b16": _bare_learner_rows,

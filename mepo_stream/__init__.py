@@ -12,3 +12,10 @@ producer and the server share.
 Dependencies point one way: ``offline/``, ``producers/``, ``server/`` and ``benchmarks/`` import this package,
 and it imports none of them (``cli`` finds their commands through entry points).
 """
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("mepo-stream")  # pyproject.toml's, the one place it is written
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"

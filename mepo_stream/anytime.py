@@ -110,6 +110,30 @@ class AnytimeCurve:
                    [{int(k): float(v) for k, v in c.items()} for c in d["task_class_accuracy"]])
 
 
+def batch_room(samples_seen: int, batch_size: int, eval_period: int) -> int:
+    """The size of the mini-batch after ``samples_seen`` samples: ``batch_size``, or fewer so that it ends where
+    the next any-time evaluation is scheduled (every ``eval_period`` samples; 0: none)."""
+    return batch_size if eval_period <= 0 else min(batch_size, eval_period - samples_seen % eval_period)
+
+
+def stream_batches(tasks: list[list[int]], batch_size: int, eval_period: int) -> list[list[int]]:
+    """A stream's mini-batches as ``mepo evaluate`` and the service learn them: consecutive, never across a task's
+    end or a scheduled evaluation.
+
+    Example:
+        >>> stream_batches([[0, 1, 2, 3, 4], [5, 6]], batch_size=2, eval_period=3)
+        [[0, 1], [2], [3, 4], [5], [6]]
+    """
+    batches, seen = [], 0
+    for task in tasks:
+        start = 0
+        while start < len(task):
+            size = batch_room(seen, batch_size, eval_period)
+            batches.append(task[start : start + size])
+            start, seen = start + size, seen + len(batches[-1])
+    return batches
+
+
 class EncodedTestSet:
     """The test images' encodings, computed once while the learner's encoder cannot change.
 
@@ -204,9 +228,7 @@ class AnytimeEvaluation:
 
     def room(self, learner: OnlineLearner, batch_size: int) -> int:
         """The size of the next mini-batch: ``batch_size``, or fewer so that it ends at the next evaluation."""
-        if self.eval_period <= 0:
-            return batch_size
-        return max(1, min(batch_size, self.next_eval - learner.samples_seen))
+        return batch_room(learner.samples_seen, batch_size, self.eval_period)
 
     def batches(self, learner: OnlineLearner, task: list[int], batch_size: int) -> Iterator[list[int]]:
         """A task's stream indices as mini-batches in order, each cut at the next scheduled evaluation; learn each

@@ -23,6 +23,7 @@ from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mepo_stream import __version__
 from server.config import ServeConfig
 from server.dependencies import error_response
 from server.metrics import ServerMetrics
@@ -47,7 +48,7 @@ def create_app(settings: ServeConfig) -> FastAPI:
         service.stop()
 
     # FastAPIOffline: /docs and /redoc serve their assets from the installed fastapi-offline package, no CDN
-    app = FastAPIOffline(title="mepo-stream", version="0.1.0", lifespan=lifespan,
+    app = FastAPIOffline(title="mepo-stream", version=__version__, lifespan=lifespan,
                   description="Streaming continual learner (MePo) with a real-time prediction API.")
     app.state.settings = settings
     app.state.metrics = metrics

@@ -6,7 +6,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from benchmarks.learning_diagnosis import features, main, predict_cached, stream_batches
+from benchmarks.learning_diagnosis import features, main, predict_cached
+from mepo_stream.anytime import stream_batches
 from mepo_stream.backbone import BackboneConfig, normalization
 from mepo_stream.data import DataConfig, load_split
 from mepo_stream.learner import PAPER_RECIPE, LearnerConfig, OnlineLearner
@@ -34,9 +35,12 @@ def test_diagnosis_writes_every_measure_and_counts_single_class_batches_from_the
 
     targets = load_split(DATA, "train").targets
     tasks = si_blurry_stream(targets.tolist(), seed=1).tasks
-    batches = [b for task in tasks for b in (task[i: i + 32] for i in range(0, len(task), 32))]
+    batches = stream_batches(tasks, 32, eval_period=25)  # cut at every task's end and every 25th sample
+    starts = [sum(map(len, batches[:i])) for i in range(len(batches))]
+    assert all(s // 25 == (s + len(b) - 1) // 25 and len(b) <= 32 for s, b in zip(starts, batches, strict=True))
+    assert sum(map(len, batches)) == len(targets)
     single = sum(len(set(targets[b].tolist())) == 1 for b in batches)
-    assert result["stream"]["batches"] == len(batches) == len(stream_batches(tasks, 32))
+    assert result["stream"]["batches"] == len(batches)
     assert result["stream"]["single_class_batches"] == single
     assert result["stream"]["single_class_share"] == pytest.approx(single / len(batches))
     assert result["runs"]["paper_recipe"]["zero_loss_batches"] == single  # batch mask: one class, loss exactly 0

@@ -112,7 +112,8 @@ def test_a_thousand_bad_records_are_dead_lettered_and_every_good_one_is_learned(
         status = wait_for(lambda: (s := http.get("/v1/status").json())["dead_lettered"] >= 1000
                           and s["samples_seen"] >= 200 and s, 300, "every record handled")
         assert status["samples_seen"] == 200 and status["dead_lettered"] == 1000 and status["replays_skipped"] == 1
-        assert status["learner_error"] is None and http.get("/readyz").status_code == 200  # never restarted
+        assert status["learner_error"] is None  # never restarted
+        wait_for(lambda: http.get("/readyz").status_code == 200, 60, "ready")  # the broker probe may lag when busy
         metrics = http.get("/metrics").text
     expected = Counter(reason for _, _, reason in bad)
     counted = {m.group(1): int(float(m.group(2))) for m in

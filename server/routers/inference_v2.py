@@ -15,6 +15,7 @@ from fastapi import APIRouter, Depends, Path
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
+from mepo_stream import __version__
 from server.config import ServeConfig
 from server.dependencies import ApiError, errors, get_service, get_settings
 from server.prediction import decode_all, predict_images
@@ -61,7 +62,7 @@ def _model(name: str, settings: ServeConfig) -> None:
 
 @router.get("", summary="Server metadata")
 def server_metadata() -> dict:
-    return {"name": "mepo-stream", "version": "0.1.0", "extensions": []}
+    return {"name": "mepo-stream", "version": __version__, "extensions": []}
 
 
 @router.get("/health/live", summary="Server liveness")

@@ -1,0 +1,118 @@
+"""The backbone's own arithmetic: FLOPs per image, and the bare forward's speed in each precision the device has.
+
+What every other row is measured against: the fastest way this device runs the model's forward. The forward of a
+batch (``batch`` images) and of one image are timed, under ``inference_mode``, in
+
+* ``fp32``: fp32 weights, no autocast;
+* ``bf16_autocast``: fp32 weights under bf16 autocast (a bf16 copy of every weight on every forward);
+* ``bf16_weights``: the weights stored in bf16, under autocast (what the learner does with a frozen plain
+  backbone at bf16, ``--learner.cast_frozen_backbone``),
+
+the bf16 ones only where the hardware multiplies bf16 natively. FLOPs are counted by ``torch.utils.flop_counter``
+(a multiply-add is 2 FLOPs); achieved FLOP/s = FLOPs per image x images per second, against the device's peak
+where it is known (``PEAK_FLOPS``; for CPUs it is not recorded, so none is claimed). The precision with the most
+images per second is ``fastest``.
+
+Usage:
+    python -m benchmarks.model_arithmetic --spec.model vit_small_patch14_dinov2 --spec.img_size 84
+Writes ``benchmarks/results/model_arithmetic.json``.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from benchmarks.service import ServiceSpec, write_result
+from mepo_stream.backbone import BackboneConfig, create_backbone, device
+from mepo_stream.learner import autocast, native_bf16
+
+PEAK_FLOPS = {"H100": {"bfloat16": 989e12, "float32": 67e12}, "H200": {"bfloat16": 989e12, "float32": 67e12}}
+"""Dense peak FLOP/s by device name (NVIDIA's SXM data sheets); devices not listed get no peak."""
+
+
+def flops_per_image(model: torch.nn.Module, img_size: int) -> int:
+    with FlopCounterMode(display=False) as counter, torch.inference_mode():
+        model(torch.zeros(1, 3, img_size, img_size, device=next(model.parameters()).device))
+    return counter.get_total_flops()
+
+
+def timed(fn, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls, after one warm-up call (CUDA work waited for)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def variants(model: torch.nn.Module, dev: torch.device) -> dict[str, tuple[torch.nn.Module, torch.dtype]]:
+    """Each precision this device runs natively: the model (its weights' dtype) and the autocast dtype."""
+    out = {"fp32": (model, torch.float32)}
+    if native_bf16(dev):
+        out["bf16_autocast"] = (model, torch.bfloat16)
+        out["bf16_weights"] = (copy.deepcopy(model).to(torch.bfloat16), torch.bfloat16)
+    return out
+
+
+def measure(model: torch.nn.Module, dtype: torch.dtype, dev: torch.device, img_size: int, batch: int,
+            repeats: int, flops: int) -> dict:
+    images = {n: torch.randn(n, 3, img_size, img_size, device=dev) for n in (batch, 1)}
+
+    def forward(n: int):
+        return lambda: model(images[n])
+
+    with torch.inference_mode(), autocast(dev, dtype):
+        batch_s = statistics.median(timed(forward(batch), repeats))
+        single = timed(forward(1), repeats * 5)
+    rate = batch / batch_s
+    achieved, peak = flops * rate, peak_flops(dev, dtype)
+    return {"batch_images_per_s": rate, "single_image_p50_s": statistics.median(single),
+            "achieved_flops_per_s": achieved, "peak_flops_per_s": peak,
+            "share_of_peak": None if peak is None else achieved / peak}
+
+
+def peak_flops(dev: torch.device, dtype: torch.dtype) -> float | None:
+    """The device's dense peak at ``dtype`` where ``PEAK_FLOPS`` knows it."""
+    if dev.type != "cuda":
+        return None
+    name, key = torch.cuda.get_device_name(dev), str(dtype).removeprefix("torch.")
+    return next((p[key] for n, p in PEAK_FLOPS.items() if n in name and key in p), None)
+
+
+def main(spec: ServiceSpec = ServiceSpec(), batch: int = 32, repeats: int = 10,
+         out: Path = Path("benchmarks/results/model_arithmetic.json")) -> dict:
+    """Measure the backbone forward in every native precision; write the JSON result.
+
+    Args:
+        spec: Model and resolution (its learner settings are not used).
+        batch: Images per batched forward (the learner's mini-batch).
+        repeats: Timed batched forwards per precision (five times as many single-image ones).
+        out: JSON result path.
+    """
+    torch.manual_seed(0)
+    dev = device()
+    model = create_backbone(BackboneConfig(name=spec.model, weights=spec.weights, img_size=spec.img_size))
+    model = model.to(dev).eval()
+    flops = flops_per_image(model, spec.img_size)
+    native = variants(model, dev)
+    rows = {name: measure(m, dtype, dev, spec.img_size, batch, repeats, flops) for name, (m, dtype) in native.items()}
+    fastest = max(rows, key=lambda k: rows[k]["batch_images_per_s"])
+    return write_result({"benchmark": "model_arithmetic", "spec": spec.as_json(), "batch": batch,
+                         "flops_per_image": flops, "precisions": rows, "fastest": fastest},
+                        out, dev, native[fastest][1])
+
+
+if __name__ == "__main__":
+    from jsonargparse import CLI
+
+    CLI(main, as_positional=False)
