@@ -138,3 +138,16 @@ def test_serve_report_smoke(tmp_path):
          "--timeout", "300", "--work", str(tmp_path / "work"), "--out", str(out))
     report = json.loads(out.read_text())
     assert report["samples_learned"] == 30 and report["dead_lettered"] == report["bad_records_injected"] == 5
+
+
+def test_profile_summary_counts_only_the_learner_loop():
+    from benchmarks.profile_summary import shares
+
+    raw = "\n".join([
+        "_run (server/stream.py:1);_consume (server/stream.py:2);learn (server/state.py:3);encode (x.py:4) 6",
+        "_run (server/stream.py:1);_consume (server/stream.py:9);save (server/state.py:5) 2",
+        "serve (uvicorn/main.py:1);predict (server/routers/predict.py:2) 50",
+    ])
+    total, rows = shares(raw)
+    assert total == 8 and dict(rows)["_consume (server/stream.py)"] == 1.0
+    assert dict(rows)["learn (server/state.py)"] == 0.75 and "encode (x.py)" not in dict(rows)
