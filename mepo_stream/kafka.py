@@ -15,8 +15,6 @@ Example:
     False
     >>> record_key("cifar10/T5-N50-M10/seed1")
     b'cifar10/T5-N50-M10/seed1'
-    >>> snapshot_key("mepo", 2)  # part 2 of a snapshot of the model served as "mepo"
-    b'mepo/2'
 """
 
 from __future__ import annotations
@@ -85,24 +83,6 @@ def record_key(stream_id: str) -> bytes:
     """The partition key of every record of a stream: its id, so the whole stream lands on one partition and
     is read in order, whatever the topic's partition count."""
     return stream_id.encode()
-
-
-def snapshot_key(model: str, part: int) -> bytes:
-    """The key of part ``part`` of a model's snapshot: a compacted topic keeps the newest record of every key, so
-    it keeps the newest copy of every part of the model's snapshot and drops older ones."""
-    return f"{model}/{part}".encode()
-
-
-SNAPSHOT_TOPIC_CONFIGS = {"cleanup.policy": "compact"}
-"""Topic configuration of the snapshot topic: Kafka keeps the newest record per key (Tansu accepts the setting but
-keeps every record, in memory)."""
-
-
-def ensure_snapshot_topic(kafka: KafkaConfig) -> None:
-    """Create the compacted snapshot topic (one partition: every part of a snapshot in publication order)."""
-    if kafka.snapshot_topic is None:
-        raise ValueError("no snapshot topic is configured (--kafka.snapshot_topic)")
-    ensure_topics(kafka, kafka.snapshot_topic, configs=SNAPSHOT_TOPIC_CONFIGS)
 
 
 def ensure_topics(kafka: KafkaConfig, *topics: str, partitions: int = 1, configs: dict[str, str] | None = None

@@ -18,11 +18,11 @@ import time
 from kafka import KafkaProducer
 from kafka.errors import KafkaError
 
-from mepo_stream.kafka import ensure_snapshot_topic, open_producer
+from mepo_stream.kafka import open_producer
 from server.config import ServeConfig
 from server.metrics import ServerMetrics
 from server.snapshot import Snapshot
-from server.snapshot_topic import Origin, bundle_sha256, encode, to_records
+from server.snapshot_topic import Origin, bundle_sha256, encode, ensure_snapshot_topic, to_records
 from server.state import ServiceState
 
 log = logging.getLogger(__name__)

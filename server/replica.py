@@ -36,7 +36,6 @@ from kafka import KafkaConsumer, TopicPartition
 from kafka.errors import KafkaError
 
 from mepo_stream.backbone import create_backbone, device
-from mepo_stream.kafka import ensure_snapshot_topic
 from mepo_stream.learner import OnlineLearner
 from mepo_stream.model import BundleParts, assemble, backbone_config
 from server.batching import MicroBatcher
@@ -51,6 +50,7 @@ from server.snapshot_topic import (
     SnapshotMessage,
     bundle_sha256,
     decode,
+    ensure_snapshot_topic,
     weights_sha256,
 )
 from server.stream import PROBE_EVERY_S, ConsumerThread, broker_answers

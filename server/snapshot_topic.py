@@ -7,7 +7,7 @@ method that fine-tunes it) and string metadata: ``format``, ``model`` (the serve
 ``backbone_sha256`` and ``bundle_sha256`` (see :class:`Origin`) and ``published_at`` (Unix time). Safetensors holds
 tensors and strings only: nothing is unpickled on a replica.
 
-The blob travels as ``ceil(size / chunk_bytes)`` records keyed ``<model>/<part>`` (``mepo_stream.kafka.snapshot_key``)
+The blob travels as ``ceil(size / chunk_bytes)`` records keyed ``<model>/<part>`` (``snapshot_key``)
 with headers ``format``, ``model``, ``version``, ``part`` (``"i/n"``) and ``sha256`` (of the whole blob), so a
 compacted topic keeps the newest copy of every part. :class:`Assembler` puts the parts back together, newest
 arrival first, and checks the sha256 before anything is decoded. Parts of different publications never mix:
@@ -44,10 +44,28 @@ from torch import nn
 
 from mepo_stream.artifacts import MANIFEST
 from mepo_stream.files import sha256_file
-from mepo_stream.kafka import snapshot_key
+from mepo_stream.kafka import KafkaConfig, ensure_topics
 
 FORMAT = "mepo-snapshot/1"
 Record = tuple[bytes, bytes, list[tuple[str, bytes]]]  # key, value, headers
+
+
+def snapshot_key(model: str, part: int) -> bytes:
+    """The key of part ``part`` of a model's snapshot: a compacted topic keeps the newest record of every key, so
+    it keeps the newest copy of every part of the model's snapshot and drops older ones."""
+    return f"{model}/{part}".encode()
+
+
+SNAPSHOT_TOPIC_CONFIGS = {"cleanup.policy": "compact"}
+"""Topic configuration of the snapshot topic: Kafka keeps the newest record per key (Tansu accepts the setting but
+keeps every record, in memory)."""
+
+
+def ensure_snapshot_topic(kafka: KafkaConfig) -> None:
+    """Create the compacted snapshot topic (one partition: every part of a snapshot in publication order)."""
+    if kafka.snapshot_topic is None:
+        raise ValueError("no snapshot topic is configured (--kafka.snapshot_topic)")
+    ensure_topics(kafka, kafka.snapshot_topic, configs=SNAPSHOT_TOPIC_CONFIGS)
 
 
 class CorruptSnapshot(ValueError):
