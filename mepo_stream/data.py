@@ -167,10 +167,11 @@ def list_files(cfg: DataConfig, split: str) -> FileList:
     folders = sorted(p.name for p in split_root.iterdir() if p.is_dir())[class_slice][: cfg.num_classes]
     per_class = cfg.train_per_class if split == "train" else cfg.test_per_class
     files, targets = [], []
-    for label, folder in enumerate(folders):
-        paths = sorted(p for p in (split_root / folder).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
-        files += paths[:per_class]
-        targets += [label] * len(paths[:per_class])
+    for label, folder in enumerate(folders):  # names sorted as strings: Path comparisons cost 2 s on CIFAR-10
+        names = sorted(e.name for e in os.scandir(split_root / folder)
+                       if os.path.splitext(e.name)[1].lower() in IMAGE_SUFFIXES)
+        files += [split_root / folder / name for name in names[:per_class]]
+        targets += [label] * len(names[:per_class])
     if not files:
         raise ValueError(f"{split_root}: no images found")
     return FileList(files, targets, folders, _class_names(root, folders))
