@@ -61,11 +61,38 @@ def table(folder: Path) -> list[str]:
     return lines
 
 
+TABLE1_COLUMNS = {"w/o MePo": ("table1_meta", "host"), "Meta Rep": ("table1_meta", "rep"),
+                  "fine-tuned (same budget)": ("table1_finetune", "rep"), "Meta Cov": ("table1_meta", "cov"),
+                  "Meta Rep + Meta Cov (MePo)": ("table1_meta", "mepo"),
+                  "fine-tuned + Meta Cov": ("table1_finetune", "mepo")}
+"""Table 1's columns: (sweep folder, variant). Meta Cov alone uses the untouched backbone's Sigma_pre; with a
+refined backbone, that backbone's own."""
+
+
+def table1(folder: Path, metric: str = "A_last") -> list[str]:
+    """Table 1 and its ablation in one: every host's ``metric`` (mean ± std over seeds) without MePo, with each
+    refine as Meta Rep, with Meta Cov, and with both, from the ``table1_*`` sweeps of ``refine_comparison.sh``."""
+    runs = {column: runs_of(folder / sweep, variant) for column, (sweep, variant) in TABLE1_COLUMNS.items()}
+    hosts = list(dict.fromkeys(r["method"] for rs in runs.values() for r in rs))
+    lines = [f"| host ({metric} %) | " + " | ".join(TABLE1_COLUMNS) + " |", "|---" * (len(TABLE1_COLUMNS) + 1) + "|"]
+    for host in hosts:
+        cells = []
+        for column in TABLE1_COLUMNS:
+            values = [r["curves"]["batch"][metric] for r in runs[column] if r["method"] == host]
+            cells.append(cell(values) if values else "–")
+        lines.append(f"| {host} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main(runs: Path = Path("runs/refine_comparison")) -> None:
-    """Print the table of every dataset evaluated under ``runs/eval``."""
+    """Print the table of every dataset evaluated under ``runs/eval``, and Table 1 where it ran."""
     for folder in sorted((runs / "eval").iterdir()):
         print(f"\n{folder.name}\n")
         print("\n".join(table(folder)))
+        if (folder / "table1_meta" / "results.json").is_file():
+            for metric in ("A_last", "A_auc"):
+                print(f"\nTable 1, {metric}\n")
+                print("\n".join(table1(folder, metric)))
 
 
 if __name__ == "__main__":
