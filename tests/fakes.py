@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from kafka import TopicPartition
+from kafka.structs import OffsetAndMetadata
 from PIL import Image
 
 import server.stream as stream
@@ -91,6 +92,7 @@ class FakeConsumer:
         listener.on_partitions_assigned([TP])  # the loop seeks to its checkpoint's offset
 
     def poll(self, timeout_ms: int, max_records: int) -> dict:
+        assert timeout_ms is not None  # the loop must come back to its controls (stop, pause, checkpoint)
         batch = self.log[self.pos: self.pos + max_records]
         self.pos += len(batch)
         if not batch:
@@ -101,6 +103,7 @@ class FakeConsumer:
         return {TP: batch} if batch else {}
 
     def seek(self, tp: TopicPartition, offset: int) -> None:
+        assert tp == TP, tp
         self.pos = offset
 
     def assignment(self) -> set[TopicPartition]:
@@ -110,12 +113,16 @@ class FakeConsumer:
         return {tp: 0 for tp in tps}
 
     def highwater(self, tp: TopicPartition) -> int:
+        assert tp == TP, tp
         return len(self.log)
 
     def position(self, tp: TopicPartition, timeout_ms: int) -> int:
+        assert tp == TP and timeout_ms is not None, (tp, timeout_ms)  # a stalled broker must not hang the loop
         return self.pos
 
     def commit(self, offsets: dict, timeout_ms: int) -> None:
+        assert timeout_ms is not None  # a stalled broker must not hang the loop
+        assert all(meta == OffsetAndMetadata(meta.offset, "", -1) for meta in offsets.values()), offsets
         self.committed = {stream.tp_key(tp): meta.offset for tp, meta in offsets.items()}
         self.events.append(("commit", dict(self.committed)))
 

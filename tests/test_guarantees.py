@@ -317,6 +317,10 @@ def test_lag_counts_the_records_read_but_not_yet_learned(tmp_path):
     loop._update_lag()
     metric = state.metrics.lag.labels("0")._value.get()
     assert loop.lag == {f"{TOPIC}:0": 3} and metric == 3
+    loop._accept_poll(next(iter(consumer.poll(timeout_ms=0, max_records=5).values())))
+    loop.learn_pending()
+    loop._update_lag()
+    assert loop.lag == {f"{TOPIC}:0": 0}  # drained and learned
 
 
 def test_an_idle_stream_is_evaluated_once_where_it_stopped(tmp_path, monkeypatch):
