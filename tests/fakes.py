@@ -86,6 +86,7 @@ class FakeConsumer:
     def __init__(self, loop: LearnerLoop, log: list[FakeRecord], events: list | None = None, idle_polls: int = 0):
         self.loop, self.log, self.pos, self.idle_polls = loop, log, 0, idle_polls
         self.committed: dict[str, int] = {}
+        self.options: dict = {}  # what the loop opened the consumer with (``run_loop``)
         self.events = [] if events is None else events
 
     def subscribe(self, topics: list[str], listener) -> None:
@@ -154,7 +155,7 @@ def run_loop(monkeypatch, loop: LearnerLoop, log: list[FakeRecord], events: list
     consumer = FakeConsumer(loop, log, events, idle_polls)
     monkeypatch.setattr(stream, "ensure_topics", lambda kafka, *topics: None)
     monkeypatch.setattr(stream, "open_producer", lambda kafka, **_: FakeProducer(consumer.events))
-    monkeypatch.setattr(stream, "KafkaConsumer", lambda **_: consumer)
+    monkeypatch.setattr(stream, "KafkaConsumer", lambda **options: consumer.options.update(options) or consumer)
     loop._run()
     assert loop.error is None
     return consumer

@@ -55,6 +55,9 @@ def test_offsets_are_committed_only_after_a_checkpoint_holding_them(tmp_path, mo
     events: list = []
     logged_checkpoints(monkeypatch, events)
     consumer = run_loop(monkeypatch, loop, records(list(range(40))), events)
+    assert consumer.options["enable_auto_commit"] is False  # Kafka itself never commits behind the checkpoint
+    assert consumer.options["auto_offset_reset"] == "earliest"  # a new group reads the stream from its start
+    assert consumer.options["group_id"] == state.cfg.kafka.group_id
     commits = [i for i, e in enumerate(events) if e[0] == "commit"]
     assert len(commits) >= 2 and consumer.committed == {f"{TOPIC}:0": 40}
     for i in commits:
