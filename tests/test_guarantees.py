@@ -29,9 +29,10 @@ from mepo_stream.images import ImageLimits
 from mepo_stream.records import RecordError, parse_headers, record_headers
 from server.app import create_app
 from server.dependencies import get_service
+from server.metrics import ServerMetrics
 from server.replica import Refused, ReplicaModel
 from server.snapshot_topic import Origin, bundle_sha256
-from server.state import CHECKPOINT, build_learner
+from server.state import CHECKPOINT, ServiceState, build_learner
 from tests.fakes import STREAM_ID, TOPIC, FakeConsumer, record, records, run_loop, service
 from tests.helpers import settings
 
@@ -343,3 +344,13 @@ def test_per_class_accuracy_of_the_latest_evaluation_is_exported(tmp_path, monke
     text = generate_latest(state.metrics.registry).decode()
     for name, acc in per_class.items():
         assert f'mepo_class_accuracy_ratio{{class_name="{name}"}} {float(acc)}' in text
+
+
+def test_a_restart_continues_from_the_checkpoint_model_offsets_and_curve(tmp_path, monkeypatch):
+    state, loop, _ = service(tmp_path, protocol=ProtocolConfig(eval_period=10))
+    run_loop(monkeypatch, loop, records(list(range(35))))
+    again = ServiceState(state.cfg, ServerMetrics())  # a new process on the same checkpoint folder
+    assert again.version == state.version == 4 and again.learner.samples_seen == 35  # 10, 10, 10, 5
+    assert again.book.offsets == state.book.offsets == {f"{TOPIC}:0": 35}
+    assert again.curve == state.curve and again.curve.samples == [10, 20, 30]
+    assert again.snapshot.version == 4 and again.learner.exposed == state.learner.exposed
