@@ -22,7 +22,6 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -116,15 +115,15 @@ def batch_room(samples_seen: int, batch_size: int, eval_period: int) -> int:
     return batch_size if eval_period <= 0 else min(batch_size, eval_period - samples_seen % eval_period)
 
 
-def stream_batches(tasks: list[list[int]], batch_size: int, eval_period: int) -> list[list[int]]:
+def stream_batches(tasks: list[list[int]], batch_size: int, eval_period: int, seen: int = 0) -> list[list[int]]:
     """A stream's mini-batches as ``mepo evaluate`` and the service learn them: consecutive, never across a task's
-    end or a scheduled evaluation.
+    end or a scheduled evaluation (``seen``: samples learned before the first of them).
 
     Example:
         >>> stream_batches([[0, 1, 2, 3, 4], [5, 6]], batch_size=2, eval_period=3)
         [[0, 1], [2], [3, 4], [5], [6]]
     """
-    batches, seen = [], 0
+    batches = []
     for task in tasks:
         start = 0
         while start < len(task):
@@ -230,14 +229,10 @@ class AnytimeEvaluation:
         """The size of the next mini-batch: ``batch_size``, or fewer so that it ends at the next evaluation."""
         return batch_room(learner.samples_seen, batch_size, self.eval_period)
 
-    def batches(self, learner: OnlineLearner, task: list[int], batch_size: int) -> Iterator[list[int]]:
-        """A task's stream indices as mini-batches in order, each cut at the next scheduled evaluation; learn each
-        (and call ``after_batch``) before taking the next."""
-        start = 0
-        while start < len(task):
-            batch = task[start : start + self.room(learner, batch_size)]
-            start += len(batch)
-            yield batch
+    def batches(self, learner: OnlineLearner, task: list[int], batch_size: int) -> list[list[int]]:
+        """A task's stream indices as mini-batches in order, each cut at the next scheduled evaluation (learn each
+        and call ``after_batch`` in turn)."""
+        return stream_batches([task], batch_size, self.eval_period, learner.samples_seen)
 
     def after_batch(self, learner: OnlineLearner) -> dict[AlignMode, tuple[float, dict]] | None:
         """Call after each learned mini-batch; when the learner has reached the next scheduled position, runs the
