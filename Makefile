@@ -22,8 +22,8 @@ setup: $(BIN)/mepo
 # 8,500 images in all, with the held-out guard; no Sigma_pre (the streaming LDA does not need it), no ISA.
 $(DEMO_OUT)/refined/manifest.json: | setup
 	$(BIN)/mepo refine --out $(DEMO_OUT)/refined --backbone.img_size 84 --tasks.samples_per_class 50 \
-		--refine.meta_epochs 1 --refine.inner_epochs 2 --refine.batch_size 64 --guard.per_class 10 \
-		--cov.skip true --isa.skip true --resume true
+		--loop.meta_epochs 1 --loop.inner_epochs 2 --loop.batch_size 64 --guard.per_class 10 \
+		--cov.skip true --adapt.skip true --resume true
 
 demo: setup $(DEMO_OUT)/refined/manifest.json
 	$(BIN)/mepo demo --until_done true --data.train_per_class 50 --data.test_per_class 20 \

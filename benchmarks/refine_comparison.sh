@@ -21,13 +21,13 @@ DATASETS=${3:-tinyimagenet cifar10}
 MEPO=${MEPO:-.venv/bin/mepo}
 mkdir -p "$RUNS"
 COMMON=(--backbone.img_size 84)
-ISA=(--data.train_per_class 10 --isa.lr 1e-4 --isa.epochs 1)
+ISA=(--data.train_per_class 10 --adapt.lr 1e-4 --adapt.epochs 1)
 
 [ -f "$RUNS/cov_base/manifest.json" ] || "$MEPO" covariance --out "$RUNS/cov_base" "${COMMON[@]}" \
     --cov.data.train_per_class 100
 refine() {  # name mode meta-epochs: a refined bundle with Sigma_pre, resumable
-    [ -f "$RUNS/$1/manifest.json" ] || "$MEPO" refine --out "$RUNS/$1" --refine.mode "$2" "${COMMON[@]}" \
-        --tasks.samples_per_class 100 --refine.meta_epochs "$3" --cov.data.train_per_class 100 --isa.skip true \
+    [ -f "$RUNS/$1/manifest.json" ] || "$MEPO" refine --out "$RUNS/$1" --loop.mode "$2" "${COMMON[@]}" \
+        --tasks.samples_per_class 100 --loop.meta_epochs "$3" --cov.data.train_per_class 100 --adapt.skip true \
         --resume true
 }
 MODES=()  # the same budget: one meta-epoch each; finetune2 (default learner only) has twice the budget

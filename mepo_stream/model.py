@@ -55,7 +55,7 @@ def backbone_config(backbone: BackboneConfig, parts: BundleParts) -> BackboneCon
 
 
 def assemble(method: str, n_classes: int, backbone: VisionTransformer, parts: BundleParts = BundleParts(),
-             methods: MethodsConfig = MethodsConfig(), alignment: AlignmentConfig = AlignmentConfig()
+             method_config: MethodsConfig = MethodsConfig(), alignment: AlignmentConfig = AlignmentConfig()
              ) -> ContinualMethod:
     """The host method around an already built ``backbone``, with Meta Cov and ISA prompts if ``parts`` say so."""
     align = None
@@ -65,7 +65,7 @@ def assemble(method: str, n_classes: int, backbone: VisionTransformer, parts: Bu
             raise ValueError(f"Sigma_pre is {tuple(sigma.shape)} but the backbone has {backbone.num_features} "
                              f"features")
         align = FeatureAlignment.from_config(sigma, alignment)
-    model = create_method(method, backbone, n_classes, align, methods)
+    model = create_method(method, backbone, n_classes, align, method_config)
     if parts.prompts is not None:
         load_initial_prompts(model, parts.prompts)
     return model
@@ -80,8 +80,9 @@ def load_initial_prompts(model: ContinualMethod, bundle: Path) -> None:
 
 
 def build_method(method: str, n_classes: int, backbone: BackboneConfig, parts: BundleParts = BundleParts(),
-                 methods: MethodsConfig = MethodsConfig(), alignment: AlignmentConfig = AlignmentConfig(),
+                 method_config: MethodsConfig = MethodsConfig(), alignment: AlignmentConfig = AlignmentConfig(),
                  device: torch.device | None = None) -> ContinualMethod:
     """Build the backbone (the bundle's under Meta Rep) and the host method around it."""
-    model = assemble(method, n_classes, create_backbone(backbone_config(backbone, parts)), parts, methods, alignment)
+    model = assemble(method, n_classes, create_backbone(backbone_config(backbone, parts)), parts, method_config,
+                     alignment)
     return model if device is None else model.to(device)

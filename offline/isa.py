@@ -22,7 +22,7 @@ bundle's own backbone, on the Tiny-ImageNet pretraining half, so it can never ha
   loss curve and the backbone's hash under the manifest's ``isa`` key.
 
 Example:
-    mepo isa --out runs/isa --backbone.img_size 84 --data.train_per_class 10 --isa.epochs 1
+    mepo isa --out runs/isa --backbone.img_size 84 --data.train_per_class 10 --adapt.epochs 1
     mepo isa --mepo runs/refined --backbone.img_size 84      # adds the prompts to an existing bundle
 """
 
@@ -58,8 +58,6 @@ log = logging.getLogger(__name__)
 class ISAConfig:
     """MISA's initial session adaptation (defaults: MISA's ImageNet-900 script unless said otherwise)."""
 
-    method: str = "misa"
-    """Prompt-based host whose prompts are warmed; its layout comes from --method_config (misa, dualprompt, mvp)."""
     pool_classes: int = 10
     """The last N classes are the out-of-session pool, the others the session (MISA: 100 of 1000; here 10 of
     100)."""
@@ -117,13 +115,13 @@ def prompt_hosts() -> list[str]:
     return sorted(name for name, (cls, _) in METHODS.items() if hasattr(cls, "initial_prompts"))
 
 
-def build_host(backbone: VisionTransformer, n_classes: int, cfg: ISAConfig, method_config: MethodsConfig
-               ) -> ContinualMethod:
-    """The prompt host around a frozen ``backbone``, with MISA's e-prompt projector when ``cfg.e_proj``."""
-    if cfg.method not in prompt_hosts():
-        raise ValueError(f"--isa.method {cfg.method!r} is not a prompt-based host: ISA warms the prompts of "
+def build_host(backbone: VisionTransformer, n_classes: int, cfg: ISAConfig, method: str,
+               method_config: MethodsConfig) -> ContinualMethod:
+    """The prompt host ``method`` around a frozen ``backbone``, with MISA's e-prompt projector when ``cfg.e_proj``."""
+    if method not in prompt_hosts():
+        raise ValueError(f"--method {method!r} is not a prompt-based host: ISA warms the prompts of "
                          f"{', '.join(prompt_hosts())}")
-    host = create_method(cfg.method, backbone, n_classes, None, method_config)
+    host = create_method(method, backbone, n_classes, None, method_config)
     if cfg.e_proj:  # host.e_prompt.prompts now reads p + MLP(p); the MLP trains along with p
         parametrize.register_parametrization(host.e_prompt, "prompts", ResidualProjector(backbone.num_features))
     return host
@@ -133,12 +131,12 @@ def class_split(n_classes: int, cfg: ISAConfig) -> tuple[list[list[int]], list[i
     """Session tasks (consecutive classes, as equal as possible) and the pool classes."""
     n_session = n_classes - cfg.pool_classes
     if cfg.pool_classes < 1 or n_session < 1:
-        raise ValueError(f"--isa.pool_classes {cfg.pool_classes} must leave both a session and a pool among the "
+        raise ValueError(f"--adapt.pool_classes {cfg.pool_classes} must leave both a session and a pool among the "
                          f"{n_classes} classes")
     if not 1 <= cfg.n_tasks <= n_session:
-        raise ValueError(f"--isa.n_tasks {cfg.n_tasks} must be between 1 and the {n_session} session classes")
+        raise ValueError(f"--adapt.n_tasks {cfg.n_tasks} must be between 1 and the {n_session} session classes")
     if not 1 <= cfg.pool_draw <= cfg.pool_classes:
-        raise ValueError(f"--isa.pool_draw {cfg.pool_draw} must be between 1 and --isa.pool_classes")
+        raise ValueError(f"--adapt.pool_draw {cfg.pool_draw} must be between 1 and --adapt.pool_classes")
     tasks = [list(range(t * n_session // cfg.n_tasks, (t + 1) * n_session // cfg.n_tasks)) for t in range(cfg.n_tasks)]
     return tasks, list(range(n_session, n_classes))
 
@@ -272,12 +270,14 @@ def carried_parts(bundle: Path, manifest: dict) -> dict[str, dict[str, torch.Ten
     return {n: load_part(bundle, n) for f in files if (n := f.removesuffix(".safetensors")) != PROMPTS}
 
 
-def isa_record(cfg: ISAConfig, method_config: MethodsConfig, backbone: BackboneConfig, data: DataConfig,
-               images: ImageSet, result: ISAResult) -> dict:
-    """What the manifest's ``isa`` key records: settings, host layout, backbone hash, data, class split, curve."""
+def isa_record(cfg: ISAConfig, method: str, method_config: MethodsConfig, backbone: BackboneConfig,
+               data: DataConfig, images: ImageSet, result: ISAResult) -> dict:
+    """What the manifest's ``isa`` key records: settings, host and its layout, backbone hash, data, class split,
+    curve."""
     tasks, pool = class_split(len(images.classes), cfg)
-    layout = METHODS[cfg.method][1]
+    layout = METHODS[method][1]
     record = {
+        "method": method,
         **{f.name: getattr(cfg, f.name) for f in fields(ISAConfig)},
         "layout": asdict(getattr(method_config, layout)) if layout else None,
         "backbone": provenance(backbone),
@@ -294,16 +294,16 @@ def isa_record(cfg: ISAConfig, method_config: MethodsConfig, backbone: BackboneC
 
 
 def add_prompts(out: Path, bundle: Path | None, backbone: BackboneConfig, data: DataConfig, images: ImageSet,
-                cfg: ISAConfig = ISAConfig(), method_config: MethodsConfig = MethodsConfig()) -> Path:
-    """Warm the prompts with the bundle's backbone (or ``backbone`` without a bundle) and write ``out``: the
-    bundle's parts and manifest keys, plus ``prompts.safetensors`` and the ``isa`` record."""
+                method: str, cfg: ISAConfig = ISAConfig(), method_config: MethodsConfig = MethodsConfig()) -> Path:
+    """Warm the prompts of host ``method`` with the bundle's backbone (or ``backbone`` without a bundle) and write
+    ``out``: the bundle's parts and manifest keys, plus ``prompts.safetensors`` and the ``isa`` record."""
     manifest = read_manifest(bundle) if bundle is not None else {}
     parts = BundleParts.of(bundle)
     if bundle is not None:
         check_backbone(bundle, manifest, backbone, parts)
     model_cfg = backbone_config(backbone, parts)
     torch.manual_seed(cfg.seed)
-    host = build_host(create_backbone(model_cfg), len(images.classes), cfg, method_config).to(device())
+    host = build_host(create_backbone(model_cfg), len(images.classes), cfg, method, method_config).to(device())
     result = warm_prompts(host, images, cfg)
     tensors = carried_parts(bundle, manifest) if bundle is not None else {}
     if parts.prompts is not None:
@@ -312,19 +312,19 @@ def add_prompts(out: Path, bundle: Path | None, backbone: BackboneConfig, data: 
     new = {"kind": "isa", "backbone": {**provenance(model_cfg), "arch": model_cfg.name},
            "versions": library_versions()}
     write_bundle(out, {**tensors, PROMPTS: result.prompts},
-                 {**(keep or new), "isa": isa_record(cfg, method_config, model_cfg, data, images, result)})
+                 {**(keep or new), "isa": isa_record(cfg, method, method_config, model_cfg, data, images, result)})
     log.info("wrote ISA prompts %s to %s (%d FAM steps, %.0f s)", {k: tuple(v.shape) for k, v in
              result.prompts.items()}, out, result.steps, result.wall_s)
     return out
 
 
-# ``mepo isa`` (pyproject.toml); not named ``isa``, which its --isa.* option group would shadow
-def initial_session_adaptation(
+def isa(
     mepo: Path | None = None,
     out: Path | None = None,
     backbone: BackboneConfig = BackboneConfig(),
     data: DataConfig = DataConfig(dataset="tinyimagenet-pretrain"),
-    isa: ISAConfig = ISAConfig(),
+    adapt: ISAConfig = ISAConfig(),
+    method: str = "misa",
     method_config: MethodsConfig = MethodsConfig(),
 ) -> Path:
     """Warm a prompt host's g/e prompts and keys with MISA's initial session adaptation; store them in a bundle.
@@ -336,11 +336,12 @@ def initial_session_adaptation(
         backbone: The backbone (its name and img_size must match the bundle's; its weights are replaced by the
             bundle's backbone when it has one).
         data: Pretraining data of the session and the pool (never a downstream class).
-        isa: Initial session adaptation settings.
-        method_config: Prompt layout of the host (--method_config.misa.e_pool, ...; as for mepo evaluate).
+        adapt: Initial session adaptation settings.
+        method: Prompt-based host whose prompts are warmed (misa, dualprompt, mvp; as for mepo serve).
+        method_config: Prompt layout of the host (--method_config.misa.e_pool, ...; as for mepo serve).
     """
     target = out or mepo
     if target is None:
         raise ValueError("pass --mepo (a bundle to add the prompts to) or --out (for a new bundle), or both")
     images = load_split(data, "train")
-    return add_prompts(Path(target), mepo, backbone, data, images, isa, method_config)
+    return add_prompts(Path(target), mepo, backbone, data, images, method, adapt, method_config)

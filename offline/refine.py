@@ -1,7 +1,7 @@
 """``mepo refine``: refine the backbone on the pretraining data, then compute Sigma_pre, then MISA's initial session
-adaptation of the prompts (``offline/isa.py``; ``--isa.skip true`` leaves it out), as a bundle.
+adaptation of the prompts (``offline/isa.py``; ``--adapt.skip true`` leaves it out), as a bundle.
 
-Two modes over the same images and steps (``--refine.mode``):
+Two modes over the same images and steps (``--loop.mode``):
 
 * ``finetune`` (the default, measured best: README "Does the refine lift the ceiling?"): plain supervised
   fine-tuning, the baseline the paper argues against; the epoch's images shuffled jointly over every class.
@@ -10,13 +10,13 @@ Two modes over the same images and steps (``--refine.mode``):
   outer loop = one SGD pass over the group's held-out joint samples (test transform), then the Reptile update
   theta <- theta0 + eps (theta_hat - theta0) over backbone *and* meta head. Logits are restricted to the
   group's classes by multiplying the others by 0 (the reference) unless ``mask`` says otherwise.
-  ``--refine mepo_stream/recipes/refine_paper.yaml`` is the reference's recipe as it is (stem trained too).
+  ``--loop mepo_stream/recipes/refine_paper.yaml`` is the reference's recipe as it is (stem trained too).
 
 Both: one SGD optimizer (momentum 0.9; backbone and head learning rates), created once and, as in the reference,
 never reset unless ``reset_optimizer``. Deliberate departures from the reference: the stem (``patch_embed``) is
-frozen by default (``--refine.freeze``), because its update alone took the downstream probe from 31.9 to 16.9 %
+frozen by default (``--loop.freeze``), because its update alone took the downstream probe from 31.9 to 16.9 %
 (64 px images upsampled put most of a patch's energy in its flat average, where the pretrained filters hold
-almost none); forward passes run in bf16 where the hardware has it (``--refine.precision``); and a guard
+almost none); forward passes run in bf16 where the hardware has it (``--loop.precision``); and a guard
 (``offline/guard.py``) probes the backbone on held-out pretraining images before and after every meta-epoch.
 
 Where Meta Rep follows the reference code and where the paper (values in ``RefineConfig``/``PseudoTaskConfig``):
@@ -33,8 +33,8 @@ N`` it runs DistributedDataParallel (gloo on CPU, nccl on GPU), each rank taking
 result matches a single process with the same global batch up to float summation order.
 
 Example:
-    mepo refine --out runs/refined --backbone.img_size 84 --refine.meta_epochs 3
-    mepo refine --out runs/meta_rep --refine mepo_stream/recipes/refine_paper.yaml
+    mepo refine --out runs/refined --backbone.img_size 84 --loop.meta_epochs 3
+    mepo refine --out runs/meta_rep --loop mepo_stream/recipes/refine_paper.yaml
 """
 
 from __future__ import annotations
@@ -306,15 +306,15 @@ def checkpoint_path(out: Path) -> Path:
     return out.parent / f"{out.name}.checkpoint.pt"
 
 
-# ``mepo refine`` (pyproject.toml); not named ``refine``, which its --refine.* option group would shadow
-def meta_refine(
+def refine(
     out: Path,
     backbone: BackboneConfig = BackboneConfig(),
     data: DataConfig = DataConfig(dataset="tinyimagenet-pretrain"),
     tasks: PseudoTaskConfig = PseudoTaskConfig(),
-    refine: RefineConfig = RefineConfig(),
+    loop: RefineConfig = RefineConfig(),
     cov: CovarianceStage = CovarianceStage(),
-    isa: ISAStage = ISAStage(),
+    adapt: ISAStage = ISAStage(),
+    method: str = "misa",
     method_config: MethodsConfig = MethodsConfig(),
     guard: GuardConfig = GuardConfig(),
     resume: bool = False,
@@ -328,30 +328,31 @@ def meta_refine(
         backbone: The pretrained backbone to refine.
         data: Pretraining data the pseudo tasks are drawn from (never a downstream class).
         tasks: Pseudo task construction (in finetune mode: which images, and how many per epoch).
-        refine: The refine loop (--refine.mode meta: the paper's Meta Rep).
+        loop: The refine loop (--loop.mode meta: the paper's Meta Rep).
         cov: Sigma_pre estimation with the refined backbone (--cov.skip true leaves it out).
-        isa: MISA's initial session adaptation with the refined backbone on --data, after Sigma_pre
-            (--isa.skip true leaves it out).
-        method_config: Prompt layout of the ISA host (--method_config.misa.e_pool, ...; as for mepo evaluate).
+        adapt: MISA's initial session adaptation with the refined backbone on --data, after Sigma_pre
+            (--adapt.skip true leaves it out; as for mepo isa).
+        method: Prompt-based host whose prompts the ISA stage warms (misa, dualprompt, mvp; as for mepo isa).
+        method_config: Prompt layout of the ISA host (--method_config.misa.e_pool, ...; as for mepo isa).
         guard: The held-out probe on the pretraining data's test split, before and after every meta-epoch.
         resume: Continue from <out>.checkpoint.pt if it exists.
     """
     ddp = Distributed.init()
     start = time.time()
-    torch.manual_seed(refine.seed)
+    torch.manual_seed(loop.seed)
     images = load_split(data, "train")
-    trainer = Trainer.create(backbone, images, refine, ddp)
+    trainer = Trainer.create(backbone, images, loop, ddp)
     ckpt = checkpoint_path(out)
     first, history = trainer.restore(ckpt) if resume and ckpt.is_file() else (1, [])
     watch = None if guard.skip else Guard(guard, HeldOutProbe.load(data, guard))
     history = meta_train(trainer, tasks, first, history, ckpt, start, watch)
     wall = time.time() - start
     if ddp.rank == 0:
-        write_refined_bundle(out, trainer.model, images, backbone, data, tasks, refine, None if cov.skip else cov,
+        write_refined_bundle(out, trainer.model, images, backbone, data, tasks, loop, None if cov.skip else cov,
                              history, trainer.seen_images, wall)
     ddp.finish()
-    if ddp.rank == 0 and not isa.skip:  # one process: the other ranks are done and must not wait on it
-        add_prompts(out, out, backbone, data, images, isa, method_config)
+    if ddp.rank == 0 and not adapt.skip:  # one process: the other ranks are done and must not wait on it
+        add_prompts(out, out, backbone, data, images, method, adapt, method_config)
     return out
 
 
@@ -386,7 +387,7 @@ def meta_train(trainer: Trainer, tasks: PseudoTaskConfig, first: int, history: l
 
 
 def write_refined_bundle(out: Path, model: MetaModel, images: ImageSet, backbone: BackboneConfig,
-                         data: DataConfig, tasks: PseudoTaskConfig, refine: RefineConfig,
+                         data: DataConfig, tasks: PseudoTaskConfig, loop: RefineConfig,
                          cov: CovarianceConfig | None, history: list[dict], seen_images: int, wall: float) -> None:
     """The bundle: refined backbone (no head), Sigma_pre (unless ``cov`` is None), and the manifest."""
     parts = {BACKBONE: {k: v.detach().cpu() for k, v in model.backbone.state_dict().items()}}
@@ -395,7 +396,7 @@ def write_refined_bundle(out: Path, model: MetaModel, images: ImageSet, backbone
         "backbone": {**provenance(backbone), "arch": backbone.name},
         "data": {**asdict(data), "classes": images.classes, "n_images": len(images)},
         "pseudo_tasks": asdict(tasks),
-        "refine": asdict(refine),
+        "refine": asdict(loop),
         "meta_epochs_completed": history[-1]["meta_epoch"] if history else 0,
         "history": history,
         "refine_images_per_s": round(seen_images / wall, 2) if wall else None,

@@ -1,5 +1,8 @@
 """The ``mepo`` command end to end on tiny settings: help texts, covariance, import, evaluate."""
 
+import contextlib
+import functools
+import io
 import json
 import re
 from dataclasses import dataclass
@@ -20,6 +23,16 @@ def subcommands() -> list[tuple[str, ...]]:
     """Every command path: the root, each group (``backbone``) and each leaf (``backbone import``)."""
     names = [ep.name.split(".") for ep in entry_points(group=COMMANDS_GROUP)]
     return sorted({tuple(parts[:i]) for parts in names for i in range(len(parts) + 1)})
+
+
+@functools.cache
+def help_text(command: tuple[str, ...]) -> str:
+    """``mepo COMMAND --help`` as printed, once per command (the help tests share it)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as done:
+        main([*command, "--help"])
+    assert done.value.code == 0
+    return out.getvalue()
 
 
 def help_entries(text: str) -> dict[str, str]:
@@ -70,11 +83,8 @@ def test_help_entries_finds_the_options_without_help(capsys):
 
 
 @pytest.mark.parametrize("command", subcommands(), ids=lambda c: " ".join(c) or "mepo")
-def test_help_explains_every_option_of_every_command(command, capsys):
-    with pytest.raises(SystemExit) as done:
-        main([*command, "--help"])
-    assert done.value.code == 0
-    out = capsys.readouterr().out
+def test_help_explains_every_option_of_every_command(command):
+    out = help_text(command)
     usage = out.split("\n\n", 1)[0]
     assert usage.startswith("usage: mepo"), usage
     entries = help_entries(out)
@@ -185,11 +195,9 @@ def test_sweep_of_methods_with_mepo_writes_table1_ablation_and_reuses_cached_run
     assert sorted(p.name for p in cache.iterdir()) == sorted(cached + ceilings)  # nothing computed again
 
 
-def option_types(command: tuple[str, ...], capsys) -> dict[str, str]:
+def option_types(command: tuple[str, ...]) -> dict[str, str]:
     """Option -> its type as ``--help`` states it, with None-ability left out (an optional path is a path)."""
-    with pytest.raises(SystemExit):
-        main([*command, "--help"])
-    text = re.sub(r"\n {8,}", " ", capsys.readouterr().out)  # one line per option
+    text = re.sub(r"\n {8,}", " ", help_text(command))  # one line per option
     types = {}
     for name, kind in re.findall(r"^  (?:-\S+, )?(--[\w.]+).*?\((?:required, )?type: (.*?), default: ", text, re.M):
         kind = re.sub(r"<class '(\w+)'>", r"\1", kind)
@@ -197,19 +205,57 @@ def option_types(command: tuple[str, ...], capsys) -> dict[str, str]:
     return types
 
 
-SYNONYMS = {"--bundle": "--mepo", "--rate": "--replay.rate"}
-"""Names that once meant what another option means: the bundle is --mepo and the replay rate --replay.rate in
-every command."""
+SYNONYMS = {
+    "--mepo": r"--([\w.]+\.)?\w*bundle\w*",
+    "--method": r"--[\w.]+\.method|--\w+_method",
+    "--method_config": r"--[\w.]+\.method_configs?|--(?!method_config$)\w*methods?_configs?|--configs",
+    "--replay.*": r"--(rate|limit|partitions|replay_\w+)",
+}
+"""Each meaning -> the names it once had or could slip into (an option matching one fails the test): the bundle
+is --mepo, one host method --method (a list of them: evaluate's --methods) with its settings --method_config, and
+the producer's pace and size --replay.*, in every command."""
 
 
-def test_one_option_name_means_one_thing_across_all_commands(capsys):
+def group_fields(options: set[str]) -> dict[str, set[str]]:
+    """Option group (every dotted prefix) -> the options under it, relative (``--cov`` -> {augment, data.dataset})."""
+    groups: dict[str, set[str]] = {}
+    for name in options:
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            groups.setdefault(".".join(parts[:i]), set()).add(".".join(parts[i:]))
+    return groups
+
+
+def test_one_option_name_means_one_thing_across_all_commands():
+    """Same name => same meaning: an option has one type in every command, and an option group the same options
+    (one command's may add to another's, as refine's --cov adds skip to covariance's); same meaning => same name:
+    none of the known synonyms is an option anywhere."""
     seen: dict[str, dict[str, str]] = {}
+    groups: dict[str, dict[str, set[str]]] = {}
     for command in subcommands():
         if command and command[-1] not in {"backbone"}:  # a group has no options of its own
-            for name, kind in option_types(command, capsys).items():
+            options = option_types(command)
+            for name, kind in options.items():
                 seen.setdefault(name, {})[" ".join(command)] = kind
+            for group, fields in group_fields(set(options)).items():
+                groups.setdefault(group, {})[" ".join(command)] = fields
+    assert {"backbone import", "evaluate", "isa", "refine", "serve"} <= {c for by in seen.values() for c in by}
     assert len(seen) > 50
     conflicts = {name: by_command for name, by_command in seen.items() if len(set(by_command.values())) > 1}
     assert not conflicts, f"one option name, several types: {conflicts}"
-    assert not SYNONYMS.keys() & seen.keys(), {name: seen[name] for name in SYNONYMS.keys() & seen.keys()}
+    unlike = {group: {c: sorted(f) for c, f in by.items()} for group, by in groups.items()
+              if any(not (a <= b or b <= a) for a in by.values() for b in by.values())}
+    assert not unlike, f"one option group, different options: {unlike}"
+    synonyms = {name: canonical for name in seen for canonical, pattern in SYNONYMS.items()
+                if re.fullmatch(pattern, name)}
+    assert not synonyms, {name: (f"use {canonical}", seen[name]) for name, canonical in synonyms.items()}
     assert "--stream.seed" not in {n for n, by in seen.items() if "evaluate" in by}  # evaluate's seeds: --seeds
+    assert not {"--method", "--methods"} <= {n for n, by in seen.items() if "evaluate" in by}
+
+
+def test_each_command_function_carries_the_command_name():
+    """No option group shadows its command: ``mepo refine`` is ``offline.refine:refine``, not a renamed function
+    (nested commands are exempt: ``backbone import`` cannot be a Python function named ``import``)."""
+    renamed = {ep.name: ep.value for ep in entry_points(group=COMMANDS_GROUP)
+               if "." not in ep.name and ep.value.rsplit(":", 1)[1] != ep.name}
+    assert not renamed, renamed

@@ -14,8 +14,8 @@ from mepo_stream.methods import MethodsConfig
 from mepo_stream.model import BundleParts, build_method
 from mepo_stream.pseudo_tasks import PseudoTaskConfig
 from offline.covariance import CovarianceConfig, covariance
-from offline.isa import ISAConfig, PoolBatches, build_host, class_split, initial_session_adaptation, warm_prompts
-from offline.refine import CovarianceStage, ISAStage, RefineConfig, meta_refine
+from offline.isa import ISAConfig, PoolBatches, build_host, class_split, isa, warm_prompts
+from offline.refine import CovarianceStage, ISAStage, RefineConfig, refine
 from tests.helpers import TINY, color_images
 
 DATA = DataConfig(dataset="tinyimagenet-pretrain", train_per_class=4)
@@ -62,8 +62,8 @@ def test_class_split_and_pool_draws():
 def test_isa_writes_prompts_a_learner_starts_from(tmp_path):
     covariance(tmp_path / "b", backbone=TINY, cov=COV)  # an existing bundle: Sigma_pre only
     before = read_manifest(tmp_path / "b")
-    main(["isa", "--mepo", str(tmp_path / "b"), *CLI_TINY, "--data.train_per_class", "4", "--isa.epochs", "1",
-          "--isa.online_iter", "1", "--isa.autoaugment", "null"])
+    main(["isa", "--mepo", str(tmp_path / "b"), *CLI_TINY, "--data.train_per_class", "4", "--adapt.epochs", "1",
+          "--adapt.online_iter", "1", "--adapt.autoaugment", "null"])
     manifest = read_manifest(tmp_path / "b")  # verifies every hash, prompts.safetensors included
     assert set(manifest["files"]) == {"sigma_pre.safetensors", "prompts.safetensors"}
     assert manifest["files"]["sigma_pre.safetensors"] == before["files"]["sigma_pre.safetensors"]
@@ -87,7 +87,7 @@ def color_set(per_class: int = 8, n_classes: int = 8) -> ImageSet:
 def test_isa_changes_the_prompts_and_lowers_the_loss():
     cfg = ISAConfig(pool_classes=2, n_tasks=1, epochs=6, online_iter=1, batch_size=16, autoaugment=None)
     torch.manual_seed(cfg.seed)
-    host = build_host(create_backbone(TINY), 8, cfg, MethodsConfig())
+    host = build_host(create_backbone(TINY), 8, cfg, "misa", MethodsConfig())
     start = {k: v.clone() for k, v in host.initial_prompts().items()}
     result = warm_prompts(host, color_set(), cfg)
     assert all(not torch.equal(result.prompts[k], start[k]) for k in start)
@@ -101,18 +101,17 @@ def test_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="g_prompt.*another layout or backbone"):
         build_method("misa", 10, TINY, BundleParts.of(tmp_path / "bad"))
     with pytest.raises(ValueError, match="not a prompt-based host"):
-        initial_session_adaptation(out=tmp_path / "x", backbone=TINY, data=DATA,
-                                   isa=replace(FAST, method="linear_probe"))
+        isa(out=tmp_path / "x", backbone=TINY, data=DATA, adapt=FAST, method="linear_probe")
     covariance(tmp_path / "cov", backbone=TINY, cov=COV)
     with pytest.raises(ValueError, match="img_size 32, not 48"):
-        initial_session_adaptation(mepo=tmp_path / "cov", backbone=replace(TINY, img_size=48), data=DATA, isa=FAST)
+        isa(mepo=tmp_path / "cov", backbone=replace(TINY, img_size=48), data=DATA, adapt=FAST)
 
 
 def test_refine_ends_with_the_isa_stage_unless_skipped(tmp_path):
     loop = RefineConfig(meta_epochs=1, inner_epochs=1, batch_size=16)
     for skip in (False, True):
-        meta_refine(tmp_path / f"b{skip}", backbone=TINY, data=DATA, tasks=TASKS, refine=loop,
-                    cov=CovarianceStage(skip=True), isa=ISAStage(epochs=1, online_iter=1, autoaugment=None, skip=skip))
+        refine(tmp_path / f"b{skip}", backbone=TINY, data=DATA, tasks=TASKS, loop=loop, cov=CovarianceStage(skip=True),
+               adapt=ISAStage(epochs=1, online_iter=1, autoaugment=None, skip=skip))
     manifest = read_manifest(tmp_path / "bFalse")
     assert set(manifest["files"]) == {"backbone.safetensors", "prompts.safetensors"}
     assert manifest["kind"] == "refined" and manifest["meta_epochs_completed"] == 1 and "skip" not in manifest["isa"]

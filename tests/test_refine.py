@@ -17,7 +17,7 @@ from mepo_stream.data import DataConfig
 from mepo_stream.meta import group_mask, reptile_update
 from mepo_stream.pseudo_tasks import PseudoTaskConfig, meta_epoch_plan
 from offline.guard import GuardConfig
-from offline.refine import PAPER_REFINE, CovarianceStage, ISAStage, RefineConfig, checkpoint_path, meta_refine
+from offline.refine import PAPER_REFINE, CovarianceStage, ISAStage, RefineConfig, checkpoint_path, refine
 from tests.helpers import TINY, color_folder
 
 DATA = DataConfig(dataset="tinyimagenet-pretrain", train_per_class=4)
@@ -26,12 +26,12 @@ LOOP = RefineConfig(mode="meta", meta_epochs=1, inner_epochs=1, batch_size=16)
 GUARD = GuardConfig(per_class=2)
 COV = CovarianceStage(data=DATA, batch_size=64)
 NO_COV = replace(COV, skip=True)
-CLI_ARGS = ["--isa.skip", "true",
+CLI_ARGS = ["--adapt.skip", "true",
             "--backbone.name", "test_vit", "--backbone.weights", "null", "--backbone.img_size", "32",
             "--data.train_per_class", "4", "--tasks.classes_per_group", "20", "--tasks.n_tasks", "4",
-            "--tasks.samples_per_class", "4", "--tasks.val_ratio", "0.25", "--refine.meta_epochs", "1",
-            "--refine.inner_epochs", "1", "--refine.batch_size", "16", "--cov.skip", "true",
-            "--refine.precision", "fp32", "--guard.per_class", "2"]  # fp32: DDP must match one process to 1e-5
+            "--tasks.samples_per_class", "4", "--tasks.val_ratio", "0.25", "--loop.meta_epochs", "1",
+            "--loop.inner_epochs", "1", "--loop.batch_size", "16", "--cov.skip", "true",
+            "--loop.precision", "fp32", "--guard.per_class", "2"]  # fp32: DDP must match one process to 1e-5
 
 
 def initial_backbone() -> dict[str, torch.Tensor]:
@@ -43,7 +43,7 @@ def initial_backbone() -> dict[str, torch.Tensor]:
 def run_refine(out: Path, loop: RefineConfig = LOOP, **kw) -> Path:
     """Refine without the ISA stage (tests/test_isa.py covers it)."""
     kw = {"data": DATA, "tasks": TASKS, "guard": GUARD, "cov": COV, **kw}
-    return meta_refine(out, backbone=TINY, refine=loop, isa=ISAStage(skip=True), **kw)
+    return refine(out, backbone=TINY, loop=loop, adapt=ISAStage(skip=True), **kw)
 
 
 def test_pseudo_tasks_partition_each_group():
@@ -174,10 +174,10 @@ def test_the_guard_fires_when_the_patch_embedding_is_pushed(tmp_path, caplog):
 
 
 def test_the_paper_recipe_file_is_the_reference_meta_rep(tmp_path):
-    """``--refine mepo_stream/recipes/refine_paper.yaml`` gives PAPER_REFINE: Meta Rep with nothing frozen."""
+    """``--loop mepo_stream/recipes/refine_paper.yaml`` gives PAPER_REFINE: Meta Rep with nothing frozen."""
     recipe = Path(__file__).parents[1] / "mepo_stream" / "recipes" / "refine_paper.yaml"
     result = subprocess.run([sys.executable, "-m", "mepo_stream.cli", "refine", "--out", str(tmp_path),
-                             "--refine", str(recipe), "--print_config"], capture_output=True, text=True, check=True)
-    printed = yaml.safe_load(result.stdout)["refine"]
+                             "--loop", str(recipe), "--print_config"], capture_output=True, text=True, check=True)
+    printed = yaml.safe_load(result.stdout)["loop"]
     assert RefineConfig(**{**printed, "freeze": tuple(printed["freeze"])}) == PAPER_REFINE
     assert PAPER_REFINE.mode == "meta" and PAPER_REFINE.freeze == ()

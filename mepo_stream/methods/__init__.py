@@ -56,9 +56,9 @@ METHODS: dict[str, tuple[type[ContinualMethod], str | None]] = {
 
 
 def create_method(name: str, backbone, n_classes: int, alignment=None,
-                  configs: MethodsConfig = MethodsConfig()) -> ContinualMethod:
-    """Instantiate the host method ``name`` around ``backbone`` with its config from ``configs``."""
+                  method_config: MethodsConfig = MethodsConfig()) -> ContinualMethod:
+    """Instantiate the host method ``name`` around ``backbone`` with its config from ``method_config``."""
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
     cls, field = METHODS[name]
-    return cls(backbone, n_classes, alignment, cfg=None if field is None else getattr(configs, field))
+    return cls(backbone, n_classes, alignment, cfg=None if field is None else getattr(method_config, field))
