@@ -1,10 +1,11 @@
 """The learner's snapshot publisher: its newest snapshot to the compacted snapshot topic, from its own thread.
 
-``offer`` is all a learning step does (it keeps a reference and wakes the thread), so publishing never blocks
-learning. The thread encodes the newest snapshot offered (``server.snapshot_topic``), sends its parts and waits
-for the broker's acknowledgement, then rests ``publish_interval_s``; versions learned meanwhile are skipped, the
-newest one is always published (at shutdown too, once). A broker that cannot be reached is retried every 2 s
-with the newest snapshot; nothing queues up.
+``notify`` is all a learning step does (it sets a flag and wakes the thread), so publishing never blocks
+learning. The thread then asks the learner for a snapshot of its newest version (``ServiceState.fresh_snapshot``,
+made then, between two steps: never one per step), encodes it (``server.snapshot_topic``), sends its parts and
+waits for the broker's acknowledgement, then rests ``publish_interval_s``; versions learned meanwhile are
+skipped, the newest one is always published (at shutdown too, once). A broker that cannot be reached is retried
+every 2 s with the newest snapshot; nothing queues up.
 
 A learner's publisher is ``SnapshotPublisher.create(state)``: none with ``--kafka.snapshot_topic null``.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from kafka import KafkaProducer
 from kafka.errors import KafkaError
@@ -31,12 +33,13 @@ ACK_TIMEOUT_S = 30.0
 
 
 class SnapshotPublisher:
-    """Publishes the newest offered snapshot; ``start`` it, ``offer`` snapshots, ``stop`` it."""
+    """Publishes the newest snapshot of ``source``; ``start`` it, ``notify`` it of new versions, ``stop`` it."""
 
-    def __init__(self, cfg: ServeConfig, origin: Origin, metrics: ServerMetrics):
+    def __init__(self, cfg: ServeConfig, origin: Origin, metrics: ServerMetrics, source: Callable[[], Snapshot]):
         self.kafka, self.interval, self.origin, self.metrics = cfg.kafka, cfg.publish_interval_s, origin, metrics
-        self._newest: Snapshot | None = None
-        self._sent: Snapshot | None = None
+        self.source = source
+        self._due = True  # the model as it starts (restored, or empty) goes out first
+        self._sent_version: int | None = None
         self._wake = threading.Condition()
         self._stop = threading.Event()
         self._producer: KafkaProducer | None = None
@@ -50,15 +53,15 @@ class SnapshotPublisher:
             return None
         names = tuple(state.class_names[label] for label in range(state.n_classes))
         origin = Origin(cfg.model_name, cfg.method, names, state.backbone_sha256, bundle_sha256(cfg.mepo))
-        return cls(cfg, origin, state.metrics)
+        return cls(cfg, origin, state.metrics, state.fresh_snapshot)
 
     def start(self) -> None:
         self.thread.start()
 
-    def offer(self, snapshot: Snapshot) -> None:
-        """Make ``snapshot`` the next to publish (replacing one not published yet); returns at once."""
+    def notify(self) -> None:
+        """A new version was learned: publish the newest at the thread's next turn; returns at once."""
         with self._wake:
-            self._newest = snapshot
+            self._due = True
             self._wake.notify()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -69,17 +72,23 @@ class SnapshotPublisher:
         self.thread.join(timeout)
 
     def _next(self) -> Snapshot | None:
-        """Wait for a snapshot not published yet; None once stopped with nothing left to publish."""
-        with self._wake:
-            while not self._stop.is_set() and self._newest is self._sent:
-                self._wake.wait()
-            return None if self._newest is self._sent else self._newest
+        """Wait for a version not published yet and snapshot it; None once stopped with nothing left to publish."""
+        while True:
+            with self._wake:
+                while not self._stop.is_set() and not self._due:
+                    self._wake.wait()
+                if not self._due:
+                    return None
+                self._due = False
+            if (snapshot := self.source()).version != self._sent_version:
+                return snapshot
 
     def _run(self) -> None:
         while (snapshot := self._next()) is not None:
             try:
                 self._publish(snapshot)
             except KafkaError as e:
+                self._due = True  # the newest, once the broker is back
                 self.metrics.snapshot_publish_errors.inc()
                 log.warning("could not publish snapshot version %d to %s (%s); retrying with the newest in %.0f s",
                             snapshot.version, self.kafka.snapshot_topic, e, RETRY_S)
@@ -104,8 +113,7 @@ class SnapshotPublisher:
                    for key, value, headers in records]
         for future in futures:
             future.get(timeout=ACK_TIMEOUT_S)
-        with self._wake:
-            self._sent = snapshot
+        self._sent_version = snapshot.version
         m = self.metrics
         m.snapshot_publish_seconds.observe(time.perf_counter() - start)
         m.snapshots_published.inc()

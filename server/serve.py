@@ -38,7 +38,7 @@ def _stop_when_learned(app: FastAPI, server: uvicorn.Server, producer: subproces
         service = getattr(app.state, "service", None)
         if producer.poll() is not None and service is not None:
             state = service.state
-            if state.learner.samples_seen >= expected and not state.idle_evaluation_due:
+            if state.samples_seen >= expected and not state.idle_evaluation_due:
                 server.should_exit = True
         time.sleep(1.0)
 

@@ -31,9 +31,8 @@ class Service:
         state = ServiceState(settings, metrics)
         service = cls(state, LearnerLoop(state), MicroBatcher(), SnapshotPublisher.create(state))
         if service.publisher is not None:
-            state.on_snapshot = service.publisher.offer
-            service.publisher.offer(state.snapshot)  # the model as it starts (restored, or empty)
-            service.publisher.start()
+            state.on_learned = service.publisher.notify
+            service.publisher.start()  # it publishes the model as it starts (restored, or empty) first
         service.loop.start()
         return service
 

@@ -58,7 +58,7 @@ class ServiceState:
             self.evaluation = AnytimeEvaluation(load_split(cfg.data, "test"), cfg.protocol.eval_period,
                                                 cfg.protocol.eval_batch_size, (cfg.alignment.inference_mode,))
         self.learner, self.backbone_sha256 = build_learner(cfg, self.n_classes)
-        self.on_snapshot: Callable[[Snapshot], None] | None = None  # told every new snapshot (the publisher)
+        self.on_learned: Callable[[], None] | None = None  # told of every new version (the publisher)
         self.monitor = StreamMonitor(cfg.monitor)
         self.book = StreamBook(learn_replays=cfg.learn_replays)
         self.version = 0
@@ -68,8 +68,11 @@ class ServiceState:
         self._since_checkpoint = 0
         self._idle_eval_at = -1
         self._lock = threading.Lock()  # one writer at a time: the learner thread, or kafka-python's in a rebalance
+        self._snapshot_made = time.monotonic()
+        self._stepping = False  # a mini-batch step holds the model (predictions then need not wait for it)
+        self.samples_seen = 0  # of the last whole step (``learner.samples_seen`` moves inside the step)
         self.restore()
-        self.snapshot: Snapshot = take_snapshot(self.learner, self.version, self.cfg.alignment.inference_mode)
+        self._snapshot: Snapshot = take_snapshot(self.learner, self.version, self.cfg.alignment.inference_mode)
         metrics.info.info({"backbone": cfg.backbone.name, "mepo_bundle": str(cfg.mepo or ""),
                            "method": cfg.method, "n_classes": str(self.n_classes)})
         self._export()
@@ -77,6 +80,34 @@ class ServiceState:
     @property
     def checkpoint_path(self) -> Path:
         return self.cfg.checkpoint_dir / CHECKPOINT
+
+    # --- serving ------------------------------------------------------------------------------------------
+    @property
+    def snapshot(self) -> Snapshot:
+        """What predictions use: the learner's newest version when it is between mini-batches; while a
+        mini-batch is in progress, the last snapshot if it is younger than ``snapshot_max_age_s`` (a request
+        then does not wait for the step), else the one made right after the step."""
+        if self._snapshot.version == self.version:
+            return self._snapshot
+        too_old = time.monotonic() - self._snapshot_made > self.cfg.snapshot_max_age_s
+        return self.fresh_snapshot(wait=not self._stepping or too_old)
+
+    def fresh_snapshot(self, wait: bool = True) -> Snapshot:
+        """A snapshot of the learner's current version, made now if the learner moved on since the last one.
+
+        Why on demand: making one solves the LDA and copies the trainable state, a few ms that a learner taking
+        50 mini-batches a second would otherwise spend on every one of them, for snapshots nobody reads. Without
+        ``wait``, the last snapshot is returned while the learner holds the model.
+        """
+        if not self._lock.acquire(blocking=wait):
+            return self._snapshot
+        try:
+            if self._snapshot.version != self.version:
+                self._snapshot = take_snapshot(self.learner, self.version, self.cfg.alignment.inference_mode)
+                self._snapshot_made = time.monotonic()
+            return self._snapshot
+        finally:
+            self._lock.release()
 
     # --- learning -------------------------------------------------------------------------------------------
     @property
@@ -88,37 +119,43 @@ class ServiceState:
         return self.evaluation.room(self.learner, self.cfg.learner.batch_size)
 
     def learn(self, batch: list[Sample]) -> None:
-        """Test-then-train one mini-batch, publish the new snapshot, run due evaluations."""
+        """Test-then-train one mini-batch and run a due evaluation, then show the new version: ``version`` and
+        ``samples_seen`` move only once the step is whole, so a reader who sees them sees the model behind them."""
         images = stack_images([s.image for s in batch], self.learner.device)  # [B, 3, S, S] uint8, pinned on CUDA
         labels = torch.tensor([s.meta.label for s in batch])
-        start = time.perf_counter()
         with self._lock:
-            seen_before = self.learner.samples_seen
-            pred = None
-            if self.cfg.prequential:
-                pred = self.learner.test_then_train(images, labels, self.cfg.alignment.inference_mode)
-            else:
-                self.learner.observe(images, labels)
-            if pred is not None:
-                for event in self.monitor.update(labels.tolist(), pred.tolist(), seen_before):
-                    self.metrics.drift.labels(event["detector"]).inc()
-                    log.warning("drift detected at %d samples by %s", event["samples_seen"], event["detector"])
-            self.book.mark_learned(batch)
-            self.version += 1
-            self.snapshot = take_snapshot(self.learner, self.version, self.cfg.alignment.inference_mode)
-            self._since_checkpoint += len(batch)
-        if self.on_snapshot is not None:
-            self.on_snapshot(self.snapshot)
-        self.last_learned_time = time.time()
-        self.metrics.step_seconds.observe(time.perf_counter() - start)
-        self.metrics.learn_steps.inc()
-        self.metrics.samples_learned.inc(len(batch))
-        if self.evaluation is not None:
-            with self._lock:
-                if (results := self.evaluation.after_batch(self.learner)) is not None:
+            self._stepping = True
+            try:
+                start = time.perf_counter()
+                self._test_then_train(images, labels)
+                self.book.mark_learned(batch)
+                self._since_checkpoint += len(batch)
+                self.metrics.step_seconds.observe(time.perf_counter() - start)
+                if self.evaluation is not None and (results := self.evaluation.after_batch(self.learner)):
                     self.metrics.anytime_evals.inc()
                     self.class_accuracy = results[self.cfg.alignment.inference_mode][1]
+                self.version, self.samples_seen = self.version + 1, self.learner.samples_seen
+            finally:
+                self._stepping = False
+        if self.on_learned is not None:
+            self.on_learned()
+        self.last_learned_time = time.time()
+        self.metrics.learn_steps.inc()
+        self.metrics.samples_learned.inc(len(batch))
         self._export()
+
+    def _test_then_train(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        """The learner's step on one mini-batch; its test-then-train predictions feed the drift monitor."""
+        seen_before = self.learner.samples_seen
+        if not self.cfg.prequential:
+            self.learner.observe(images, labels)
+            return
+        pred = self.learner.test_then_train(images, labels, self.cfg.alignment.inference_mode)
+        if pred is None:
+            return
+        for event in self.monitor.update(labels.tolist(), pred.tolist(), seen_before):
+            self.metrics.drift.labels(event["detector"]).inc()
+            log.warning("drift detected at %d samples by %s", event["samples_seen"], event["detector"])
 
     def evaluate_now(self) -> float:
         """Accuracy where the stream went idle (A_last of the stream so far), in the served alignment mode."""
@@ -177,7 +214,7 @@ class ServiceState:
         state = load_checkpoint(self.checkpoint_path)
         self.learner.load_state_dict(state["learner"])
         self.monitor.load_state_dict(state["monitor"])
-        self.version = int(state["version"])
+        self.version, self.samples_seen = int(state["version"]), self.learner.samples_seen
         self.book.load_state_dict(state)
         if self.evaluation is not None and state["anytime"] is not None:
             self.evaluation.load_state_dict(state["anytime"])
@@ -209,7 +246,7 @@ class ServiceState:
     def status(self) -> dict:  # pragma: no mutate block (reporting: tests/test_streaming.py, test_page.py)
         b, curve = self.book, self.curve
         return {
-            "samples_seen": self.learner.samples_seen,
+            "samples_seen": self.samples_seen,
             "classes_seen": len(self.learner.exposed),
             "model_version": self.version,
             "anytime_accuracy": {"last": curve.accuracy[-1] if curve.accuracy else None,

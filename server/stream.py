@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -236,14 +237,12 @@ class LearnerLoop(ConsumerThread):
             if self._paused.is_set():
                 self.stop_event.wait(0.2)
                 continue
-            room = max(1, self.state.batch_limit - len(self.book.pending))
-            polled = self.consumer.poll(timeout_ms=500, max_records=room)
+            pending, limit = len(self.book.pending), self.state.batch_limit
+            due = pending >= limit  # a whole mini-batch is waiting: learn it while the next poll decodes
+            polled = self.consumer.poll(timeout_ms=0 if due else 500, max_records=limit if due else limit - pending)
             self._probe()
             records = sorted((r for rs in polled.values() for r in rs), key=lambda r: (r.partition, r.offset))
-            self._accept_poll(records)
-            pending = len(self.book.pending)
-            if pending >= self.state.batch_limit or (pending and not records):
-                self.learn_pending()
+            self._accept_poll(records, meanwhile=self.learn_pending if due or (pending and not records) else None)
             if not records and not self.book.pending:
                 self._on_idle()
             if self.state.checkpoint_due:
@@ -262,15 +261,19 @@ class LearnerLoop(ConsumerThread):
         """One record, as a poll of its own."""
         self._accept_poll([record])
 
-    def _accept_poll(self, records: list) -> None:
+    def _accept_poll(self, records: list, meanwhile: Callable[[], None] | None = None) -> None:
         """Claim in offset order, decode concurrently, apply the results in offset order.
 
-        Every decode has finished before this returns, even on an error, so no late claim release can race a
-        reconnect's ``reread``.
+        ``meanwhile`` (learning the pending mini-batch) runs while the pool decodes: the images of the next
+        mini-batch are ready when the step ends. It learns only samples applied before this poll, so the order,
+        the claims and the offsets are those of decoding first and learning after. Every decode has finished
+        before this returns, even on an error, so no late claim release can race a reconnect's ``reread``.
         """
         decoding: dict[tuple[str, int], Future] = {}
         try:
             claimed = [self._claim(record, decoding) for record in records]
+            if meanwhile is not None:
+                meanwhile()
             for record, outcome in zip(records, claimed, strict=True):
                 self._apply(record, outcome)
         finally:
@@ -339,7 +342,9 @@ class LearnerLoop(ConsumerThread):
         log.info("dead-lettered %s:%d@%d: %s", record.topic, record.partition, record.offset, reason)
 
     def _on_idle(self) -> None:
-        """The topic is drained: record the accuracy at this point (A_last of the stream so far) and persist."""
+        """The topic is drained: snapshot the newest version (requests then never wait for the evaluation), record
+        the accuracy at this point (A_last of the stream so far) and persist."""
+        self.state.fresh_snapshot()
         if self.state.idle_evaluation_due:
             self.state.evaluate_now()
         self.persist()
