@@ -156,3 +156,13 @@ def normalization(model: VisionTransformer) -> tuple[tuple[float, ...], tuple[fl
     """The (mean, std) the backbone was pretrained with (ImageNet statistics for DINOv2)."""
     cfg = model.pretrained_cfg
     return tuple(cfg.get("mean", (0.485, 0.456, 0.406))), tuple(cfg.get("std", (0.229, 0.224, 0.225)))
+
+
+def cls_feature(backbone: VisionTransformer, x: torch.Tensor) -> torch.Tensor:
+    """The one feature that hosts, prompt queries, the refine, Sigma_pre and the probe read: the CLS token after
+    the final norm, [B, D] for normalised images [B, 3, S, S].
+
+    timm's headless ``backbone(x)`` gives the same values for the token-pooled backbones built here; reading it
+    in one place keeps the two from drifting apart (another pooling, an ``fc_norm``).
+    """
+    return backbone.forward_features(x)[:, 0]

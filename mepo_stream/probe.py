@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mepo_stream.backbone import normalization
+from mepo_stream.backbone import cls_feature, normalization
 from mepo_stream.heads import StreamingLDA
 from mepo_stream.transforms import test_transform
 
@@ -50,7 +50,7 @@ def extract_features(backbone: nn.Module, images: torch.Tensor, batch_size: int 
     mean, std = normalization(backbone)
     transform = test_transform(backbone.patch_embed.img_size[0], mean, std)
     backbone.eval()
-    out = [backbone(transform(images[i : i + batch_size].to(device))).float().cpu()
+    out = [cls_feature(backbone, transform(images[i : i + batch_size].to(device))).float().cpu()
            for i in range(0, len(images), batch_size)]
     return torch.cat(out)
 

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from mepo_stream.artifacts import SIGMA_PRE, library_versions, write_bundle
-from mepo_stream.backbone import BackboneConfig, create_backbone, device, normalization, provenance
+from mepo_stream.backbone import BackboneConfig, cls_feature, create_backbone, device, normalization, provenance
 from mepo_stream.class_means import ClassMeans
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.transforms import test_transform, train_transform
@@ -53,7 +53,7 @@ def sigma_pre(backbone: torch.nn.Module, images: ImageSet, cfg: CovarianceConfig
     means = ClassMeans(len(images.classes), backbone.num_features)
     for start in tqdm(range(0, len(images), cfg.batch_size), desc=desc, unit="batch"):
         x = images.images[start : start + cfg.batch_size].to(dev)
-        means.update(backbone.forward_features(tf(x))[:, 0], images.targets[start : start + cfg.batch_size])
+        means.update(cls_feature(backbone, tf(x)), images.targets[start : start + cfg.batch_size])
     return means.covariance()
 
 

@@ -53,7 +53,7 @@ from torch import nn
 from tqdm import tqdm
 
 from mepo_stream.artifacts import BACKBONE, SIGMA_PRE, library_versions, write_bundle
-from mepo_stream.backbone import BackboneConfig, create_backbone, device, normalization, provenance
+from mepo_stream.backbone import BackboneConfig, cls_feature, create_backbone, device, normalization, provenance
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.learner import autocast, resolve_precision
@@ -144,7 +144,7 @@ class MetaModel(nn.Module):
         self.backbone, self.head = backbone, MetaHead(backbone.num_features, n_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.backbone(x))  # timm's headless forward: CLS after the final norm, [B, D]
+        return self.head(cls_feature(self.backbone, x))  # [B, C]
 
 
 @dataclass

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mepo_stream.backbone import cls_feature
 from mepo_stream.methods.base import ContinualMethod, Encoded
 from mepo_stream.prompts import prefix_forward
 
@@ -68,7 +69,7 @@ class CodaPrompt(ContinualMethod):
 
     def encode(self, x: torch.Tensor, slot: int | None = None) -> Encoded:
         with torch.no_grad():
-            query = self.backbone.forward_features(x)[:, 0]  # [B, D]
+            query = cls_feature(self.backbone, x)  # [B, D]
         keys, attn, comps = (self._active(t, slot) for t in (self.keys, self.attention, self.components))
         weighted = query[:, None, :] * attn[None]  # [B, M', D]
         alpha = nn.functional.cosine_similarity(weighted, keys[None], dim=-1)  # [B, M']

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mepo_stream.backbone import cls_feature
 from mepo_stream.methods.base import ContinualMethod, Encoded
 
 
@@ -32,7 +33,7 @@ class LinearProbe(ContinualMethod):
 
     def encode(self, x: torch.Tensor, slot: int | None = None) -> Encoded:
         with torch.no_grad():
-            h = self.backbone(x)  # [B, D]
+            h = cls_feature(self.backbone, x)  # [B, D]
         return Encoded(h, h.new_zeros(()))
 
 
@@ -43,7 +44,7 @@ class SequentialFineTune(ContinualMethod):
         self.backbone_lr_scale = cfg.backbone_lr_scale
 
     def encode(self, x: torch.Tensor, slot: int | None = None) -> Encoded:
-        h = self.backbone(x)  # [B, D]
+        h = cls_feature(self.backbone, x)  # [B, D]
         return Encoded(h, h.new_zeros(()))
 
     def param_groups(self, lr: float) -> list[dict]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mepo_stream.backbone import cls_feature
 from mepo_stream.methods.base import ContinualMethod, Encoded
 from mepo_stream.prompts import prefix_forward
 
@@ -49,7 +50,7 @@ class DeepL2P(ContinualMethod):
 
     def encode(self, x: torch.Tensor, slot: int | None = None) -> Encoded:
         with torch.no_grad():
-            query = self.backbone.forward_features(x)[:, 0]  # [B, D]
+            query = cls_feature(self.backbone, x)  # [B, D]
         sim = nn.functional.normalize(query, dim=1) @ nn.functional.normalize(self.keys, dim=1).T  # [B, pool]
         top_sim, index = sim.topk(self.top_k, dim=1)  # [B, k]
         chosen = self.prefixes[index]  # [B, k, n_layers, 2, L, D]

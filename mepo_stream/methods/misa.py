@@ -27,6 +27,7 @@ from typing import Literal
 
 import torch
 
+from mepo_stream.backbone import cls_feature
 from mepo_stream.methods.base import ContinualMethod, Encoded
 from mepo_stream.prompts import PromptPool, prefix_forward, prompted_forward
 
@@ -83,7 +84,7 @@ class MISA(ContinualMethod):
 
     def encode(self, x: torch.Tensor, slot: int | None = None) -> Encoded:
         with torch.no_grad():
-            query = self.backbone.forward_features(x)[:, 0]  # [B, D], frozen and prompt-free
+            query = cls_feature(self.backbone, x)  # [B, D], frozen and prompt-free
         sim = self.e_prompt.similarity(query)  # [B, pool]
         if slot is None:
             index = sim.argmax(dim=1)  # [B]

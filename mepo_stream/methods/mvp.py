@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mepo_stream.backbone import cls_feature
 from mepo_stream.methods.base import Encoded
 from mepo_stream.methods.misa import MISA, MISAConfig
 
@@ -57,7 +58,7 @@ class MVP(MISA):
 
     def encode(self, x: torch.Tensor, slot: int | None = None) -> Encoded:
         with torch.no_grad():
-            query = self.backbone.forward_features(x)[:, 0]  # [B, D]
+            query = cls_feature(self.backbone, x)  # [B, D]
         index, key_loss = self._select(query)
         if self.training:
             self.usage += index.bincount(minlength=self.n_slots).float()
