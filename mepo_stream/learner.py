@@ -245,17 +245,11 @@ class OnlineLearner:
 
     def state_dict(self) -> dict:
         """Everything the learner changes: trainable tensors (the backbone only if it trains), optimizer, labels."""
-        keep_backbone = self.method.trains_backbone
-        trainable = {k: v for k, v in self.method.state_dict().items()
-                     if keep_backbone or not k.startswith("backbone.")}
-        return {"method": trainable, "optimizer": self.optimizer.state_dict(), "exposed": list(self.exposed),
-                "samples_seen": self.samples_seen}
+        return {"method": self.method.trainable_state_dict(), "optimizer": self.optimizer.state_dict(),
+                "exposed": list(self.exposed), "samples_seen": self.samples_seen}
 
     def load_state_dict(self, state: dict) -> None:
-        missing, unexpected = self.method.load_state_dict(state["method"], strict=False)
-        if unexpected or any(not k.startswith("backbone.") for k in missing):
-            raise ValueError(f"learner state does not fit the method: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
+        self.method.load_trainable_state_dict(state["method"])
         self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))  # never alias another learner's moments
         self.exposed = [int(y) for y in state["exposed"]]
         self._index = {y: i for i, y in enumerate(self.exposed)}

@@ -59,6 +59,22 @@ class ContinualMethod(nn.Module):
     def trains_backbone(self) -> bool:
         return any(p.requires_grad for p in self.backbone.parameters())
 
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor that learning changes: the whole state but a frozen backbone's. With the same backbone,
+        it is what a checkpoint, a snapshot or a replica needs to restore this method exactly."""
+        keep_backbone = self.trains_backbone
+        return {k: v for k, v in self.state_dict().items() if keep_backbone or not k.startswith("backbone.")}
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load what ``trainable_state_dict`` gave; raise ``ValueError`` for tensors that do not fit this method
+        (other names, or other shapes: another configuration)."""
+        try:
+            missing, unexpected = self.load_state_dict(state, strict=False)
+        except RuntimeError as e:  # a shape that differs
+            raise ValueError(f"the tensors do not fit this method: {e}") from e
+        if unexpected or any(not k.startswith("backbone.") for k in missing):
+            raise ValueError(f"the tensors do not fit this method: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
     def aligned(self, encoded: Encoded, align_mode: AlignMode = "batch") -> torch.Tensor:
         """The classifier's input [B, D]: the feature, aligned first when Meta Cov is on."""
         h = encoded.feature
