@@ -28,7 +28,6 @@ import torch
 from benchmarks.learner_throughput import stream_batches
 from benchmarks.service import ServiceSpec, bare_learner, paper_recipe, seconds, write_result
 from mepo_stream.data import list_files
-from mepo_stream.learner import encode_for_prediction
 
 
 def _timed(fn: Callable[[], object], repeats: int, dev: torch.device) -> float:
@@ -55,7 +54,7 @@ def main(spec: ServiceSpec = paper_recipe(ServiceSpec()), repeats: int = 10,
         raise ValueError("alignment cost needs a MePo bundle with Sigma_pre: pass --spec.mepo")
     images, labels = stream_batches(spec, 1, dev)[0]
     with torch.no_grad():
-        feature = encode_for_prediction(method, learner.test_tf, images, dev, learner.dtype).feature  # [B, D] fp32
+        feature = method.encode_images(images).feature  # [B, D] fp32
 
     def align_only() -> None:
         method.train()

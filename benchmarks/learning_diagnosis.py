@@ -43,21 +43,13 @@ from timm.models.vision_transformer import VisionTransformer
 
 from benchmarks.service import write_result
 from mepo_stream.anytime import AnytimeEvaluation, stream_batches
-from mepo_stream.backbone import BackboneConfig, create_backbone, device, normalization
+from mepo_stream.backbone import BackboneConfig, create_backbone, device
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.heads import NearestClassMean
-from mepo_stream.learner import (
-    PAPER_RECIPE,
-    LearnerConfig,
-    OnlineLearner,
-    encode_for_prediction,
-    masked_logits,
-    resolve_precision,
-)
+from mepo_stream.learner import PAPER_RECIPE, LearnerConfig, OnlineLearner
 from mepo_stream.methods.base import ContinualMethod, Encoded
-from mepo_stream.model import assemble
+from mepo_stream.model import assemble, complete
 from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
-from mepo_stream.transforms import Transform, test_transform
 
 EVAL_BATCH = 128
 LEARNERS = {"paper_recipe": ("linear_probe", PAPER_RECIPE), "default": ("frozen", LearnerConfig())}
@@ -90,22 +82,21 @@ def class_exposure(batches: list[list[int]], targets: torch.Tensor, n_classes: i
 
 
 @torch.no_grad()
-def features(method: ContinualMethod, images: torch.Tensor, transform: Transform, dev: torch.device,
-             dtype: torch.dtype) -> torch.Tensor:
+def features(model: ContinualMethod, images: torch.Tensor) -> torch.Tensor:
     """Eval-mode features [N, D] of uint8 images [N, 3, H, W], in batches, as predictions see them."""
-    return torch.cat([encode_for_prediction(method, transform, images[s: s + EVAL_BATCH], dev, dtype).feature.cpu()
+    return torch.cat([model.encode_images(images[s: s + EVAL_BATCH]).feature.cpu()
                       for s in range(0, len(images), EVAL_BATCH)])
 
 
 @torch.no_grad()
 def predict_cached(learner: OnlineLearner, feats: torch.Tensor) -> torch.Tensor:
     """Original-label predictions [N] from cached frozen features [N, D], through the learner's own
-    prediction function (``masked_logits``): the same numbers ``learner.predict`` gives, without the backbone."""
+    prediction function (``predict_logits``): the same numbers ``learner.predict`` gives, without the backbone."""
     learner.method.eval()
     preds = []
     for s in range(0, len(feats), EVAL_BATCH):
         encoded = Encoded(feats[s: s + EVAL_BATCH].to(learner.device), feats.new_zeros(()))
-        logits = masked_logits(learner.method, encoded, "running", len(learner.exposed), learner.cfg.eval_mask)
+        logits = learner.method.predict_logits(encoded, len(learner.exposed), "running")
         preds.append(learner.to_labels(logits.argmax(1)))
     return torch.cat(preds)
 
@@ -246,12 +237,11 @@ def ncm_accuracy(train_feats: torch.Tensor, train_targets: torch.Tensor, test_fe
 
 
 def prompt_report(base: VisionTransformer, seed: int, train: ImageSet, test: ImageSet,
-                  plain: dict[str, torch.Tensor], transform: Transform, dev: torch.device, dtype: torch.dtype
-                  ) -> dict:
+                  plain: dict[str, torch.Tensor], dev: torch.device) -> dict:
     """MISA's CLS feature with its random uniform(-1, 1) prompts against the plain backbone's, same images."""
     torch.manual_seed(seed)
-    misa = assemble("misa", len(train.classes), copy.deepcopy(base)).to(dev)
-    prompted = {split: features(misa, images.images, transform, dev, dtype)
+    misa = complete(assemble("misa", len(train.classes), copy.deepcopy(base)), LearnerConfig(), dev)
+    prompted = {split: features(misa, images.images)
                 for split, images in (("train", train), ("test", test))}
     p, q = prompted["test"], plain["test"]  # [N, D]
     cosine, n = F.cosine_similarity(p, q, dim=1), len(train.classes)
@@ -295,8 +285,7 @@ def learn(name: str, base: VisionTransformer, train: ImageSet, test: ImageSet, t
     """One learner over the stream; the paper recipe's head is watched and reported, LDA's shrinkage too."""
     torch.manual_seed(seed)
     start, method = time.time(), LEARNERS[name][0]
-    learner = OnlineLearner(assemble(method, len(train.classes), copy.deepcopy(base)), len(train.classes), cfg,
-                            device())
+    learner = OnlineLearner(complete(assemble(method, len(train.classes), copy.deepcopy(base)), cfg, device()), cfg)
     linear = cfg.classifier == "linear"
     tracker = HeadTracker(learner.method.head, learner.optimizer, plain["test"].mean(0)) if linear else None
     run = {"method": method, **run_stream(learner, train, tasks, test, plain["test"], eval_period)}
@@ -328,12 +317,10 @@ def main(data: DataConfig = DataConfig("cifar10", train_per_class=100, test_per_
     """
     torch.set_num_threads(threads)
     start, dev = time.time(), device()
-    dtype = resolve_precision(LearnerConfig().precision, dev)
     train, test = load_split(data, "train"), load_split(data, "test")
     n_classes, base = len(train.classes), create_backbone(backbone)
-    transform = test_transform(backbone.img_size, *normalization(base))
-    frozen = assemble("frozen", n_classes, copy.deepcopy(base)).to(dev)
-    plain = {split: features(frozen, images.images, transform, dev, dtype)  # [N, D], reused wherever frozen
+    frozen = complete(assemble("frozen", n_classes, copy.deepcopy(base)), LearnerConfig(), dev)
+    plain = {split: features(frozen, images.images)  # [N, D], reused wherever frozen
              for split, images in (("train", train), ("test", test))}
     tasks = si_blurry_stream(train.targets.tolist(), stream.n_tasks, stream.n, stream.m, stream.seed).tasks
     cfgs = {name: replace(cfg, autoaugment=autoaugment) for name, (_, cfg) in LEARNERS.items()}
@@ -352,12 +339,12 @@ def main(data: DataConfig = DataConfig("cifar10", train_per_class=100, test_per_
         "runs": runs,
         "features": feature_scale(plain["test"], test.targets),
         "adam": adam_scale(cfgs["paper_recipe"].lr, plain["test"], runs["paper_recipe"]["head"]),
-        "prompt_init": prompt_report(base, stream.seed, train, test, plain, transform, dev, dtype),
+        "prompt_init": prompt_report(base, stream.seed, train, test, plain, dev),
         "wall_time_s": round(time.time() - start, 1),
     }
     if plot_path is not None:
         plot(runs, train.classes, plot_path)
-    return write_result(result, out, dev, dtype)
+    return write_result(result, out, dev, frozen.dtype)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,18 @@ batch (``batch`` images) and of one image are timed, under ``inference_mode``, i
 * ``bf16_weights``: the weights stored in bf16, under autocast (what the learner does with a frozen plain
   backbone at bf16, ``--learner.cast_frozen_backbone``),
 
-the bf16 ones only where the hardware multiplies bf16 natively. FLOPs are counted by ``torch.utils.flop_counter``
-(a multiply-add is 2 FLOPs); achieved FLOP/s = FLOPs per image x images per second, against the device's peak
-where it is known (``PEAK_FLOPS``; for CPUs it is not recorded, so none is claimed). The precision with the most
-images per second is ``fastest``.
+the bf16 ones only where the hardware multiplies bf16 natively; and two candidates the learner does not use
+unless they pay without costing accuracy (README "Benchmarks" says which did not, and why):
+
+* ``bf16_weights_compiled``: ``bf16_weights`` through ``torch.compile`` (Inductor; compile time excluded);
+* ``int8_dynamic``: the Linear layers' weights quantised to int8, activations quantised per batch
+  (``torch.ao.quantization.quantize_dynamic``; AMX/VNNI int8 matrix units where the CPU has them), CPU only.
+
+Each variant's CLS features of real test images are compared with fp32's (``feature_cosine_min``). FLOPs are
+counted by ``torch.utils.flop_counter`` (a multiply-add is 2 FLOPs); achieved FLOP/s = FLOPs per image x images
+per second, against the device's peak where it is known (``PEAK_FLOPS``; for CPUs it is not recorded, so none is
+claimed). The native precision with the most images per second is ``fastest`` (what the bare loops run in), the
+fastest variant of all ``fastest_of_all``.
 
 Usage:
     python -m benchmarks.model_arithmetic --spec.model vit_small_patch14_dinov2 --spec.img_size 84
@@ -23,14 +31,17 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.service import ServiceSpec, write_result
-from mepo_stream.backbone import BackboneConfig, create_backbone, device
-from mepo_stream.learner import autocast, native_bf16
+from mepo_stream.backbone import BackboneConfig, create_backbone, device, normalization
+from mepo_stream.data import load_split
+from mepo_stream.precision import autocast, native_bf16
+from mepo_stream.transforms import test_transform
 
 PEAK_FLOPS = {"H100": {"bfloat16": 989e12, "float32": 67e12}, "H200": {"bfloat16": 989e12, "float32": 67e12}}
 """Dense peak FLOP/s by device name (NVIDIA's SXM data sheets); devices not listed get no peak."""
@@ -56,12 +67,32 @@ def timed(fn, repeats: int) -> list[float]:
 
 
 def variants(model: torch.nn.Module, dev: torch.device) -> dict[str, tuple[torch.nn.Module, torch.dtype]]:
-    """Each precision this device runs natively: the model (its weights' dtype) and the autocast dtype."""
+    """Each precision this device runs natively, and the candidates: the model and the autocast dtype."""
     out = {"fp32": (model, torch.float32)}
     if native_bf16(dev):
+        bf16 = copy.deepcopy(model).to(torch.bfloat16)
         out["bf16_autocast"] = (model, torch.bfloat16)
-        out["bf16_weights"] = (copy.deepcopy(model).to(torch.bfloat16), torch.bfloat16)
+        out["bf16_weights"] = (bf16, torch.bfloat16)
+        out["bf16_weights_compiled"] = (torch.compile(bf16), torch.bfloat16)
+    if dev.type == "cpu":
+        int8 = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear}, dtype=torch.qint8)
+        out["int8_dynamic"] = (int8, torch.float32)
     return out
+
+
+@torch.inference_mode()
+def feature_cosine(model: torch.nn.Module, dtype: torch.dtype, reference: torch.Tensor, images: torch.Tensor,
+                   dev: torch.device) -> float:
+    """The smallest cosine between ``model``'s CLS features of ``images`` and the fp32 ``reference`` [N, D]."""
+    with autocast(dev, dtype):
+        features = model(images).float()  # [N, D]
+    return float(torch.nn.functional.cosine_similarity(features, reference, dim=1).min())
+
+
+def test_images(spec: ServiceSpec, model: torch.nn.Module, n: int, dev: torch.device) -> torch.Tensor:
+    """``n`` real test images of the spec's dataset, as the learner feeds them to the backbone [n, 3, S, S]."""
+    data = load_split(replace(spec.data, test_per_class=max(1, n // 10)), "test")
+    return test_transform(spec.img_size, *normalization(model))(data.images[:n].to(dev))
 
 
 def measure(model: torch.nn.Module, dtype: torch.dtype, dev: torch.device, img_size: int, batch: int,
@@ -105,10 +136,17 @@ def main(spec: ServiceSpec = ServiceSpec(), batch: int = 32, repeats: int = 10,
     model = model.to(dev).eval()
     flops = flops_per_image(model, spec.img_size)
     native = variants(model, dev)
-    rows = {name: measure(m, dtype, dev, spec.img_size, batch, repeats, flops) for name, (m, dtype) in native.items()}
-    fastest = max(rows, key=lambda k: rows[k]["batch_images_per_s"])
+    images = test_images(spec, model, batch, dev)
+    with torch.inference_mode():
+        reference = model(images).float()  # [N, D] fp32 features
+    rows = {name: {**measure(m, dtype, dev, spec.img_size, batch, repeats, flops),
+                   "feature_cosine_min": feature_cosine(m, dtype, reference, images, dev)}
+            for name, (m, dtype) in native.items()}
+    fastest = max((k for k in ("fp32", "bf16_autocast", "bf16_weights") if k in rows),
+                  key=lambda k: rows[k]["batch_images_per_s"])
     return write_result({"benchmark": "model_arithmetic", "spec": spec.as_json(), "batch": batch,
-                         "flops_per_image": flops, "precisions": rows, "fastest": fastest},
+                         "flops_per_image": flops, "precisions": rows, "fastest": fastest,
+                         "fastest_of_all": max(rows, key=lambda k: rows[k]["batch_images_per_s"])},
                         out, dev, native[fastest][1])
 
 

@@ -7,7 +7,8 @@ aligned logits with running statistics, softmax over the seen classes) of the sa
 the device, in this process, on the same device as the service (the same GPU where there is one) while nothing
 else runs on it: the issue's ratio, which therefore includes the cost of sharing the device with training.
 Once the stream is learned, ``idle_requests`` more requests with the learner idle separate the service's own
-overhead from that sharing.
+overhead from that sharing; they are also compared with the backbone's own forward of the image in the learner's
+precision (``ratio_idle_p50_backbone``), the floor of any prediction.
 
 (A bare forward timed in this process *while* the service trains is no reference: two processes each running
 a 2-thread OpenMP pool on 2 cores slow each other down many times over, 1.7 s instead of 34 ms here.)
@@ -28,8 +29,10 @@ from PIL import Image
 
 from benchmarks.learner_throughput import stream_batches
 from benchmarks.service import ServiceSpec, bare_learner, quantiles, running_service, seconds, write_result
+from mepo_stream.backbone import cls_feature
 from mepo_stream.data import list_files
 from mepo_stream.images import decode_image
+from mepo_stream.precision import autocast
 from server.config import ServeConfig
 from server.snapshot import take_snapshot
 
@@ -44,6 +47,24 @@ def bare_predictor(spec: ServiceSpec, n_classes: int) -> Callable[[torch.Tensor]
     def forward(images: torch.Tensor) -> float:
         images = images.to(learner.device)
         return seconds(lambda: snapshot.probabilities(images), learner.device)
+
+    return forward
+
+
+def backbone_forward(spec: ServiceSpec, n_classes: int) -> Callable[[torch.Tensor], float]:
+    """A function timing the backbone's own forward of uint8 images [B, 3, S, S], normalised beforehand, in the
+    learner's precision: the floor of any prediction."""
+    model = bare_learner(spec, n_classes).method
+
+    @torch.inference_mode()
+    def forward(images: torch.Tensor) -> float:
+        x = model.transform(images.to(model.device))  # [B, 3, S, S] normalised
+
+        def run() -> None:
+            with autocast(model.device, model.dtype):
+                cls_feature(model.backbone, x)
+
+        return seconds(run, model.device)
 
     return forward
 
@@ -77,8 +98,10 @@ def main(spec: ServiceSpec = ServiceSpec(), requests: int = 300, idle_requests: 
     """
     jpeg = sample_jpeg(spec)
     image = decode_image(jpeg, ServeConfig.limits)[None]  # [1, 3, S, S] uint8, as the service decodes it
-    bare = bare_predictor(spec, len(list_files(spec.data, "train").classes))
+    n_classes = len(list_files(spec.data, "train").classes)
+    bare, backbone = bare_predictor(spec, n_classes), backbone_forward(spec, n_classes)
     idle = [bare(image) for _ in range(idle_requests + 5)][5:]
+    floor = [backbone(image) for _ in range(idle_requests + 5)][5:]
     spec = replace(spec, extra=(*spec.extra, "--protocol.eval_period", "0"))
     http_s = []
     with running_service(spec, work) as service:
@@ -92,13 +115,14 @@ def main(spec: ServiceSpec = ServiceSpec(), requests: int = 300, idle_requests: 
                 learned.append(service.status()["samples_seen"])
         service.wait_learned(service.stream_length)
         http_idle = [_post(service, jpeg) for _ in range(idle_requests)]
-    h, hi, bi = quantiles(http_s), quantiles(http_idle), quantiles(idle)
+    h, hi, bi, fl = quantiles(http_s), quantiles(http_idle), quantiles(idle), quantiles(floor)
     return write_result({
         "benchmark": "predict_latency", "spec": spec.as_json(),
         "requests_while_learning": len(http_s), "learned_during_requests": [learned[0], learned[-1]],
         "http": h, "bare_forward_idle": bi, "ratio_p50": h["p50_s"] / bi["p50_s"],
         "ratio_p99": h["p99_s"] / bi["p99_s"],
         "http_idle": hi, "ratio_idle_p50": hi["p50_s"] / bi["p50_s"], "ratio_idle_p99": hi["p99_s"] / bi["p99_s"],
+        "backbone_forward_idle": fl, "ratio_idle_p50_backbone": hi["p50_s"] / fl["p50_s"],
     }, out, *spec.placement())
 
 

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from benchmarks.service import seconds, write_result
 from mepo_stream.backbone import BackboneConfig, create_backbone, device, normalization
 from mepo_stream.data import ImageSet
-from mepo_stream.learner import autocast, resolve_precision
 from mepo_stream.meta import freeze
+from mepo_stream.precision import autocast, resolve_precision
 from mepo_stream.transforms import test_transform
 from offline.refine import Distributed, MetaModel, RefineConfig, Trainer, param_groups
 

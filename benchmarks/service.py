@@ -2,7 +2,7 @@
 
 The service runs as users run it (``python -m mepo_stream.cli serve`` in a separate process, talking to an
 embedded Tansu broker over TCP), and the benchmark talks to it over real HTTP. The bare-PyTorch references
-(:func:`bare_learner`) are built here from the same library pieces (``mepo_stream.model.build_method`` and the
+(:func:`bare_learner`) are built here from the same library pieces (``mepo_stream.model.create_model`` and the
 core ``OnlineLearner``), with the same configuration the service is given on its command line, on the same
 device and under the same autocast dtype, so a ratio compares the same model doing the same arithmetic with
 and without the service around it. :func:`seconds` is the one clock of every bare loop, and :func:`machine`
@@ -34,9 +34,10 @@ import torch
 from mepo_stream.backbone import BackboneConfig, device
 from mepo_stream.cli import config_options
 from mepo_stream.data import DataConfig, list_files
-from mepo_stream.learner import PAPER_RECIPE, LearnerConfig, OnlineLearner, resolve_precision
+from mepo_stream.learner import PAPER_RECIPE, LearnerConfig, OnlineLearner
 from mepo_stream.methods.base import ContinualMethod
-from mepo_stream.model import BundleParts, build_method
+from mepo_stream.model import ModelConfig, create_model
+from mepo_stream.precision import resolve_precision
 from server.broker import EmbeddedBroker, free_port
 from server.config import ServeConfig
 from server.state import CHECKPOINT
@@ -182,19 +183,19 @@ def _wait_http(http: httpx.Client, process: subprocess.Popen, timeout: float = 6
     raise TimeoutError("mepo serve did not answer HTTP")
 
 
-def bare_method(spec: ServiceSpec, n_classes: int) -> ContinualMethod:
-    """The service's model (backbone, host method, every part of the MePo bundle), built by the one function the
-    service builds it with, on the device the service runs on."""
-    backbone = BackboneConfig(spec.model, spec.weights, spec.img_size)
-    return build_method(spec.method, n_classes, backbone, BundleParts.of(spec.mepo), ServeConfig.method_config,
-                        ServeConfig.alignment, device())
+def bare_model(spec: ServiceSpec, n_classes: int) -> ContinualMethod:
+    """The service's model (backbone, host method, every part of the MePo bundle, classifier, precision), built
+    by the factory the service builds it with, on the device the service runs on."""
+    cfg = ModelConfig(spec.method, ServeConfig.method_config, BackboneConfig(spec.model, spec.weights, spec.img_size),
+                      spec.mepo, ServeConfig.alignment, spec.learner, ServeConfig.seed)
+    return create_model(cfg, n_classes, device())
 
 
 def bare_learner(spec: ServiceSpec, n_classes: int) -> OnlineLearner:
     """The service's learner without the service: its ``observe`` and ``predict`` on tensors already on the
     device are the bare PyTorch work of a mini-batch (the same autocast dtype, fused Adam on CUDA, and for a
     statistics classifier on a host without prompts no gradient step), minus Kafka, decoding and HTTP."""
-    return OnlineLearner(bare_method(spec, n_classes), n_classes, spec.learner, device())
+    return OnlineLearner(bare_model(spec, n_classes), spec.learner)
 
 
 def synchronize(dev: torch.device) -> None:

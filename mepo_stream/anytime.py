@@ -203,12 +203,13 @@ class AnytimeEvaluation:
 
     Example:
         >>> from mepo_stream.learner import LearnerConfig
-        >>> from mepo_stream.model import build_method
+        >>> from mepo_stream.model import ModelConfig, create_model
         >>> from mepo_stream.backbone import BackboneConfig
         >>> images, names = torch.zeros(4, 3, 32, 32, dtype=torch.uint8), ["a", "b"]
         >>> test = ImageSet(images, torch.tensor([0, 1, 0, 1]), names, names)
-        >>> method = build_method("frozen", 2, BackboneConfig(name="test_vit", weights=None, img_size=32))
-        >>> learner = OnlineLearner(method, 2, LearnerConfig(autoaugment=None))
+        >>> cfg = LearnerConfig(autoaugment=None)
+        >>> learner = OnlineLearner(create_model(ModelConfig(backbone=BackboneConfig(name="test_vit", weights=None,
+        ...                                                  img_size=32), learner=cfg), 2), cfg)
         >>> run = AnytimeEvaluation(test, eval_period=2)
         >>> run.room(learner, batch_size=32)  # the first mini-batch stops at the evaluation due at 2
         2

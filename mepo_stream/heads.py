@@ -140,6 +140,11 @@ class StreamingLDA(ClassStatistics):
         between = (means * self.counts[:, None]).T @ means  # [D, D]
         return (self.second - between) / self.counts.sum().clamp_min(1)
 
+    def solve_chosen(self) -> None:
+        """Solve the chosen shrinkage now (a copy for serving then carries the solution)."""
+        if self.seen:
+            self.solve(self.chosen)
+
     def solve(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Weights [C, D] and biases [C] for shrinkage candidate ``k`` (cached until the next update)."""
         if k not in self._cache:

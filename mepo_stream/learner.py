@@ -18,10 +18,12 @@ classes seen so far; evaluation uses no mask (MISA/MePo) or the seen-class mask 
 ``PAPER_RECIPE`` is the reference's MISA + MePo setting.
 
 Example:
-    >>> from mepo_stream.model import build_method
+    >>> from mepo_stream.model import ModelConfig, create_model
     >>> from mepo_stream.backbone import BackboneConfig
-    >>> method = build_method("frozen", 4, BackboneConfig(name="test_vit", weights=None, img_size=32))
-    >>> learner = OnlineLearner(method, n_classes=4, cfg=LearnerConfig(autoaugment=None))
+    >>> cfg = LearnerConfig(autoaugment=None)
+    >>> model = create_model(ModelConfig(backbone=BackboneConfig(name="test_vit", weights=None, img_size=32),
+    ...                                  learner=cfg), n_classes=4)
+    >>> learner = OnlineLearner(model, cfg)
     >>> _ = learner.observe(torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8), torch.tensor([5, 7] * 4))
     >>> learner.exposed, learner.predict(torch.zeros(2, 3, 32, 32, dtype=torch.uint8))["running"].shape
     ([5, 7], torch.Size([2]))
@@ -30,10 +32,7 @@ Example:
 from __future__ import annotations
 
 import copy
-import functools
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -41,9 +40,9 @@ import torch.nn.functional as F
 
 from mepo_stream.alignment import AlignMode
 from mepo_stream.backbone import normalization
-from mepo_stream.heads import NearestClassMean, RunningStandardize, StreamingLDA
 from mepo_stream.methods.base import ContinualMethod, Encoded
-from mepo_stream.transforms import Transform, test_transform, train_transform
+from mepo_stream.precision import autocast
+from mepo_stream.transforms import Transform, train_transform
 
 
 @dataclass(frozen=True)
@@ -90,77 +89,18 @@ PAPER_RECIPE = LearnerConfig(classifier="linear", train_mask="batch", eval_mask=
 """The reference's MISA + MePo setting: SGD-trained linear head, batch-present mask, no mask at evaluation."""
 
 
-def native_bf16(device: torch.device) -> bool:
-    """Whether ``device`` multiplies bf16 matrices in hardware: a CUDA GPU that supports bf16, or a CPU with AMX
-    or AVX512-BF16 (there bf16 autocast runs the backbone 2.5-3x faster than fp32; README "Benchmarks")."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux ``/proc/cpuinfo``; empty where it cannot be read)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    return frozenset(next((line.split(":", 1)[1].split() for line in text.splitlines()
-                           if line.startswith("flags")), []))
-
-
-def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
-    """The autocast dtype: bf16 where asked (or, for auto, where the hardware has native bf16), else fp32."""
-    if precision == "auto":
-        return torch.bfloat16 if native_bf16(device) else torch.float32
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
-
-
-def make_classifier(cfg: LearnerConfig, method: ContinualMethod, n_classes: int) -> torch.nn.Module | None:
-    """The statistics classifier ``cfg`` asks for (None for the linear head)."""
-    dim = method.backbone.num_features
-    if cfg.classifier == "ncm":
-        return NearestClassMean(dim, n_classes)
-    if cfg.classifier == "linear":
-        return None
-    prior = None
-    if cfg.slda_prior == "sigma_pre":
-        if method.alignment is None:
-            raise ValueError("slda_prior=sigma_pre needs Sigma_pre: give a MePo bundle with Meta Cov")
-        prior = method.alignment.sigma_pre()
-    return StreamingLDA(dim, n_classes, cfg.slda_shrinkage, prior)
-
-
-def plain_frozen_backbone(method: ContinualMethod) -> bool:
-    """The method encodes with its backbone alone (no prompts mixed into its layers), and nothing trains it: its
-    weights may then be cast to bf16 (prompts in fp32 would meet bf16 LayerNorm weights outside autocast's casts)."""
-    names = [n for n, _ in method.named_parameters()]
-    backbone_trains = any(p.requires_grad for p in method.backbone.parameters())
-    return not backbone_trains and all(n.startswith(("backbone.", "head.")) for n in names)
-
-
 class OnlineLearner:
-    """Wraps a host method with the label map, optimizer, transforms and the online update."""
+    """The training loop around a complete model (``mepo_stream.model.create_model``): the label map, the
+    optimizer, the training augmentation and the test-then-train update, and nothing else."""
 
-    def __init__(self, method: ContinualMethod, n_classes: int, cfg: LearnerConfig, device: torch.device | None = None):
-        self.cfg, self.n_classes = cfg, n_classes
-        self.device = device or torch.device("cpu")
-        method.classifier = make_classifier(cfg, method, n_classes)
-        if not cfg.train_encoder:
-            for name, p in method.named_parameters():
-                p.requires_grad_(p.requires_grad and name.startswith("head."))
-        method.standardize = RunningStandardize(method.backbone.num_features) if cfg.standardize else None
-        self.method = method.to(self.device)
-        self.dtype = resolve_precision(cfg.precision, self.device)
-        if cfg.cast_frozen_backbone and self.dtype != torch.float32 and plain_frozen_backbone(method):
-            method.backbone.to(self.dtype)  # read under autocast as it is: no per-forward weight cast
-        img_size = method.backbone.patch_embed.img_size[0]
-        mean, std = normalization(method.backbone)
-        self.train_tf: Transform = train_transform(img_size, mean, std, cfg.autoaugment)
-        self.test_tf: Transform = test_transform(img_size, mean, std)
+    def __init__(self, model: ContinualMethod, cfg: LearnerConfig):
+        self.cfg, self.method = cfg, model
+        self.n_classes, self.device, self.dtype = model.n_classes, model.device, model.dtype
+        img_size = model.backbone.patch_embed.img_size[0]
+        self.train_tf: Transform = train_transform(img_size, *normalization(model.backbone), cfg.autoaugment)
         fused = {"fused": True} if self.device.type == "cuda" else {}
-        self.optimizer = torch.optim.Adam(method.param_groups(cfg.lr), lr=cfg.lr, **fused)
-        self.encoder_trains = any(p.requires_grad for n, p in method.named_parameters() if not n.startswith("head."))
+        self.optimizer = torch.optim.Adam(model.param_groups(cfg.lr), lr=cfg.lr, **fused)
+        self.encoder_trains = any(p.requires_grad for n, p in model.named_parameters() if not n.startswith("head."))
         self.trains_by_gradient = cfg.classifier == "linear" or self.encoder_trains
         self.exposed: list[int] = []  # original label of head output k
         self._index: dict[int, int] = {}
@@ -261,17 +201,14 @@ class OnlineLearner:
         table[: len(self.exposed)] = torch.tensor(self.exposed, dtype=torch.long)
         return table[index.cpu()]
 
-    @torch.inference_mode()
     def encode(self, images: torch.Tensor) -> Encoded:
         """The eval-mode encoding of uint8 images [B, 3, H, W], as predictions see them."""
-        return encode_for_prediction(self.method, self.test_tf, images, self.device, self.dtype)
+        return self.method.encode_images(images)
 
-    @torch.inference_mode()
     def logits(self, encoded: Encoded, align_modes: tuple[AlignMode, ...] = ("running",)
                ) -> dict[AlignMode, torch.Tensor]:
         """Eval-mode logits [B, C] (head order) of an encoding, per alignment mode."""
-        return {mode: masked_logits(self.method, encoded, mode, len(self.exposed), self.cfg.eval_mask)
-                for mode in align_modes}
+        return {mode: self.method.predict_logits(encoded, len(self.exposed), mode) for mode in align_modes}
 
     def predict_logits(self, images: torch.Tensor, align_modes: tuple[AlignMode, ...] = ("running",)
                        ) -> dict[AlignMode, torch.Tensor]:
@@ -282,30 +219,3 @@ class OnlineLearner:
                 ) -> dict[AlignMode, torch.Tensor]:
         """Predicted original labels [B] per alignment mode."""
         return {m: self.to_labels(lg.argmax(1)) for m, lg in self.predict_logits(images, align_modes).items()}
-
-
-def autocast(device: torch.device, dtype: torch.dtype) -> AbstractContextManager:
-    """Mixed precision for the backbone and prompts (a no-op at fp32)."""
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-
-
-def encode_for_prediction(method: ContinualMethod, transform: Transform, images: torch.Tensor,
-                          device: torch.device, dtype: torch.dtype) -> Encoded:
-    """The eval-mode encoding of uint8 images [B, 3, H, W] (feature in fp32), under the learner's precision."""
-    method.eval()
-    with autocast(device, dtype):
-        encoded = method.encode(transform(images.to(device, non_blocking=True)))
-    encoded.feature = encoded.feature.float()
-    return encoded
-
-
-def masked_logits(method: ContinualMethod, encoded, mode: AlignMode, n_seen: int,
-                  eval_mask: Literal["none", "seen"]) -> torch.Tensor:
-    """The one prediction function: logits [B, C] in head order, unseen classes at -inf under the seen mask.
-
-    The any-time evaluation, the prequential metric and served predictions all come from here.
-    """
-    logits = method.logits(encoded, mode).float()
-    if eval_mask == "seen":
-        logits[:, n_seen:] = float("-inf")
-    return logits

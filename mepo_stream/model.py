@@ -1,30 +1,42 @@
-"""One place that turns configs and a MePo bundle into a ready host method.
+"""The model factory (timm's ``create_model``): a ``ModelConfig`` and a MePo bundle in, a complete model out.
 
 A MePo bundle may carry up to three parts, each optional: a (meta-refined) backbone (Meta Rep), Sigma_pre
-(Meta Cov), and ISA-warmed prompts (MISA's initial session adaptation). ``build_method`` applies what the
-bundle has; the service, ``mepo evaluate`` and the benchmarks all build their model through it, so they run
-the same model for the same flags.
+(Meta Cov), and ISA-warmed prompts (MISA's initial session adaptation). ``build_method`` builds the host method
+with what the bundle has; ``complete`` finishes it into the model a learner trains and a snapshot serves
+(statistics classifier, standardisation, what trains, precision, the eval transform); ``create_model`` is the
+two in one. The service, its replicas, ``mepo evaluate`` and the benchmarks all build their model here, so they
+run the same model for the same configuration, and a snapshot's ``ModelConfig`` is all a replica needs to
+rebuild it.
 
 Example:
     >>> from mepo_stream.backbone import BackboneConfig
-    >>> m = build_method("linear_probe", 10, BackboneConfig(name="test_vit", weights=None, img_size=32))
-    >>> type(m).__name__, m.alignment is None
-    ('LinearProbe', True)
+    >>> model = create_model(ModelConfig(backbone=BackboneConfig(name="test_vit", weights=None, img_size=32)), 10)
+    >>> type(model).__name__, type(model.classifier).__name__, model.alignment is None
+    ('LinearProbe', 'StreamingLDA', True)
+    >>> ModelConfig.from_json(model_config_json := ModelConfig().to_json()).to_json() == model_config_json
+    True
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import hashlib
+import json
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 from timm.models.vision_transformer import VisionTransformer
+from torch import nn
 
 from mepo_stream.alignment import AlignmentConfig, FeatureAlignment
 from mepo_stream.artifacts import BACKBONE, PROMPTS, SIGMA_PRE, load_part, load_sigma_pre, read_manifest
-from mepo_stream.backbone import BackboneConfig, create_backbone
+from mepo_stream.backbone import BackboneConfig, create_backbone, normalization
+from mepo_stream.heads import NearestClassMean, RunningStandardize, StreamingLDA
+from mepo_stream.learner import LearnerConfig
 from mepo_stream.methods import MethodsConfig, create_method
 from mepo_stream.methods.base import ContinualMethod
+from mepo_stream.precision import resolve_precision
+from mepo_stream.transforms import test_transform
 
 
 @dataclass(frozen=True)
@@ -86,3 +98,102 @@ def build_method(method: str, n_classes: int, backbone: BackboneConfig, parts: B
     model = assemble(method, n_classes, create_backbone(backbone_config(backbone, parts)), parts, method_config,
                      alignment)
     return model if device is None else model.to(device)
+
+
+def make_classifier(cfg: LearnerConfig, method: ContinualMethod) -> torch.nn.Module | None:
+    """The statistics classifier ``cfg`` asks for (None for the linear head)."""
+    dim, n_classes = method.backbone.num_features, method.n_classes
+    if cfg.classifier == "ncm":
+        return NearestClassMean(dim, n_classes)
+    if cfg.classifier == "linear":
+        return None
+    prior = None
+    if cfg.slda_prior == "sigma_pre":
+        if method.alignment is None:
+            raise ValueError("slda_prior=sigma_pre needs Sigma_pre: give a MePo bundle with Meta Cov")
+        prior = method.alignment.sigma_pre()
+    return StreamingLDA(dim, n_classes, cfg.slda_shrinkage, prior)
+
+
+def plain_frozen_backbone(method: ContinualMethod) -> bool:
+    """The method encodes with its backbone alone (no prompts mixed into its layers), and nothing trains it: its
+    weights may then be cast to bf16 (prompts in fp32 would meet bf16 LayerNorm weights outside autocast's casts)."""
+    names = [n for n, _ in method.named_parameters()]
+    backbone_trains = any(p.requires_grad for p in method.backbone.parameters())
+    return not backbone_trains and all(n.startswith(("backbone.", "head.")) for n in names)
+
+
+def weights_sha256(module: nn.Module) -> str:
+    """sha256 of a module's weights as loaded (names, dtypes, shapes and bytes, in state-dict order).
+
+    The weights as loaded, not the file they came from: the position table is resampled to the configured
+    resolution and a random init depends on the seed, and either would make the same tensors mean something else.
+    """
+    digest = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+
+def complete(method: ContinualMethod, cfg: LearnerConfig, device: torch.device | None = None) -> ContinualMethod:
+    """Finish a host method into the model: the statistics classifier and standardisation ``cfg`` asks for, only
+    the head trainable when the encoder does not train, on ``device``, in its precision (a frozen plain backbone
+    stored in bf16 at bf16), with the eval transform and mask its predictions use, and the sha256 of its backbone
+    as built (before any cast: a replica in another precision checks the same weights)."""
+    method.backbone_sha256 = weights_sha256(method.backbone)
+    method.classifier = make_classifier(cfg, method)
+    if not cfg.train_encoder:
+        for name, p in method.named_parameters():
+            p.requires_grad_(p.requires_grad and name.startswith("head."))
+    method.standardize = RunningStandardize(method.backbone.num_features) if cfg.standardize else None
+    method.to(device or torch.device("cpu"))
+    method.dtype = resolve_precision(cfg.precision, method.device)
+    if cfg.cast_frozen_backbone and method.dtype != torch.float32 and plain_frozen_backbone(method):
+        method.backbone.to(method.dtype)  # read under autocast as it is: no per-forward weight cast
+    method.transform = test_transform(method.backbone.patch_embed.img_size[0], *normalization(method.backbone))
+    method.eval_mask = cfg.eval_mask
+    return method
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What defines a model: its host, backbone, bundle, Meta Cov settings and head (the learner's settings ride
+    along; only the head's and the precision's shape the model). A snapshot carries it, so a replica rebuilds the
+    model it serves from the snapshot alone."""
+
+    method: str = "frozen"
+    """Host method (``mepo_stream.methods.METHODS``)."""
+    method_config: MethodsConfig = MethodsConfig()
+    """Per-method hyperparameters."""
+    backbone: BackboneConfig = BackboneConfig()
+    """Pretrained backbone (replaced by the bundle's under Meta Rep)."""
+    mepo: Path | None = None
+    """MePo bundle: its backbone, Sigma_pre and ISA prompts, where it has them."""
+    alignment: AlignmentConfig = AlignmentConfig()
+    """Meta Cov settings (used when the bundle has Sigma_pre)."""
+    learner: LearnerConfig = LearnerConfig()
+    """Classifier, precision, what trains (and the training settings, which do not shape the model)."""
+    seed: int = 0
+    """Seed of the random initialisation (prompts, head; the backbone too without weights)."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), default=str, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelConfig:
+        """The configuration ``to_json`` wrote (nested dataclasses and tuples restored by their types)."""
+        from jsonargparse import ArgumentParser  # the CLI's typed parser: nested dataclasses, tuples, paths
+
+        parser = ArgumentParser()
+        parser.add_class_arguments(cls, nested_key="model")
+        return parser.instantiate_classes(parser.parse_object({"model": json.loads(text)})).model
+
+
+def create_model(cfg: ModelConfig, n_classes: int, device: torch.device | None = None) -> ContinualMethod:
+    """The complete model for ``n_classes`` classes: seeded, built with what the bundle has, and finished."""
+    torch.manual_seed(cfg.seed)
+    method = build_method(cfg.method, n_classes, cfg.backbone, BundleParts.of(cfg.mepo), cfg.method_config,
+                          cfg.alignment)
+    return complete(method, cfg.learner, device)

@@ -36,7 +36,7 @@ from mepo_stream.backbone import BackboneConfig, create_backbone, device, proven
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.learner import LearnerConfig, OnlineLearner
 from mepo_stream.methods import METHODS, MethodsConfig
-from mepo_stream.model import BundleParts, assemble, backbone_config
+from mepo_stream.model import BundleParts, assemble, backbone_config, complete
 from mepo_stream.probe import ProbeConfig, offline_ceiling
 from mepo_stream.sampler import SiBlurryConfig, SiBlurryShape, si_blurry_stream
 
@@ -84,7 +84,7 @@ def run_seed(run: SeedRun) -> dict:
     stream = si_blurry_stream(train.targets.tolist(), stream_cfg.n_tasks, stream_cfg.n, stream_cfg.m, run.seed)
     model = assemble(run.method, len(train.classes), copy.deepcopy(run.backbone), run.parts, run.method_config,
                      run.alignment)
-    learner = OnlineLearner(model, len(train.classes), run.learner, device())
+    learner = OnlineLearner(complete(model, run.learner, device()), run.learner)
     evaluation = AnytimeEvaluation(run.test, run.protocol.eval_period, run.protocol.eval_batch_size, MODES)
     start = time.time()
     bar = tqdm(total=len(stream.order), desc=f"{run.method} seed {run.seed}", unit="img", leave=False)

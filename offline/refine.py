@@ -56,7 +56,6 @@ from mepo_stream.artifacts import BACKBONE, SIGMA_PRE, library_versions, write_b
 from mepo_stream.backbone import BackboneConfig, cls_feature, create_backbone, device, normalization, provenance
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.data import DataConfig, ImageSet, load_split
-from mepo_stream.learner import autocast, resolve_precision
 from mepo_stream.meta import (
     MaskMode,
     MetaHead,
@@ -68,6 +67,7 @@ from mepo_stream.meta import (
     reptile_update,
 )
 from mepo_stream.methods import MethodsConfig
+from mepo_stream.precision import autocast, resolve_precision
 from mepo_stream.pseudo_tasks import GroupPlan, PseudoTaskConfig, meta_epoch_plan, shuffled_batches
 from mepo_stream.transforms import Transform, test_transform, train_transform
 from offline.covariance import CovarianceConfig, sigma_pre

@@ -18,6 +18,7 @@ from mepo_stream.images import ImageLimits
 from mepo_stream.kafka import KafkaConfig, ReplayConfig
 from mepo_stream.learner import LearnerConfig
 from mepo_stream.methods import MethodsConfig
+from mepo_stream.model import ModelConfig
 from server.monitor import MonitorConfig
 
 
@@ -115,3 +116,9 @@ class DemoConfig(ServeConfig):
     """Exit (and print a summary) once the whole stream is learned, instead of serving on."""
     embedded_broker: bool = True
     """Start a local broker; false streams through the cluster at --kafka.bootstrap_servers instead."""
+
+
+def model_config(cfg: ServeConfig) -> ModelConfig:
+    """What of a service's configuration defines its model (``mepo_stream.model.create_model``); a replica gets
+    it from the learner's snapshots. (A function, not a method: the CLI would take a method for a subcommand.)"""
+    return ModelConfig(cfg.method, cfg.method_config, cfg.backbone, cfg.mepo, cfg.alignment, cfg.learner, cfg.seed)

@@ -21,7 +21,7 @@ from kafka import KafkaProducer
 from kafka.errors import KafkaError
 
 from mepo_stream.kafka import open_producer
-from server.config import ServeConfig
+from server.config import ServeConfig, model_config
 from server.metrics import ServerMetrics
 from server.snapshot import Snapshot
 from server.snapshot_topic import Origin, bundle_sha256, encode, ensure_snapshot_topic, to_records
@@ -52,7 +52,8 @@ class SnapshotPublisher:
         if cfg.kafka.snapshot_topic is None:
             return None
         names = tuple(state.class_names[label] for label in range(state.n_classes))
-        origin = Origin(cfg.model_name, cfg.method, names, state.backbone_sha256, bundle_sha256(cfg.mepo))
+        origin = Origin(cfg.model_name, model_config(cfg).to_json(), names,
+                        state.learner.method.backbone_sha256, bundle_sha256(cfg.mepo))
         return cls(cfg, origin, state.metrics, state.fresh_snapshot)
 
     def start(self) -> None:
@@ -105,7 +106,7 @@ class SnapshotPublisher:
     def _publish(self, snapshot: Snapshot) -> None:
         """Encode, send every part, and wait until the broker has acknowledged them all."""
         start = time.perf_counter()
-        blob = encode(snapshot.trainable_state(), self.origin, snapshot.version, snapshot.samples_seen,
+        blob = encode(snapshot.model.trainable_state_dict(), self.origin, snapshot.version, snapshot.samples_seen,
                       snapshot.exposed, time.time())
         producer = self._connect()
         records = to_records(blob, self.origin.model, snapshot.version, self.kafka.snapshot_chunk_bytes)

@@ -2,20 +2,22 @@
 topic and served through the same routers, in a process (or on a machine) of its own.
 
 Users who outgrow one process scale predictions out with replicas; the learner stays one ordered consumer. A
-replica builds the backbone and bundle from its own configuration (the learner's ``--backbone.*``, ``--mepo``,
-``--method``, ``--method_config.*``, ``--learner.*``, ``--alignment.*``, ``--seed``, ``--model_name``; the same
-``--config`` file with ``--role replica`` is simplest), hashes them, and reads the snapshot topic from its
-beginning, with no consumer group: a restarted replica catches up from what the topic keeps. For each snapshot
-put back together (``server.snapshot_topic``):
+replica needs the broker and the weights on its disk (the backbone's, and the bundle at the learner's ``--mepo``
+path or its own): the model's definition comes with every snapshot (the learner's ``ModelConfig``). It reads the
+snapshot topic from its beginning, with no consumer group: a restarted replica catches up from what the topic
+keeps. For each snapshot put back together (``server.snapshot_topic``):
 
 * a record that is not a well-formed part, or a blob whose sha256 or contents do not check out, is skipped and
   counted (``mepo_replica_snapshots_refused_total{reason="corrupt"}``), never loaded;
-* a snapshot from a learner with another backbone or bundle (their sha256 differ from the replica's own) is
-  refused with a log line naming both hashes (reasons ``backbone_mismatch``, ``bundle_mismatch``); one whose
-  tensors do not fit the replica's method is refused as ``incompatible``;
-* otherwise its tensors are loaded into the replica's method, which is then copied into a new ``Snapshot`` the
-  way the learner makes its own (``take_snapshot``), and swapped in by one reference assignment: a request sees
-  the old model or the new one, whole. A replica at version v answers exactly what the learner answers at v.
+* an option given to the replica that contradicts the snapshot's configuration (``--backbone.img_size 112``
+  where the learner runs 84) is refused with a log line naming the option and both values (reason
+  ``backbone_mismatch`` for ``--backbone.*``, else ``incompatible``); so is a backbone or bundle whose sha256
+  differs from the learner's (the weights on this disk are not the learner's: ``backbone_mismatch``,
+  ``bundle_mismatch``), and tensors that do not fit the model (``incompatible``);
+* otherwise the factory builds the model (``mepo_stream.model.create_model``, once per configuration), the
+  tensors are loaded into it, and its inference copy becomes a new ``Snapshot``, swapped in by one reference
+  assignment: a request sees the old model or the new one, whole. A replica at version v answers exactly what
+  the learner answers at v.
 
 When the learner is down the replica keeps serving its last snapshot; when the broker is down too it retries
 every 2 s, still serving. ``/readyz`` is ready once a snapshot is loaded.
@@ -29,20 +31,19 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass, replace
 
-import torch
 from kafka import KafkaConsumer, TopicPartition
 from kafka.errors import KafkaError
 
-from mepo_stream.backbone import create_backbone, device
-from mepo_stream.learner import OnlineLearner
-from mepo_stream.model import BundleParts, assemble, backbone_config
+from mepo_stream.backbone import device
+from mepo_stream.methods.base import ContinualMethod
+from mepo_stream.model import ModelConfig, create_model
 from server.batching import MicroBatcher
-from server.config import ServeConfig
+from server.config import ServeConfig, model_config
 from server.dependencies import ApiError
 from server.metrics import ServerMetrics
-from server.snapshot import Snapshot, take_snapshot
+from server.snapshot import Snapshot
 from server.snapshot_topic import (
     Assembler,
     CorruptSnapshot,
@@ -51,12 +52,11 @@ from server.snapshot_topic import (
     bundle_sha256,
     decode,
     ensure_snapshot_topic,
-    weights_sha256,
 )
 from server.stream import PROBE_EVERY_S, ConsumerThread, broker_answers
 
 log = logging.getLogger(__name__)
-NO_SNAPSHOT = Snapshot(method=None, exposed=(), version=0, samples_seen=0, transform=None, device=torch.device("cpu"))
+NO_SNAPSHOT = Snapshot(model=None, exposed=(), version=0, samples_seen=0)
 """What a replica serves before its first snapshot: no class, so predictions answer 503."""
 RETRY_S = 2.0
 
@@ -69,50 +69,71 @@ class Refused(ValueError):
         self.reason = reason
 
 
+def contradictions(given, learner, default, prefix: str = "--") -> list[tuple[str, object, object]]:
+    """The options set on the replica (not left at their defaults) that differ from the learner's model
+    configuration, as (option, replica's value, learner's value); nested config dataclasses are walked.
+
+    Example:
+        >>> from mepo_stream.backbone import BackboneConfig
+        >>> mine = ModelConfig(backbone=BackboneConfig(img_size=48))
+        >>> contradictions(mine, ModelConfig(backbone=BackboneConfig(img_size=84)), ModelConfig())
+        [('--backbone.img_size', 48, 84)]
+    """
+    out = []
+    for f in fields(given):
+        mine, theirs, unset = getattr(given, f.name), getattr(learner, f.name), getattr(default, f.name)
+        if is_dataclass(mine):
+            out += contradictions(mine, theirs, unset, f"{prefix}{f.name}.")
+        elif mine != unset and mine != theirs:
+            out.append((f"{prefix}{f.name}", mine, theirs))
+    return out
+
+
 class ReplicaModel:
-    """The replica's own backbone and bundle, and the method rebuilt around them once the label space is known."""
+    """The model a snapshot defines: its ``ModelConfig`` (from the learner), built by the factory with the weights
+    and bundle on this machine, and checked against the hashes the learner published."""
 
     def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
-        self.parts = BundleParts.of(cfg.mepo)
-        torch.manual_seed(cfg.seed)  # a random-init backbone (tests) is the learner's only with the learner's seed
-        self.backbone = create_backbone(backbone_config(cfg.backbone, self.parts))
-        self.backbone_sha256 = weights_sha256(self.backbone)
-        self.bundle_sha256 = bundle_sha256(cfg.mepo)
-        self._learner: OnlineLearner | None = None
+        self._built: tuple[str, int, ContinualMethod] | None = None  # (config JSON, classes, model)
 
-    def check(self, origin: Origin) -> None:
-        """Raise ``Refused`` unless snapshots of ``origin`` mean to this replica what they meant to the learner."""
-        if origin.backbone_sha256 != self.backbone_sha256:
-            raise Refused("backbone_mismatch", f"the learner's backbone has sha256 {origin.backbone_sha256[:12]}…, "
-                          f"this replica's {self.backbone_sha256[:12]}… (give it the learner's --backbone.*, --seed)")
-        if origin.bundle_sha256 != self.bundle_sha256:
+    def config(self, origin: Origin) -> ModelConfig:
+        """The learner's model configuration, with this replica's ``--mepo`` path if it has one (the same bundle
+        elsewhere on this disk); ``Refused`` if an option of the replica contradicts it, or the bundle differs."""
+        learner = ModelConfig.from_json(origin.model_config)
+        mine, unset = model_config(self.cfg), model_config(ServeConfig())
+        for option, value, theirs in contradictions(replace(mine, mepo=None), replace(learner, mepo=None), unset):
+            reason = "backbone_mismatch" if option.startswith("--backbone.") else "incompatible"
+            raise Refused(reason, f"{option} {value} contradicts the learner's {theirs}: a replica builds the model "
+                          f"its snapshots define; leave the option out")
+        config = learner if mine.mepo is None else replace(learner, mepo=mine.mepo)
+        if bundle_sha256(config.mepo) != origin.bundle_sha256:
             raise Refused("bundle_mismatch", f"the learner's bundle has sha256 {str(origin.bundle_sha256)[:12]}…, "
-                          f"this replica's {str(self.bundle_sha256)[:12]}… (give it the learner's --mepo)")
-        if origin.method != self.cfg.method:
-            raise Refused("incompatible", f"the learner runs --method {origin.method}, this replica "
-                          f"{self.cfg.method}")
+                          f"this replica's {str(bundle_sha256(config.mepo))[:12]}… (give it the learner's bundle "
+                          f"with --mepo)")
+        return config
 
     def snapshot(self, message: SnapshotMessage) -> Snapshot:
-        """The message's tensors in the replica's method, as a snapshot made the way the learner makes its own."""
-        learner = self._template(len(message.origin.class_names))
+        """The message's tensors in the model its configuration defines, as the learner makes its snapshots."""
+        config = self.config(message.origin)
+        model = self._model(config, len(message.origin.class_names))
+        if model.backbone_sha256 != message.origin.backbone_sha256:
+            raise Refused("backbone_mismatch", f"the learner's backbone has sha256 "
+                          f"{message.origin.backbone_sha256[:12]}…, this replica's {model.backbone_sha256[:12]}… "
+                          f"(the backbone weights on this machine differ from the learner's)")
         try:
-            missing, unexpected = learner.method.load_state_dict(message.tensors, strict=False)
-        except RuntimeError as e:  # a shape that differs: another configuration
-            raise Refused("incompatible", f"the tensors do not fit this replica's method: {e}") from e
-        if unexpected or any(not k.startswith("backbone.") for k in missing):
-            raise Refused("incompatible", f"the tensors do not fit this replica's method: missing {missing[:5]}, "
-                          f"unexpected {unexpected[:5]}")
-        learner.exposed, learner.samples_seen = list(message.exposed), message.samples_seen
-        return take_snapshot(learner, message.version, self.cfg.alignment.inference_mode)
+            model.load_trainable_state_dict(message.tensors)
+        except ValueError as e:
+            raise Refused("incompatible", str(e)) from e
+        return Snapshot(model.inference_copy(), message.exposed, message.version, message.samples_seen,
+                        config.alignment.inference_mode)
 
-    def _template(self, n_classes: int) -> OnlineLearner:
-        """The learner the tensors are loaded into (built on the first snapshot, when the label space is known)."""
-        if self._learner is None or self._learner.n_classes != n_classes:
-            method = assemble(self.cfg.method, n_classes, self.backbone, self.parts, self.cfg.method_config,
-                              self.cfg.alignment)
-            self._learner = OnlineLearner(method, n_classes, self.cfg.learner, device())
-        return self._learner
+    def _model(self, config: ModelConfig, n_classes: int) -> ContinualMethod:
+        """The model the tensors are loaded into, built once per configuration and label space."""
+        key = config.to_json()
+        if self._built is None or self._built[:2] != (key, n_classes):
+            self._built = (key, n_classes, create_model(config, n_classes, device()))
+        return self._built[2]
 
 
 class ReplicaState:
@@ -126,8 +147,6 @@ class ReplicaState:
         self.published_at: float | None = None
         self.newest_version: int | None = None  # of the last snapshot record seen on the topic
         metrics.snapshot_age.set_function(lambda: self.age if self.age is not None else float("nan"))
-        metrics.info.info({"backbone": cfg.backbone.name, "mepo_bundle": str(cfg.mepo or ""), "method": cfg.method,
-                           "role": "replica", "backbone_sha256": self.model.backbone_sha256})
 
     @property
     def loaded(self) -> bool:
@@ -143,7 +162,6 @@ class ReplicaState:
         start = time.perf_counter()
         try:
             message = decode(blob)
-            self.model.check(message.origin)
             snapshot = self.model.snapshot(message)
         except CorruptSnapshot as e:
             self.refuse("corrupt", f"skipped a corrupt snapshot: {e}")
@@ -153,6 +171,10 @@ class ReplicaState:
             return
         self.class_names = dict(enumerate(message.origin.class_names))
         self.snapshot, self.published_at = snapshot, message.published_at  # the swap
+        config = ModelConfig.from_json(message.origin.model_config)
+        self.metrics.info.info({"backbone": config.backbone.name, "mepo_bundle": str(config.mepo or ""),
+                                "method": config.method, "role": "replica",
+                                "backbone_sha256": message.origin.backbone_sha256})
         m = self.metrics
         m.snapshot_load_seconds.observe(time.perf_counter() - start)
         m.snapshots_loaded.inc()

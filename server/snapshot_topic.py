@@ -40,7 +40,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
-from torch import nn
 
 from mepo_stream.artifacts import MANIFEST
 from mepo_stream.files import sha256_file
@@ -72,19 +71,6 @@ class CorruptSnapshot(ValueError):
     """A snapshot record or blob that cannot be what a learner published: never loaded."""
 
 
-def weights_sha256(module: nn.Module) -> str:
-    """sha256 of a module's weights as loaded (names, dtypes, shapes and bytes, in state-dict order).
-
-    The weights as loaded, not the file they came from: the position table is resampled to the configured
-    resolution and a random init depends on the seed, and either would make the same tensors mean something else.
-    """
-    digest = hashlib.sha256()
-    for name, tensor in module.state_dict().items():
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
 def bundle_sha256(bundle: Path | None) -> str | None:
     """sha256 of a MePo bundle's manifest (which holds the sha256 of every file of the bundle); None without one."""
     return None if bundle is None else sha256_file(Path(bundle) / MANIFEST)
@@ -95,7 +81,7 @@ class Origin:
     """What a learner's snapshots share and a replica must match for their tensors to mean the same thing."""
 
     model: str  # the served model name (--model_name)
-    method: str  # host method (--method)
+    model_config: str  # the learner's ModelConfig as JSON: what a replica builds the model from
     class_names: tuple[str, ...]  # name of each original label
     backbone_sha256: str  # weights_sha256 of the backbone as built, before any learning
     bundle_sha256: str | None  # bundle_sha256 of --mepo

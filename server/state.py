@@ -22,26 +22,21 @@ from mepo_stream.backbone import device
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.data import list_files, load_split
 from mepo_stream.learner import OnlineLearner
-from mepo_stream.model import BundleParts, build_method
+from mepo_stream.model import create_model
 from server.book import Sample, StreamBook
-from server.config import ServeConfig
+from server.config import ServeConfig, model_config
 from server.metrics import ServerMetrics
 from server.monitor import StreamMonitor
 from server.snapshot import Snapshot, take_snapshot
-from server.snapshot_topic import weights_sha256
 from server.staging import stack_images
 
 log = logging.getLogger(__name__)
 CHECKPOINT = "learner.pt"
 
 
-def build_learner(cfg: ServeConfig, n_classes: int) -> tuple[OnlineLearner, str]:
-    """The host method with every part of the MePo bundle it has (backbone, Sigma_pre, ISA prompts), and the
-    backbone's sha256 as built, before the learner may cast it (a replica hashes the one it builds the same way)."""
-    method = build_method(cfg.method, n_classes, cfg.backbone, BundleParts.of(cfg.mepo), cfg.method_config,
-                          cfg.alignment)
-    sha256 = weights_sha256(method.backbone)
-    return OnlineLearner(method, n_classes, cfg.learner, device()), sha256
+def build_learner(cfg: ServeConfig, n_classes: int) -> OnlineLearner:
+    """The learner around the model the factory builds from ``cfg`` (every part of the MePo bundle it has)."""
+    return OnlineLearner(create_model(model_config(cfg), n_classes, device()), cfg.learner)
 
 
 class ServiceState:
@@ -52,12 +47,11 @@ class ServiceState:
         listing = list_files(cfg.data, "train")
         self.class_names = dict(enumerate(listing.class_names))
         self.n_classes = len(listing.classes)
-        torch.manual_seed(cfg.seed)
         self.evaluation: AnytimeEvaluation | None = None
         if cfg.protocol.eval_period > 0:  # the schedule, scoring and curve of `mepo evaluate`, in the served mode
             self.evaluation = AnytimeEvaluation(load_split(cfg.data, "test"), cfg.protocol.eval_period,
                                                 cfg.protocol.eval_batch_size, (cfg.alignment.inference_mode,))
-        self.learner, self.backbone_sha256 = build_learner(cfg, self.n_classes)
+        self.learner = build_learner(cfg, self.n_classes)  # seeded: the augmentation's draws follow from the seed
         self.on_learned: Callable[[], None] | None = None  # told of every new version (the publisher)
         self.monitor = StreamMonitor(cfg.monitor)
         self.book = StreamBook(learn_replays=cfg.learn_replays)

@@ -26,7 +26,9 @@ from mepo_stream.cli import config_options
 from mepo_stream.data import DataConfig, list_files
 from mepo_stream.images import ImageLimits
 from mepo_stream.kafka import KafkaConfig
-from mepo_stream.learner import LearnerConfig
+from mepo_stream.learner import LearnerConfig, OnlineLearner
+from mepo_stream.methods.base import ContinualMethod
+from mepo_stream.model import complete
 from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
 from producers.siblurry import stream_id
 from server.app import create_app
@@ -197,3 +199,8 @@ def assert_same_learner_state(a: dict, b: dict, rtol: float = 1e-5, atol: float 
         tb = lb["method"][key]
         assert ta.shape == tb.shape and ta.dtype == tb.dtype, key
         assert torch.allclose(ta, tb, rtol=rtol, atol=atol), (key, (ta - tb).abs().max().item())
+
+
+def learner_of(method: ContinualMethod, cfg: LearnerConfig) -> OnlineLearner:
+    """A learner around a host method built by hand in a test, finished as the factory finishes it (CPU)."""
+    return OnlineLearner(complete(method, cfg), cfg)

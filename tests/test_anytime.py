@@ -22,7 +22,7 @@ from server.book import Sample
 from server.config import ServeConfig
 from server.metrics import ServerMetrics
 from server.state import ServiceState
-from tests.helpers import TINY
+from tests.helpers import TINY, learner_of
 
 
 def test_definitions_against_hand_computed_case():
@@ -61,7 +61,7 @@ def test_round_trip_through_dict():
 
 def _learner(tiny_backbone, method: str, cfg: LearnerConfig) -> OnlineLearner:
     model = create_method(method, tiny_backbone, 4, None, MethodsConfig())
-    return OnlineLearner(model, 4, cfg)
+    return learner_of(model, cfg)
 
 
 def _test_set(n: int = 40) -> ImageSet:

@@ -14,7 +14,7 @@ from jsonargparse import ArgumentParser
 
 from benchmarks.run_all import ALL, BENCHMARKS, END, GPU_BENCHMARKS, START, job, table, update_readme
 from benchmarks.service import ServiceSpec
-from mepo_stream.learner import resolve_precision
+from mepo_stream.precision import resolve_precision
 
 ROOT = Path(__file__).parents[1]
 TINY = ["--model", "test_vit", "--weights", "null", "--img_size", "32"]

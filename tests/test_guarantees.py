@@ -28,13 +28,15 @@ from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.images import ImageLimits
 from mepo_stream.records import RecordError, parse_headers, record_headers
 from server.app import create_app
+from server.config import ServeConfig, model_config
 from server.dependencies import get_service
 from server.metrics import ServerMetrics
 from server.replica import Refused, ReplicaModel
-from server.snapshot_topic import Origin, bundle_sha256
+from server.snapshot import take_snapshot
+from server.snapshot_topic import Origin, SnapshotMessage, bundle_sha256
 from server.state import CHECKPOINT, ServiceState, build_learner
 from tests.fakes import STREAM_ID, TOPIC, FakeConsumer, record, records, run_loop, service
-from tests.helpers import settings
+from tests.helpers import color_images, settings
 
 NO_BROKER = SimpleNamespace(bootstrap="127.0.0.1:9")
 
@@ -291,22 +293,40 @@ def test_a_declared_oversize_body_is_refused_before_any_of_it_is_read(tmp_path):
 
 
 # --- replicas ---------------------------------------------------------------------------------------------------
-def test_a_replica_refuses_a_snapshot_from_another_bundle(tmp_path):
+def test_a_replica_refuses_another_bundle_other_backbone_weights_and_options_that_contradict_the_snapshot(tmp_path):
     bundle = write_bundle(tmp_path / "bundle", {SIGMA_PRE: {SIGMA_PRE: torch.eye(64, dtype=torch.float64)}},
                           {"kind": "covariance"})
     cfg = settings(NO_BROKER, tmp_path, mepo=bundle)
-    _, learner_sha256 = build_learner(cfg, 10)  # the learner's backbone hash, as it computes it
-    model = ReplicaModel(cfg)
-    ours = Origin("mepo", cfg.method, ("a", "b"), learner_sha256, bundle_sha256(bundle))
-    model.check(ours)
+    learner = build_learner(cfg, 2)
+    ours = Origin("mepo", model_config(cfg).to_json(), ("a", "b"), learner.method.backbone_sha256,
+                  bundle_sha256(bundle))
+    model = ReplicaModel(replace(cfg, role="replica"))
+    assert model.config(ours) == model_config(cfg)
     for theirs, shown in ((None, "None"), ("f" * 64, "f" * 12)):
         with pytest.raises(Refused, match=f"bundle has sha256 {shown}…, this replica's {bundle_sha256(bundle)[:12]}… "
-                                          f".give it the learner's --mepo") as e:
-            model.check(replace(ours, bundle_sha256=theirs))
+                                          f".give it the learner's bundle with --mepo") as e:
+            model.config(replace(ours, bundle_sha256=theirs))
         assert e.value.reason == "bundle_mismatch"
-    with pytest.raises(Refused, match="backbone has sha256") as e:
-        model.check(replace(ours, backbone_sha256="0" * 64))
+    message = SnapshotMessage(learner.method.trainable_state_dict(), ours, 1, 0, (), 0.0)
+    assert model.snapshot(message).version == 1
+    with pytest.raises(Refused, match="backbone has sha256 000000000000…") as e:
+        model.snapshot(replace(message, origin=replace(ours, backbone_sha256="0" * 64)))
     assert e.value.reason == "backbone_mismatch"
+    other = ReplicaModel(replace(cfg, role="replica", backbone=replace(cfg.backbone, img_size=48)))
+    with pytest.raises(Refused, match="--backbone.img_size 48 contradicts the learner's 32") as e:
+        other.config(ours)
+    assert e.value.reason == "backbone_mismatch"
+
+
+def test_a_replica_left_at_serves_defaults_builds_the_model_its_snapshots_define(tmp_path):
+    cfg = settings(NO_BROKER, tmp_path)  # the tiny test backbone at 32 px: not serve's default model
+    learner = build_learner(cfg, 2)
+    learner.observe(color_images(torch.tensor([0, 1] * 4)), torch.tensor([0, 1] * 4))
+    ours = Origin("mepo", model_config(cfg).to_json(), ("a", "b"), learner.method.backbone_sha256, None)
+    model = ReplicaModel(replace(ServeConfig(), role="replica"))
+    snapshot = model.snapshot(SnapshotMessage(learner.method.trainable_state_dict(), ours, 3, 8, (0, 1), 0.0))
+    images = color_images(torch.tensor([0, 1, 2]))
+    assert torch.equal(snapshot.probabilities(images), take_snapshot(learner, 3).probabilities(images))
 
 
 # --- what operators see -----------------------------------------------------------------------------------------

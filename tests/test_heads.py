@@ -10,7 +10,7 @@ from mepo_stream.heads import NearestClassMean, RunningStandardize, StreamingLDA
 from mepo_stream.learner import PAPER_RECIPE, LearnerConfig, OnlineLearner
 from mepo_stream.methods import create_method
 from mepo_stream.probe import ProbeConfig, fit_probe, probe_accuracy
-from tests.helpers import color_images
+from tests.helpers import color_images, learner_of
 
 
 def blobs(n_per_class: int = 30, n_classes: int = 4, dim: int = 6, seed: int = 0):
@@ -97,7 +97,7 @@ def test_offline_probe_separates_blobs():
 def _stream_ending_single_class(tiny_backbone, cfg: LearnerConfig) -> OnlineLearner:
     """Four colour classes, two batches each, then single-class batches of the last class only."""
     method = create_method("linear_probe", tiny_backbone, 4)
-    learner = OnlineLearner(method, 4, cfg)
+    learner = learner_of(method, cfg)
     for classes in ([0, 1], [2, 3], [0, 1], [2, 3]):
         labels = torch.tensor(classes * 8)
         learner.observe(color_images(labels), labels)

@@ -7,14 +7,14 @@ import torch
 from mepo_stream.alignment import FeatureAlignment
 from mepo_stream.learner import PAPER_RECIPE, LearnerConfig, OnlineLearner
 from mepo_stream.methods import create_method
-from tests.helpers import color_images
+from tests.helpers import color_images, learner_of
 
 # the MISA tests run the paper's recipe (the SGD-trained linear head), where these mechanisms matter
 CFG = replace(PAPER_RECIPE, batch_size=16, online_iter=3, lr=5e-3, samples_per_slot=10_000, autoaugment=None)
 
 
 def make_learner(backbone, n_classes=8, alignment=None, cfg=CFG):
-    return OnlineLearner(create_method("misa", backbone, n_classes, alignment), n_classes, cfg)
+    return learner_of(create_method("misa", backbone, n_classes, alignment), cfg)
 
 
 def accuracy(learner, labels, mode="running"):
@@ -108,7 +108,7 @@ def test_snapshot_is_isolated_from_further_learning(tiny_backbone):
     before = snap.probabilities(images)
     learner.observe(images, y)
     assert torch.equal(snap.probabilities(images), before)  # the snapshot did not move
-    assert snap.method.backbone is learner.method.backbone  # the frozen backbone is shared, not copied
+    assert snap.model.backbone is learner.method.backbone  # the frozen backbone is shared, not copied
     one = snap.probabilities(images[:1])[0]
     assert torch.allclose(one, before[0], atol=1e-5)  # non-transductive: alone or in a batch, same answer
     top = snap.top_k(snap.probabilities(images[:2]), 2)
@@ -122,7 +122,7 @@ def colour_stream(learner: OnlineLearner, n: int = 128) -> None:
 
 
 def test_default_frozen_host_learns_by_statistics_without_gradient_steps(tiny_backbone):
-    learner = OnlineLearner(create_method("frozen", tiny_backbone, 4), 4, LearnerConfig(autoaugment=None))
+    learner = learner_of(create_method("frozen", tiny_backbone, 4), LearnerConfig(autoaugment=None))
     head_before = learner.method.head.weight.detach().clone()
     colour_stream(learner)
     assert not learner.trains_by_gradient and not learner.optimizer.state  # no Adam step was ever taken
@@ -134,8 +134,8 @@ def test_bf16_autocast_learns_like_fp32(tiny_backbone):
     """--learner.precision bf16 (autocast of the backbone; statistics stay fp64) keeps the accuracy."""
     import copy
 
-    learners = {p: OnlineLearner(create_method("frozen", copy.deepcopy(tiny_backbone), 4), 4,
-                                 LearnerConfig(autoaugment=None, precision=p)) for p in ("fp32", "bf16")}
+    learners = {p: learner_of(create_method("frozen", copy.deepcopy(tiny_backbone), 4),
+                              LearnerConfig(autoaugment=None, precision=p)) for p in ("fp32", "bf16")}
     for learner in learners.values():
         colour_stream(learner)
     assert learners["bf16"].dtype == torch.bfloat16 and learners["fp32"].dtype == torch.float32
@@ -147,9 +147,9 @@ def test_bf16_autocast_learns_like_fp32(tiny_backbone):
 def test_statistics_classifier_state_round_trip(tiny_backbone):
     import copy
 
-    a = OnlineLearner(create_method("frozen", tiny_backbone, 4), 4, LearnerConfig(autoaugment=None))
+    a = learner_of(create_method("frozen", tiny_backbone, 4), LearnerConfig(autoaugment=None))
     colour_stream(a)
-    b = OnlineLearner(create_method("frozen", copy.deepcopy(tiny_backbone), 4), 4, LearnerConfig(autoaugment=None))
+    b = learner_of(create_method("frozen", copy.deepcopy(tiny_backbone), 4), LearnerConfig(autoaugment=None))
     b.load_state_dict(copy.deepcopy(a.state_dict()))
     images = color_images(torch.arange(4).repeat(4))
     assert torch.equal(a.predict_logits(images)["running"], b.predict_logits(images)["running"])
@@ -160,8 +160,8 @@ def test_test_then_train_equals_predict_then_observe(tiny_backbone):
     import copy
 
     cfg = LearnerConfig(autoaugment=None, batch_size=16)
-    a = OnlineLearner(create_method("frozen", tiny_backbone, 4), 4, cfg)
-    b = OnlineLearner(create_method("frozen", copy.deepcopy(tiny_backbone), 4), 4, cfg)
+    a = learner_of(create_method("frozen", tiny_backbone, 4), cfg)
+    b = learner_of(create_method("frozen", copy.deepcopy(tiny_backbone), 4), cfg)
     b.load_state_dict(copy.deepcopy(a.state_dict()))
     stream = torch.randint(0, 4, (64,), generator=torch.Generator().manual_seed(3))
     for y in stream.split(16):
@@ -177,8 +177,8 @@ def test_test_then_train_equals_predict_then_observe(tiny_backbone):
 
 def test_the_default_learner_at_bf16_with_a_cast_backbone_predicts_as_at_fp32(tiny_backbone):
     """The bf16 path (autocast, the frozen backbone stored in bf16) learns the same stream to the same answers."""
-    learners = {p: OnlineLearner(create_method("frozen", copy.deepcopy(tiny_backbone), 8), 8,
-                                 LearnerConfig(precision=p, autoaugment=None)) for p in ("fp32", "bf16")}
+    learners = {p: learner_of(create_method("frozen", copy.deepcopy(tiny_backbone), 8),
+                              LearnerConfig(precision=p, autoaugment=None)) for p in ("fp32", "bf16")}
     assert learners["bf16"].method.backbone.cls_token.dtype == torch.bfloat16
     assert learners["fp32"].method.backbone.cls_token.dtype == torch.float32
     stream = torch.randint(0, 8, (256,), generator=torch.Generator().manual_seed(2))

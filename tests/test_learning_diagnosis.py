@@ -8,13 +8,12 @@ import torch
 
 from benchmarks.learning_diagnosis import features, main, predict_cached
 from mepo_stream.anytime import stream_batches
-from mepo_stream.backbone import BackboneConfig, normalization
+from mepo_stream.backbone import BackboneConfig
 from mepo_stream.data import DataConfig, load_split
-from mepo_stream.learner import PAPER_RECIPE, LearnerConfig, OnlineLearner
+from mepo_stream.learner import PAPER_RECIPE, LearnerConfig
 from mepo_stream.model import build_method
 from mepo_stream.sampler import si_blurry_stream
-from mepo_stream.transforms import test_transform as eval_transform  # (not collected as a test)
-from tests.helpers import color_images
+from tests.helpers import color_images, learner_of
 
 TINY = BackboneConfig(name="test_vit", weights=None, img_size=32)
 DATA = DataConfig("cifar10", train_per_class=10, test_per_class=5)
@@ -52,10 +51,9 @@ def test_diagnosis_writes_every_measure_and_counts_single_class_batches_from_the
 @pytest.mark.parametrize("method,cfg", [("linear_probe", PAPER_RECIPE), ("frozen", LearnerConfig())])
 def test_predictions_from_cached_features_are_the_learners_own(method, cfg):
     """The diagnosis evaluates on features computed once; that must be what ``learner.predict`` answers."""
-    learner = OnlineLearner(build_method(method, 4, TINY), 4, replace(cfg, autoaugment=None))
+    learner = learner_of(build_method(method, 4, TINY), replace(cfg, autoaugment=None))
     for labels in (torch.tensor([0, 1] * 8), torch.tensor([2, 1, 3, 3] * 4)):
         learner.observe(color_images(labels), labels)
     images = color_images(torch.arange(4).repeat(6))
-    transform = eval_transform(32, *normalization(learner.method.backbone))
-    feats = features(learner.method, images, transform, learner.device, learner.dtype)
+    feats = features(learner.method, images)
     assert torch.equal(predict_cached(learner, feats), learner.predict(images)["running"])

@@ -8,13 +8,13 @@ import torch
 from mepo_stream.learner import LearnerConfig, OnlineLearner
 from mepo_stream.methods import METHODS, create_method
 from server.snapshot import take_snapshot
-from tests.helpers import color_images
+from tests.helpers import color_images, learner_of
 
 CFG = LearnerConfig(batch_size=16, online_iter=3, samples_per_slot=10_000, autoaugment=None)
 
 
 def learn_stream(method: str, backbone, lr: float = 5e-3) -> OnlineLearner:
-    learner = OnlineLearner(create_method(method, backbone, 8), 8, LearnerConfig(**{**CFG.__dict__, "lr": lr}))
+    learner = learner_of(create_method(method, backbone, 8), LearnerConfig(**{**CFG.__dict__, "lr": lr}))
     stream = torch.randint(0, 4, (320,), generator=torch.Generator().manual_seed(1))
     for start in range(0, len(stream), 16):
         y = stream[start:start + 16]
@@ -51,7 +51,7 @@ def test_slow_learner_moves_the_backbone_less_than_seq_ft(tiny_backbone):
 def test_fine_tuned_backbones_are_snapshotted_and_checkpointed(tiny_backbone):
     learner = learn_stream("seq_ft", tiny_backbone, 1e-3)
     snap = take_snapshot(learner, 1)
-    assert snap.method.backbone is not learner.method.backbone  # predictions must not see a moving backbone
+    assert snap.model.backbone is not learner.method.backbone  # predictions must not see a moving backbone
     images = color_images(torch.arange(4))
     before = snap.probabilities(images)
     y = torch.arange(4).repeat(4)
@@ -101,8 +101,8 @@ def test_dualprompt_prefix_tunes_blocks_0_to_4_with_the_g_prompt_then_the_key_se
     e-prompt's in 2-4), block 5 runs plain, and only the e-prompt whose key matches the image is used."""
     import mepo_stream.prompts as prompts
 
-    learner = OnlineLearner(create_method("dualprompt", tiny_backbone, 8), 8, CFG)
-    method, x = learner.method.eval(), learner.test_tf(color_images(torch.arange(2)))
+    learner = learner_of(create_method("dualprompt", tiny_backbone, 8), CFG)
+    method, x = learner.method.eval(), learner.method.transform(color_images(torch.arange(2)))
     prefixed, plain = {}, []
     attention = prompts.prefix_attention
 
@@ -164,5 +164,5 @@ def test_mvp_mask_suppresses_unseen_classes(tiny_backbone):
     used = learner.method.usage > 0
     assert torch.allclose(scale[:, 4:], torch.full_like(scale[:, 4:], 2 * torch.sigmoid(torch.tensor(-1.0))))
     assert scale[used][:, :4].max() > scale[:, 4:].max()  # learned classes are amplified above the rest
-    enc = learner.method.eval().encode(learner.test_tf(color_images(torch.arange(4))))
+    enc = learner.method.eval().encode(learner.method.transform(color_images(torch.arange(4))))
     assert enc.logit_scale.shape == (4, 8)

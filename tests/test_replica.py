@@ -26,7 +26,7 @@ from mepo_stream.data import list_files
 from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce
 from server.broker import free_port
-from server.config import ServeConfig
+from server.config import ServeConfig, model_config
 from server.metrics import ServerMetrics
 from server.replica import ReplicaService
 from server.snapshot import Snapshot, take_snapshot
@@ -108,13 +108,13 @@ def test_two_replicas_follow_the_learner_answer_as_it_does_and_survive_restarts(
 def learner_snapshot(cfg: ServeConfig, version: int = 1) -> tuple[Snapshot, bytes]:
     """A learner of ``cfg`` (built as the service builds it) after one mini-batch, and its published blob."""
     torch.manual_seed(cfg.seed)
-    learner, backbone_sha256 = build_learner(cfg, 10)
+    learner = build_learner(cfg, 10)
     labels = torch.tensor([0, 1, 2, 3] * 4)
     learner.observe(color_images(labels), labels)
     snapshot = take_snapshot(learner, version, cfg.alignment.inference_mode)
-    origin = Origin(cfg.model_name, cfg.method, tuple(list_files(DATA, "train").class_names),
-                    backbone_sha256, None)
-    return snapshot, encode(snapshot.trainable_state(), origin, version, learner.samples_seen,
+    origin = Origin(cfg.model_name, model_config(cfg).to_json(), tuple(list_files(DATA, "train").class_names),
+                    learner.method.backbone_sha256, None)
+    return snapshot, encode(snapshot.model.trainable_state_dict(), origin, version, learner.samples_seen,
                             tuple(learner.exposed), time.time())
 
 
@@ -152,7 +152,7 @@ def test_a_snapshot_from_another_backbone_is_refused_with_a_clear_log_line(broke
         send(cfg, to_records(blob, cfg.model_name, 1, cfg.kafka.snapshot_chunk_bytes))
         wait_for(lambda: refused(other.state.metrics, "backbone_mismatch") == 1, 60, "the refusal")
     assert not other.readiness()["checks"]["snapshot_loaded"] and other.state.snapshot.version == 0
-    assert "refused snapshot version 1: the learner's backbone has sha256" in caplog.text
+    assert "refused snapshot version 1: --backbone.img_size 48 contradicts the learner's 32" in caplog.text
 
 
 def test_corrupt_snapshot_records_are_skipped_and_counted_and_the_next_good_one_loads(broker, tmp_path, replica):

@@ -1,14 +1,28 @@
-"""What every host method provides to the learner: a feature encoder, a linear head, optional Meta Cov."""
+"""What every host method is: a feature encoder, a linear head, optional Meta Cov, and, once
+``mepo_stream.model.complete`` has finished it, a statistics classifier and the one prediction path.
+
+Example (a finished model predicts over the classes seen so far; an empty statistics classifier is uniform):
+    >>> from mepo_stream.model import ModelConfig, create_model
+    >>> from mepo_stream.backbone import BackboneConfig
+    >>> model = create_model(ModelConfig(backbone=BackboneConfig(name="test_vit", weights=None, img_size=32)), 5)
+    >>> model.predict_proba(torch.zeros(2, 3, 32, 32, dtype=torch.uint8), n_seen=3)
+    tensor([[0.3333, 0.3333, 0.3333],
+            [0.3333, 0.3333, 0.3333]])
+"""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from mepo_stream.alignment import AlignMode, FeatureAlignment
+from mepo_stream.precision import autocast
+from mepo_stream.transforms import Transform
 
 
 @dataclass
@@ -37,6 +51,12 @@ class ContinualMethod(nn.Module):
 
     classifier: nn.Module | None
     standardize: nn.Module | None
+    transform: Transform | None
+    """uint8 images -> the backbone's normalised input at its resolution (set by ``complete``)."""
+    dtype: torch.dtype
+    """Autocast precision of the backbone and prompts (set by ``complete``)."""
+    eval_mask: Literal["none", "seen"]
+    """Prediction logit mask: none (MISA/MePo) or the seen classes only (MVP/FlyGCL)."""
 
     def __init__(self, backbone: VisionTransformer, n_classes: int, alignment: FeatureAlignment | None = None):
         super().__init__()
@@ -47,6 +67,15 @@ class ContinualMethod(nn.Module):
         self.alignment = alignment
         self.classifier = None
         self.standardize = None
+        self.transform, self.dtype, self.eval_mask = None, torch.float32, "seen"
+
+    @property
+    def n_classes(self) -> int:
+        return self.head.out_features
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.weight.device
 
     def encode(self, x: torch.Tensor, slot: int | None = None) -> Encoded:
         raise NotImplementedError
@@ -98,6 +127,43 @@ class ContinualMethod(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         encoded = self.encode(x, slot)
         return self.logits(encoded, align_mode), encoded.aux_loss
+
+    # --- the one prediction path: the any-time evaluation, test-then-train, serving and replicas ---------------
+    @torch.inference_mode()
+    def encode_images(self, images: torch.Tensor) -> Encoded:
+        """The eval-mode encoding of uint8 images [B, 3, H, W] as predictions see them (feature in fp32)."""
+        self.eval()
+        with autocast(self.device, self.dtype):
+            encoded = self.encode(self.transform(images.to(self.device, non_blocking=True)))
+        encoded.feature = encoded.feature.float()
+        return encoded
+
+    @torch.inference_mode()
+    def predict_logits(self, encoded: Encoded, n_seen: int, align_mode: AlignMode = "running") -> torch.Tensor:
+        """Logits [B, C] in head order of an encoding; outputs past the ``n_seen`` classes seen so far are -inf
+        under the seen mask."""
+        logits = self.logits(encoded, align_mode).float()
+        if self.eval_mask == "seen":
+            logits[:, n_seen:] = float("-inf")
+        return logits
+
+    @torch.inference_mode()
+    def predict_proba(self, images: torch.Tensor, n_seen: int, align_mode: AlignMode = "running") -> torch.Tensor:
+        """Probabilities [B, n_seen] over the classes seen so far (head order) for uint8 images, on the CPU."""
+        logits = self.predict_logits(self.encode_images(images), n_seen, align_mode)[:, :n_seen]
+        return logits.softmax(dim=1).cpu()
+
+    def inference_copy(self) -> ContinualMethod:
+        """An eval-mode copy of everything learning changes, sharing a frozen backbone, with the classifier
+        solved and the alignment factorised once here rather than on every request."""
+        solve = getattr(self.classifier, "solve_chosen", None)
+        if solve is not None:
+            solve()  # the original keeps it too: its next test-then-train step shares the solve
+        memo = {} if self.trains_backbone else {id(self.backbone): self.backbone}
+        frozen = copy.deepcopy(self, memo=memo).eval()
+        if frozen.alignment is not None and int(frozen.alignment.running_batches) > 0:
+            frozen.alignment.running_factor()
+        return frozen
 
     def train(self, mode: bool = True) -> ContinualMethod:
         super().train(mode)
