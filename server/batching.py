@@ -28,8 +28,8 @@ class MicroBatcher:
     once with no added delay.
     """
 
-    def __init__(self, max_batch: int = 64):
-        self.max_batch = max_batch
+    def __init__(self, max_batch: int = 64, run: Callable[..., None] = lambda fn, *args: fn(*args)):
+        self.max_batch, self._run = max_batch, run  # run: where forwards run (the service's model thread)
         self._forward = threading.Lock()
         self._queue_lock = threading.Lock()
         self._queue: list[_Request] = []
@@ -48,14 +48,15 @@ class MicroBatcher:
                     while self._queue and (not batch or size + len(self._queue[0].images) <= self.max_batch):
                         batch.append(self._queue.pop(0))
                         size += len(batch[-1].images)
-                self._serve(snapshot(), batch)
+                self._run(self._serve, snapshot, batch)
         if request.error is not None:
             raise request.error
         return request.result
 
     @staticmethod
-    def _serve(snap: Snapshot, batch: list[_Request]) -> None:
+    def _serve(snapshot: Callable[[], Snapshot], batch: list[_Request]) -> None:
         try:
+            snap = snapshot()
             probs = snap.probabilities(torch.cat([r.images for r in batch]))  # [sum n, n_seen]
             for r, part in zip(batch, probs.split([len(r.images) for r in batch]), strict=True):
                 r.result = (snap, part)

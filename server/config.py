@@ -39,9 +39,6 @@ class ServeConfig:
     publish_interval_s: float = 1.0
     """Least seconds between two snapshots the learner publishes: versions learned in between are skipped, the
     newest one is always published."""
-    snapshot_max_age_s: float = 1.0
-    """While the learner is in a mini-batch step, predictions may use a snapshot up to this many seconds old
-    rather than wait for the step; between steps they always see the learner's newest version."""
     data: DataConfig = DataConfig(dataset="cifar10", test_per_class=100)
     """Label space and class names (from the train split's classes) and the held-out test split used for the
     any-time accuracy."""

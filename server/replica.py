@@ -43,6 +43,7 @@ from server.batching import MicroBatcher
 from server.config import ServeConfig, model_config
 from server.dependencies import ApiError
 from server.metrics import ServerMetrics
+from server.model_thread import ModelThread
 from server.snapshot import Snapshot
 from server.snapshot_topic import (
     Assembler,
@@ -139,8 +140,9 @@ class ReplicaModel:
 class ReplicaState:
     """What the routers read on a replica (``snapshot``, ``class_names``, ``metrics``, ``status``), and the swap."""
 
-    def __init__(self, cfg: ServeConfig, metrics: ServerMetrics):
+    def __init__(self, cfg: ServeConfig, metrics: ServerMetrics, model_thread: ModelThread | None = None):
         self.cfg, self.metrics = cfg, metrics
+        self.model_thread = model_thread or ModelThread()  # builds, loads and predicts (``server.model_thread``)
         self.model = ReplicaModel(cfg)
         self.snapshot: Snapshot = NO_SNAPSHOT
         self.class_names: dict[int, str] = {}
@@ -162,7 +164,7 @@ class ReplicaState:
         start = time.perf_counter()
         try:
             message = decode(blob)
-            snapshot = self.model.snapshot(message)
+            snapshot = self.model_thread.run(self.model.snapshot, message)
         except CorruptSnapshot as e:
             self.refuse("corrupt", f"skipped a corrupt snapshot: {e}")
             return
@@ -306,12 +308,13 @@ class ReplicaService:
     def start(cls, settings: ServeConfig, metrics: ServerMetrics) -> ReplicaService:
         """Build the backbone and bundle, then follow the snapshot topic in the follower's thread."""
         state = ReplicaState(settings, metrics)
-        service = cls(state, SnapshotFollower(state), MicroBatcher())
+        service = cls(state, SnapshotFollower(state), MicroBatcher(run=state.model_thread.run))
         service.loop.start()
         return service
 
     def stop(self) -> None:
         self.loop.stop()
+        self.state.model_thread.shutdown()
 
     def readiness(self) -> dict:
         """Ready once a snapshot is loaded (it keeps serving it while the learner or the broker is down)."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from server.batching import MicroBatcher
 from server.config import ServeConfig
 from server.metrics import ServerMetrics
+from server.model_thread import ModelThread
 from server.publisher import SnapshotPublisher
 from server.state import ServiceState
 from server.stream import LearnerLoop
@@ -28,8 +29,9 @@ class Service:
     def start(cls, settings: ServeConfig, metrics: ServerMetrics) -> Service:
         """Load the model (or restore its checkpoint), start publishing its snapshots, and start learning from
         Kafka in the loop's thread."""
-        state = ServiceState(settings, metrics)
-        service = cls(state, LearnerLoop(state), MicroBatcher(), SnapshotPublisher.create(state))
+        model_thread = ModelThread()
+        state = model_thread.run(ServiceState, settings, metrics, model_thread)
+        service = cls(state, LearnerLoop(state), MicroBatcher(run=model_thread.run), SnapshotPublisher.create(state))
         if service.publisher is not None:
             state.on_learned = service.publisher.notify
             service.publisher.start()  # it publishes the model as it starts (restored, or empty) first
@@ -41,6 +43,7 @@ class Service:
         self.loop.stop()
         if self.publisher is not None:
             self.publisher.stop()
+        self.state.model_thread.shutdown()
 
     def readiness(self) -> dict:
         """``/readyz``'s checks (all true: ready) and the learner's error, if it stopped on one."""

@@ -26,6 +26,7 @@ from mepo_stream.model import create_model
 from server.book import Sample, StreamBook
 from server.config import ServeConfig, model_config
 from server.metrics import ServerMetrics
+from server.model_thread import ModelThread
 from server.monitor import StreamMonitor
 from server.snapshot import Snapshot, take_snapshot
 from server.staging import stack_images
@@ -42,8 +43,9 @@ def build_learner(cfg: ServeConfig, n_classes: int) -> OnlineLearner:
 class ServiceState:
     """Shared by the learner thread (writes) and request handlers (read the published snapshot)."""
 
-    def __init__(self, cfg: ServeConfig, metrics: ServerMetrics):
+    def __init__(self, cfg: ServeConfig, metrics: ServerMetrics, model_thread: ModelThread | None = None):
         self.cfg, self.metrics = cfg, metrics
+        self.model_thread = model_thread or ModelThread()  # build the state in it too (``Service.start``)
         listing = list_files(cfg.data, "train")
         self.class_names = dict(enumerate(listing.class_names))
         self.n_classes = len(listing.classes)
@@ -62,8 +64,6 @@ class ServiceState:
         self._since_checkpoint = 0
         self._idle_eval_at = -1
         self._lock = threading.Lock()  # one writer at a time: the learner thread, or kafka-python's in a rebalance
-        self._snapshot_made = time.monotonic()
-        self._stepping = False  # a mini-batch step holds the model (predictions then need not wait for it)
         self.samples_seen = 0  # of the last whole step (``learner.samples_seen`` moves inside the step)
         self.restore()
         self._snapshot: Snapshot = take_snapshot(self.learner, self.version, self.cfg.alignment.inference_mode)
@@ -78,30 +78,24 @@ class ServiceState:
     # --- serving ------------------------------------------------------------------------------------------
     @property
     def snapshot(self) -> Snapshot:
-        """What predictions use: the learner's newest version when it is between mini-batches; while a
-        mini-batch is in progress, the last snapshot if it is younger than ``snapshot_max_age_s`` (a request
-        then does not wait for the step), else the one made right after the step."""
-        if self._snapshot.version == self.version:
-            return self._snapshot
-        too_old = time.monotonic() - self._snapshot_made > self.cfg.snapshot_max_age_s
-        return self.fresh_snapshot(wait=not self._stepping or too_old)
+        """What predictions use: the learner's newest version (a request during a step gets the version after
+        it: one thread runs the model, ``server.model_thread``)."""
+        return self._snapshot if self._snapshot.version == self.version else self.fresh_snapshot()
 
-    def fresh_snapshot(self, wait: bool = True) -> Snapshot:
-        """A snapshot of the learner's current version, made now if the learner moved on since the last one.
+    def fresh_snapshot(self) -> Snapshot:
+        """A snapshot of the learner's current version, made now (in the model thread) if the learner moved on
+        since the last one.
 
         Why on demand: making one solves the LDA and copies the trainable state, a few ms that a learner taking
-        50 mini-batches a second would otherwise spend on every one of them, for snapshots nobody reads. Without
-        ``wait``, the last snapshot is returned while the learner holds the model.
+        15 mini-batches a second would otherwise spend on every one of them, for snapshots nobody reads.
         """
-        if not self._lock.acquire(blocking=wait):
-            return self._snapshot
-        try:
+        return self.model_thread.run(self._fresh_snapshot)
+
+    def _fresh_snapshot(self) -> Snapshot:
+        with self._lock:
             if self._snapshot.version != self.version:
                 self._snapshot = take_snapshot(self.learner, self.version, self.cfg.alignment.inference_mode)
-                self._snapshot_made = time.monotonic()
             return self._snapshot
-        finally:
-            self._lock.release()
 
     # --- learning -------------------------------------------------------------------------------------------
     @property
@@ -113,24 +107,24 @@ class ServiceState:
         return self.evaluation.room(self.learner, self.cfg.learner.batch_size)
 
     def learn(self, batch: list[Sample]) -> None:
-        """Test-then-train one mini-batch and run a due evaluation, then show the new version: ``version`` and
-        ``samples_seen`` move only once the step is whole, so a reader who sees them sees the model behind them."""
+        """Test-then-train one mini-batch and run a due evaluation (in the model thread), then show the new
+        version: ``version`` and ``samples_seen`` move only once the step is whole, so a reader who sees them sees
+        the model behind them."""
+        self.model_thread.run(self._learn, batch)
+
+    def _learn(self, batch: list[Sample]) -> None:
         images = stack_images([s.image for s in batch], self.learner.device)  # [B, 3, S, S] uint8, pinned on CUDA
         labels = torch.tensor([s.meta.label for s in batch])
         with self._lock:
-            self._stepping = True
-            try:
-                start = time.perf_counter()
-                self._test_then_train(images, labels)
-                self.book.mark_learned(batch)
-                self._since_checkpoint += len(batch)
-                self.metrics.step_seconds.observe(time.perf_counter() - start)
-                if self.evaluation is not None and (results := self.evaluation.after_batch(self.learner)):
-                    self.metrics.anytime_evals.inc()
-                    self.class_accuracy = results[self.cfg.alignment.inference_mode][1]
-                self.version, self.samples_seen = self.version + 1, self.learner.samples_seen
-            finally:
-                self._stepping = False
+            start = time.perf_counter()
+            self._test_then_train(images, labels)
+            self.book.mark_learned(batch)
+            self._since_checkpoint += len(batch)
+            self.metrics.step_seconds.observe(time.perf_counter() - start)
+            if self.evaluation is not None and (results := self.evaluation.after_batch(self.learner)):
+                self.metrics.anytime_evals.inc()
+                self.class_accuracy = results[self.cfg.alignment.inference_mode][1]
+            self.version, self.samples_seen = self.version + 1, self.learner.samples_seen
         if self.on_learned is not None:
             self.on_learned()
         self.last_learned_time = time.time()
@@ -153,6 +147,9 @@ class ServiceState:
 
     def evaluate_now(self) -> float:
         """Accuracy where the stream went idle (A_last of the stream so far), in the served alignment mode."""
+        return self.model_thread.run(self._evaluate_now)
+
+    def _evaluate_now(self) -> float:
         if self.evaluation is None or not self.learner.exposed:
             return math.nan
         with self._lock:
