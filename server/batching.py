@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -13,7 +13,7 @@ from server.snapshot import Snapshot
 
 @dataclass
 class _Request:
-    images: torch.Tensor  # uint8 [n, 3, S, S]
+    images: Sequence[torch.Tensor]  # n uint8 images [3, S, S] (a list, or a tensor [n, 3, S, S])
     done: threading.Event = field(default_factory=threading.Event)
     result: tuple | None = None
     error: Exception | None = None
@@ -34,7 +34,7 @@ class MicroBatcher:
         self._queue_lock = threading.Lock()
         self._queue: list[_Request] = []
 
-    def run(self, snapshot: Callable[[], Snapshot], images: torch.Tensor) -> tuple[Snapshot, torch.Tensor]:
+    def run(self, snapshot: Callable[[], Snapshot], images: Sequence[torch.Tensor]) -> tuple[Snapshot, torch.Tensor]:
         """The snapshot used and the class probabilities [n, n_seen] of ``images``."""
         request = _Request(images)
         with self._queue_lock:
@@ -57,7 +57,7 @@ class MicroBatcher:
     def _serve(snapshot: Callable[[], Snapshot], batch: list[_Request]) -> None:
         try:
             snap = snapshot()
-            probs = snap.probabilities(torch.cat([r.images for r in batch]))  # [sum n, n_seen]
+            probs = snap.probabilities(torch.stack([image for r in batch for image in r.images]))  # [sum n, n_seen]
             for r, part in zip(batch, probs.split([len(r.images) for r in batch]), strict=True):
                 r.result = (snap, part)
         except Exception as e:  # every waiting request gets the error, none hangs

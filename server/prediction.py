@@ -14,8 +14,9 @@ from server.service import Service
 STATUS_BY_REASON = {"too_large": 413, "too_many_pixels": 413}
 
 
-def decode_all(items: list[tuple[str, bytes]], settings: ServeConfig) -> torch.Tensor:
-    """uint8 images [N, 3, S, S]; the first bad one fails the request with a 4xx naming it."""
+def decode_all(items: list[tuple[str, bytes]], settings: ServeConfig) -> list[torch.Tensor]:
+    """uint8 images [3, S, S] each (stacked in the model thread, which runs every tensor op that PyTorch may
+    parallelise); the first bad one fails the request with a 4xx naming it."""
     if not items:
         raise ApiError(400, "no image in the request", "no_image")
     if len(items) > settings.max_files:
@@ -27,10 +28,10 @@ def decode_all(items: list[tuple[str, bytes]], settings: ServeConfig) -> torch.T
             images.append(decode_image(data, settings.limits))
         except ImageError as e:
             raise ApiError(STATUS_BY_REASON.get(e.reason, 422), f"{name}: {e.message}", e.reason) from e
-    return torch.stack(images)
+    return images
 
 
-def predict_images(service: Service, images: torch.Tensor, top_k: int) -> tuple[dict, list[list[dict]]]:
+def predict_images(service: Service, images: list[torch.Tensor], top_k: int) -> tuple[dict, list[list[dict]]]:
     """Top-k labels per image from the current snapshot, and the snapshot's identity."""
     start = time.perf_counter()
     try:

@@ -35,9 +35,10 @@ ACK_TIMEOUT_S = 30.0
 class SnapshotPublisher:
     """Publishes the newest snapshot of ``source``; ``start`` it, ``notify`` it of new versions, ``stop`` it."""
 
-    def __init__(self, cfg: ServeConfig, origin: Origin, metrics: ServerMetrics, source: Callable[[], Snapshot]):
+    def __init__(self, cfg: ServeConfig, origin: Origin, metrics: ServerMetrics, source: Callable[[], Snapshot],
+                 run: Callable[..., bytes] = lambda fn, *args: fn(*args)):
         self.kafka, self.interval, self.origin, self.metrics = cfg.kafka, cfg.publish_interval_s, origin, metrics
-        self.source = source
+        self.source, self.run = source, run  # run: where the tensors are copied and encoded (the model thread)
         self._due = True  # the model as it starts (restored, or empty) goes out first
         self._sent_version: int | None = None
         self._wake = threading.Condition()
@@ -54,7 +55,7 @@ class SnapshotPublisher:
         names = tuple(state.class_names[label] for label in range(state.n_classes))
         origin = Origin(cfg.model_name, model_config(cfg).to_json(), names,
                         state.learner.method.backbone_sha256, bundle_sha256(cfg.mepo))
-        return cls(cfg, origin, state.metrics, state.fresh_snapshot)
+        return cls(cfg, origin, state.metrics, state.fresh_snapshot, state.model_thread.run)
 
     def start(self) -> None:
         self.thread.start()
@@ -106,8 +107,8 @@ class SnapshotPublisher:
     def _publish(self, snapshot: Snapshot) -> None:
         """Encode, send every part, and wait until the broker has acknowledged them all."""
         start = time.perf_counter()
-        blob = encode(snapshot.model.trainable_state_dict(), self.origin, snapshot.version, snapshot.samples_seen,
-                      snapshot.exposed, time.time())
+        blob = self.run(encode, snapshot.model.trainable_state_dict(), self.origin, snapshot.version,
+                        snapshot.samples_seen, snapshot.exposed, time.time())
         producer = self._connect()
         records = to_records(blob, self.origin.model, snapshot.version, self.kafka.snapshot_chunk_bytes)
         futures = [producer.send(self.kafka.snapshot_topic, key=key, value=value, headers=headers)
