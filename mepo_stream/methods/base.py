@@ -132,7 +132,8 @@ class ContinualMethod(nn.Module):
     @torch.inference_mode()
     def encode_images(self, images: torch.Tensor) -> Encoded:
         """The eval-mode encoding of uint8 images [B, 3, H, W] as predictions see them (feature in fp32)."""
-        self.eval()
+        if self.training:  # a snapshot's copy is in eval mode already: no walk over every module per request
+            self.eval()
         with autocast(self.device, self.dtype):
             encoded = self.encode(self.transform(images.to(self.device, non_blocking=True)))
         encoded.feature = encoded.feature.float()
