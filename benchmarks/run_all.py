@@ -123,9 +123,11 @@ def _learner_rows(r: dict) -> list[Row]:
             recipe = " (the paper's recipe)" if name == "paper_recipe" else ""
             what = "with test-then-train prediction" if c.get("prequential", name == "prequential") else \
                 "learning only"
+            dtype = r.get("machine", {}).get("dtype", "float32")
             rows.append((f"Learner throughput from Kafka, {config}{recipe}, {what} (samples/s)",
-                         _fmt(c["service_samples_per_s"], "/s"), _fmt(c["bare_samples_per_s"], "/s"), c["ratio"],
-                         "≥ 0.90", c["ratio"] >= 0.9))
+                         _fmt(c["service_samples_per_s"], "/s"),
+                         f"{_fmt(c['bare_samples_per_s'], '/s')} (its loop, {dtype})", c["ratio"], "≥ 0.90",
+                         c["ratio"] >= 0.9))
     if c := r.get("prequential"):
         rows.append(("Learner memory (RSS) at 10% → 100% of the stream",
                      f"{_fmt(c['rss_bytes_at_10pct'], 'MB')} → {_fmt(c['rss_bytes_at_100pct'], 'MB')}", "–",
@@ -199,6 +201,8 @@ def _arithmetic_rows(r: dict) -> list[Row]:
     fastest = r["precisions"][r["fastest"]]
     for name, p in r["precisions"].items():
         share = "" if p["share_of_peak"] is None else f", {100 * p['share_of_peak']:.1f} % of peak"
+        if "feature_cosine_min" in p:  # results from before the features were compared lack it
+            share += f"; features' cosine to fp32 ≥ {p['feature_cosine_min']:.4f}"
         rows.append((f"Backbone forward, batch {r['batch']}, {name} (images/s; {r['flops_per_image'] / 1e9:.2f} "
                      f"GFLOP per image: {p['achieved_flops_per_s'] / 1e9:.0f} GFLOP/s achieved{share})",
                      _fmt(p["batch_images_per_s"], "/s"), _fmt(fastest["batch_images_per_s"], "/s") +
