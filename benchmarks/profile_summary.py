@@ -4,8 +4,10 @@
         .venv/bin/python -m mepo_stream.cli demo --until_done true --data.train_per_class 100
     .venv/bin/python -m benchmarks.profile_summary runs/profile.txt
 
-Only the stacks under the learner loop (``LearnerLoop._consume``) count: the HTTP server, the broker client's
-threads and start-up are left out. Shares are inclusive (a function's own time and its callees').
+Only the learner's stacks count: its loop's thread (``LearnerLoop._consume``: Kafka, claims, bookkeeping) and the
+model thread's work for it (``ServiceState``'s steps, snapshots and evaluations, ``server.model_thread``); the HTTP
+server, the broker client's threads and start-up are left out. Shares are inclusive (a function's own time and its
+callees').
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 LOOP = "_consume (server/stream.py"
+MODEL = ("_worker (concurrent/futures/thread.py", "(server/state.py")
 OURS = re.compile(r"\((server|mepo_stream)/")
 
 
@@ -24,7 +27,7 @@ def shares(raw: str) -> tuple[int, list[tuple[str, float]]]:
     inclusive, total = Counter(), 0
     for line in raw.splitlines():
         stack, _, count = line.rpartition(" ")
-        if LOOP not in stack:
+        if LOOP not in stack and not all(frame in stack for frame in MODEL):
             continue
         total += int(count)
         for frame in {re.sub(r":\d+\)$", ")", f) for f in stack.split(";")}:
