@@ -2,11 +2,11 @@
 
 The service consumes a Si-Blurry stream that is already in the topic (so it never waits for the producer)
 and learns it in one pass: decode, validate, batch, test-then-train prediction, the learner's update,
-snapshot publication, checkpoints, metrics and offset commits. Its rate is taken between 10% of the stream and
-its last whole mini-batch (model loading excluded; the last partial mini-batch is learned only once the topic has
-been idle for a poll, 0.5 s, which is the stream's end and not the service's speed), from ``/v1/status`` polled
-every 0.05 s; the resident memory of its process is read at the same two points. Rehearsal-free learning should
-not grow with the stream.
+snapshot publication, checkpoints, metrics and offset commits. Its rate is taken from ``/v1/status``, polled every
+0.25 s, between the first poll past 10% of the stream and the last poll before its last whole mini-batch: both
+ends while it learns (model loading excluded, and the stream's last partial mini-batch, learned only once the
+topic has been idle for a poll, 0.5 s, is the stream's end and not the service's speed). The resident memory of
+its process is read at the same two points. Rehearsal-free learning should not grow with the stream.
 
 The bare loop is the service's own ``OnlineLearner`` (built by the same function, with the same configuration,
 on the same device, under the same autocast dtype) calling ``observe`` on mini-batches that are already
@@ -78,11 +78,11 @@ def measure(spec: ServiceSpec, prequential: bool, bare_batches: int, work: Path)
     with running_service(replace(spec, extra=(*spec.extra, "--prequential", str(prequential).lower())),
                          work) as service:
         n = service.stream_length
-        status = service.wait_learned(n, poll=0.05)
+        status = service.wait_learned(n)
     after = bare_rate(spec, bare_batches, prequential)
     whole = n - n % spec.learner.batch_size  # the stream's last partial mini-batch waits for the topic to go idle
     t0, s0, rss0 = next(p for p in service.trace if p[1] >= 0.1 * n)
-    t1, s1, rss1 = next(p for p in service.trace if p[1] >= whole)
+    t1, s1, rss1 = [p for p in service.trace if p[1] < whole][-1]  # both ends while it learns: no idle time in
     service_rate, bare = (s1 - s0) / (t1 - t0), (before + after) / 2
     return {"method": spec.method, "classifier": spec.learner.classifier, "prequential": prequential,
             "service_samples_per_s": service_rate, "bare_samples_per_s": bare, "bare_before_after": [before, after],

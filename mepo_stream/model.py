@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass, replace
@@ -181,13 +182,15 @@ class ModelConfig:
     def to_json(self) -> str:
         return json.dumps(asdict(self), default=str, sort_keys=True)
 
-    @classmethod
-    def from_json(cls, text: str) -> ModelConfig:
-        """The configuration ``to_json`` wrote (nested dataclasses and tuples restored by their types)."""
+    @staticmethod
+    @functools.lru_cache(maxsize=8)
+    def from_json(text: str) -> ModelConfig:
+        """The configuration ``to_json`` wrote (nested dataclasses and tuples restored by their types). Cached: a
+        replica reads the same configuration with every snapshot, and parsing it takes 40-60 ms."""
         from jsonargparse import ArgumentParser  # the CLI's typed parser: nested dataclasses, tuples, paths
 
         parser = ArgumentParser()
-        parser.add_class_arguments(cls, nested_key="model")
+        parser.add_class_arguments(ModelConfig, nested_key="model")
         return parser.instantiate_classes(parser.parse_object({"model": json.loads(text)})).model
 
 
