@@ -160,8 +160,9 @@ async def load_while_learning(urls: Cluster, jpeg: bytes, clients: int, min_answ
 
 
 def learner_rate(trace: list[tuple[float, int]], stream: int) -> dict:
-    """Samples/s from the last point before 10% of the stream was learned to the first at its end."""
-    t0, s0 = [p for p in trace if p[1] < 0.1 * stream][-1]
+    """Samples/s from the last point before 10% of the stream was learned (the first point, if the learner was past
+    10% when the load began) to the first at its end."""
+    t0, s0 = ([p for p in trace if p[1] < 0.1 * stream] or trace)[-1 if trace[0][1] < 0.1 * stream else 0]
     t1, s1 = next(p for p in trace if p[1] >= stream)
     return {"samples_per_s": (s1 - s0) / (t1 - t0), "between_samples": [s0, s1], "seconds": t1 - t0}
 

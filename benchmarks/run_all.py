@@ -98,7 +98,7 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path) -> tuple[str, lis
         "predict_latency": latency,
         "predict_throughput": lambda: ("predict_throughput", [*stream(spec, 2, 10), "--seconds", n(3, 30),
                                                               "--bare_seconds", n(1, 10)]),
-        "replica_latency": lambda: ("replica_latency", [*stream(spec, 20, 100), "--bare_repeats", n(20, 100)]),
+        "replica_latency": lambda: ("replica_latency", [*stream(spec, 20, 300), "--bare_repeats", n(20, 100)]),
         "alignment_cost": lambda: ("alignment_cost", [*config_options(paper_recipe(spec), "--spec."),
                                                       "--repeats", n(2, 10)]),
         "refine_throughput": lambda: ("refine_throughput", ["--model", spec.model, "--img_size", str(spec.img_size),
