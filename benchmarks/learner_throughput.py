@@ -80,15 +80,28 @@ def measure(spec: ServiceSpec, prequential: bool, bare_batches: int, work: Path)
         n = service.stream_length
         status = service.wait_learned(n)
     after = bare_rate(spec, bare_batches, prequential)
-    whole = n - n % spec.learner.batch_size  # the stream's last partial mini-batch waits for the topic to go idle
-    t0, s0, rss0 = next(p for p in service.trace if p[1] >= 0.1 * n)
-    t1, s1, rss1 = [p for p in service.trace if p[1] < whole][-1]  # both ends while it learns: no idle time in
+    (t0, s0, rss0), (t1, s1, rss1) = learning_window(service.trace, n, spec.learner.batch_size)
     service_rate, bare = (s1 - s0) / (t1 - t0), (before + after) / 2
     return {"method": spec.method, "classifier": spec.learner.classifier, "prequential": prequential,
             "service_samples_per_s": service_rate, "bare_samples_per_s": bare, "bare_before_after": [before, after],
             "ratio": service_rate / bare, "rss_bytes_at_10pct": rss0, "rss_bytes_at_100pct": rss1,
             "rss_growth": (rss1 - rss0) / rss0, "measured_between_samples": [s0, s1],
             "dead_lettered": status["dead_lettered"]}
+
+
+def learning_window(trace: list[tuple[float, int, int]], n: int, batch_size: int) -> tuple[tuple, tuple]:
+    """Two status polls while the service learns: the first past 10% of the stream and the last before its last
+    whole mini-batch (the last partial one waits for the topic to go idle). A stream too short to be polled twice
+    while it is learned (the smoke run) gets the first poll and the last.
+
+    Example:
+        >>> learning_window([(0.0, 0, 1), (1.0, 320, 1), (2.0, 640, 1), (3.0, 992, 1), (4.0, 1000, 1)], 1000, 32)
+        ((1.0, 320, 1), (2.0, 640, 1))
+    """
+    whole = n - n % batch_size
+    start = next(p for p in trace if p[1] >= 0.1 * n)
+    during = [p for p in trace if start[1] < p[1] < whole]
+    return (start, during[-1]) if during else (trace[0], trace[-1])
 
 
 def configurations(spec: ServiceSpec) -> dict[str, tuple[ServiceSpec, bool]]:
