@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from server.config import ServeConfig
-from server.service import Service
+from server.serving import ServingModel
 
 
 class ApiError(HTTPException):
@@ -49,7 +49,7 @@ def get_settings(request: Request) -> ServeConfig:
     return request.app.state.settings
 
 
-def get_service(request: Request) -> Service:
+def get_service(request: Request) -> ServingModel:
     """The running service; 503 while the lifespan is still loading the model."""
     service = getattr(request.app.state, "service", None)
     if service is None:

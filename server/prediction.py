@@ -9,7 +9,7 @@ import torch
 from mepo_stream.images import ImageError, decode_image
 from server.config import ServeConfig
 from server.dependencies import ApiError
-from server.service import Service
+from server.serving import ServingModel
 
 STATUS_BY_REASON = {"too_large": 413, "too_many_pixels": 413}
 
@@ -31,16 +31,16 @@ def decode_all(items: list[tuple[str, bytes]], settings: ServeConfig) -> list[to
     return images
 
 
-def predict_images(service: Service, images: list[torch.Tensor], top_k: int) -> tuple[dict, list[list[dict]]]:
+def predict_images(service: ServingModel, images: list[torch.Tensor], top_k: int) -> tuple[dict, list[list[dict]]]:
     """Top-k labels per image from the current snapshot, and the snapshot's identity."""
     start = time.perf_counter()
     try:
-        snapshot, probs = service.batcher.run(lambda: service.state.snapshot, images)
+        snapshot, probs = service.predict(images)
     except LookupError as e:
         raise ApiError(503, str(e), "no_classes_yet") from e
     finally:
-        service.state.metrics.predict_seconds.observe(time.perf_counter() - start)
-    names = service.state.class_names
+        service.metrics.predict_seconds.observe(time.perf_counter() - start)
+    names = service.class_names
     rows = [[{"label": lbl, "name": names.get(lbl, str(lbl)), "probability": round(p, 6)} for lbl, p in row]
             for row in snapshot.top_k(probs, top_k)]
     return {"model_version": snapshot.version, "samples_seen": snapshot.samples_seen}, rows

@@ -41,9 +41,10 @@ from mepo_stream.methods.base import ContinualMethod
 from mepo_stream.model import ModelConfig, create_model
 from server.batching import MicroBatcher
 from server.config import ServeConfig, model_config
-from server.dependencies import ApiError
+from server.consumer import PROBE_EVERY_S, ConsumerThread, broker_answers
 from server.metrics import ServerMetrics
 from server.model_thread import ModelThread
+from server.serving import NotALearner, Serving
 from server.snapshot import Snapshot
 from server.snapshot_topic import (
     Assembler,
@@ -54,7 +55,6 @@ from server.snapshot_topic import (
     decode,
     ensure_snapshot_topic,
 )
-from server.stream import PROBE_EVERY_S, ConsumerThread, broker_answers
 
 log = logging.getLogger(__name__)
 NO_SNAPSHOT = Snapshot(model=None, exposed=(), version=0, samples_seen=0)
@@ -219,7 +219,7 @@ class SnapshotFollower(ConsumerThread):
         super().__init__("mepo-replica")
 
     def request_checkpoint(self) -> None:
-        raise ApiError(409, "a replica keeps no checkpoint: the learner's is the source of truth", "not_a_learner")
+        raise NotALearner("a replica keeps no checkpoint: the learner's is the source of truth")
 
     # --- the loop -----------------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -297,8 +297,8 @@ class SnapshotFollower(ConsumerThread):
 
 
 @dataclass
-class ReplicaService:
-    """A replica's counterpart of ``server.service.Service``: what the routers reach through ``get_service``."""
+class ReplicaService(Serving):
+    """A replica's counterpart of ``server.service.Service``: the same ``ServingModel`` for the routers."""
 
     state: ReplicaState
     loop: SnapshotFollower

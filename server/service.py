@@ -14,12 +14,15 @@ from server.config import ServeConfig
 from server.metrics import ServerMetrics
 from server.model_thread import ModelThread
 from server.publisher import SnapshotPublisher
+from server.serving import Serving
 from server.state import ServiceState
 from server.stream import LearnerLoop
 
 
 @dataclass
-class Service:
+class Service(Serving):
+    """The learner: its ``ServingModel`` for the routers is ``Serving``'s, over its state, loop and batcher."""
+
     state: ServiceState
     loop: LearnerLoop
     batcher: MicroBatcher

@@ -44,10 +44,10 @@ from mepo_stream.images import ImageError, decode_image
 from mepo_stream.kafka import ensure_topics, open_producer
 from mepo_stream.records import RecordError, RecordMeta, parse_headers
 from server.book import Sample
+from server.consumer import PROBE_EVERY_S, ConsumerThread, broker_answers
 from server.state import ServiceState
 
 log = logging.getLogger(__name__)
-PROBE_EVERY_S = 5.0
 
 
 def tp_key(tp: TopicPartition) -> str:
@@ -58,22 +58,6 @@ def tp_key(tp: TopicPartition) -> str:
 def parse_tp(key: str) -> TopicPartition:
     topic, partition = key.rsplit(":", 1)
     return TopicPartition(topic, int(partition))
-
-
-def broker_answers(consumer: KafkaConsumer) -> bool:
-    """Partitions assigned and the broker answering a small request within 2 s.
-
-    A stopped or partitioned broker keeps its TCP connections open, so a connection check would still say
-    yes; an actual round trip does not. (The offsets it returns are not used: Tansu's end offsets are off.)
-    """
-    assignment = consumer.assignment()
-    if not assignment:
-        return False
-    try:
-        consumer.beginning_offsets(list(assignment), timeout_ms=2000)
-        return True
-    except KafkaError:
-        return False
 
 
 class InlineExecutor(Executor):
@@ -101,17 +85,6 @@ class _Claimed:
     image: Future  # of a uint8 [3, S, S] tensor, or an ImageError (the claim is then given back)
 
 
-@dataclass(frozen=True)
-class LoopHealth:
-    """What the API reports about the learner loop (``/readyz``, ``/v1/status``, ``/v2/health/ready``)."""
-
-    running: bool  # the loop's thread is alive (it stops on a bug, see ``error``)
-    kafka_connected: bool  # partitions assigned and the broker answering
-    paused: bool
-    consumer_lag: dict[str, int]  # records not yet learned (unread or waiting in a batch), per "topic:partition"
-    error: str | None  # why the loop stopped, if it failed
-
-
 class _SeekToHandled(ConsumerRebalanceListener):
     """Runs on kafka-python's IO thread while the learner thread waits inside ``poll()`` or ``close()``."""
 
@@ -130,42 +103,6 @@ class _SeekToHandled(ConsumerRebalanceListener):
             if tp_key(tp) in offsets:
                 self.loop.consumer.seek(tp, offsets[tp_key(tp)])
         log.info("assigned %s", [tp_key(tp) for tp in assigned])
-
-
-class ConsumerThread:
-    """A Kafka-reading loop in its own thread, with the controls the routers use: the learner's loop and a
-    replica's snapshot follower both are one. Subclasses implement ``_run`` and keep ``connected``, ``error``
-    and ``lag`` current."""
-
-    stop_timeout: float = 10.0
-
-    def __init__(self, name: str):
-        self.stop_event, self._paused = threading.Event(), threading.Event()
-        self.connected, self._probed_at = False, 0.0
-        self.error: str | None = None
-        self.lag: dict[str, int] = {}
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-
-    def _run(self) -> None:
-        raise NotImplementedError
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self, timeout: float | None = None) -> None:
-        """Ask the loop to finish what it holds and wait for it."""
-        self.stop_event.set()
-        self.thread.join(self.stop_timeout if timeout is None else timeout)
-
-    def pause(self) -> None:
-        """Stop taking in new records; predictions go on from the current model."""
-        self._paused.set()
-
-    def resume(self) -> None:
-        self._paused.clear()
-
-    def health(self) -> LoopHealth:
-        return LoopHealth(self.thread.is_alive(), self.connected, self._paused.is_set(), dict(self.lag), self.error)
 
 
 class LearnerLoop(ConsumerThread):

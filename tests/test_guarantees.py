@@ -184,9 +184,9 @@ def admin_client(tmp_path, token: str | None) -> tuple[TestClient, list[tuple[st
     """The app with a stand-in service whose loop records the admin actions; its admin routes, from the schema."""
     app = create_app(settings(NO_BROKER, tmp_path, admin_token=token))
     calls: list[str] = []
-    loop = SimpleNamespace(**{name: (lambda name=name: calls.append(name))
-                              for name in ("pause", "resume", "request_checkpoint")})
-    app.dependency_overrides[get_service] = lambda: SimpleNamespace(loop=loop)
+    service = SimpleNamespace(**{name: (lambda name=name: calls.append(name))
+                                 for name in ("pause", "resume", "request_checkpoint")})
+    app.dependency_overrides[get_service] = lambda: service
     admin = [(path, method) for path, ops in app.openapi()["paths"].items() if "/admin/" in path for method in ops]
     return TestClient(app), admin, calls  # no lifespan: no model, no broker
 

@@ -19,7 +19,7 @@ from mepo_stream import __version__
 from server.config import ServeConfig
 from server.dependencies import ApiError, errors, get_service, get_settings
 from server.prediction import decode_all, predict_images
-from server.service import Service
+from server.serving import ServingModel
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"], strict_content_type=False)
 INPUT_NAME = "image"
@@ -71,21 +71,21 @@ def live() -> dict:
 
 
 @router.get("/health/ready", summary="Server readiness", responses=errors(503))
-def ready(service: Annotated[Service, Depends(get_service)]) -> dict:
+def ready(service: Annotated[ServingModel, Depends(get_service)]) -> dict:
     if not all((checks := service.readiness()["checks"]).values()):
         raise ApiError(503, f"not ready: {', '.join(k for k, ok in checks.items() if not ok)} false", "not_ready")
     return {"ready": True}
 
 
-def _statistics(name: str, service: Service) -> dict:
+def _statistics(name: str, service: ServingModel) -> dict:
     """Triton's per-model statistics from the service's Prometheus series (both protocols: one model serves
     them); durations in nanoseconds, successes being the 200 answers."""
-    metrics = service.state.metrics
+    metrics = service.metrics
     counts = [s for m in metrics.predict_requests.collect() for s in m.samples if s.name.endswith("_total")]
     success = int(sum(s.value for s in counts if s.labels["status"] == "200"))
     seconds = metrics.registry.get_sample_value("mepo_predict_duration_seconds_sum") or 0.0
     return {
-        "name": name, "version": str(service.state.snapshot.version), "last_inference": 0,
+        "name": name, "version": str(service.snapshot.version), "last_inference": 0,
         "inference_count": success, "execution_count": success,
         "inference_stats": {"success": {"count": success, "ns": int(seconds * 1e9)},
                             "fail": {"count": int(sum(s.value for s in counts)) - success, "ns": 0}},
@@ -95,7 +95,7 @@ def _statistics(name: str, service: Service) -> dict:
 # declared before /models/{name}, which would match it
 @router.get("/models/stats", summary="Statistics of every model (Triton's statistics extension)",
             responses=errors(503))
-def all_statistics(service: Annotated[Service, Depends(get_service)],
+def all_statistics(service: Annotated[ServingModel, Depends(get_service)],
                    settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
     return {"model_stats": [_statistics(settings.model_name, service)]}
 
@@ -112,10 +112,10 @@ def model_metadata(name: ModelName, settings: Annotated[ServeConfig, Depends(get
 
 
 @router.get("/models/{name}/ready", summary="Model readiness", responses=errors(404, 422, 503))
-def model_ready(name: ModelName, service: Annotated[Service, Depends(get_service)],
+def model_ready(name: ModelName, service: Annotated[ServingModel, Depends(get_service)],
                 settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
     _model(name, settings)
-    return {"name": name, "ready": bool(service.state.snapshot.exposed)}
+    return {"name": name, "ready": bool(service.snapshot.exposed)}
 
 
 @router.get("/models/{name}/config", summary="Model configuration (Triton's model-configuration extension)",
@@ -134,7 +134,7 @@ def model_config(name: ModelName, settings: Annotated[ServeConfig, Depends(get_s
 
 @router.get("/models/{name}/stats", summary="Model statistics (Triton's statistics extension)",
             responses=errors(404, 422, 503))
-def model_statistics(name: ModelName, service: Annotated[Service, Depends(get_service)],
+def model_statistics(name: ModelName, service: Annotated[ServingModel, Depends(get_service)],
                      settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
     _model(name, settings)
     return {"model_stats": [_statistics(name, service)]}
@@ -142,10 +142,10 @@ def model_statistics(name: ModelName, service: Annotated[Service, Depends(get_se
 
 @router.post("/repository/index", summary="Model repository index (Triton's model-repository extension)",
              responses=errors(503))
-def repository_index(service: Annotated[Service, Depends(get_service)],
+def repository_index(service: Annotated[ServingModel, Depends(get_service)],
                      settings: Annotated[ServeConfig, Depends(get_settings)]) -> list[dict]:
-    ready = bool(service.state.snapshot.exposed)
-    return [{"name": settings.model_name, "version": str(service.state.snapshot.version),
+    ready = bool(service.snapshot.exposed)
+    return [{"name": settings.model_name, "version": str(service.snapshot.version),
              "state": "READY" if ready else "UNAVAILABLE", "reason": "" if ready else "no classes learned yet"}]
 
 
@@ -157,7 +157,7 @@ def _decode_b64(item: str, index: int) -> bytes:
 
 
 @router.post("/models/{name}/infer", summary="Inference", responses=errors(400, 404, 413, 422, 503))
-async def infer(name: ModelName, request: InferRequest, service: Annotated[Service, Depends(get_service)],
+async def infer(name: ModelName, request: InferRequest, service: Annotated[ServingModel, Depends(get_service)],
                 settings: Annotated[ServeConfig, Depends(get_settings)]) -> dict:
     _model(name, settings)
     top_k = (request.parameters and request.parameters.top_k) or settings.top_k

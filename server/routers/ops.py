@@ -7,8 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
-from server.dependencies import errors, get_service, require_admin
-from server.service import Service
+from server.dependencies import ApiError, errors, get_service, require_admin
+from server.serving import NotALearner, ServingModel
 
 router = APIRouter(tags=["operations"])
 ADMIN_ERRORS = errors(401, 403, 503)
@@ -22,35 +22,36 @@ def livez() -> dict:
 @router.get("/readyz", summary="Readiness: a learner's model loaded and connected to Kafka; a replica's snapshot "
                                "loaded",
             responses={503: {"description": "Not ready: the failing checks, or the error model while loading"}})
-def readyz(service: Annotated[Service, Depends(get_service)]) -> JSONResponse:
+def readyz(service: Annotated[ServingModel, Depends(get_service)]) -> JSONResponse:
     readiness = service.readiness()
     ok = all(readiness["checks"].values())
     return JSONResponse({"status": "ready" if ok else "not_ready", **readiness}, status_code=200 if ok else 503)
 
 
 @router.get("/v1/status", summary="Learning progress, accuracy and stream health", responses=errors(503))
-def status(service: Annotated[Service, Depends(get_service)]) -> dict:
-    health = service.loop.health()
-    return {**service.state.status(), "paused": health.paused, "kafka_connected": health.kafka_connected,
-            "consumer_lag": health.consumer_lag, "learner_error": health.error}
+def status(service: Annotated[ServingModel, Depends(get_service)]) -> dict:
+    return service.status()
 
 
 @router.post("/v1/admin/checkpoint", dependencies=[Depends(require_admin)], responses=ADMIN_ERRORS,
              summary="Checkpoint now")
-def checkpoint(service: Annotated[Service, Depends(get_service)]) -> dict:
-    service.loop.request_checkpoint()
+def checkpoint(service: Annotated[ServingModel, Depends(get_service)]) -> dict:
+    try:
+        service.request_checkpoint()
+    except NotALearner as e:
+        raise ApiError(409, str(e), "not_a_learner") from e
     return {"status": "checkpoint requested"}
 
 
 @router.post("/v1/admin/pause", dependencies=[Depends(require_admin)], responses=ADMIN_ERRORS,
              summary="Pause learning")
-def pause(service: Annotated[Service, Depends(get_service)]) -> dict:
-    service.loop.pause()
+def pause(service: Annotated[ServingModel, Depends(get_service)]) -> dict:
+    service.pause()
     return {"status": "paused"}
 
 
 @router.post("/v1/admin/resume", dependencies=[Depends(require_admin)], responses=ADMIN_ERRORS,
              summary="Resume learning")
-def resume(service: Annotated[Service, Depends(get_service)]) -> dict:
-    service.loop.resume()
+def resume(service: Annotated[ServingModel, Depends(get_service)]) -> dict:
+    service.resume()
     return {"status": "resumed"}

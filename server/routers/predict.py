@@ -11,7 +11,7 @@ from starlette.datastructures import UploadFile
 from server.config import ServeConfig
 from server.dependencies import ApiError, errors, get_service, get_settings
 from server.prediction import decode_all, predict_images
-from server.service import Service
+from server.serving import ServingModel
 
 router = APIRouter(tags=["predict"])
 UPLOAD_SCHEMA = {
@@ -51,7 +51,7 @@ async def read_uploads(request: Request, settings: ServeConfig) -> list[tuple[st
              responses=errors(400, 413, 415, 422, 503))
 async def predict(
     request: Request,
-    service: Annotated[Service, Depends(get_service)],
+    service: Annotated[ServingModel, Depends(get_service)],
     settings: Annotated[ServeConfig, Depends(get_settings)],
     top_k: Annotated[int | None, Query(ge=1, le=100, description="labels per image")] = None,
 ) -> dict:

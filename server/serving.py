@@ -1,0 +1,88 @@
+"""What the web layer needs from a running service, whichever its role: the ``ServingModel`` protocol.
+
+The learner's ``server.service.Service`` and a replica's ``server.replica.ReplicaService`` both implement it
+(``Serving`` holds what they share); the routers and ``server.prediction`` use nothing else, so neither role's
+loop, state or book reaches the HTTP layer, and a role's errors are its own (``NotALearner``), which the web layer
+turns into HTTP answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from server.batching import MicroBatcher
+from server.consumer import ConsumerThread
+from server.metrics import ServerMetrics
+from server.snapshot import Snapshot
+
+
+class NotALearner(RuntimeError):
+    """An action only a learner takes (a checkpoint), asked of a replica; the API answers 409 ``not_a_learner``."""
+
+
+class ServingModel(Protocol):
+    """A running service as the routers see it."""
+
+    @property
+    def metrics(self) -> ServerMetrics: ...
+
+    @property
+    def snapshot(self) -> Snapshot: ...
+
+    @property
+    def class_names(self) -> dict[int, str]: ...
+
+    def predict(self, images: Sequence[torch.Tensor]) -> tuple[Snapshot, torch.Tensor]: ...
+
+    def status(self) -> dict: ...
+
+    def readiness(self) -> dict: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def request_checkpoint(self) -> None: ...
+
+
+class Serving:
+    """The ``ServingModel`` members both roles share, over their ``state`` (snapshot, class names, metrics,
+    status), ``loop`` (the Kafka thread and its controls) and ``batcher``; each role adds ``readiness``."""
+
+    state: object
+    loop: ConsumerThread
+    batcher: MicroBatcher
+
+    @property
+    def metrics(self) -> ServerMetrics:
+        return self.state.metrics
+
+    @property
+    def snapshot(self) -> Snapshot:
+        return self.state.snapshot
+
+    @property
+    def class_names(self) -> dict[int, str]:
+        return self.state.class_names
+
+    def predict(self, images: Sequence[torch.Tensor]) -> tuple[Snapshot, torch.Tensor]:
+        """The snapshot that answered and the class probabilities [n, n_seen] of uint8 images [3, S, S]."""
+        return self.batcher.run(lambda: self.state.snapshot, images)
+
+    def status(self) -> dict:
+        """The role's status with its Kafka thread's health."""
+        health = self.loop.health()
+        return {**self.state.status(), "paused": health.paused, "kafka_connected": health.kafka_connected,
+                "consumer_lag": health.consumer_lag, "learner_error": health.error}
+
+    def pause(self) -> None:
+        self.loop.pause()
+
+    def resume(self) -> None:
+        self.loop.resume()
+
+    def request_checkpoint(self) -> None:
+        self.loop.request_checkpoint()
