@@ -14,26 +14,41 @@ Example:
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 
-class ClassMeans:
-    """Streaming per-class feature sums, so features never need to be held in memory all at once."""
+class ClassMeans(nn.Module):
+    """Per-class counts and feature sums in float64, kept as buffers on their device: one pass, any order, and the
+    features never held in memory all at once. Sigma_pre is the covariance of their means; the statistics
+    classifiers (``mepo_stream.heads``) build on the same sums."""
 
     def __init__(self, n_classes: int, dim: int):
-        self.sums = torch.zeros(n_classes, dim, dtype=torch.float64)
-        self.counts = torch.zeros(n_classes, dtype=torch.float64)
+        super().__init__()
+        self.register_buffer("counts", torch.zeros(n_classes, dtype=torch.float64))  # [C]
+        self.register_buffer("sums", torch.zeros(n_classes, dim, dtype=torch.float64))  # [C, D]
 
+    @property
+    def seen(self) -> int:
+        """Classes with at least one sample."""
+        return int((self.counts > 0).sum())
+
+    @torch.no_grad()
     def update(self, features: torch.Tensor, labels: torch.Tensor) -> None:
-        """Add features [B, D] with labels [B]."""
-        self.sums.index_add_(0, labels.cpu(), features.detach().cpu().double())
-        self.counts.index_add_(0, labels.cpu(), torch.ones(len(labels), dtype=torch.float64))
+        """Add features [B, D] with labels [B] (class indices)."""
+        h, y = features.detach().to(self.sums.device, torch.float64), labels.to(self.counts.device)
+        self.counts.index_add_(0, y, torch.ones_like(y, dtype=torch.float64))
+        self.sums.index_add_(0, y, h)
+
+    def means(self) -> torch.Tensor:
+        """Class means [C, D] (zero rows for unseen classes)."""
+        return self.sums / self.counts.clamp_min(1)[:, None]
 
     def covariance(self) -> torch.Tensor:
         """ddof=1 covariance [D, D] of the means of the classes that have samples."""
         present = self.counts > 0
         if int(present.sum()) < 2:
             raise ValueError("Sigma_pre needs at least two classes with samples")
-        means = self.sums[present] / self.counts[present, None]  # [C, D]
+        means = self.means()[present]  # [C, D]
         centred = means - means.mean(0)
         return centred.T @ centred / (len(means) - 1)
 

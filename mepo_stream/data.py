@@ -27,6 +27,7 @@ from PIL import Image
 
 from mepo_stream.cache import cache_dir
 from mepo_stream.files import atomic_path, sha256_file
+from mepo_stream.images import rgb_array
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp"}
 
@@ -144,10 +145,7 @@ def _split_dir(root: Path, split: str) -> Path:
 
 def _decode(path: Path, size: int | None) -> np.ndarray:
     with Image.open(path) as img:
-        img = img.convert("RGB")
-        if size is not None and img.size != (size, size):
-            img = img.resize((size, size), Image.BICUBIC)
-        return np.asarray(img).transpose(2, 0, 1)  # [3, H, W]
+        return rgb_array(img, size)  # [3, H, W], as a record's bytes are decoded (``images.decode_image``)
 
 
 @dataclass(frozen=True)

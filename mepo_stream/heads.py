@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mepo_stream.alignment import cholesky
+from mepo_stream.class_means import ClassMeans
 
 
 class RunningStandardize(nn.Module):
@@ -63,32 +64,21 @@ class RunningStandardize(nn.Module):
         return (h - mean.to(h.dtype)) / (var.sqrt() + self.eps).to(h.dtype)
 
 
-class ClassStatistics(nn.Module):
-    """Per-class counts and feature sums plus the total second moment, in float64: one pass, any order."""
+class ClassStatistics(ClassMeans):
+    """The class sums (``ClassMeans``) plus the total second moment, in float64: one pass, any order."""
 
     def __init__(self, dim: int, n_classes: int):
-        super().__init__()
-        self.register_buffer("counts", torch.zeros(n_classes, dtype=torch.float64))  # [C]
-        self.register_buffer("sums", torch.zeros(n_classes, dim, dtype=torch.float64))  # [C, D]
+        super().__init__(n_classes, dim)
         self.register_buffer("second", torch.zeros(dim, dim, dtype=torch.float64))  # sum of x x^T, [D, D]
         self._cache: dict = {}
-
-    @property
-    def seen(self) -> int:
-        return int((self.counts > 0).sum())
 
     @torch.no_grad()
     def update(self, h: torch.Tensor, y: torch.Tensor) -> None:
         """Add features [B, D] with head-order labels [B]."""
+        super().update(h, y)
         h = h.detach().double()
-        self.counts.index_add_(0, y, torch.ones_like(y, dtype=torch.float64))
-        self.sums.index_add_(0, y, h)
         self.second += h.T @ h
         self._cache.clear()
-
-    def means(self) -> torch.Tensor:
-        """Class means [C, D] (zero rows for unseen classes)."""
-        return self.sums / self.counts.clamp_min(1)[:, None]
 
     def unseen_mask(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.masked_fill(self.counts.to(logits.device)[None, :] == 0, float("-inf"))

@@ -44,6 +44,15 @@ class ImageError(ValueError):
         self.reason, self.message = reason, message
 
 
+def rgb_array(img: Image.Image, size: int | None) -> np.ndarray:
+    """The one conversion every image takes, a dataset file or a record's bytes: RGB, resized (bicubic) to a
+    ``size`` square unless it is that already (None: as it is), as uint8 [3, H, W]."""
+    img = img.convert("RGB")
+    if size is not None and img.size != (size, size):
+        img = img.resize((size, size), Image.BICUBIC)
+    return np.asarray(img).transpose(2, 0, 1)  # [3, H, W]
+
+
 def _open(data: bytes) -> Image.Image:
     """Parse the header; any parser failure on untrusted bytes becomes an ``ImageError``."""
     try:
@@ -71,7 +80,7 @@ def decode_image(data: bytes, limits: ImageLimits) -> torch.Tensor:
         if width * height > limits.max_pixels:
             raise ImageError("too_many_pixels", f"{width}x{height} exceeds the limit of {limits.max_pixels} pixels")
         try:
-            img = img.convert("RGB").resize((limits.size, limits.size), Image.BICUBIC)
+            pixels = rgb_array(img, limits.size)
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # truncated or corrupt
             raise ImageError("corrupt_image", str(e) or type(e).__name__) from e
-    return torch.from_numpy(np.asarray(img).transpose(2, 0, 1).copy())
+    return torch.from_numpy(pixels.copy())

@@ -13,6 +13,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -51,7 +52,8 @@ class ServiceState:
         self.n_classes = len(listing.classes)
         self.evaluation: AnytimeEvaluation | None = None
         if cfg.protocol.eval_period > 0:  # the schedule, scoring and curve of `mepo evaluate`, in the served mode
-            self.evaluation = AnytimeEvaluation(load_split(cfg.data, "test"), cfg.protocol.eval_period,
+            test = load_split(replace(cfg.data, load_size=cfg.limits.size), "test")  # decoded as records are
+            self.evaluation = AnytimeEvaluation(test, cfg.protocol.eval_period,
                                                 cfg.protocol.eval_batch_size, (cfg.alignment.inference_mode,))
         self.learner = build_learner(cfg, self.n_classes)  # seeded: the augmentation's draws follow from the seed
         self.on_learned: Callable[[], None] | None = None  # told of every new version (the publisher)

@@ -124,7 +124,9 @@ def test_no_schedule_without_a_period(tiny_backbone):
 
 def test_service_and_evaluate_report_the_same_anytime_accuracy(tmp_path):
     """The server's A_AUC is `mepo evaluate`'s on the same stream: one schedule, one scoring, one curve."""
-    data, period = DataConfig(dataset="cifar10", train_per_class=12, test_per_class=4), 30
+    # images decoded at the size the service decodes its records and its held-out images at
+    data, period = DataConfig(dataset="cifar10", train_per_class=12, test_per_class=4,
+                              load_size=ServeConfig.limits.size), 30
     result = evaluate(out=tmp_path / "ev", seeds="1", methods="frozen", data=data, backbone=TINY,
                       protocol=ProtocolConfig(eval_period=period), probe=ProbeConfig(epochs=1))
     offline = result["runs"][0]["curves"]["batch"]  # without Meta Cov both modes are one model; evaluate keeps one

@@ -1,8 +1,10 @@
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
-from mepo_stream.data import DataConfig, load_split
+from mepo_stream.data import DataConfig, list_files, load_split
+from mepo_stream.images import ImageLimits, decode_image
 
 
 def test_tinyimagenet_halves_are_disjoint():
@@ -41,3 +43,12 @@ def test_any_imagefolder(tmp_path):
 def test_unknown_dataset_is_a_clear_error():
     with pytest.raises(FileNotFoundError, match="neither a bundled name"):
         load_split(DataConfig("no-such-dataset"), "train")
+
+
+def test_a_dataset_file_and_the_same_files_bytes_from_kafka_decode_to_the_same_tensor():
+    """The service's held-out images (``load_split``) and its stream's (``decode_image``) take one decode and
+    resize path, so the any-time accuracy measures the model on images prepared as the stream's are."""
+    cfg = DataConfig(dataset="cifar10", num_classes=2, test_per_class=3, load_size=112)
+    loaded, files = load_split(cfg, "test"), list_files(cfg, "test").files
+    for image, path in zip(loaded.images, files, strict=True):
+        assert torch.equal(image, decode_image(path.read_bytes(), ImageLimits(size=112)))
