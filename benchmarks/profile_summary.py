@@ -17,8 +17,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-LOOP = "_consume (server/stream.py"
-MODEL = ("_worker (concurrent/futures/thread.py", "(server/state.py")
+LOOP = "_consume (server/learner/stream.py"
+MODEL = ("_worker (concurrent/futures/thread.py", "(server/learner/state.py")
 OURS = re.compile(r"\((server|mepo_stream)/")
 
 

@@ -40,7 +40,7 @@ from mepo_stream.model import ModelConfig, create_model
 from mepo_stream.precision import resolve_precision
 from server.broker import EmbeddedBroker, free_port
 from server.config import ServeConfig
-from server.state import CHECKPOINT
+from server.learner.state import CHECKPOINT
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "mepo_stream.cli"]

@@ -19,7 +19,7 @@ from mepo_stream.kafka import KafkaConfig, ReplayConfig
 from mepo_stream.learner import LearnerConfig
 from mepo_stream.methods import MethodsConfig
 from mepo_stream.model import ModelConfig
-from server.monitor import MonitorConfig
+from server.learner.monitor import MonitorConfig
 
 
 @dataclass(frozen=True)

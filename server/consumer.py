@@ -1,6 +1,6 @@
-"""The base of the two Kafka-reading loops, the learner's (``server.stream.LearnerLoop``) and a replica's snapshot
-follower (``server.replica.SnapshotFollower``): a thread with the controls the API uses (pause, resume, health),
-and the broker check both run.
+"""The base of the two Kafka-reading loops, the learner's (``server.learner.stream.LearnerLoop``) and a replica's
+snapshot follower (``server.replica.follower.SnapshotFollower``): a thread with the controls the API uses (pause,
+resume, health), and the broker check both run.
 
 Example (a loop that is not started reports itself stopped and disconnected):
     >>> ConsumerThread("example").health()

@@ -79,7 +79,7 @@ class ServerMetrics:
         self._following(r if role == "replica" else None)
 
     def _publishing(self, r: CollectorRegistry | None) -> None:
-        """The learner's snapshot publisher (``server.publisher``)."""
+        """The learner's snapshot publisher (``server.learner.publisher``)."""
         self.snapshots_published = Counter("mepo_snapshots_published", "Snapshots published to the snapshot topic",
                                            registry=r)
         self.snapshot_publish_errors = Counter("mepo_snapshot_publish_errors",
@@ -93,7 +93,7 @@ class ServerMetrics:
                                        registry=r)
 
     def _following(self, r: CollectorRegistry | None) -> None:
-        """A replica following the snapshot topic (``server.replica``)."""
+        """A replica following the snapshot topic (``server.replica.follower``)."""
         self.replica_up = Gauge("mepo_replica_up", "1 while the replica follows the snapshot topic and reaches the "
                                 "broker", registry=r)
         self.snapshots_loaded = Counter("mepo_replica_snapshots_loaded", "Snapshots loaded and swapped in",

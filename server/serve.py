@@ -18,10 +18,10 @@ from fastapi import FastAPI
 from mepo_stream.cli import config_options
 from mepo_stream.data import list_files
 from mepo_stream.kafka import ensure_topics
-from server.app import create_app
 from server.broker import EmbeddedBroker
 from server.config import DemoConfig, ServeConfig
-from server.state import CHECKPOINT
+from server.learner.state import CHECKPOINT
+from server.web.app import create_app
 
 log = logging.getLogger(__name__)
 

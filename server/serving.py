@@ -1,9 +1,10 @@
 """What the web layer needs from a running service, whichever its role: the ``ServingModel`` protocol.
 
-The learner's ``server.service.Service`` and a replica's ``server.replica.ReplicaService`` both implement it
-(``Serving`` holds what they share); the routers and ``server.prediction`` use nothing else, so neither role's
-loop, state or book reaches the HTTP layer, and a role's errors are its own (``NotALearner``), which the web layer
-turns into HTTP answers.
+The learner's ``server.learner.service.Service`` and a replica's ``server.replica.follower.ReplicaService`` both
+implement it (``Serving`` holds what they share); the routers and ``server.web.prediction`` use nothing else, so
+neither role's loop, state or book reaches the HTTP layer, and a role's errors are its own (``NotALearner``), which
+the web layer turns into HTTP answers. It lives beside the roles and the web layer, not in either: the roles
+implement it without importing the web layer, and the web layer reads it without importing a role.
 """
 
 from __future__ import annotations

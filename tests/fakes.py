@@ -15,12 +15,12 @@ from kafka import TopicPartition
 from kafka.structs import OffsetAndMetadata
 from PIL import Image
 
-import server.stream as stream
+import server.learner.stream as stream
 from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.records import record_headers
+from server.learner.state import ServiceState
+from server.learner.stream import LearnerLoop
 from server.metrics import ServerMetrics
-from server.state import ServiceState
-from server.stream import LearnerLoop
 from tests.helpers import settings
 
 TOPIC, STREAM_ID = "images", "cifar10/test-stream"

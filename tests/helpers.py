@@ -31,10 +31,10 @@ from mepo_stream.methods.base import ContinualMethod
 from mepo_stream.model import complete
 from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
 from producers.siblurry import stream_id
-from server.app import create_app
 from server.broker import free_port
 from server.config import ServeConfig
-from server.state import CHECKPOINT
+from server.learner.state import CHECKPOINT
+from server.web.app import create_app
 
 T = TypeVar("T")
 ROOT = Path(__file__).parents[1]

@@ -18,10 +18,10 @@ from mepo_stream.probe import ProbeConfig
 from mepo_stream.records import RecordMeta
 from mepo_stream.sampler import si_blurry_stream
 from offline.evaluate import evaluate
-from server.book import Sample
 from server.config import ServeConfig
+from server.learner.book import Sample
+from server.learner.state import ServiceState
 from server.metrics import ServerMetrics
-from server.state import ServiceState
 from tests.helpers import TINY, learner_of
 
 

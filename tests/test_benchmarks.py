@@ -144,11 +144,11 @@ def test_profile_summary_counts_only_the_learner_loop_and_the_model_threads_work
     from benchmarks.profile_summary import shares
 
     raw = "\n".join([
-        "_worker (concurrent/futures/thread.py:1);_learn (server/state.py:3);encode (mepo_stream/x.py:4) 6",
-        "_run (server/stream.py:1);_consume (server/stream.py:9);save (server/state.py:5) 2",
+        "_worker (concurrent/futures/thread.py:1);_learn (server/learner/state.py:3);encode (mepo_stream/x.py:4) 6",
+        "_run (server/learner/stream.py:1);_consume (server/learner/stream.py:9);save (server/learner/state.py:5) 2",
         "_worker (concurrent/futures/thread.py:1);_serve (server/batching.py:2);encode (mepo_stream/x.py:4) 40",
-        "serve (uvicorn/main.py:1);predict (server/routers/predict.py:2) 50",
+        "serve (uvicorn/main.py:1);predict (server/web/routers/predict.py:2) 50",
     ])
     total, rows = shares(raw)
-    assert total == 8 and dict(rows)["_consume (server/stream.py)"] == 0.25
-    assert dict(rows)["_learn (server/state.py)"] == dict(rows)["encode (mepo_stream/x.py)"] == 0.75
+    assert total == 8 and dict(rows)["_consume (server/learner/stream.py)"] == 0.25
+    assert dict(rows)["_learn (server/learner/state.py)"] == dict(rows)["encode (mepo_stream/x.py)"] == 0.75

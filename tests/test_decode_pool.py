@@ -15,9 +15,9 @@ import pytest
 import torch
 from PIL import Image
 
-import server.stream as stream
+import server.learner.stream as stream
 from mepo_stream.records import record_headers
-from server.staging import stack_images
+from server.learner.staging import stack_images
 from tests.fakes import STREAM_ID, FakeConsumer, FakeProducer, FakeRecord, jpeg, record, service
 
 TRUNCATED = jpeg("red")[:60]  # a valid header, then the image breaks off
@@ -133,7 +133,7 @@ def test_learn_stacks_through_stack_images(tmp_path, monkeypatch):
         devices.append(device)
         return stack_images(images, device)
 
-    monkeypatch.setattr("server.state.stack_images", stack_and_note)
+    monkeypatch.setattr("server.learner.state.stack_images", stack_and_note)
     loop._accept_poll([sample(0, 0), sample(1, 1)])
     loop.learn_pending()
     assert devices == [state.learner.device] and len(learned) == 2

@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import server.stream as stream
+import server.learner.stream as stream
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.records import RecordMeta
-from server.book import Sample, StreamBook
-from server.state import CHECKPOINT, ServiceState
+from server.learner.book import Sample, StreamBook
+from server.learner.state import CHECKPOINT, ServiceState
 from tests.fakes import STREAM_ID, FakeProducer, jpeg, record, records, run_loop, service
 
 

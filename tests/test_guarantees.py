@@ -21,20 +21,20 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 
 import mepo_stream.checkpoint as checkpoint
-import server.state as state_module
+import server.learner.state as state_module
 from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.artifacts import SIGMA_PRE, write_bundle
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.images import ImageLimits
 from mepo_stream.records import RecordError, parse_headers, record_headers
-from server.app import create_app
 from server.config import ServeConfig, model_config
-from server.dependencies import get_service
+from server.learner.state import CHECKPOINT, ServiceState, build_learner
 from server.metrics import ServerMetrics
-from server.replica import Refused, ReplicaModel
+from server.replica.follower import Refused, ReplicaModel
 from server.snapshot import take_snapshot
 from server.snapshot_topic import Origin, SnapshotMessage, bundle_sha256
-from server.state import CHECKPOINT, ServiceState, build_learner
+from server.web.app import create_app
+from server.web.dependencies import get_service
 from tests.fakes import STREAM_ID, TOPIC, FakeConsumer, record, records, run_loop, service
 from tests.helpers import color_images, settings
 
@@ -81,9 +81,9 @@ def test_a_failed_checkpoint_commits_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(state_module, "save_checkpoint", save_once_then_fail)
     consumer = FakeConsumer(loop, records(list(range(40))), events)
-    monkeypatch.setattr("server.stream.ensure_topics", lambda kafka, *topics: None)
-    monkeypatch.setattr("server.stream.open_producer", lambda kafka, **_: loop.producer)
-    monkeypatch.setattr("server.stream.KafkaConsumer", lambda **_: consumer)
+    monkeypatch.setattr("server.learner.stream.ensure_topics", lambda kafka, *topics: None)
+    monkeypatch.setattr("server.learner.stream.open_producer", lambda kafka, **_: loop.producer)
+    monkeypatch.setattr("server.learner.stream.KafkaConsumer", lambda **_: consumer)
     loop._run()
     assert loop.error == "OSError: disk full"  # the loop stops, reports, and keeps serving
     assert consumer.committed == load_checkpoint(state.checkpoint_path)["offsets"] == {f"{TOPIC}:0": 16}

@@ -47,30 +47,75 @@ def test_dependencies_point_one_way(package):
 
 
 def imported_server_modules(path: Path) -> set[str]:
-    """The ``server.*`` modules a file imports (``server.x.y`` counts as ``server.x``)."""
+    """The ``server.*`` modules a file imports, by their full dotted names."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
             [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
-        found |= {".".join(name.split(".")[:2]) for name in names if name.startswith("server.")}
+        found |= {name for name in names if name.startswith("server.")}
     return found
 
 
-LEARNER_INTERNALS = {"server.state", "server.stream", "server.book", "server.publisher", "server.staging",
-                     "server.monitor", "server.service", "server.replica", "server.model_thread"}
-WEB = [*sorted((ROOT / "server" / "routers").glob("*.py")),
-       *(ROOT / "server" / f"{name}.py" for name in ("prediction", "dependencies", "middleware", "serving"))]
+def reaching(path: Path, packages: tuple[str, ...]) -> set[str]:
+    """The imports of ``path`` inside any of ``packages`` (dotted prefixes)."""
+    return {m for m in imported_server_modules(path) if m.startswith(packages)}
 
 
-@pytest.mark.parametrize("path", WEB, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", [*sorted((ROOT / "server" / "web").rglob("*.py")), ROOT / "server" / "serving.py"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
 def test_the_web_layer_sees_a_serving_model_never_a_roles_internals(path):
-    """Routes, request handling and the ``ServingModel`` protocol import neither role's loop, state, book,
-    publisher or model thread: they reach a running service only through ``server.serving.ServingModel``
-    (``server.app``, the composition root, is the one web module that starts the roles)."""
-    assert not imported_server_modules(path) & LEARNER_INTERNALS
+    """No module of ``server/web`` (app, routers, dependencies, middleware, prediction, the page), nor the protocol
+    module ``server/serving.py``, imports anything under ``server.learner`` or ``server.replica``, or
+    ``server.model_thread``: routes reach a running service only through ``server.serving.ServingModel``. The one
+    exception is ``server/web/app.py``, the composition root, whose lifespan starts a role: it may import exactly
+    the two service modules, ``server.learner.service`` and ``server.replica.follower``."""
+    allowed = {"server.learner.service", "server.replica.follower"} if path.name == "app.py" else set()
+    assert not reaching(path, ("server.learner", "server.replica", "server.model_thread")) - allowed
 
 
-def test_a_replica_imports_nothing_of_the_learner():
-    """The replica shares the consumer-thread base (``server.consumer``), never the learner's loop or state."""
-    learner = {"server.state", "server.stream", "server.book", "server.publisher", "server.service"}
-    assert not imported_server_modules(ROOT / "server" / "replica.py") & learner
+@pytest.mark.parametrize("path", sorted((ROOT / "server" / "replica").rglob("*.py")), ids=lambda p: p.name)
+def test_a_replica_imports_nothing_of_the_learner(path):
+    """The replica shares the consumer-thread base (``server.consumer``) and the model thread, never the
+    learner's loop, book, state or publisher."""
+    assert not reaching(path, ("server.learner",))
+
+
+ROLES = sorted([*(ROOT / "server" / "learner").rglob("*.py"), *(ROOT / "server" / "replica").rglob("*.py")])
+
+
+def test_a_role_never_imports_the_other():
+    learner = sorted((ROOT / "server" / "learner").rglob("*.py"))
+    assert not [str(p) for p in learner if reaching(p, ("server.replica",))]
+
+
+@pytest.mark.parametrize("path", ROLES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_a_role_never_imports_the_web_layer(path):
+    """The roles implement ``server.serving.ServingModel`` and know nothing of HTTP: no ``server.web`` import (the
+    web layer maps their domain errors, such as ``NotALearner``, to HTTP answers)."""
+    assert not reaching(path, ("server.web",))
+
+
+def attributes(path: Path) -> list[tuple[int, str, str]]:
+    """(line, object, attribute) of every attribute access in a file, the object as written (``self.state``)."""
+    return [(n.lineno, ast.unparse(n.value), n.attr)
+            for n in ast.walk(ast.parse(path.read_text(), str(path))) if isinstance(n, ast.Attribute)]
+
+
+SERVER = sorted((ROOT / "server").rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", SERVER, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_object_touches_another_objects_private_attributes(path):
+    """In ``server/``, ``x._name`` only where ``x`` is ``self`` or ``cls`` (dunders aside)."""
+    reaches = [f"{line}: {obj}.{attr}" for line, obj, attr in attributes(path)
+               if attr.startswith("_") and not attr.startswith("__") and obj not in ("self", "cls")]
+    assert not reaches
+
+
+def test_the_stream_book_has_one_owner():
+    """``ServiceState`` (``server/learner/state.py``) owns the ``StreamBook``: it is the only code in ``server/``
+    that touches a ``.book`` attribute, and only its own (the loop reports records through the state's methods)."""
+    owner = ROOT / "server" / "learner" / "state.py"
+    reaches = [f"{path.relative_to(ROOT)}:{line}: {obj}.book" for path in SERVER
+               for line, obj, attr in attributes(path) if attr == "book" and (path != owner or obj != "self")]
+    assert not reaches

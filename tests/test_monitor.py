@@ -3,7 +3,7 @@ import random
 import pytest
 from river import metrics, utils
 
-from server.monitor import MonitorConfig, StreamMonitor
+from server.learner.monitor import MonitorConfig, StreamMonitor
 
 
 def outcomes(n: int, error_rate: float, seed: int) -> tuple[list[int], list[int]]:

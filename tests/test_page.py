@@ -31,7 +31,7 @@ from mepo_stream.data import list_files
 from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce
 from server.broker import free_port
-from server.routers import page
+from server.web.routers import page
 from tests.helpers import DATA, LiveServer, settings
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -27,11 +27,11 @@ from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce
 from server.broker import free_port
 from server.config import ServeConfig, model_config
+from server.learner.state import build_learner
 from server.metrics import ServerMetrics
-from server.replica import ReplicaService
+from server.replica.follower import ReplicaService
 from server.snapshot import Snapshot, take_snapshot
 from server.snapshot_topic import Assembler, CorruptSnapshot, Origin, encode, to_records
-from server.state import build_learner
 from tests.helpers import DATA, TINY, color_images, serve_process, settings, wait_for
 
 STREAM = SiBlurryConfig(seed=1)

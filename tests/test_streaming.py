@@ -25,8 +25,8 @@ from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce
 from server.broker import free_port
 from server.config import ServeConfig
-from server.dependencies import get_settings
-from server.state import CHECKPOINT
+from server.learner.state import CHECKPOINT
+from server.web.dependencies import get_settings
 from tests.helpers import (
     DATA,
     ROOT,

@@ -1,8 +1,9 @@
 """What the learner has done with the stream, kept with the model so that both roll back together.
 
 ``StreamBook`` is the one place that decides whether a record is a replay and where the offsets stand. It knows
-no Kafka: a partition is a ``"topic:partition"`` key and an offset an int. ``server.stream`` reads the records
-and tells the book what became of each one:
+no Kafka: a partition is a ``"topic:partition"`` key and an offset an int. Its one owner is ``ServiceState``
+(``server.learner.state``), which saves and restores it with the model; ``server.learner.stream`` reads the records
+and tells the state, which tells the book, what became of each one:
 
 * ``claim`` its sample id (stream id, sample index) before decoding the image; False means a replay: the sample
   is learned or still pending, and the replay is counted. A bad image gives its claim back (``release``), so a

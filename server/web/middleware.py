@@ -14,8 +14,8 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.config import ServeConfig
-from server.dependencies import ApiError, error_response
 from server.metrics import ServerMetrics
+from server.web.dependencies import ApiError, error_response
 
 JSON_OVERHEAD = 64 * 1024
 """Bytes a JSON request may hold besides its base64 images (ids, names, shapes, parameters)."""

@@ -7,8 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
-from server.dependencies import ApiError, errors, get_service, require_admin
 from server.serving import NotALearner, ServingModel
+from server.web.dependencies import ApiError, errors, get_service, require_admin
 
 router = APIRouter(tags=["operations"])
 ADMIN_ERRORS = errors(401, 403, 503)

@@ -1,5 +1,5 @@
 """The FastAPI application: routers, a lifespan that loads the model and starts the learner, and the settings
-dependency (``server.dependencies.get_settings``) that tests override.
+dependency (``server.web.dependencies.get_settings``) that tests override.
 
 Example (without ``with``, the test client runs no lifespan: no model is loaded and no broker is needed):
     >>> from fastapi.testclient import TestClient
@@ -25,12 +25,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mepo_stream import __version__
 from server.config import ServeConfig
-from server.dependencies import error_response
+from server.learner.service import Service
 from server.metrics import ServerMetrics
-from server.middleware import BodyLimit, PredictCounter
-from server.replica import ReplicaService
-from server.routers import inference_v2, ops, page, predict
-from server.service import Service
+from server.replica.follower import ReplicaService
+from server.web.dependencies import error_response
+from server.web.middleware import BodyLimit, PredictCounter
+from server.web.routers import inference_v2, ops, page, predict
 
 log = logging.getLogger(__name__)
 

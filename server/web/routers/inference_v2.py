@@ -17,9 +17,9 @@ from starlette.concurrency import run_in_threadpool
 
 from mepo_stream import __version__
 from server.config import ServeConfig
-from server.dependencies import ApiError, errors, get_service, get_settings
-from server.prediction import decode_all, predict_images
 from server.serving import ServingModel
+from server.web.dependencies import ApiError, errors, get_service, get_settings
+from server.web.prediction import decode_all, predict_images
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"], strict_content_type=False)
 INPUT_NAME = "image"

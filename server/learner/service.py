@@ -1,8 +1,8 @@
 """One running service: the model state, the learner loop that feeds it, the batcher predictions go through, and
-the publisher that sends its snapshots to the replicas (``server.publisher``).
+the publisher that sends its snapshots to the replicas (``server.learner.publisher``).
 
-The FastAPI lifespan starts it and stops it; routers reach it through ``server.dependencies.get_service``. A
-replica (``--role replica``) is a ``server.replica.ReplicaService``, which answers the same routers.
+The FastAPI lifespan starts it and stops it; routers reach it through ``server.web.dependencies.get_service``. A
+replica (``--role replica``) is a ``server.replica.follower.ReplicaService``, which answers the same routers.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 from server.batching import MicroBatcher
 from server.config import ServeConfig
+from server.learner.publisher import SnapshotPublisher
+from server.learner.state import ServiceState
+from server.learner.stream import LearnerLoop
 from server.metrics import ServerMetrics
 from server.model_thread import ModelThread
-from server.publisher import SnapshotPublisher
 from server.serving import Serving
-from server.state import ServiceState
-from server.stream import LearnerLoop
 
 
 @dataclass

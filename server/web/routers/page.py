@@ -1,6 +1,6 @@
 """``GET /``: the live page, so a person who runs ``mepo demo`` sees the learner work without Grafana.
 
-The page is static HTML, CSS and hand-written JavaScript from ``server/static`` (no build step, nothing fetched
+The page is static HTML, CSS and hand-written JavaScript from ``server/web/static`` (no build step, nothing fetched
 from the internet). It polls ``/v1/status`` and posts to ``/v1/predict`` with URLs relative to itself, so it works
 on any process that serves those routes, behind a path prefix too.
 
@@ -22,7 +22,7 @@ from fastapi import APIRouter, HTTPException
 from fastapi.responses import HTMLResponse, Response
 
 router = APIRouter(tags=["page"], include_in_schema=False)
-STATIC = files("server") / "static"
+STATIC = files("server.web") / "static"
 ASSETS = {"page.js": "text/javascript; charset=utf-8", "page.css": "text/css; charset=utf-8"}
 NO_CACHE = {"Cache-Control": "no-cache"}  # a restarted server with a newer page is picked up on reload
 

@@ -1,9 +1,11 @@
 """The service's model state: learner, published snapshot, stream bookkeeping, metrics and checkpoints.
 
-No Kafka here: ``server.stream`` feeds decoded samples in, and the ``StreamBook`` (``server.book``) keeps the
-offsets to store. A checkpoint holds the trainable state, optimizer, seen classes, running alignment statistics,
-monitor state, any-time history, the learned sample ids per stream, and the next offset per partition, so model
-and offsets roll back together.
+No Kafka here: ``server.learner.stream`` reads the records and tells the state what became of each one (``claim``,
+``add_pending``, ``skip``, ``dead_letter``, ``release``), then has it ``learn`` the pending ones and ``save``. The
+state is the one owner of the ``StreamBook`` (``server.learner.book``): it books the records the loop reports, marks
+a mini-batch learned in the same step that learns it, and saves and restores the book with the model. A checkpoint
+holds the trainable state, optimizer, seen classes, running alignment statistics, monitor state, any-time history,
+the learned sample ids per stream, and the next offset per partition, so model and offsets roll back together.
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.data import list_files, load_split
 from mepo_stream.learner import OnlineLearner
 from mepo_stream.model import create_model
-from server.book import Sample, StreamBook
 from server.config import ServeConfig, model_config
+from server.learner.book import Pending, Sample, StreamBook
+from server.learner.monitor import StreamMonitor
+from server.learner.staging import stack_images
 from server.metrics import ServerMetrics
 from server.model_thread import ModelThread
-from server.monitor import StreamMonitor
 from server.snapshot import Snapshot, take_snapshot
-from server.staging import stack_images
 
 log = logging.getLogger(__name__)
 CHECKPOINT = "learner.pt"
@@ -58,7 +60,7 @@ class ServiceState:
         self.learner = build_learner(cfg, self.n_classes)  # seeded: the augmentation's draws follow from the seed
         self.on_learned: Callable[[], None] | None = None  # told of every new version (the publisher)
         self.monitor = StreamMonitor(cfg.monitor)
-        self.book = StreamBook(learn_replays=cfg.learn_replays)
+        self.book = StreamBook(learn_replays=cfg.learn_replays)  # written by this object only (tests read it)
         self.version = 0
         self.last_checkpoint_time = math.nan
         self.last_learned_time = math.nan  # wall time of the last learned mini-batch (not checkpointed)
@@ -98,6 +100,41 @@ class ServiceState:
             if self._snapshot.version != self.version:
                 self._snapshot = take_snapshot(self.learner, self.version, self.cfg.alignment.inference_mode)
             return self._snapshot
+
+    # --- the stream's records, as the loop reports them (the book is the state's: it rolls back with the model) -----
+    def claim(self, sample_id: tuple[str, int]) -> bool:
+        """Take a sample id before decoding its image; False: a replay (learned or in flight), counted."""
+        return self.book.claim(*sample_id)
+
+    def release(self, sample_id: tuple[str, int]) -> None:
+        """Give back the claim of a record whose image is bad (any thread: the decode pool calls it)."""
+        self.book.release(*sample_id)
+
+    def add_pending(self, key: str, offset: int, sample: Sample) -> None:
+        """The record at ``offset`` of partition ``key`` holds a decoded sample that waits for its mini-batch."""
+        self.book.add_pending(key, offset, sample)
+
+    def skip(self, key: str, offset: int) -> None:
+        """The record is a replay: nothing more to do."""
+        self.book.skip(key, offset)
+
+    def dead_letter(self, key: str, offset: int) -> None:
+        """The record went to the dead-letter topic: counted, nothing more to do."""
+        self.book.dead_letter(key, offset)
+
+    def reread(self) -> None:
+        """Forget the pending records and every claim: the loop reads them again from ``offsets``."""
+        self.book.reread()
+
+    @property
+    def pending(self) -> list[Pending]:
+        """The records waiting for a mini-batch, in the order they were read."""
+        return self.book.pending
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        """Next offset per partition with every record before it handled: where a consumer seeks."""
+        return self.book.offsets
 
     # --- learning -------------------------------------------------------------------------------------------
     @property

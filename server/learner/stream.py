@@ -1,7 +1,7 @@
 """The learner loop: consume the labelled image topic in one pass, learn in stream order, checkpoint, commit.
 
-The loop speaks Kafka; what became of each record, which samples are learned and where the offsets stand is
-the ``StreamBook``'s (``server.book``), and the model is ``ServiceState``'s.
+The loop speaks Kafka and tells ``ServiceState`` what became of each record; the state owns the model and the
+``StreamBook`` (``server.learner.book``), which decides which samples are learned and where the offsets stand.
 
 * One consumer in a group, ``enable_auto_commit=False``. On partition assignment the consumer seeks to the
   book's offsets (after a restart, those of the learner checkpoint, the source of truth). Offsets reach Kafka
@@ -17,7 +17,7 @@ the ``StreamBook``'s (``server.book``), and the model is ``ServiceState``'s.
 * Keeping the GPU fed: the images of one poll are decoded and validated in a thread pool
   (``decode_workers``), between claims made and results applied in offset order, so the outcome is the
   inline one. ``ServiceState.learn`` stacks the batch into pinned memory on a CUDA learner
-  (``server.staging``) for an asynchronous copy to the device; predictions are micro-batched
+  (``server.learner.staging``) for an asynchronous copy to the device; predictions are micro-batched
   (``server.batching``) into one forward on the snapshot's device.
 * The broker being unreachable makes the loop wait and retry (``mepo_learner_up`` 0, not ready) without
   losing anything.
@@ -43,9 +43,9 @@ from kafka.structs import OffsetAndMetadata
 from mepo_stream.images import ImageError, decode_image
 from mepo_stream.kafka import ensure_topics, open_producer
 from mepo_stream.records import RecordError, RecordMeta, parse_headers
-from server.book import Sample
 from server.consumer import PROBE_EVERY_S, ConsumerThread, broker_answers
-from server.state import ServiceState
+from server.learner.book import Sample
+from server.learner.state import ServiceState
 
 log = logging.getLogger(__name__)
 
@@ -98,21 +98,17 @@ class _SeekToHandled(ConsumerRebalanceListener):
         self.loop.persist(commit=False)
 
     def on_partitions_assigned(self, assigned):
-        offsets = self.loop.state.book.offsets  # where this process's model stands
-        for tp in assigned:
-            if tp_key(tp) in offsets:
-                self.loop.consumer.seek(tp, offsets[tp_key(tp)])
-        log.info("assigned %s", [tp_key(tp) for tp in assigned])
+        self.loop.seek_to_handled(assigned)
 
 
 class LearnerLoop(ConsumerThread):
-    """Runs in a thread next to the HTTP server; it reads Kafka, books every record in ``StreamBook`` and learns
-    through ``ServiceState``. Stopping learns the records in hand, checkpoints, commits and closes."""
+    """Runs in a thread next to the HTTP server; it reads Kafka, reports every record to ``ServiceState`` (which
+    books it) and learns through it. Stopping learns the records in hand, checkpoints, commits and closes."""
 
     stop_timeout = 60.0
 
     def __init__(self, state: ServiceState):
-        self.state, self.cfg, self.book = state, state.cfg, state.book
+        self.state, self.cfg = state, state.cfg
         self._checkpoint_request = threading.Event()
         self.consumer: KafkaConsumer | None = None
         self.producer: KafkaProducer | None = None
@@ -125,7 +121,7 @@ class LearnerLoop(ConsumerThread):
 
     def _connect(self) -> None:
         k = self.cfg.kafka
-        self.book.reread()  # records read but not learned are read, and claimed, again from the book's offsets
+        self.state.reread()  # records read but not learned are read, and claimed, again from the book's offsets
         ensure_topics(k)
         self.producer = open_producer(k, linger_ms=5)
         self.consumer = KafkaConsumer(
@@ -145,6 +141,15 @@ class LearnerLoop(ConsumerThread):
         self.consumer = self.producer = None
         self.connected = False
         self.state.metrics.learner_up.set(0)
+
+    def seek_to_handled(self, assigned) -> None:
+        """On assignment: seek each partition to the offset where this process's model stands (the book's)."""
+        assert self.consumer is not None
+        offsets = self.state.offsets
+        for tp in assigned:
+            if tp_key(tp) in offsets:
+                self.consumer.seek(tp, offsets[tp_key(tp)])
+        log.info("assigned %s", [tp_key(tp) for tp in assigned])
 
     def _run(self) -> None:
         while not self.stop_event.is_set():
@@ -174,13 +179,13 @@ class LearnerLoop(ConsumerThread):
             if self._paused.is_set():
                 self.stop_event.wait(0.2)
                 continue
-            pending, limit = len(self.book.pending), self.state.batch_limit
+            pending, limit = len(self.state.pending), self.state.batch_limit
             due = pending >= limit  # a whole mini-batch is waiting: learn it while the next poll decodes
             polled = self.consumer.poll(timeout_ms=0 if due else 500, max_records=limit if due else limit - pending)
             self._probe()
             records = sorted((r for rs in polled.values() for r in rs), key=lambda r: (r.partition, r.offset))
             self._accept_poll(records, meanwhile=self.learn_pending if due or (pending and not records) else None)
-            if not records and not self.book.pending:
+            if not records and not self.state.pending:
                 self._on_idle()
             if self.state.checkpoint_due:
                 self.persist()
@@ -229,7 +234,7 @@ class LearnerLoop(ConsumerThread):
         sample_id = (meta.stream_id, meta.sample_index)
         if sample_id in decoding:
             wait([decoding[sample_id]])
-        if not self.book.claim(*sample_id):  # learned or in flight: a replay
+        if not self.state.claim(sample_id):  # learned or in flight: a replay
             return None
         decoding[sample_id] = self.decoder.submit(self._decode, record, meta)
         return _Claimed(meta, decoding[sample_id])
@@ -240,7 +245,7 @@ class LearnerLoop(ConsumerThread):
         self.state.metrics.records_consumed.inc()
         if outcome is None:
             self.state.metrics.replays_skipped.inc()
-            self.book.skip(key, record.offset)
+            self.state.skip(key, record.offset)
             return
         try:
             if isinstance(outcome, RecordError):
@@ -248,22 +253,22 @@ class LearnerLoop(ConsumerThread):
             image = outcome.image.result()
         except (RecordError, ImageError) as e:
             self._dead_letter(record, e.reason, e.message)
-            self.book.dead_letter(key, record.offset)
+            self.state.dead_letter(key, record.offset)
             return
-        self.book.add_pending(key, record.offset, Sample(image, outcome.meta))
+        self.state.add_pending(key, record.offset, Sample(image, outcome.meta))
 
     def _decode(self, record, meta: RecordMeta) -> torch.Tensor:
         """The record's image; a bad one gives its claim back, so a good copy of the sample is still learned."""
         try:
             return decode_image(record.value or b"", self.cfg.limits)
         except ImageError:
-            self.book.release(meta.stream_id, meta.sample_index)
+            self.state.release((meta.stream_id, meta.sample_index))
             raise
 
     def learn_pending(self) -> None:
         """Learn the pending records in mini-batches of at most ``batch_limit`` (cut at a scheduled evaluation);
         records accepted while a step runs stay pending."""
-        waiting = [p.sample for p in self.book.pending]
+        waiting = [p.sample for p in self.state.pending]
         while waiting:
             limit = self.state.batch_limit
             batch, waiting = waiting[:limit], waiting[limit:]
@@ -309,7 +314,7 @@ class LearnerLoop(ConsumerThread):
         """Records not yet learned per partition: those behind the high watermark and those read but waiting in
         the mini-batch."""
         assert self.consumer is not None
-        waiting = Counter(p.key for p in self.book.pending)
+        waiting = Counter(p.key for p in self.state.pending)
         for tp in self.consumer.assignment():
             high = self.consumer.highwater(tp)
             if high is not None:

@@ -22,10 +22,10 @@ from kafka.errors import KafkaError
 
 from mepo_stream.kafka import open_producer
 from server.config import ServeConfig, model_config
+from server.learner.state import ServiceState
 from server.metrics import ServerMetrics
 from server.snapshot import Snapshot
 from server.snapshot_topic import Origin, bundle_sha256, encode, ensure_snapshot_topic, to_records
-from server.state import ServiceState
 
 log = logging.getLogger(__name__)
 RETRY_S = 2.0

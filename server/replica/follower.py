@@ -298,7 +298,7 @@ class SnapshotFollower(ConsumerThread):
 
 @dataclass
 class ReplicaService(Serving):
-    """A replica's counterpart of ``server.service.Service``: the same ``ServingModel`` for the routers."""
+    """A replica's counterpart of ``server.learner.service.Service``: the same ``ServingModel`` for the routers."""
 
     state: ReplicaState
     loop: SnapshotFollower

@@ -9,9 +9,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from server.config import ServeConfig
-from server.dependencies import ApiError, errors, get_service, get_settings
-from server.prediction import decode_all, predict_images
 from server.serving import ServingModel
+from server.web.dependencies import ApiError, errors, get_service, get_settings
+from server.web.prediction import decode_all, predict_images
 
 router = APIRouter(tags=["predict"])
 UPLOAD_SCHEMA = {
@@ -28,7 +28,7 @@ UPLOAD_SCHEMA = {
 
 
 async def read_uploads(request: Request, settings: ServeConfig) -> list[tuple[str, bytes]]:
-    """(name, bytes) of every uploaded image (``server.middleware.BodyLimit`` has bounded the body's size)."""
+    """(name, bytes) of every uploaded image (``server.web.middleware.BodyLimit`` has bounded the body's size)."""
     content_type = request.headers.get("content-type", "")
     if content_type.startswith("multipart/form-data"):
         form = await request.form(max_files=settings.max_files + 1)

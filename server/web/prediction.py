@@ -8,8 +8,8 @@ import torch
 
 from mepo_stream.images import ImageError, decode_image
 from server.config import ServeConfig
-from server.dependencies import ApiError
 from server.serving import ServingModel
+from server.web.dependencies import ApiError
 
 STATUS_BY_REASON = {"too_large": 413, "too_many_pixels": 413}
 

@@ -1,0 +1,1 @@
+"""The replica role: a snapshot follower that serves the learner's snapshots."""
