@@ -19,7 +19,18 @@ from mepo_stream.kafka import KafkaConfig, ReplayConfig
 from mepo_stream.learner import LearnerConfig
 from mepo_stream.methods import MethodsConfig
 from mepo_stream.model import ModelConfig
-from server.learner.monitor import MonitorConfig
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """Live-stream quality signals."""
+
+    rolling_window: int = 1000
+    """Samples in the rolling prequential accuracy."""
+    detector: str = "ADWIN"
+    """river drift detector on the 0/1 error stream: ADWIN, PageHinkley or KSWIN."""
+    max_events: int = 100
+    """Most recent drift events kept for /v1/status."""
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@ import random
 import pytest
 from river import metrics, utils
 
-from server.learner.monitor import MonitorConfig, StreamMonitor
+from server.config import MonitorConfig
+from server.learner.monitor import StreamMonitor
 
 
 def outcomes(n: int, error_rate: float, seed: int) -> tuple[list[int], list[int]]:

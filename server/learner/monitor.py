@@ -20,25 +20,13 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from river import drift, metrics, utils
 
+from server.config import MonitorConfig
+
 MAX_REPLAY = 20_000  # most errors replayed into a restored detector
 DETECTORS = {"ADWIN": drift.ADWIN, "PageHinkley": drift.PageHinkley, "KSWIN": drift.KSWIN}
-
-
-@dataclass(frozen=True)
-class MonitorConfig:
-    """Live-stream quality signals."""
-
-    rolling_window: int = 1000
-    """Samples in the rolling prequential accuracy."""
-    detector: str = "ADWIN"
-    """river drift detector on the 0/1 error stream: ADWIN, PageHinkley or KSWIN."""
-    max_events: int = 100
-    """Most recent drift events kept for /v1/status."""
 
 
 class StreamMonitor:
