@@ -92,7 +92,7 @@ def paper_recipe(spec: ServiceSpec) -> ServiceSpec:
 
 
 @dataclass
-class Service:
+class ServiceUnderTest:
     process: subprocess.Popen
     http: httpx.Client
     url: str
@@ -133,7 +133,7 @@ class Service:
 
 
 @contextmanager
-def running_service(spec: ServiceSpec, work: Path, produce_first: bool = True) -> Iterator[Service]:
+def running_service(spec: ServiceSpec, work: Path, produce_first: bool = True) -> Iterator[ServiceUnderTest]:
     """Broker up, the whole stream produced (unless ``produce_first`` is false), ``mepo serve`` started and
     answering HTTP; everything stopped on exit. Logs go to ``work``."""
     work.mkdir(parents=True, exist_ok=True)
@@ -154,7 +154,7 @@ def running_service(spec: ServiceSpec, work: Path, produce_first: bool = True) -
         http = httpx.Client(base_url=url, timeout=120)
         try:
             _wait_http(http, process)
-            yield Service(process, http, url, broker.bootstrap, spec)
+            yield ServiceUnderTest(process, http, url, broker.bootstrap, spec)
         finally:
             http.close()
             process.terminate()
