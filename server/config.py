@@ -44,9 +44,9 @@ class ServeConfig:
     """Broker, topics and consumer group."""
     role: Literal["learner", "replica"] = "learner"
     """``learner``: learn the image topic, serve, and publish every snapshot to --kafka.snapshot_topic.
-    ``replica``: serve predictions from the learner's snapshots on that topic, with the same backbone and bundle
-    loaded locally (give the learner's --backbone.*, --mepo, --method, --method_config.*, --learner.*,
-    --alignment.*, --seed and --model_name); it learns nothing and needs no dataset."""
+    ``replica``: serve predictions from the learner's snapshots on that topic; it builds the model each snapshot
+    defines with the backbone weights and --mepo bundle on its own disk (refusing an option of its own that
+    contradicts the snapshot), learns nothing and needs no dataset."""
     publish_interval_s: float = 1.0
     """Least seconds between two snapshots the learner publishes: versions learned in between are skipped, the
     newest one is always published."""
@@ -83,9 +83,11 @@ class ServeConfig:
     """Predict each mini-batch before learning it (test-then-train accuracy, drift detection)."""
     limits: ImageLimits = ImageLimits()
     """Upload and record limits; images are resized to limits.size for learning."""
-    decode_workers: int = 4
-    """Threads decoding and validating the images of one Kafka poll concurrently (PIL releases the GIL while
-    decoding), so a mini-batch is ready sooner; 0 decodes inline in the learner thread."""
+    decode_workers: int | None = None
+    """Threads decoding and validating the images of one Kafka poll while the model learns the previous
+    mini-batch (PIL releases the GIL while decoding); 0 decodes inline in the learner thread, between steps.
+    Default: 4 when the model runs on a GPU, 0 on a CPU, whose cores the model's forward already fills (decoding
+    beside it slowed a 2-core learner by 5 %: README, "Where the learner's time goes")."""
     max_files: int = 16
     """Most images in one prediction request."""
     top_k: int = 5

@@ -137,3 +137,12 @@ def test_learn_stacks_through_stack_images(tmp_path, monkeypatch):
     loop._accept_poll([sample(0, 0), sample(1, 1)])
     loop.learn_pending()
     assert devices == [state.learner.device] and len(learned) == 2
+
+
+def test_by_default_a_cpu_model_decodes_inline_and_a_gpu_model_beside_a_pool():
+    """A CPU forward fills every core, so decoding waits for the gap between steps; a GPU leaves the cores free."""
+    assert isinstance(stream.decode_executor(None, torch.device("cpu")), stream.InlineExecutor)
+    pool = stream.decode_executor(None, torch.device("cuda"))
+    assert pool._max_workers == 4
+    pool.shutdown()
+    assert isinstance(stream.decode_executor(2, torch.device("cpu")), stream.ThreadPoolExecutor)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -66,6 +67,28 @@ def test_offsets_are_committed_only_after_a_checkpoint_holding_them(tmp_path, mo
     for i in commits:
         saved = [e[1] for e in events[:i] if e[0] == "checkpoint"]
         assert saved and saved[-1] == events[i][1], f"commit {events[i]} without its checkpoint before it"
+
+
+def test_a_checkpoint_written_while_the_loop_learns_on_holds_the_model_of_its_offsets(tmp_path, monkeypatch):
+    """The periodic checkpoint is written in its own thread while the loop learns on: what it writes is the copy
+    taken between two steps, not the live model that learning keeps changing."""
+    state, loop, _ = service(tmp_path, checkpoint_every=16)
+    written = []
+
+    def save_after_more_learning(path, saved):
+        if not written:  # the first periodic checkpoint: let the loop learn the next mini-batch first
+            deadline = time.monotonic() + 10
+            while state.samples_seen < 32 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert state.samples_seen >= 32, "the loop waited for the checkpoint instead of learning on"
+        written.append(saved)
+        return save_checkpoint(path, saved)
+
+    monkeypatch.setattr(state_module, "save_checkpoint", save_after_more_learning)
+    run_loop(monkeypatch, loop, records(list(range(48))))
+    first = written[0]
+    assert first["offsets"] == {f"{TOPIC}:0": 16} and first["learner"]["samples_seen"] == 16
+    assert int(first["learner"]["method"]["classifier.counts"].sum()) == 16  # not the 32+ learned meanwhile
 
 
 def test_a_failed_checkpoint_commits_nothing(tmp_path, monkeypatch):

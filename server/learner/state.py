@@ -10,6 +10,7 @@ the learned sample ids per stream, and the next offset per partition, so model a
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import threading
@@ -222,17 +223,30 @@ class ServiceState:
     def save(self) -> dict[str, int]:
         """Checkpoint the model with the book's offsets, atomically; returns the offsets saved, which the caller
         may commit to Kafka now that they are on disk."""
-        start = time.perf_counter()
+        return self.write(self.capture())
+
+    def capture(self) -> dict:
+        """A copy of everything a checkpoint holds, consistent (taken between two steps, in the model thread)
+        and detached (learning on changes none of it), so ``write`` may run while the learner goes on; the book
+        counts its offsets as saved from here (a failed write stops the loop)."""
+        return self.model_thread.run(self._capture)
+
+    def _capture(self) -> dict:
         with self._lock:
-            state = {
+            state = copy.deepcopy({
                 "learner": self.learner.state_dict(), "monitor": self.monitor.state_dict(), "version": self.version,
                 **self.book.state_dict(), "time": time.time(),
                 "anytime": None if self.evaluation is None else self.evaluation.state_dict(),
                 "rng": torch.get_rng_state(),  # the augmentation draws continue as if nothing had happened
-            }
-            save_checkpoint(self.checkpoint_path, state)
+            })
             self.book.mark_saved(state["offsets"])
             self._since_checkpoint = 0
+        return state
+
+    def write(self, state: dict) -> dict[str, int]:
+        """Write what ``capture`` took, atomically (temporary file, fsync, rename); returns its offsets."""
+        start = time.perf_counter()
+        save_checkpoint(self.checkpoint_path, state)
         self.last_checkpoint_time = state["time"]
         self.metrics.checkpoint_seconds.observe(time.perf_counter() - start)
         self.metrics.last_checkpoint.set(self.last_checkpoint_time)

@@ -31,6 +31,13 @@ def decode_all(items: list[tuple[str, bytes]], settings: ServeConfig) -> list[to
     return images
 
 
+def predict_uploads(service: ServingModel, items: list[tuple[str, bytes]], settings: ServeConfig,
+                    top_k: int) -> tuple[dict, list[list[dict]]]:
+    """Decode and predict in one call: a route hands a request to a worker thread once, not once per step (each
+    hand-over costs the event loop a wake-up)."""
+    return predict_images(service, decode_all(items, settings), top_k)
+
+
 def predict_images(service: ServingModel, images: list[torch.Tensor], top_k: int) -> tuple[dict, list[list[dict]]]:
     """Top-k labels per image from the current snapshot, and the snapshot's identity."""
     start = time.perf_counter()

@@ -19,7 +19,7 @@ from mepo_stream import __version__
 from server.config import ServeConfig
 from server.serving import ServingModel
 from server.web.dependencies import ApiError, errors, get_service, get_settings
-from server.web.prediction import decode_all, predict_images
+from server.web.prediction import predict_uploads
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"], strict_content_type=False)
 INPUT_NAME = "image"
@@ -165,8 +165,7 @@ async def infer(name: ModelName, request: InferRequest, service: Annotated[Servi
     if tensor.shape != [len(tensor.data)]:
         raise ApiError(400, f"shape {tensor.shape} does not match {len(tensor.data)} data items", "invalid_request")
     items = [(f"{tensor.name}[{i}]", _decode_b64(d, i)) for i, d in enumerate(tensor.data)]
-    images = await run_in_threadpool(decode_all, items, settings)
-    meta, rows = await run_in_threadpool(predict_images, service, images, top_k)
+    meta, rows = await run_in_threadpool(predict_uploads, service, items, settings, top_k)
     k = len(rows[0])
     return {
         "model_name": name, "model_version": str(meta["model_version"]), "id": request.id,

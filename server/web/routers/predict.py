@@ -11,7 +11,7 @@ from starlette.datastructures import UploadFile
 from server.config import ServeConfig
 from server.serving import ServingModel
 from server.web.dependencies import ApiError, errors, get_service, get_settings
-from server.web.prediction import decode_all, predict_images
+from server.web.prediction import predict_uploads
 
 router = APIRouter(tags=["predict"])
 UPLOAD_SCHEMA = {
@@ -57,6 +57,5 @@ async def predict(
 ) -> dict:
     """Top-k labels (with names and probabilities) over the classes seen so far, from the current model."""
     items = await read_uploads(request, settings)
-    images = await run_in_threadpool(decode_all, items, settings)
-    meta, rows = await run_in_threadpool(predict_images, service, images, top_k or settings.top_k)
+    meta, rows = await run_in_threadpool(predict_uploads, service, items, settings, top_k or settings.top_k)
     return {**meta, "predictions": [{"filename": name, "top_k": row} for (name, _), row in zip(items, rows)]}
