@@ -156,7 +156,8 @@ def main(spec: ServiceSpec = ServiceSpec(), requests: int = 300, idle_requests: 
         "ratio_p99": h["p99_s"] / bi["p99_s"],
         "http_idle": hi, "ratio_idle_p50": hi["p50_s"] / bi["p50_s"], "ratio_idle_p99": hi["p99_s"] / bi["p99_s"],
         "http_idle_raw_client": ri, "backbone_forward_idle": fl,
-        "ratio_idle_p50_backbone": ri["p50_s"] / fl["p50_s"], "ratio_idle_p50_backbone_httpx": hi["p50_s"] / fl["p50_s"],
+        "ratio_idle_p50_backbone": ri["p50_s"] / fl["p50_s"],
+        "ratio_idle_p50_backbone_httpx": hi["p50_s"] / fl["p50_s"],
     }, out, *spec.placement())
 
 
