@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from mepo_stream.cli import config_options
 from mepo_stream.data import list_files
 from mepo_stream.kafka import ensure_topics
+from server.allocator import keep_freed_memory
 from server.broker import EmbeddedBroker
 from server.config import DemoConfig, ServeConfig
 from server.learner.state import CHECKPOINT
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 def serve(cfg: ServeConfig = ServeConfig()) -> None:
     """Learn the Kafka stream in one pass and serve predictions, status and metrics over HTTP (the options are
     ``ServeConfig``'s fields: ``mepo serve --kafka.bootstrap_servers k1:9092 --mepo BUNDLE --port 8000``)."""
+    keep_freed_memory()
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="info")
 
 
@@ -72,6 +74,7 @@ def demo(cfg: DemoConfig = DemoConfig()) -> None:
             cfg = replace(cfg, kafka=replace(cfg.kafka, bootstrap_servers=broker.bootstrap))
         ensure_topics(cfg.kafka)
         producer = _start_producer(cfg)
+        keep_freed_memory()
         app = create_app(cfg)
         server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning"))
         if cfg.until_done:
