@@ -77,10 +77,14 @@ def batch_moments(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, hc.T @ hc / (h.shape[0] - 1)
 
 
-def align(h: torch.Tensor, mean: torch.Tensor, l_cur: torch.Tensor, l_pre: torch.Tensor, alpha: float
-          ) -> torch.Tensor:
-    """Blend ``h`` [B, D] with its re-coloured, L2-normalised version (the reference formula)."""
-    transform = torch.linalg.solve_triangular(l_cur, l_pre, upper=False)  # [D, D] = L_cur^-1 @ L_pre
+def recolouring(l_cur: torch.Tensor, l_pre: torch.Tensor) -> torch.Tensor:
+    """The reference's map ``A = L_cur^-1 @ L_pre`` [D, D] from the two Cholesky factors."""
+    return torch.linalg.solve_triangular(l_cur, l_pre, upper=False)
+
+
+def align(h: torch.Tensor, mean: torch.Tensor, transform: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Blend ``h`` [B, D] with its re-coloured (``transform``: ``recolouring``), L2-normalised version (the
+    reference formula)."""
     f_hat = F.normalize((h - mean) @ transform, dim=1, eps=1e-6)  # [B, D]
     return (1 - alpha) * h + alpha * f_hat
 
@@ -121,11 +125,12 @@ class FeatureAlignment(nn.Module):
         self.running_batches += 1
         self._running_cache = None
 
-    def running_factor(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Running mean [D] and Cholesky factor [D, D] of the running covariance (cached until the next update)."""
+    def running_transform(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Running mean [D] and the ``recolouring`` [D, D] of the running covariance, cached until the next
+        update: a prediction then costs one matrix product, not a factorisation and a triangular solve."""
         if self._running_cache is None:
             cov = self.running_second - torch.outer(self.running_mean, self.running_mean)
-            self._running_cache = (self.running_mean.float(), cholesky(cov, self.eps))
+            self._running_cache = (self.running_mean.float(), recolouring(cholesky(cov, self.eps), self.l_pre))
         return self._running_cache
 
     def _load_from_state_dict(self, *args, **kwargs):
@@ -142,11 +147,11 @@ class FeatureAlignment(nn.Module):
                 if h.shape[0] <= 1:  # the batch covariance is undefined; the reference would emit NaN
                     return h
                 mean, cov = batch_moments(h)
-                l_cur = cholesky(cov, self.eps)
+                transform = recolouring(cholesky(cov, self.eps), self.l_pre)
             elif mode == "running":
                 if self.running_batches == 0:  # nothing learned yet: nothing to align to
                     return h
-                mean, l_cur = self.running_factor()
+                mean, transform = self.running_transform()
             else:
                 raise ValueError(f"unknown alignment mode {mode!r}; use 'batch' or 'running'")
-            return align(h, mean, l_cur, self.l_pre, self.alpha)
+            return align(h, mean, transform, self.alpha)

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from mepo_stream.alignment import FeatureAlignment, align, batch_moments, cholesky
+from mepo_stream.alignment import FeatureAlignment, align, batch_moments, cholesky, recolouring
 from mepo_stream.class_means import ClassMeans, class_mean_covariance
 
 
@@ -114,5 +114,5 @@ def test_cholesky_jitter_rescues_a_slightly_indefinite_matrix():
 def test_align_uses_given_statistics():
     h = torch.randn(5, 3)
     mean, cov = batch_moments(torch.randn(50, 3))
-    out = align(h, mean, cholesky(cov, 1e-4), cholesky(torch.eye(3, dtype=torch.float64), 1e-4), alpha=1.0)
+    out = align(h, mean, recolouring(cholesky(cov, 1e-4), cholesky(torch.eye(3, dtype=torch.float64), 1e-4)), alpha=1.0)
     assert torch.allclose(out.norm(dim=1), torch.ones(5), atol=1e-5)

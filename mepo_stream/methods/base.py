@@ -163,7 +163,7 @@ class ContinualMethod(nn.Module):
         memo = {} if self.trains_backbone else {id(self.backbone): self.backbone}
         frozen = copy.deepcopy(self, memo=memo).eval()
         if frozen.alignment is not None and int(frozen.alignment.running_batches) > 0:
-            frozen.alignment.running_factor()
+            frozen.alignment.running_transform()
         return frozen
 
     def train(self, mode: bool = True) -> ContinualMethod:
