@@ -1,8 +1,8 @@
 """The service's model state: learner, published snapshot, stream bookkeeping, metrics and checkpoints.
 
 No Kafka here: ``server.learner.stream`` reads the records and tells the state what became of each one (``claim``,
-``add_pending``, ``skip``, ``dead_letter``, ``release``), then has it ``learn`` the pending ones and ``save``. The
-state is the one owner of the ``StreamBook`` (``server.learner.book``): it books the records the loop reports, marks
+``add_pending``, ``skip``, ``dead_letter``, ``release``), then has it ``learn`` the pending ones, ``capture`` a
+checkpoint and ``write`` it. The state is the one owner of the ``StreamBook`` (``server.learner.book``): it books the records the loop reports, marks
 a mini-batch learned in the same step that learns it, and saves and restores the book with the model. A checkpoint
 holds the trainable state, optimizer, seen classes, running alignment statistics, monitor state, any-time history,
 the learned sample ids per stream, and the next offset per partition, so model and offsets roll back together.
@@ -220,11 +220,6 @@ class ServiceState:
                 and self._idle_eval_at != self.learner.samples_seen)
 
     # --- checkpoints ----------------------------------------------------------------------------------------
-    def save(self) -> dict[str, int]:
-        """Checkpoint the model with the book's offsets, atomically; returns the offsets saved, which the caller
-        may commit to Kafka now that they are on disk."""
-        return self.write(self.capture())
-
     def capture(self) -> dict:
         """A copy of everything a checkpoint holds, consistent (taken between two steps, in the model thread)
         and detached (learning on changes none of it), so ``write`` may run while the learner goes on; the book
