@@ -2,10 +2,11 @@
 
 No Kafka here: ``server.learner.stream`` reads the records and tells the state what became of each one (``claim``,
 ``add_pending``, ``skip``, ``dead_letter``, ``release``), then has it ``learn`` the pending ones, ``capture`` a
-checkpoint and ``write`` it. The state is the one owner of the ``StreamBook`` (``server.learner.book``): it books the records the loop reports, marks
-a mini-batch learned in the same step that learns it, and saves and restores the book with the model. A checkpoint
-holds the trainable state, optimizer, seen classes, running alignment statistics, monitor state, any-time history,
-the learned sample ids per stream, and the next offset per partition, so model and offsets roll back together.
+checkpoint and ``write`` it. The state is the one owner of the ``StreamBook`` (``server.learner.book``): it books
+the records the loop reports, marks a mini-batch learned in the same step that learns it, and saves and restores
+the book with the model. A checkpoint holds the trainable state, optimizer, seen classes, running alignment
+statistics, monitor state, any-time history, the learned sample ids per stream, and the next offset per
+partition, so model and offsets roll back together.
 """
 
 from __future__ import annotations
