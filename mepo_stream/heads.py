@@ -75,8 +75,8 @@ class ClassStatistics(ClassMeans):
     @torch.no_grad()
     def update(self, h: torch.Tensor, y: torch.Tensor) -> None:
         """Add features [B, D] with head-order labels [B]."""
+        h = h.detach().to(self.second.device, torch.float64)  # once, for the class sums and the second moment
         super().update(h, y)
-        h = h.detach().double()
         self.second += h.T @ h
         self._cache.clear()
 

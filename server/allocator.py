@@ -7,9 +7,9 @@ megabytes of activations every step and page-faults each of them in anew. Measur
 bare loop; with the thresholds below, 2,500 in the whole stream (83 steps). The same setting is the environment's
 ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_``; when either is set, it is left as the user set it.
 
-Example:
-    >>> keep_freed_memory() in (True, False)  # False where the C library is not glibc
-    True
+Usage (first thing in a learner's process, before the model is built; not a doctest: it changes the process)::
+
+    keep_freed_memory()  # True on glibc; False elsewhere, or when the environment sets the thresholds
 """
 
 from __future__ import annotations

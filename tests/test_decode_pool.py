@@ -141,8 +141,20 @@ def test_learn_stacks_through_stack_images(tmp_path, monkeypatch):
 
 def test_by_default_a_cpu_model_decodes_inline_and_a_gpu_model_beside_a_pool():
     """A CPU forward fills every core, so decoding waits for the gap between steps; a GPU leaves the cores free."""
-    assert isinstance(stream.decode_executor(None, torch.device("cpu")), stream.InlineExecutor)
-    pool = stream.decode_executor(None, torch.device("cuda"))
-    assert pool._max_workers == 4
-    pool.shutdown()
+    def thread_names(pool) -> set[str]:
+        barrier = threading.Barrier(4, timeout=10)  # four tasks at once: only four threads can hold them all
+
+        def name_after_all_four_arrive(_) -> str:
+            barrier.wait()
+            return threading.current_thread().name
+
+        names = set(pool.map(name_after_all_four_arrive, range(4)))
+        pool.shutdown()
+        return names
+
+    cpu = stream.decode_executor(None, torch.device("cpu"))
+    assert isinstance(cpu, stream.InlineExecutor)
+    assert cpu.submit(lambda: threading.current_thread().name).result() == threading.current_thread().name
+    cuda = thread_names(stream.decode_executor(None, torch.device("cuda")))
+    assert len(cuda) == 4 and all(name.startswith("mepo-decode") for name in cuda)
     assert isinstance(stream.decode_executor(2, torch.device("cpu")), stream.ThreadPoolExecutor)
