@@ -23,11 +23,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 
 from mepo_stream.cache import cache_dir
 from mepo_stream.files import atomic_path, sha256_file
-from mepo_stream.images import rgb_array
+from mepo_stream.images import decode_file
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp"}
 
@@ -143,11 +142,6 @@ def _split_dir(root: Path, split: str) -> Path:
     raise FileNotFoundError(f"{root} has no {' or '.join(names)}/ folder")
 
 
-def _decode(path: Path, size: int | None) -> np.ndarray:
-    with Image.open(path) as img:
-        return rgb_array(img, size)  # [3, H, W], as a record's bytes are decoded (``images.decode_image``)
-
-
 @dataclass(frozen=True)
 class FileList:
     """A split as image files in dataset order (class-sorted), before decoding."""
@@ -179,7 +173,7 @@ def load_split(cfg: DataConfig, split: str) -> ImageSet:
     """Decode the ``train`` or ``test`` split of ``cfg`` into memory (class-sorted dataset order)."""
     listing = list_files(cfg, split)
     with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
-        arrays = list(pool.map(lambda p: _decode(p, cfg.load_size), listing.files))
+        arrays = list(pool.map(lambda p: decode_file(p, cfg.load_size), listing.files))
     shapes = {a.shape for a in arrays}
     if len(shapes) > 1:
         raise ValueError(f"{cfg.dataset}: images have different sizes {sorted(shapes)[:3]}; set --data.load_size")

@@ -16,8 +16,10 @@ from __future__ import annotations
 import io
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import simplejpeg
 import torch
 from PIL import Image, UnidentifiedImageError
 
@@ -53,16 +55,54 @@ def rgb_array(img: Image.Image, size: int | None) -> np.ndarray:
     return np.asarray(img).transpose(2, 0, 1)  # [3, H, W]
 
 
-def _open(data: bytes) -> Image.Image:
-    """Parse the header; any parser failure on untrusted bytes becomes an ``ImageError``."""
+def _jpeg_rgb(data: bytes, max_pixels: int | None) -> Image.Image | None:
+    """A JPEG decoded by libjpeg-turbo directly (``simplejpeg``: 11 µs for a 32-px CIFAR image against 75 µs
+    through PIL's plugin machinery, the same pixels), as an RGB image; None for anything it does not take (not a
+    JPEG, not YCbCr or grey (PIL converts CMYK its own way), corrupt, truncated: ``strict`` refuses what libjpeg
+    only warns about), which PIL then decodes or refuses with its reason. Its pixel limit is checked from the
+    header, before any pixel is decoded."""
+    if not data.startswith(b"\xff\xd8\xff"):
+        return None
     try:
-        return Image.open(io.BytesIO(data))
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+    except ValueError:
+        return None
+    if colorspace not in ("YCbCr", "Gray"):
+        return None
+    if max_pixels is not None and width * height > max_pixels:
+        raise ImageError("too_many_pixels", f"{width}x{height} exceeds the limit of {max_pixels} pixels")
+    try:
+        return Image.fromarray(simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True))  # [H, W, 3]
+    except ValueError:
+        return None
+
+
+def decode_file(path: Path, size: int | None) -> np.ndarray:
+    """A dataset file as uint8 [3, H, W], through the same decoder as a record's bytes (``decode_image``)."""
+    data = path.read_bytes()
+    if (img := _jpeg_rgb(data, None)) is not None:
+        return rgb_array(img, size)
+    with Image.open(io.BytesIO(data)) as img:
+        return rgb_array(img, size)
+
+
+def _open(data: bytes, max_pixels: int) -> Image.Image:
+    """Parse the header and check format and size; any parser failure on untrusted bytes becomes an
+    ``ImageError``. Nothing is decoded yet."""
+    try:
+        img = Image.open(io.BytesIO(data))
     except UnidentifiedImageError as e:
         raise ImageError("not_an_image", "cannot identify the image format") from e
     except Image.DecompressionBombError as e:
         raise ImageError("too_many_pixels", str(e)) from e
     except Exception as e:  # PIL raises OSError, SyntaxError, AttributeError... on malformed headers
         raise ImageError("corrupt_image", str(e) or type(e).__name__) from e
+    if img.format not in ALLOWED_FORMATS:
+        raise ImageError("unsupported_format", f"{img.format} is not one of {', '.join(ALLOWED_FORMATS)}")
+    width, height = img.size
+    if width * height > max_pixels:
+        raise ImageError("too_many_pixels", f"{width}x{height} exceeds the limit of {max_pixels} pixels")
+    return img
 
 
 def decode_image(data: bytes, limits: ImageLimits) -> torch.Tensor:
@@ -73,12 +113,8 @@ def decode_image(data: bytes, limits: ImageLimits) -> torch.Tensor:
         raise ImageError("too_large", f"{len(data)} bytes exceeds the limit of {limits.max_bytes}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own pixel limit decides
-        img = _open(data)
-        if img.format not in ALLOWED_FORMATS:
-            raise ImageError("unsupported_format", f"{img.format} is not one of {', '.join(ALLOWED_FORMATS)}")
-        width, height = img.size  # from the header: nothing decoded yet
-        if width * height > limits.max_pixels:
-            raise ImageError("too_many_pixels", f"{width}x{height} exceeds the limit of {limits.max_pixels} pixels")
+        if (img := _jpeg_rgb(data, limits.max_pixels)) is None:
+            img = _open(data, limits.max_pixels)
         try:
             pixels = rgb_array(img, limits.size)
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # truncated or corrupt

@@ -1,9 +1,12 @@
 import io
 
+import numpy as np
 import pytest
+import torch
 from PIL import Image
 
-from mepo_stream.images import ImageError, ImageLimits, decode_image
+from mepo_stream import images
+from mepo_stream.images import ImageError, ImageLimits, decode_image, rgb_array
 
 
 def encode(img: Image.Image, fmt: str = "PNG") -> bytes:
@@ -36,8 +39,37 @@ def test_truncated_jpeg_is_corrupt():
     assert e.value.reason == "corrupt_image"
 
 
-def test_limits():
-    data = encode(Image.new("RGB", (200, 200)))
+def noise(mode: str, size=(50, 30)) -> Image.Image:
+    pixels = np.random.default_rng(0).integers(0, 256, (size[1], size[0], len(mode)), dtype=np.uint8)
+    return Image.fromarray(pixels.squeeze(-1) if mode == "L" else pixels, mode)
+
+
+@pytest.mark.parametrize("mode, options", [("RGB", {}), ("RGB", {"subsampling": 0}), ("RGB", {"progressive": True}),
+                                           ("L", {}), ("CMYK", {})])
+def test_a_jpeg_decodes_to_the_pixels_pil_gives(mode, options, monkeypatch):
+    """The fast path (libjpeg-turbo through simplejpeg, for YCbCr and grey JPEGs) and PIL's give the same image,
+    so a record and a dataset file decoded either way are the same tensor; CMYK goes through PIL."""
+    buf = io.BytesIO()
+    noise(mode).save(buf, format="JPEG", quality=90, **options)
+    data = buf.getvalue()
+    fast_path_taken = []
+    jpeg_rgb = images._jpeg_rgb
+    monkeypatch.setattr(images, "_jpeg_rgb", lambda *a: fast_path_taken.append(r := jpeg_rgb(*a)) or r)
+    out = decode_image(data, ImageLimits(size=40))
+    assert torch.equal(out, torch.from_numpy(rgb_array(Image.open(io.BytesIO(data)), 40).copy()))
+    assert (fast_path_taken[0] is not None) == (mode != "CMYK")
+
+
+def test_a_jpeg_truncated_inside_its_pixels_is_corrupt():
+    data = encode(noise("RGB", (300, 200)), "JPEG")
+    with pytest.raises(ImageError) as e:
+        decode_image(data[: int(len(data) * 0.9)], ImageLimits())
+    assert e.value.reason == "corrupt_image"
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+def test_limits(fmt):
+    data = encode(Image.new("RGB", (200, 200)), fmt)
     with pytest.raises(ImageError, match="too_large"):
         decode_image(data, ImageLimits(max_bytes=10))
     with pytest.raises(ImageError, match="too_many_pixels"):
