@@ -127,6 +127,11 @@ class FakeConsumer:
         self.committed = {stream.tp_key(tp): meta.offset for tp, meta in offsets.items()}
         self.events.append(("commit", dict(self.committed)))
 
+    def commit_async(self, offsets: dict, callback) -> None:
+        """Applied at once (a real one lands at a later poll); the callback gets the response, as kafka-python's."""
+        self.commit(offsets, timeout_ms=0)
+        callback(offsets, object())
+
     def close(self) -> None:
         pass
 

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from kafka.errors import KafkaError
 from prometheus_client import generate_latest
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
@@ -110,6 +111,25 @@ def test_a_failed_checkpoint_commits_nothing(tmp_path, monkeypatch):
     loop._run()
     assert loop.error == "OSError: disk full"  # the loop stops, reports, and keeps serving
     assert consumer.committed == load_checkpoint(state.checkpoint_path)["offsets"] == {f"{TOPIC}:0": 16}
+
+
+def test_a_failed_offset_commit_is_only_logged(tmp_path, monkeypatch, caplog):
+    """The checkpoint is the source of truth: a broker that refuses the commits (the loop's asynchronous ones and
+    the final synchronous one) stops nothing, and the checkpoint still holds every offset."""
+    state, loop, learned = service(tmp_path, checkpoint_every=16)
+    refusal = KafkaError("coordinator not available")
+
+    def refuse(self, offsets, timeout_ms):
+        raise refusal
+
+    monkeypatch.setattr(FakeConsumer, "commit", refuse)
+    monkeypatch.setattr(FakeConsumer, "commit_async", lambda self, offsets, callback: callback(offsets, refusal))
+    with caplog.at_level("WARNING", logger="server.learner.stream"):
+        consumer = run_loop(monkeypatch, loop, records(list(range(40))))
+    assert len(learned) == 40 and consumer.committed == {}
+    assert load_checkpoint(state.checkpoint_path)["offsets"] == {f"{TOPIC}:0": 40}
+    failures = [r for r in caplog.records if "offset commit failed" in r.getMessage()]
+    assert len(failures) >= 2  # at least one asynchronous commit during the stream and the final one
 
 
 def test_a_crash_in_the_middle_of_a_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):

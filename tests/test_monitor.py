@@ -48,3 +48,14 @@ def test_state_round_trip_restores_the_metrics():
 def test_unknown_detector():
     with pytest.raises(ValueError, match="drift detector"):
         StreamMonitor(MonitorConfig(detector="nope"))
+
+
+def test_the_replay_state_keeps_only_the_latest_outcomes(monkeypatch):
+    monkeypatch.setattr("server.learner.monitor.MAX_REPLAY", 100)
+    monitor = StreamMonitor(MonitorConfig(rolling_window=10, detector="PageHinkley"))
+    y, p = outcomes(1000, 0.2, 5)
+    monitor.update(y, p, samples_seen=1000)
+    state = monitor.state_dict()
+    correct = [int(t == q) for t, q in zip(y, p)]
+    assert state["recent"].tolist() == correct[-10:]
+    assert state["errors"].tolist() == [1 - c for c in correct[-100:]]

@@ -20,6 +20,8 @@ Example:
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 from river import drift, metrics, utils
 
@@ -38,8 +40,9 @@ class StreamMonitor:
         self.rolling_accuracy = utils.Rolling(metrics.Accuracy, window_size=cfg.rolling_window)
         self.detector = DETECTORS[cfg.detector]()
         self.correct, self.total = 0, 0
-        self.recent: list[int] = []  # last rolling_window outcomes, 1 = correct
-        self.errors: list[int] = []  # errors since the last detection (the detector's window)
+        # deques, not lists re-sliced per sample: the update stays O(1) however long the stream
+        self.recent: deque[int] = deque(maxlen=cfg.rolling_window)  # last rolling_window outcomes, 1 = correct
+        self.errors: deque[int] = deque(maxlen=MAX_REPLAY)  # errors since the last detection (the detector's window)
         self.events: list[dict] = []
 
     @property
@@ -55,13 +58,13 @@ class StreamMonitor:
         self.rolling_accuracy.update(1, correct)
         self.detector.update(1 - correct)
         self.correct, self.total = self.correct + correct, self.total + 1
-        self.recent = (self.recent + [correct])[-self.cfg.rolling_window :]
+        self.recent.append(correct)
         self.errors.append(1 - correct)
         detected = self.detector.drift_detected
         if detected:  # the detector dropped its old data: keep what it still holds (ADWIN: its width)
             keep = int(getattr(self.detector, "width", 0))
-            self.errors = self.errors[-keep:] if keep else []
-        self.errors = self.errors[-MAX_REPLAY:]
+            while len(self.errors) > keep:
+                self.errors.popleft()
         return detected
 
     def update(self, y_true: list[int], y_pred: list[int], samples_seen: int) -> list[dict]:
@@ -75,8 +78,8 @@ class StreamMonitor:
         return new
 
     def state_dict(self) -> dict:
-        return {"correct": self.correct, "total": self.total, "recent": torch.tensor(self.recent, dtype=torch.int8),
-                "errors": torch.tensor(self.errors, dtype=torch.int8), "events": self.events}
+        return {"correct": self.correct, "total": self.total, "recent": torch.tensor(list(self.recent), dtype=torch.int8),
+                "errors": torch.tensor(list(self.errors), dtype=torch.int8), "events": self.events}
 
     def load_state_dict(self, state: dict) -> None:
         self.__init__(self.cfg)
@@ -85,10 +88,10 @@ class StreamMonitor:
             self.accuracy.update(1, 1, w=correct)
         if total - correct:
             self.accuracy.update(1, 0, w=total - correct)
-        self.recent = state["recent"].tolist()
+        self.recent.extend(state["recent"].tolist())
         for c in self.recent:
             self.rolling_accuracy.update(1, c)
-        self.errors = state["errors"].tolist()
+        self.errors.extend(state["errors"].tolist())
         for e in self.errors:
             self.detector.update(e)
         self.correct, self.total, self.events = correct, total, list(state["events"])

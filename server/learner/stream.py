@@ -72,6 +72,13 @@ class InlineExecutor(Executor):
         return future
 
 
+def _log_failed_commit(offsets: dict, result: object) -> None:
+    """``commit_async``'s callback (kafka-python passes the offsets and the response or the error): a failed
+    commit is only logged, the checkpoint holds the offsets."""
+    if isinstance(result, Exception):
+        log.warning("offset commit failed (the checkpoint holds them): %s", result)
+
+
 def decode_executor(workers: int | None, dev: torch.device) -> Executor:
     """A pool of ``workers`` decode threads; for 0, an ``InlineExecutor`` that decodes in the learner thread;
     for None, a pool of 4 beside a GPU model and inline beside a CPU one (whose forward uses every core)."""
@@ -319,16 +326,21 @@ class LearnerLoop(ConsumerThread):
 
     def _finish_write(self, commit: bool = True, block: bool = True) -> None:
         """Once the checkpoint in flight is on disk (waiting for it if ``block``), commit its offsets; a failed
-        write raises here, in the loop."""
+        write raises here, in the loop. The loop's own turns (``block=False``) commit asynchronously: the
+        checkpoint already holds the offsets, so the loop need not wait a broker round trip for them."""
         if self._writing is None or not (block or self._writing.done()):
             return
         offsets, self._writing = self._writing.result(), None
-        if commit and self.consumer is not None and offsets:
-            try:
-                self.consumer.commit({parse_tp(k): OffsetAndMetadata(v, "", -1) for k, v in offsets.items()},
-                                     timeout_ms=5000)  # never hang on a stalled broker
-            except KafkaError as e:
-                log.warning("offset commit failed (the checkpoint holds them): %s", e)
+        if not (commit and self.consumer is not None and offsets):
+            return
+        to_commit = {parse_tp(k): OffsetAndMetadata(v, "", -1) for k, v in offsets.items()}
+        try:
+            if block:
+                self.consumer.commit(to_commit, timeout_ms=5000)  # never hang on a stalled broker
+            else:
+                self.consumer.commit_async(to_commit, callback=_log_failed_commit)
+        except KafkaError as e:
+            _log_failed_commit(to_commit, e)
 
     def _update_lag(self) -> None:
         """Records not yet learned per partition: those behind the high watermark and those read but waiting in
