@@ -78,7 +78,8 @@ class StreamMonitor:
         return new
 
     def state_dict(self) -> dict:
-        return {"correct": self.correct, "total": self.total, "recent": torch.tensor(list(self.recent), dtype=torch.int8),
+        return {"correct": self.correct, "total": self.total,
+                "recent": torch.tensor(list(self.recent), dtype=torch.int8),
                 "errors": torch.tensor(list(self.errors), dtype=torch.int8), "events": self.events}
 
     def load_state_dict(self, state: dict) -> None:
