@@ -15,13 +15,15 @@ forward and a statistics update per mini-batch for a statistics classifier on a 
 ``online_iter`` augmented Adam steps (plus the statistics forward, if any) for a host trained by gradient. It
 runs right before and right after the service (side by side in one run) and the two rates are averaged.
 
-Three configurations are measured, each against the bare loop doing the same model work:
+Four configurations are measured, each against the bare loop doing the same model work:
 
 * ``learn_only`` (``--prequential false``): the bare loop learns only;
 * ``prequential`` (the default): the service predicts each mini-batch before learning it (test-then-train
   accuracy and drift detection), one extra eval forward per mini-batch, which the bare loop then does too;
 * ``paper_recipe``: the paper's MISA with the SGD-trained linear head (``online_iter`` Adam steps per
-  mini-batch), the expensive configuration, with test-then-train prediction.
+  mini-batch), the expensive configuration, with test-then-train prediction;
+* ``int8_learn_only`` (on the CPU): ``learn_only`` with the backbone's Linear layers in int8
+  (``--learner.precision int8``), against the bare loop with the same int8 backbone.
 
 Usage:
     python -m benchmarks.learner_throughput --spec.mepo runs/refined_dinov2_84
@@ -105,8 +107,12 @@ def learning_window(trace: list[tuple[float, int, int]], n: int, batch_size: int
 
 
 def configurations(spec: ServiceSpec) -> dict[str, tuple[ServiceSpec, bool]]:
-    """The measured configurations: name -> (spec, test-then-train prediction)."""
-    return {"learn_only": (spec, False), "prequential": (spec, True), "paper_recipe": (paper_recipe(spec), True)}
+    """The measured configurations: name -> (spec, test-then-train prediction); on the CPU also the default
+    learning only with its backbone in int8 (``--learner.precision int8``, against its own int8 bare loop)."""
+    known = {"learn_only": (spec, False), "prequential": (spec, True), "paper_recipe": (paper_recipe(spec), True)}
+    if spec.placement()[0].type == "cpu":
+        known["int8_learn_only"] = (replace(spec, learner=replace(spec.learner, precision="int8")), False)
+    return known
 
 
 def main(spec: ServiceSpec = ServiceSpec(), eval_period: int = 0, bare_batches: int = 8,
@@ -119,7 +125,8 @@ def main(spec: ServiceSpec = ServiceSpec(), eval_period: int = 0, bare_batches: 
         eval_period: The service's any-time evaluation period (0 = off: it is extra model work on the test set,
             which the bare loop does not do).
         bare_batches: Timed mini-batches of each bare run.
-        configs: The configurations to measure (null: all of learn_only, prequential, paper_recipe).
+        configs: The configurations to measure (null: all of learn_only, prequential, paper_recipe and, on the
+            CPU, int8_learn_only).
         work: Broker and service logs and the service's checkpoint.
         out: JSON result path.
     """

@@ -8,12 +8,13 @@ batch (``batch`` images) and of one image are timed, under ``inference_mode``, i
 * ``bf16_weights``: the weights stored in bf16, under autocast (what the learner does with a frozen plain
   backbone at bf16, ``--learner.cast_frozen_backbone``),
 
-the bf16 ones only where the hardware multiplies bf16 natively; and two candidates the learner does not use
-unless they pay without costing accuracy (README "Benchmarks" says which did not, and why):
+the bf16 ones only where the hardware multiplies bf16 natively; and two candidates beyond them (README
+"Benchmarks" says where they pay and what they cost; int8 is an option of the learner, compile is not):
 
 * ``bf16_weights_compiled``: ``bf16_weights`` through ``torch.compile`` (Inductor; compile time excluded);
 * ``int8_dynamic``: the Linear layers' weights quantised to int8, activations quantised per batch
-  (``torch.ao.quantization.quantize_dynamic``; AMX/VNNI int8 matrix units where the CPU has them), CPU only.
+  (``mepo_stream.precision.quantize_int8``, ``--learner.precision int8``; AMX/VNNI int8 matrix units where the
+  CPU has them), CPU only.
 
 Each variant's CLS features of real test images are compared with fp32's (``feature_cosine_min``). FLOPs are
 counted by ``torch.utils.flop_counter`` (a multiply-add is 2 FLOPs); achieved FLOP/s = FLOPs per image x images
@@ -40,7 +41,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from benchmarks.service import ServiceSpec, write_result
 from mepo_stream.backbone import BackboneConfig, create_backbone, device, normalization
 from mepo_stream.data import load_split
-from mepo_stream.precision import autocast, native_bf16
+from mepo_stream.precision import autocast, native_bf16, quantize_int8
 from mepo_stream.transforms import test_transform
 
 PEAK_FLOPS = {"H100": {"bfloat16": 989e12, "float32": 67e12}, "H200": {"bfloat16": 989e12, "float32": 67e12}}
@@ -75,8 +76,7 @@ def variants(model: torch.nn.Module, dev: torch.device) -> dict[str, tuple[torch
         out["bf16_weights"] = (bf16, torch.bfloat16)
         out["bf16_weights_compiled"] = (torch.compile(bf16), torch.bfloat16)
     if dev.type == "cpu":
-        int8 = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear}, dtype=torch.qint8)
-        out["int8_dynamic"] = (int8, torch.float32)
+        out["int8_dynamic"] = (quantize_int8(copy.deepcopy(model)), torch.float32)
     return out
 
 

@@ -117,13 +117,13 @@ def _fmt(value: float, unit: str) -> str:
 
 def _learner_rows(r: dict) -> list[Row]:
     rows: list[Row] = []
-    for name in ("learn_only", "prequential", "paper_recipe"):
+    for name in ("learn_only", "prequential", "paper_recipe", "int8_learn_only"):
         if c := r.get(name):  # results from before a configuration existed lack it (and its method, classifier)
             config = f"{c.get('method', r['spec']['method'])} + {c.get('classifier', 'linear')}"
-            recipe = " (the paper's recipe)" if name == "paper_recipe" else ""
+            recipe = {"paper_recipe": " (the paper's recipe)", "int8_learn_only": ", int8 backbone"}.get(name, "")
             what = "with test-then-train prediction" if c.get("prequential", name == "prequential") else \
                 "learning only"
-            dtype = r.get("machine", {}).get("dtype", "float32")
+            dtype = "int8" if name == "int8_learn_only" else r.get("machine", {}).get("dtype", "float32")
             rows.append((f"Learner throughput from Kafka, {config}{recipe}, {what} (samples/s)",
                          _fmt(c["service_samples_per_s"], "/s"),
                          f"{_fmt(c['bare_samples_per_s'], '/s')} (its loop, {dtype})", c["ratio"], "≥ 0.90",

@@ -62,9 +62,11 @@ class LearnerConfig:
     train_encoder: bool = True
     """Train the host's own parameters (prompts, keys) online; false keeps them at their initialisation (e.g. ISA
     prompts from the bundle) so only the classifier learns, and a statistics classifier then needs no gradient."""
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    precision: Literal["auto", "fp32", "bf16", "int8"] = "auto"
     """Autocast precision of the backbone and prompts (alignment and statistics stay fp32/fp64): auto = bf16 where
-    the hardware multiplies bf16 natively (a bf16 CUDA GPU, a CPU with AMX or AVX512-BF16), fp32 elsewhere."""
+    the hardware multiplies bf16 natively (a bf16 CUDA GPU, a CPU with AMX or AVX512-BF16), fp32 elsewhere. int8
+    (never chosen by auto): a frozen host without prompts on the CPU with its backbone's Linear layers quantised
+    to int8, the rest fp32; it pays on some CPUs and not on others (README "Benchmarks")."""
     cast_frozen_backbone: bool = True
     """At bf16, also cast the backbone of a host without prompts (the default, ``frozen``) to bf16 weights when
     nothing trains it (not only autocast): no bf16 copy of its weights is made on every forward (README

@@ -36,7 +36,7 @@ from mepo_stream.heads import NearestClassMean, RunningStandardize, StreamingLDA
 from mepo_stream.learner import LearnerConfig
 from mepo_stream.methods import MethodsConfig, create_method
 from mepo_stream.methods.base import ContinualMethod
-from mepo_stream.precision import resolve_precision
+from mepo_stream.precision import quantize_int8, resolve_precision
 from mepo_stream.transforms import test_transform
 
 
@@ -124,6 +124,16 @@ def plain_frozen_backbone(method: ContinualMethod) -> bool:
     return not backbone_trains and all(n.startswith(("backbone.", "head.")) for n in names)
 
 
+def quantize_frozen_backbone(method: ContinualMethod) -> None:
+    """``--learner.precision int8``: the backbone's Linear layers in int8, where nothing trains through them."""
+    if method.device.type != "cpu":
+        raise ValueError(f"precision int8 runs on the CPU only (the model is on {method.device}); use auto or bf16")
+    if not plain_frozen_backbone(method):
+        raise ValueError("precision int8 needs a frozen backbone without prompts (--method frozen, the default): "
+                         "nothing can train through its quantised layers")
+    quantize_int8(method.backbone)
+
+
 def weights_sha256(module: nn.Module) -> str:
     """sha256 of a module's weights as loaded (names, dtypes, shapes and bytes, in state-dict order).
 
@@ -153,6 +163,8 @@ def complete(method: ContinualMethod, cfg: LearnerConfig, device: torch.device |
     method.dtype = resolve_precision(cfg.precision, method.device)
     if cfg.cast_frozen_backbone and method.dtype != torch.float32 and plain_frozen_backbone(method):
         method.backbone.to(method.dtype)  # read under autocast as it is: no per-forward weight cast
+    if cfg.precision == "int8":
+        quantize_frozen_backbone(method)
     method.transform = test_transform(method.backbone.patch_embed.img_size[0], *normalization(method.backbone))
     method.eval_mask = cfg.eval_mask
     return method

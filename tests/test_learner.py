@@ -144,6 +144,28 @@ def test_bf16_autocast_learns_like_fp32(tiny_backbone):
     assert accuracy(learners["bf16"], test) >= accuracy(learners["fp32"], test) - 0.1
 
 
+def test_int8_backbone_learns_like_fp32_and_checkpoints_without_it(tiny_backbone):
+    """--learner.precision int8 quantises the frozen backbone's Linear layers (statistics stay fp64) and keeps the
+    accuracy; the backbone stays out of the learner's state, so a checkpoint is the same tensors as at fp32."""
+    learners = {p: learner_of(create_method("frozen", copy.deepcopy(tiny_backbone), 4),
+                              LearnerConfig(autoaugment=None, precision=p)) for p in ("fp32", "int8")}
+    for learner in learners.values():
+        colour_stream(learner)
+    int8 = learners["int8"]
+    assert int8.method.backbone.blocks[0].mlp.fc1._get_name() == "DynamicQuantizedLinear"
+    assert int8.dtype == torch.float32 and int8.method.classifier.sums.dtype == torch.float64
+    test = torch.arange(4).repeat(8)
+    assert accuracy(int8, test) >= accuracy(learners["fp32"], test) - 0.1
+    state = int8.state_dict()["method"]
+    assert not any(k.startswith("backbone.") for k in state) and state.keys() == learners["fp32"].state_dict()["method"].keys()
+
+
+@pytest.mark.parametrize("method", ["misa", "dualprompt"])
+def test_int8_refuses_a_host_that_trains_through_the_backbone(tiny_backbone, method):
+    with pytest.raises(ValueError, match="int8 needs a frozen backbone without prompts"):
+        learner_of(create_method(method, tiny_backbone, 4), LearnerConfig(autoaugment=None, precision="int8"))
+
+
 def test_statistics_classifier_state_round_trip(tiny_backbone):
     import copy
 
