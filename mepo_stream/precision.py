@@ -57,14 +57,15 @@ def quantize_int8(module: torch.nn.Module) -> torch.nn.Module:
     Why ``torch.ao.quantization.quantize_dynamic``, which torch deprecates in favour of torchao: on the CPU it runs
     fbgemm's int8 kernels in eager mode, and torchao's eager replacement (``Int8DynamicActivationInt8WeightConfig``)
     ran DINOv2 ViT-S/14 no faster than bf16 weights (160 against 262 images/s on a 2-core AMD EPYC; README
-    "Benchmarks"). The pinned torch still ships it; the deprecation warning is silenced here only.
+    "Benchmarks"). The pinned torch still ships it; its deprecation warnings are silenced here only.
 
     Example:
         >>> quantize_int8(torch.nn.Sequential(torch.nn.Linear(4, 2)))[0]._get_name()
         'DynamicQuantizedLinear'
     """
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # the API's and its quantized tensors' deprecation notices, here only
         warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions", category=UserWarning)
         return torch.ao.quantization.quantize_dynamic(module, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
 
 
