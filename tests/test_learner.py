@@ -159,6 +159,11 @@ def test_int8_backbone_learns_like_fp32_and_checkpoints_without_it(tiny_backbone
     state = int8.state_dict()["method"]
     assert not any(k.startswith("backbone.") for k in state)
     assert state.keys() == learners["fp32"].state_dict()["method"].keys()
+    restored = learner_of(create_method("frozen", copy.deepcopy(tiny_backbone), 4),
+                          LearnerConfig(autoaugment=None, precision="int8"))
+    restored.load_state_dict(copy.deepcopy(int8.state_dict()))  # a restart from its checkpoint
+    images = color_images(test)
+    assert torch.equal(restored.predict_logits(images)["running"], int8.predict_logits(images)["running"])
 
 
 @pytest.mark.parametrize("method", ["misa", "dualprompt"])

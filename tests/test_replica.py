@@ -177,6 +177,20 @@ def test_corrupt_snapshot_records_are_skipped_and_counted_and_the_next_good_one_
     assert follower.state.snapshot.exposed == snapshot.exposed and follower.readiness()["checks"]["snapshot_loaded"]
 
 
+def test_a_replica_of_an_int8_learner_quantises_its_backbone_and_answers_as_the_learner(broker, tmp_path, replica):
+    """The precision travels in the snapshot's model config: the replica builds the same int8 backbone."""
+    cfg = learner_settings(broker, tmp_path)
+    cfg = replace(cfg, learner=replace(cfg.learner, precision="int8"))
+    snapshot, blob = learner_snapshot(cfg)
+    follower = replica(replica_of(cfg))
+    send(cfg, to_records(blob, cfg.model_name, 1, cfg.kafka.snapshot_chunk_bytes))
+    wait_for(lambda: follower.state.snapshot.version == 1, 60, "the int8 snapshot")
+    served = follower.state.snapshot.model.backbone.blocks[0].mlp.fc1
+    assert served._get_name() == "DynamicQuantizedLinear"
+    images = color_images(torch.tensor([0, 1, 2, 3, 5]))
+    assert torch.equal(follower.state.snapshot.probabilities(images), snapshot.probabilities(images))
+
+
 # --- the wire format, no broker ---------------------------------------------------------------------------------
 def test_parts_of_different_publications_never_mix_and_the_newest_complete_one_wins():
     origin = Origin("mepo", "frozen", ("a",), "0" * 64, None)

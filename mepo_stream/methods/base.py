@@ -13,6 +13,8 @@ Example (a finished model predicts over the classes seen so far; an empty statis
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -96,13 +98,26 @@ class ContinualMethod(nn.Module):
 
     def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load what ``trainable_state_dict`` gave; raise ``ValueError`` for tensors that do not fit this method
-        (other names, or other shapes: another configuration)."""
+        (other names, or other shapes: another configuration). A frozen backbone is left out of the load, as it is
+        out of the state: an int8 one (``--learner.precision int8``) could not load a partial state at all."""
         try:
-            missing, unexpected = self.load_state_dict(state, strict=False)
+            with self._without_frozen_backbone():
+                missing, unexpected = self.load_state_dict(state, strict=False)
         except RuntimeError as e:  # a shape that differs
             raise ValueError(f"the tensors do not fit this method: {e}") from e
         if unexpected or any(not k.startswith("backbone.") for k in missing):
             raise ValueError(f"the tensors do not fit this method: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+    @contextmanager
+    def _without_frozen_backbone(self) -> Iterator[None]:
+        """Within: the module tree without its backbone when nothing trains it (order kept)."""
+        modules = self._modules
+        if not self.trains_backbone:
+            self._modules = {name: m for name, m in modules.items() if name != "backbone"}
+        try:
+            yield
+        finally:
+            self._modules = modules
 
     def aligned(self, encoded: Encoded, align_mode: AlignMode = "batch") -> torch.Tensor:
         """The classifier's input [B, D]: the feature, aligned first when Meta Cov is on."""
