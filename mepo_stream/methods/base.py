@@ -93,7 +93,7 @@ class ContinualMethod(nn.Module):
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Every tensor that learning changes: the whole state but a frozen backbone's. With the same backbone,
         it is what a checkpoint, a snapshot or a replica needs to restore this method exactly."""
-        keep_backbone = self.trains_backbone
+        keep_backbone = self.trains_backbone  # a key filter, not _without_frozen_backbone: reading never mutates
         return {k: v for k, v in self.state_dict().items() if keep_backbone or not k.startswith("backbone.")}
 
     def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -110,7 +110,8 @@ class ContinualMethod(nn.Module):
 
     @contextmanager
     def _without_frozen_backbone(self) -> Iterator[None]:
-        """Within: the module tree without its backbone when nothing trains it (order kept)."""
+        """Within: the module tree without its backbone when nothing trains it (order kept). For loading only,
+        which mutates the module anyway: a snapshot's state is read from other threads while it serves."""
         modules = self._modules
         if not self.trains_backbone:
             self._modules = {name: m for name, m in modules.items() if name != "backbone"}
