@@ -13,7 +13,10 @@ on the same device, under the same autocast dtype) calling ``observe`` on mini-b
 decoded, batched and on the device: the model work of the service and nothing else. That is one no-grad
 forward and a statistics update per mini-batch for a statistics classifier on a host without prompts, and
 ``online_iter`` augmented Adam steps (plus the statistics forward, if any) for a host trained by gradient. It
-runs right before and right after the service (side by side in one run) and the two rates are averaged.
+runs right before and right after each service run (side by side in one run) and the two rates are averaged.
+A shared machine drifts by 10-20 % within minutes, and one such round says little, so the service runs
+``rounds`` times, alternated with the bare loop (bare, service, bare, service, ..., bare): each round's ratio is
+its service against the bare runs on both sides of it, and the result is the median round, with every round kept.
 
 Four configurations are measured, each against the bare loop doing the same model work:
 
@@ -74,19 +77,30 @@ def bare_rate(spec: ServiceSpec, batches: int, prequential: bool) -> float:
     return batches * spec.learner.batch_size / seconds(run, learner.device)
 
 
-def measure(spec: ServiceSpec, prequential: bool, bare_batches: int, work: Path) -> dict:
-    """Bare loop, the service on the whole stream, bare loop again; rates and the service's memory."""
-    before = bare_rate(spec, bare_batches, prequential)
+def measure(spec: ServiceSpec, prequential: bool, bare_batches: int, rounds: int, work: Path) -> dict:
+    """``rounds`` service runs alternated with bare runs; the median round's rates and memory, and every round."""
+    bares = [bare_rate(spec, bare_batches, prequential)]
+    runs = []
+    for r in range(rounds):
+        runs.append(service_round(spec, prequential, work / f"round{r}"))
+        bares.append(bare_rate(spec, bare_batches, prequential))
+    for run, before, after in zip(runs, bares, bares[1:]):
+        run.update(bare_before_after=[before, after], bare_samples_per_s=(before + after) / 2)
+        run["ratio"] = run["service_samples_per_s"] / run["bare_samples_per_s"]
+    ratios = sorted(run["ratio"] for run in runs)
+    median = next(run for run in runs if run["ratio"] == ratios[(len(ratios) - 1) // 2])
+    return {"method": spec.method, "classifier": spec.learner.classifier, "prequential": prequential, **median,
+            "ratio_range": [ratios[0], ratios[-1]], "rounds": runs}
+
+
+def service_round(spec: ServiceSpec, prequential: bool, work: Path) -> dict:
+    """One service run on the whole stream: its learning rate and resident memory at 10% and 100% of it."""
     with running_service(replace(spec, extra=(*spec.extra, "--prequential", str(prequential).lower())),
                          work) as service:
         n = service.stream_length
         status = service.wait_learned(n)
-    after = bare_rate(spec, bare_batches, prequential)
     (t0, s0, rss0), (t1, s1, rss1) = learning_window(service.trace, n, spec.learner.batch_size)
-    service_rate, bare = (s1 - s0) / (t1 - t0), (before + after) / 2
-    return {"method": spec.method, "classifier": spec.learner.classifier, "prequential": prequential,
-            "service_samples_per_s": service_rate, "bare_samples_per_s": bare, "bare_before_after": [before, after],
-            "ratio": service_rate / bare, "rss_bytes_at_10pct": rss0, "rss_bytes_at_100pct": rss1,
+    return {"service_samples_per_s": (s1 - s0) / (t1 - t0), "rss_bytes_at_10pct": rss0, "rss_bytes_at_100pct": rss1,
             "rss_growth": (rss1 - rss0) / rss0, "measured_between_samples": [s0, s1],
             "dead_lettered": status["dead_lettered"]}
 
@@ -115,7 +129,7 @@ def configurations(spec: ServiceSpec) -> dict[str, tuple[ServiceSpec, bool]]:
     return known
 
 
-def main(spec: ServiceSpec = ServiceSpec(), eval_period: int = 0, bare_batches: int = 8,
+def main(spec: ServiceSpec = ServiceSpec(), eval_period: int = 0, bare_batches: int = 8, rounds: int = 3,
          configs: tuple[str, ...] | None = None, work: Path = Path("benchmarks/results/work/learner"),
          out: Path = Path("benchmarks/results/learner_throughput.json")) -> dict:
     """Measure the service's learning rate and memory against the bare loop, in each configuration.
@@ -125,6 +139,7 @@ def main(spec: ServiceSpec = ServiceSpec(), eval_period: int = 0, bare_batches: 
         eval_period: The service's any-time evaluation period (0 = off: it is extra model work on the test set,
             which the bare loop does not do).
         bare_batches: Timed mini-batches of each bare run.
+        rounds: Service runs per configuration, each between two bare runs; the median round is reported.
         configs: The configurations to measure (null: all of learn_only, prequential, paper_recipe and, on the
             CPU, int8_learn_only).
         work: Broker and service logs and the service's checkpoint.
@@ -135,7 +150,9 @@ def main(spec: ServiceSpec = ServiceSpec(), eval_period: int = 0, bare_batches: 
     known = configurations(spec)
     if unknown := set(configs or ()) - set(known):
         raise ValueError(f"unknown configuration(s) {sorted(unknown)}; choose from {', '.join(known)}")
-    measured = {name: measure(s, prequential, bare_batches, work / name)
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    measured = {name: measure(s, prequential, bare_batches, rounds, work / name)
                 for name, (s, prequential) in known.items() if configs is None or name in configs}
     return write_result({
         "benchmark": "learner_throughput", "spec": spec.as_json(),

@@ -84,7 +84,7 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path) -> tuple[str, lis
 
     def learner(s: ServiceSpec, *configs: str) -> tuple[str, list[str]]:
         chosen = ["--configs", json.dumps(configs)] if configs else []
-        return "learner_throughput", [*stream(s, 10, 100), "--bare_batches", n(2, 8), *chosen]
+        return "learner_throughput", [*stream(s, 10, 100), "--bare_batches", n(2, 8), "--rounds", n(1, 3), *chosen]
 
     def latency() -> tuple[str, list[str]]:
         return "predict_latency", [*stream(spec, 10, 100), "--requests", n(10, 300), "--idle_requests", n(10, 100)]
@@ -124,7 +124,7 @@ def _learner_rows(r: dict) -> list[Row]:
             what = "with test-then-train prediction" if c.get("prequential", name == "prequential") else \
                 "learning only"
             dtype = "int8" if name == "int8_learn_only" else r.get("machine", {}).get("dtype", "float32")
-            rows.append((f"Learner throughput from Kafka, {config}{recipe}, {what} (samples/s)",
+            rows.append((f"Learner throughput from Kafka, {config}{recipe}, {what} (samples/s{_spread(c)})",
                          _fmt(c["service_samples_per_s"], "/s"),
                          f"{_fmt(c['bare_samples_per_s'], '/s')} (its loop, {dtype})", c["ratio"], "≥ 0.90",
                          c["ratio"] >= 0.9))
@@ -133,6 +133,19 @@ def _learner_rows(r: dict) -> list[Row]:
                      f"{_fmt(c['rss_bytes_at_10pct'], 'MB')} → {_fmt(c['rss_bytes_at_100pct'], 'MB')}", "–",
                      c["rss_growth"], "growth < 0.05", c["rss_growth"] < 0.05))
     return rows
+
+
+def _spread(c: dict) -> str:
+    """How far a throughput's rounds went (nothing for one round).
+
+    Example:
+        >>> _spread({"rounds": [{}, {}, {}], "ratio_range": [0.861, 0.97]})
+        '; median of 3 rounds, ratios 0.86–0.97'
+    """
+    if len(rounds := c.get("rounds", [])) < 2:
+        return ""
+    low, high = c["ratio_range"]
+    return f"; median of {len(rounds)} rounds, ratios {low:.2f}–{high:.2f}"
 
 
 def _latency_rows(r: dict) -> list[Row]:
