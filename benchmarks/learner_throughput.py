@@ -84,13 +84,25 @@ def measure(spec: ServiceSpec, prequential: bool, bare_batches: int, rounds: int
     for r in range(rounds):
         runs.append(service_round(spec, prequential, work / f"round{r}"))
         bares.append(bare_rate(spec, bare_batches, prequential))
-    for run, before, after in zip(runs, bares, bares[1:]):
+    return {"method": spec.method, "classifier": spec.learner.classifier, "prequential": prequential,
+            **median_round(runs, bares)}
+
+
+def median_round(runs: list[dict], bares: list[float]) -> dict:
+    """Each service run against the bare runs on both sides of it (``bares`` has one more entry than ``runs``):
+    the median round's fields, the range of the ratios, and every round.
+
+    Example:
+        >>> r = median_round([{"service_samples_per_s": s} for s in (90.0, 80.0, 99.0)], [100.0, 100.0, 100.0, 80.0])
+        >>> r["service_samples_per_s"], r["bare_before_after"], r["ratio"], r["ratio_range"]
+        (90.0, [100.0, 100.0], 0.9, [0.8, 1.1])
+    """
+    for run, before, after in zip(runs, bares[:-1], bares[1:], strict=True):
         run.update(bare_before_after=[before, after], bare_samples_per_s=(before + after) / 2)
         run["ratio"] = run["service_samples_per_s"] / run["bare_samples_per_s"]
     ratios = sorted(run["ratio"] for run in runs)
     median = next(run for run in runs if run["ratio"] == ratios[(len(ratios) - 1) // 2])
-    return {"method": spec.method, "classifier": spec.learner.classifier, "prequential": prequential, **median,
-            "ratio_range": [ratios[0], ratios[-1]], "rounds": runs}
+    return {**median, "ratio_range": [ratios[0], ratios[-1]], "rounds": runs}
 
 
 def service_round(spec: ServiceSpec, prequential: bool, work: Path) -> dict:
