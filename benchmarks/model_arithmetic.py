@@ -19,8 +19,15 @@ the bf16 ones only where the hardware multiplies bf16 natively; and two candidat
 Each variant's CLS features of real test images are compared with fp32's (``feature_cosine_min``). FLOPs are
 counted by ``torch.utils.flop_counter`` (a multiply-add is 2 FLOPs); achieved FLOP/s = FLOPs per image x images
 per second, against the device's peak where it is known (``PEAK_FLOPS``; for CPUs it is not recorded, so none is
-claimed). The native precision with the most images per second is ``fastest`` (what the bare loops run in), the
-fastest variant of all ``fastest_of_all``.
+claimed) and, on every device, against the device's own large matmul in the same dtype (``matmul_flops``: the
+practical ceiling of a forward made of matrix products, measured, not typed; not for int8, whose products run in
+another type than its autocast dtype). The native precision with the most images per second is ``fastest``
+(what the bare loops run in), the fastest variant of all ``fastest_of_all``.
+
+Each variant is timed back to back, as the learner runs its one model. Timing the variants in turns instead
+(a a a, b b b, a a a, ...: drift spread over all of them) was tried on the EPYC and not kept: a model's forward
+right after another model's ran slower, int8 most (174 images/s in turns against 187-281 alone, and 207-285 in
+the int8 learner's own bare loops), so turns measured the switching, not the learner's steady state.
 
 Usage:
     python -m benchmarks.model_arithmetic --spec.model vit_small_patch14_dinov2 --spec.img_size 84
@@ -46,6 +53,8 @@ from mepo_stream.transforms import test_transform
 
 PEAK_FLOPS = {"H100": {"bfloat16": 989e12, "float32": 67e12}, "H200": {"bfloat16": 989e12, "float32": 67e12}}
 """Dense peak FLOP/s by device name (NVIDIA's SXM data sheets); devices not listed get no peak."""
+MATMUL_SIZE = 2048
+"""Side of the square matrices whose product is the device's own matmul rate (``matmul_flops``)."""
 
 
 def flops_per_image(model: torch.nn.Module, img_size: int) -> int:
@@ -95,8 +104,17 @@ def test_images(spec: ServiceSpec, model: torch.nn.Module, n: int, dev: torch.de
     return test_transform(spec.img_size, *normalization(model))(data.images[:n].to(dev))
 
 
+def matmul_flops(dev: torch.device, dtype: torch.dtype, n: int = MATMUL_SIZE, repeats: int = 10) -> float:
+    """FLOP/s of this device's own ``n`` x ``n`` matrix product in ``dtype`` (2 n^3 FLOPs a product): how fast it
+    multiplies matrices when nothing else is in the way. The best of ``repeats``, because it is a ceiling: a median
+    taken in a slow spell of a drifting machine has come out below the forward measured a minute later."""
+    a, b = (torch.randn(n, n, device=dev, dtype=dtype) for _ in range(2))  # [n, n] each
+    with torch.inference_mode():
+        return 2 * n**3 / min(timed(lambda: a @ b, repeats))
+
+
 def measure(model: torch.nn.Module, dtype: torch.dtype, dev: torch.device, img_size: int, batch: int,
-            repeats: int, flops: int) -> dict:
+            repeats: int, flops: int, matmul: float | None) -> dict:
     images = {n: torch.randn(n, 3, img_size, img_size, device=dev) for n in (batch, 1)}
 
     def forward(n: int):
@@ -109,7 +127,8 @@ def measure(model: torch.nn.Module, dtype: torch.dtype, dev: torch.device, img_s
     achieved, peak = flops * rate, peak_flops(dev, dtype)
     return {"batch_images_per_s": rate, "single_image_p50_s": statistics.median(single),
             "achieved_flops_per_s": achieved, "peak_flops_per_s": peak,
-            "share_of_peak": None if peak is None else achieved / peak}
+            "share_of_peak": None if peak is None else achieved / peak, "matmul_flops_per_s": matmul,
+            "share_of_matmul": None if matmul is None else achieved / matmul}
 
 
 def peak_flops(dev: torch.device, dtype: torch.dtype) -> float | None:
@@ -139,13 +158,15 @@ def main(spec: ServiceSpec = ServiceSpec(), batch: int = 32, repeats: int = 10,
     images = test_images(spec, model, batch, dev)
     with torch.inference_mode():
         reference = model(images).float()  # [N, D] fp32 features
-    rows = {name: {**measure(m, dtype, dev, spec.img_size, batch, repeats, flops),
+    matmul = {dtype: matmul_flops(dev, dtype) for _, dtype in native.values()}
+    rows = {name: {**measure(m, dtype, dev, spec.img_size, batch, repeats, flops,
+                             None if name.startswith("int8") else matmul[dtype]),
                    "feature_cosine_min": feature_cosine(m, dtype, reference, images, dev)}
             for name, (m, dtype) in native.items()}
     fastest = max((k for k in ("fp32", "bf16_autocast", "bf16_weights") if k in rows),
                   key=lambda k: rows[k]["batch_images_per_s"])
     return write_result({"benchmark": "model_arithmetic", "spec": spec.as_json(), "batch": batch,
-                         "flops_per_image": flops, "precisions": rows, "fastest": fastest,
+                         "flops_per_image": flops, "matmul_size": MATMUL_SIZE, "precisions": rows, "fastest": fastest,
                          "fastest_of_all": max(rows, key=lambda k: rows[k]["batch_images_per_s"])},
                         out, dev, native[fastest][1])
 

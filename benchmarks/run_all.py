@@ -211,11 +211,15 @@ def _bare_learner_rows(r: dict) -> list[Row]:
 
 
 def _arithmetic_rows(r: dict) -> list[Row]:
-    """Each native precision's bare forward against the fastest one; FLOP/s against the peak where known."""
+    """Each native precision's bare forward against the fastest one; FLOP/s against the peak where known and
+    against the device's own large matmul."""
     rows: list[Row] = []
     fastest = r["precisions"][r["fastest"]]
     for name, p in r["precisions"].items():
         share = "" if p["share_of_peak"] is None else f", {100 * p['share_of_peak']:.1f} % of peak"
+        if p.get("share_of_matmul") is not None:  # results from before the matmul was measured lack it
+            share += (f", {100 * p['share_of_matmul']:.0f} % of this device's {r['matmul_size']}² matmul "
+                      f"({p['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s)")
         if "feature_cosine_min" in p:  # results from before the features were compared lack it
             share += f"; features' cosine to fp32 ≥ {p['feature_cosine_min']:.4f}"
         rows.append((f"Backbone forward, batch {r['batch']}, {name} (images/s; {r['flops_per_image'] / 1e9:.2f} "
