@@ -50,6 +50,8 @@ def test_run_all_smoke_writes_every_result_and_the_readme_table(tmp_path):
     assert all(math.isfinite(n) for r in results.values() for n in _numbers(r))
     assert {"alignment_s", "step_s", "step_without_alignment_s", "differential_share"} <= set(
         results["alignment_cost"])
+    arithmetic = results["model_arithmetic"]["precisions"]
+    assert arithmetic["fp32"]["share_of_matmul"] > 0 and arithmetic["int8_dynamic"]["share_of_matmul"] is None
     learner = results["learner_throughput"]
     assert learner["stream_samples"] == 100
     assert all("ratio" in learner[c] and len(learner[c]["rounds"]) == 1
