@@ -33,7 +33,7 @@ from mepo_stream.cli import config_options
 
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 BENCHMARKS = ("model_arithmetic", "learning_quality", "learner_throughput", "predict_latency", "predict_throughput",
-              "replica_latency", "alignment_cost", "refine_throughput")
+              "replica_latency", "alignment_cost", "refine_throughput", "scale_out")
 GPU_BENCHMARKS = ("gpu_learner_fp32", "gpu_learner_bf16", "gpu_predict_latency", "gpu_vit_b16")
 ALL = (*BENCHMARKS, *GPU_BENCHMARKS)
 GPU_LEARNER_CONFIGS = ("prequential", "paper_recipe")
@@ -103,6 +103,7 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path) -> tuple[str, lis
                                                       "--repeats", n(2, 10)]),
         "refine_throughput": lambda: ("refine_throughput", ["--model", spec.model, "--img_size", str(spec.img_size),
                                                             "--steps", n(2, 10), "--rounds", n(1, 3)]),
+        "scale_out": lambda: ("scale_out", stream(replace(spec, mepo=None), 10, 100)),
         "gpu_learner_fp32": lambda: learner(pinned("fp32"), *GPU_LEARNER_CONFIGS),
         "gpu_learner_bf16": lambda: learner(pinned("bf16"), *GPU_LEARNER_CONFIGS),
         "gpu_predict_latency": latency,
@@ -231,11 +232,19 @@ def _arithmetic_rows(r: dict) -> list[Row]:
     return rows
 
 
+def _scale_out_rows(r: dict) -> list[Row]:
+    one, two = r["one"], r["two"]
+    return [("Learning scaled out: 2 learners (1 thread, 1 core each) on 4 partitions, ÷ 1 learner (samples/s)",
+             _fmt(two["samples_per_s"], "/s"), _fmt(one["samples_per_s"], "/s") + " (1 learner)", r["ratio"],
+             "≥ 1.80", r["ratio"] >= 1.8)]
+
+
 ROWS: dict[str, Callable[[dict], list[Row]]] = {
     "model_arithmetic": _arithmetic_rows, "learning_quality": _quality_rows, "learner_throughput": _learner_rows,
     "predict_latency": _latency_rows,
     "predict_throughput": _throughput_rows, "replica_latency": _replica_rows,
-    "alignment_cost": _alignment_rows, "refine_throughput": _refine_rows, "gpu_learner_fp32": _learner_rows,
+    "alignment_cost": _alignment_rows, "refine_throughput": _refine_rows, "scale_out": _scale_out_rows,
+    "gpu_learner_fp32": _learner_rows,
     "gpu_learner_bf16": _learner_rows, "gpu_predict_latency": _latency_rows, "gpu_vit_b16": _bare_learner_rows,
 }
 

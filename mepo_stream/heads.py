@@ -83,6 +83,21 @@ class ClassStatistics(ClassMeans):
     def unseen_mask(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.masked_fill(self.counts.to(logits.device)[None, :] == 0, float("-inf"))
 
+    @torch.no_grad()
+    def prequential_hits(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Correct predictions [K] of each shrinkage candidate on a batch not learned yet (none here: K = 0)."""
+        return torch.zeros(0, dtype=torch.float64)
+
+    @torch.no_grad()
+    def assign(self, counts: torch.Tensor, sums: torch.Tensor, second: torch.Tensor, hits: torch.Tensor) -> None:
+        """Replace the statistics by sums learned elsewhere, in head order (``mepo_stream.label_statistics``)."""
+        self.counts.copy_(counts)
+        self.sums.copy_(sums)
+        self.second.copy_(second)
+        if hits.numel():
+            self.hits.copy_(hits)
+        self._cache.clear()
+
     def _load_from_state_dict(self, *args, **kwargs):
         self._cache.clear()
         super()._load_from_state_dict(*args, **kwargs)
@@ -173,10 +188,17 @@ class StreamingLDA(ClassStatistics):
     @torch.no_grad()
     def update(self, h: torch.Tensor, y: torch.Tensor) -> None:
         """Test-then-train: score each shrinkage on the batch before learning it, then add the batch."""
+        self.hits += self.prequential_hits(h, y)
+        super().update(h, y)
+
+    @torch.no_grad()
+    def prequential_hits(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Correct predictions [K] of each shrinkage candidate on features [B, D] with head-order labels [B]."""
+        hits = torch.zeros(len(self.shrinkage), dtype=torch.float64, device=self.hits.device)
         if self.seen > 0:
             for k in range(len(self.shrinkage)):
-                self.hits[k] += (self.scores(h, k).argmax(1) == y).sum()
-        super().update(h, y)
+                hits[k] = (self.scores(h, k).argmax(1) == y.to(h.device)).sum()
+        return hits
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.seen == 0:

@@ -20,7 +20,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from kafka import KafkaProducer
@@ -41,6 +41,10 @@ class KafkaConfig:
     snapshot_topic: str | None = "mepo.snapshots"
     """Compacted topic the learner publishes its model snapshots to and ``--role replica`` servers follow (null:
     the learner publishes none)."""
+    state_topic: str | None = None
+    """Compacted topic of per-partition learner state: set, learning scales out over a consumer group (each
+    learner learns the partitions it is assigned, keeps their state here, and serves the sum over all partitions;
+    docs "Scale-out"). Null: one learner, whose checkpoint in --checkpoint_dir is the source of truth."""
     snapshot_chunk_bytes: int = 1_000_000
     """Largest part of a snapshot in one record: a bigger snapshot travels as several records. Keep it below the
     broker's ``message.max.bytes`` (1,048,588 by default) and the clients' ``max_request_size`` (1 MiB)."""
@@ -77,12 +81,19 @@ class ReplayConfig:
     """Stop after this many records (null: the whole stream)."""
     partitions: int = 1
     """Partitions of the topic if it has to be created."""
+    partition_by: Literal["stream", "position", "label"] = "stream"
+    """How records spread over the topic's partitions: ``stream`` keys every record by the stream id (the whole
+    stream on one partition, in order); ``position`` deals them round-robin by stream position (record i to
+    partition i mod P: learners in a group share the work evenly); ``label`` keys them by stream id and label
+    (a stand-in for a key of your own, such as a camera id: each key's records stay in order on one partition).
+    Each partition keeps its records in stream order."""
 
 
-def record_key(stream_id: str) -> bytes:
-    """The partition key of every record of a stream: its id, so the whole stream lands on one partition and
-    is read in order, whatever the topic's partition count."""
-    return stream_id.encode()
+def record_key(stream_id: str, label: int | None = None) -> bytes:
+    """The partition key of a record: its stream id, so the whole stream lands on one partition and is read in
+    order, whatever the topic's partition count; with ``label``, the stream id and the label (``--replay.partition_by
+    label``), so each label's records stay in order on one partition."""
+    return stream_id.encode() if label is None else f"{stream_id}/label{label}".encode()
 
 
 def ensure_topics(kafka: KafkaConfig, *topics: str, partitions: int = 1, configs: dict[str, str] | None = None

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from mepo_stream.alignment import AlignMode
 from mepo_stream.backbone import normalization
+from mepo_stream.label_statistics import LabelStatistics
 from mepo_stream.methods.base import ContinualMethod, Encoded
 from mepo_stream.precision import autocast
 from mepo_stream.transforms import Transform, train_transform
@@ -107,6 +108,48 @@ class OnlineLearner:
         self.exposed: list[int] = []  # original label of head output k
         self._index: dict[int, int] = {}
         self.samples_seen = 0
+
+    @property
+    def not_mergeable(self) -> str | None:
+        """Why the sums of this learner on parts of a stream cannot be added into its model on the whole stream
+        (``mepo_stream.label_statistics``); None when they can: a statistics classifier on features nothing
+        trains and no running (EMA) alignment, whose state depends on the order of the stream."""
+        if self.trains_by_gradient:
+            return ("it trains by gradient (the linear head or the host's prompts), so its model depends on the "
+                    "order of the stream; use --learner.classifier slda or ncm with --method frozen")
+        if self.method.classifier is None:
+            return "it has no statistics classifier"
+        if self.method.alignment is not None:
+            return ("its Meta Cov alignment keeps running (EMA) statistics that depend on the order of the stream; "
+                    "use a bundle without Sigma_pre")
+        return None
+
+    def statistics_step(self, images: torch.Tensor, labels: torch.Tensor
+                        ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """Test-then-train of a mergeable learner without folding the batch into its model: the prediction of
+        each image (original labels [B]; None before any class is known), the classifier's features [B, D] and
+        each shrinkage candidate's prequential hits [K], for a caller that keeps the sums and loads their total
+        back (``load_statistics``). Why: the sums are kept per partition of a topic and added up."""
+        encoded = self.encode(images)
+        pred = self.to_labels(self.logits(encoded)["running"].argmax(1)) if self.exposed else None
+        self._register(labels)
+        h = self.method.aligned(encoded, "running")  # [B, D]
+        target = torch.tensor([self._index[y] for y in labels.tolist()], device=h.device)  # [B]
+        return pred, h, self.method.classifier.prequential_hits(h, target)
+
+    def load_statistics(self, stats: LabelStatistics) -> None:
+        """Make the classifier the model of ``stats`` (label-indexed sums); labels new to this learner get head
+        outputs in label order."""
+        self._register(torch.nonzero(stats.counts).flatten())
+        counts, sums = stats.head_order(self.exposed)
+        self.method.classifier.assign(counts, sums, stats.second, stats.hits)
+        self.samples_seen = stats.samples
+
+    def statistics(self) -> LabelStatistics:
+        """The classifier's sums, label-indexed (the inverse of ``load_statistics``)."""
+        c = self.method.classifier
+        return LabelStatistics.from_head_order(c.counts, c.sums, c.second, getattr(c, "hits", torch.zeros(0)),
+                                               self.exposed)
 
     def _register(self, labels: torch.Tensor) -> None:
         for y in labels.tolist():

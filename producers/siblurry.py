@@ -1,13 +1,16 @@
 """``mepo produce``: replay a dataset's training split into Kafka as a Si-Blurry stream.
 
 One record per image, in the Si-Blurry order of ``mepo_stream.sampler`` (the same N, M, T and seed flags as
-``evaluate``): the value is the image file's encoded bytes, the headers follow ``mepo_stream.records``. Every
-record is keyed by the stream id (dataset, sampler settings, seed), so the whole stream goes to one partition
-and the learner reads it in order, whatever the topic's partition count. With the idempotent producer
+``evaluate``): the value is the image file's encoded bytes, the headers follow ``mepo_stream.records``. By
+default every record is keyed by the stream id (dataset, sampler settings, seed), so the whole stream goes to one
+partition and the learner reads it in order, whatever the topic's partition count. ``--replay.partition_by
+position`` deals the stream round-robin over the topic's partitions (for learners in a group, docs "Scale-out"),
+``label`` keys records by label; each partition keeps its records in stream order. With the idempotent producer
 (``acks=all``) retries cannot reorder or duplicate records.
 
 Example:
     mepo produce --data.dataset cifar10 --data.train_per_class 100 --stream.seed 1
+    mepo produce --replay.partitions 4 --replay.partition_by position
 """
 
 from __future__ import annotations
@@ -51,13 +54,16 @@ def produce(
     sid = stream_id(data, stream)
     ensure_topics(kafka, kafka.topic, partitions=replay.partitions)
     producer = open_producer(kafka, linger_ms=10, batch_size=262_144, max_request_size=4 * 1024 * 1024)
+    n_partitions = len(producer.partitions_for(kafka.topic))
     start, sent = time.monotonic(), 0
     try:
         for position, index in enumerate(tqdm(order, desc=f"produce {sid}", unit="img")):
-            path = listing.files[index]
-            headers = record_headers(listing.targets[index], index, position, sid, data.dataset,
+            path, label = listing.files[index], listing.targets[index]
+            headers = record_headers(label, index, position, sid, data.dataset,
                                      CONTENT_TYPES.get(path.suffix.lower(), "application/octet-stream"))
-            producer.send(kafka.topic, value=path.read_bytes(), key=record_key(sid), headers=headers)
+            producer.send(kafka.topic, value=path.read_bytes(), headers=headers,
+                          key=record_key(sid, label if replay.partition_by == "label" else None),
+                          partition=position % n_partitions if replay.partition_by == "position" else None)
             sent += 1
             if replay.rate:
                 time.sleep(max(0.0, start + sent / replay.rate - time.monotonic()))

@@ -77,6 +77,7 @@ class ServerMetrics:
         self.info = Info("mepo_model", "Backbone and MePo bundle of the served model", registry=r)
         self._publishing(lr)
         self._following(r if role == "replica" else None)
+        self._grouping(lr)
 
     def _publishing(self, r: CollectorRegistry | None) -> None:
         """The learner's snapshot publisher (``server.learner.publisher``)."""
@@ -91,6 +92,21 @@ class ServerMetrics:
         self.snapshot_bytes = Gauge("mepo_snapshot_bytes", "Size of the last published snapshot", registry=r)
         self.published_version = Gauge("mepo_snapshot_published_version", "Version of the last published snapshot",
                                        registry=r)
+
+    def _grouping(self, r: CollectorRegistry | None) -> None:
+        """A learner in a group (``--kafka.state_topic``: ``server.learner.partitioned``)."""
+        self.partitions_owned = Gauge("mepo_partitions_owned", "Partitions of the image topic this learner learns",
+                                      registry=r)
+        self.partition_samples = Gauge("mepo_partition_samples", "Samples learned from each partition (all "
+                                       "learners'), as this learner's merged model holds them", ["partition"],
+                                       registry=r)
+        self.state_writes = Counter("mepo_state_records_written", "Partition states written to the state topic",
+                                    registry=r)
+        self.state_bytes = Counter("mepo_state_written_bytes", "Bytes of partition states written", registry=r)
+        self.state_merges = Counter("mepo_state_merges", "Other learners' partition states added to the model",
+                                    registry=r)
+        self.merge_seconds = Histogram("mepo_state_merge_duration_seconds", "Time to add the partitions' sums "
+                                       "into the model", buckets=SNAPSHOT_BUCKETS, registry=r)
 
     def _following(self, r: CollectorRegistry | None) -> None:
         """A replica following the snapshot topic (``server.replica.follower``)."""

@@ -131,12 +131,13 @@ def decode(blob: bytes) -> SnapshotMessage:
         raise CorruptSnapshot(f"not a readable snapshot: {type(e).__name__}: {e}") from e
 
 
-def to_records(blob: bytes, model: str, version: int, chunk_bytes: int) -> list[Record]:
-    """The Kafka records of one blob: parts of at most ``chunk_bytes`` bytes, in order."""
+def to_records(blob: bytes, model: str, version: int, chunk_bytes: int, fmt: str = FORMAT) -> list[Record]:
+    """The Kafka records of one blob: parts of at most ``chunk_bytes`` bytes, in order (``fmt``: the blob's format,
+    a header, so that a reader of one kind of blob skips another's: ``server.state_topic`` sends its own)."""
     n = max(1, math.ceil(len(blob) / chunk_bytes))
     digest = hashlib.sha256(blob).hexdigest().encode()
     return [(snapshot_key(model, i), blob[i * chunk_bytes:(i + 1) * chunk_bytes],
-             [("format", FORMAT.encode()), ("model", model.encode()), ("version", str(version).encode()),
+             [("format", fmt.encode()), ("model", model.encode()), ("version", str(version).encode()),
               ("part", f"{i}/{n}".encode()), ("sha256", digest)]) for i in range(n)]
 
 
@@ -153,8 +154,8 @@ class Assembler:
     measured against it).
     """
 
-    def __init__(self, model: str, keep: int = 4):
-        self.model, self.keep = model, keep
+    def __init__(self, model: str, keep: int = 4, fmt: str = FORMAT):
+        self.model, self.keep, self.fmt = model, keep, fmt
         self.newest_version: int | None = None
         self._pending: dict[tuple[int, str], _Parts] = {}  # (version, sha256) -> parts, in arrival order
 
@@ -164,7 +165,7 @@ class Assembler:
         head = _headers(headers)
         if "model" in head and head["model"] != self.model:
             return None
-        version, part, count, digest = _identity(head)
+        version, part, count, digest = _identity(head, self.fmt)
         if key != snapshot_key(self.model, part) or value is None:
             raise CorruptSnapshot(f"part {part} of version {version} has key {key!r} or no value")
         self.newest_version = version
@@ -180,6 +181,11 @@ class Assembler:
         if hashlib.sha256(blob).hexdigest() != digest:
             raise CorruptSnapshot(f"version {version}: the parts' sha256 does not match the announced {digest[:12]}…")
         return blob
+
+    @property
+    def incomplete(self) -> bool:
+        """Parts are held that do not make a whole snapshot yet."""
+        return bool(self._pending)
 
     def _evict(self) -> None:
         while len(self._pending) > self.keep:
@@ -200,10 +206,10 @@ def _headers(headers: list[tuple[str, bytes]] | None) -> dict[str, str]:
         raise CorruptSnapshot(f"unreadable headers: {e}") from e
 
 
-def _identity(head: dict[str, str]) -> tuple[int, int, int, str]:
+def _identity(head: dict[str, str], fmt: str) -> tuple[int, int, int, str]:
     """(version, part, count, sha256) of a record's headers."""
-    if head.get("format") != FORMAT:
-        raise CorruptSnapshot(f"format {head.get('format')!r}, expected {FORMAT!r}")
+    if head.get("format") != fmt:
+        raise CorruptSnapshot(f"format {head.get('format')!r}, expected {fmt!r}")
     try:
         version = int(head["version"])
         part, count = (int(x) for x in head["part"].split("/"))

@@ -110,6 +110,9 @@ class FakeConsumer:
     def assignment(self) -> set[TopicPartition]:
         return {TP}
 
+    def partitions_for_topic(self, topic: str) -> set[int]:
+        return {TP.partition}
+
     def beginning_offsets(self, tps, timeout_ms: int) -> dict:
         return {tp: 0 for tp in tps}
 

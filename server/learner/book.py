@@ -72,6 +72,7 @@ class StreamBook:
     dead_lettered: int = field(default=0, init=False)  # counted by dead_letter()
     replays_skipped: int = field(default=0, init=False)  # counted by claim()
     _learned: dict[str, set[int]] = field(default_factory=dict, init=False, repr=False)
+    _learned_in: dict[str, dict[str, set[int]]] = field(default_factory=dict, init=False, repr=False)  # per partition
     _in_flight: dict[str, set[int]] = field(default_factory=dict, init=False, repr=False)
     _pending: list[Pending] = field(default_factory=list, init=False, repr=False)
     _handled: dict[str, int] = field(default_factory=dict, init=False, repr=False)  # what `offsets` answers
@@ -126,9 +127,13 @@ class StreamBook:
         first one still pending (records added during the learning step stay pending)."""
         learned = {id(s) for s in batch}
         with self._lock:
-            for stream_id, index in (s.id for s in batch):
+            key_of = {id(p.sample): p.key for p in self._pending}
+            for sample in batch:
+                stream_id, index = sample.id
                 self._in_flight.get(stream_id, set()).discard(index)
                 self._learned.setdefault(stream_id, set()).add(index)
+                in_partition = self._learned_in.setdefault(key_of.get(id(sample), ""), {})
+                in_partition.setdefault(stream_id, set()).add(index)
             self._pending = [p for p in self._pending if id(p.sample) not in learned]
             for key, upto in self._read.items():
                 self._handled[key] = min((p.offset for p in self._pending if p.key == key), default=upto)
@@ -157,6 +162,36 @@ class StreamBook:
         """A checkpoint holding ``offsets`` (from ``state_dict``) is on disk."""
         with self._lock:
             self._saved = dict(offsets)
+
+    # --- one partition's share, for learners in a group (``server.learner.partitioned``) ----------------------------
+    def partition(self, key: str) -> tuple[int | None, dict[str, list[int]]]:
+        """The partition's next offset (None before any record is handled) and the ids learned from it."""
+        with self._lock:
+            learned = {s: sorted(ids) for s, ids in self._learned_in.get(key, {}).items()}
+            return self._handled.get(key), learned
+
+    def adopt(self, key: str, offset: int, learned: dict[str, list[int]]) -> None:
+        """Take a partition over at ``offset``, with the ids its earlier owners learned from it."""
+        with self._lock:
+            self._handled[key] = self._saved[key] = self._read[key] = offset
+            self._learned_in[key] = {s: set(ids) for s, ids in learned.items()}
+            for stream_id, ids in learned.items():
+                self._learned.setdefault(stream_id, set()).update(ids)
+
+    def drop(self, key: str) -> None:
+        """Let a partition go (nothing of it may be pending): its offsets and learned ids leave the book."""
+        with self._lock:
+            if any(p.key == key for p in self._pending):
+                raise RuntimeError(f"{key} still has records waiting for a mini-batch")
+            for stream_id, ids in self._learned_in.pop(key, {}).items():
+                self._learned.get(stream_id, set()).difference_update(ids)
+            for table in (self._handled, self._saved, self._read):
+                table.pop(key, None)
+
+    def unsaved_keys(self) -> list[str]:
+        """The partitions whose offsets moved since the last ``mark_saved``."""
+        with self._lock:
+            return [k for k, v in self._handled.items() if self._saved.get(k) != v]
 
     def state_dict(self) -> dict:
         """The checkpoint's bookkeeping keys (learned ids as index tensors per stream; never the in-flight)."""

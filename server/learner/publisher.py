@@ -21,11 +21,11 @@ from kafka import KafkaProducer
 from kafka.errors import KafkaError
 
 from mepo_stream.kafka import open_producer
-from server.config import ServeConfig, model_config
+from server.config import ServeConfig
 from server.learner.state import ServiceState
 from server.metrics import ServerMetrics
 from server.snapshot import Snapshot
-from server.snapshot_topic import Origin, bundle_sha256, encode, ensure_snapshot_topic, to_records
+from server.snapshot_topic import Origin, encode, ensure_snapshot_topic, to_records
 
 log = logging.getLogger(__name__)
 RETRY_S = 2.0
@@ -49,13 +49,9 @@ class SnapshotPublisher:
     @classmethod
     def create(cls, state: ServiceState) -> SnapshotPublisher | None:
         """The publisher of a learner's snapshots, or None when no snapshot topic is configured."""
-        cfg = state.cfg
-        if cfg.kafka.snapshot_topic is None:
+        if state.cfg.kafka.snapshot_topic is None:
             return None
-        names = tuple(state.class_names[label] for label in range(state.n_classes))
-        origin = Origin(cfg.model_name, model_config(cfg).to_json(), names,
-                        state.learner.method.backbone_sha256, bundle_sha256(cfg.mepo))
-        return cls(cfg, origin, state.metrics, state.fresh_snapshot, state.model_thread.run)
+        return cls(state.cfg, state.origin, state.metrics, state.fresh_snapshot, state.model_thread.run)
 
     def start(self) -> None:
         self.thread.start()

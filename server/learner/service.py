@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from server.batching import MicroBatcher
 from server.config import ServeConfig
+from server.learner.changelog import ChangelogFollower
+from server.learner.partitioned import PartitionedState
 from server.learner.publisher import SnapshotPublisher
 from server.learner.state import ServiceState
 from server.learner.stream import LearnerLoop
@@ -27,14 +29,20 @@ class Service(Serving):
     loop: LearnerLoop
     batcher: MicroBatcher
     publisher: SnapshotPublisher | None = None
+    follower: ChangelogFollower | None = None
 
     @classmethod
     def start(cls, settings: ServeConfig, metrics: ServerMetrics) -> Service:
-        """Load the model (or restore its checkpoint), start publishing its snapshots, and start learning from
-        Kafka in the loop's thread."""
+        """Load the model (or restore its checkpoint; in a group, every partition's state), start publishing its
+        snapshots, and start learning from Kafka in the loop's thread."""
         model_thread = ModelThread()
-        state = model_thread.run(ServiceState, settings, metrics, model_thread)
+        kind = PartitionedState if settings.kafka.state_topic is not None else ServiceState
+        state = model_thread.run(kind, settings, metrics, model_thread)
         service = cls(state, LearnerLoop(state), MicroBatcher(run=model_thread.run), SnapshotPublisher.create(state))
+        if isinstance(state, PartitionedState):
+            state.lag = service.loop.lag  # read when its partitions' states are written
+            service.follower = ChangelogFollower(settings.kafka, state.merge_remote, state.refuse)
+            service.follower.start()
         if service.publisher is not None:
             state.on_learned = service.publisher.notify
             service.publisher.start()  # it publishes the model as it starts (restored, or empty) first
@@ -44,6 +52,8 @@ class Service(Serving):
     def stop(self) -> None:
         """Learn the records in hand, checkpoint and commit, then stop learning; publish the last snapshot."""
         self.loop.stop()
+        if self.follower is not None:
+            self.follower.stop()
         if self.publisher is not None:
             self.publisher.stop()
         self.state.model_thread.shutdown()

@@ -35,9 +35,23 @@ from server.learner.staging import stack_images
 from server.metrics import ServerMetrics
 from server.model_thread import ModelThread
 from server.snapshot import Snapshot, take_snapshot
+from server.snapshot_topic import Origin, bundle_sha256
 
 log = logging.getLogger(__name__)
 CHECKPOINT = "learner.pt"
+CHECKPOINT_FORMAT = "mepo-checkpoint/2"
+"""What a checkpoint holds: version 2 is version 1 (no ``format`` key, written before 2026-11-25) with the key."""
+READABLE_FORMATS = ("mepo-checkpoint/1", CHECKPOINT_FORMAT)
+
+
+def read_checkpoint(path: Path) -> dict:
+    """A learner checkpoint this version reads; another format is refused whole, with what to do."""
+    state = load_checkpoint(path)
+    fmt = state.get("format", "mepo-checkpoint/1")
+    if fmt not in READABLE_FORMATS:
+        raise ValueError(f"{path} is a checkpoint of format {fmt!r}; this version of mepo reads {READABLE_FORMATS}. "
+                         f"Run the version that wrote it, or move it away to start learning from scratch")
+    return state
 
 
 def build_learner(cfg: ServeConfig, n_classes: int) -> OnlineLearner:
@@ -76,6 +90,13 @@ class ServiceState:
         metrics.info.info({"backbone": cfg.backbone.name, "mepo_bundle": str(cfg.mepo or ""),
                            "method": cfg.method, "n_classes": str(self.n_classes)})
         self._export()
+
+    @property
+    def origin(self) -> Origin:
+        """What this learner's snapshots and partition states share, and what a reader must match to use them."""
+        names = tuple(self.class_names[label] for label in range(self.n_classes))
+        return Origin(self.cfg.model_name, model_config(self.cfg).to_json(), names,
+                      self.learner.method.backbone_sha256, bundle_sha256(self.cfg.mepo))
 
     @property
     def checkpoint_path(self) -> Path:
@@ -138,6 +159,31 @@ class ServiceState:
         """Next offset per partition with every record before it handled: where a consumer seeks."""
         return self.book.offsets
 
+    # --- partitions (a learner in a group keeps state per partition: ``server.learner.partitioned``) -------------
+    scales_out = False
+    refusal: str | None = None
+    """Why learning must stop (a learner in a group: a state of another model on the state topic)."""
+
+    def assign_partitions(self, keys: list[str]) -> None:
+        """Partitions assigned to this learner: its checkpoint already holds where each one stands."""
+
+    def revoke_partitions(self, keys: list[str]) -> None:
+        """Partitions taken away (after a checkpoint): the checkpoint keeps them, nothing to do."""
+
+    def _book_partition(self, key: str, taken: tuple[int, dict[str, list[int]]] | None) -> None:
+        """A partition taken over at (next offset, ids learned from it), or let go (None): the book follows."""
+        if taken is None:
+            self.book.drop(key)
+        else:
+            self.book.adopt(key, *taken)
+
+    def _moved_partitions(self) -> list[tuple[str, int, dict[str, list[int]]]]:
+        """(partition, next offset, learned ids) of each partition whose offset moved since the last capture;
+        they count as saved from here (a learner in a group writes them to its state topic)."""
+        moved = [(key, *self.book.partition(key)) for key in self.book.unsaved_keys()]
+        self.book.mark_saved(self.book.offsets)
+        return moved
+
     # --- learning -------------------------------------------------------------------------------------------
     @property
     def batch_limit(self) -> int:
@@ -146,6 +192,11 @@ class ServiceState:
         if self.evaluation is None:
             return self.cfg.learner.batch_size
         return self.evaluation.room(self.learner, self.cfg.learner.batch_size)
+
+    def groups(self, pending: list[Pending]) -> list[list[Pending]]:
+        """The pending records as the groups mini-batches are cut from, in order: one group here (mini-batches may
+        span partitions); a learner in a group learns each partition on its own (``server.learner.partitioned``)."""
+        return [pending]
 
     def learn(self, batch: list[Sample]) -> None:
         """Test-then-train one mini-batch and run a due evaluation (in the model thread), then show the new
@@ -158,28 +209,44 @@ class ServiceState:
         labels = torch.tensor([s.meta.label for s in batch])
         with self._lock:
             start = time.perf_counter()
-            self._test_then_train(images, labels)
+            self._step(images, labels, batch)
             self.book.mark_learned(batch)
             self._since_checkpoint += len(batch)
             self.metrics.step_seconds.observe(time.perf_counter() - start)
-            if self.evaluation is not None and (results := self.evaluation.after_batch(self.learner)):
-                self.metrics.anytime_evals.inc()
-                self.class_accuracy = results[self.cfg.alignment.inference_mode][1]
-            self.version, self.samples_seen = self.version + 1, self.learner.samples_seen
+            self._changed()
+        self._announce(len(batch))
+
+    def _changed(self) -> None:
+        """The model changed: run the evaluations now due, then move ``version`` and ``samples_seen``."""
+        while self.evaluation is not None and (results := self.evaluation.after_batch(self.learner)):
+            self.metrics.anytime_evals.inc()
+            self.class_accuracy = results[self.cfg.alignment.inference_mode][1]
+        self.version, self.samples_seen = self._next_version(), self.learner.samples_seen
+
+    def _next_version(self) -> int:
+        return self.version + 1
+
+    def _announce(self, learned: int) -> None:
+        """Tell the publisher and the metrics of a new version (``learned`` samples learned here for it)."""
         if self.on_learned is not None:
             self.on_learned()
-        self.last_learned_time = time.time()
-        self.metrics.learn_steps.inc()
-        self.metrics.samples_learned.inc(len(batch))
+        if learned:
+            self.last_learned_time = time.time()
+            self.metrics.learn_steps.inc()
+            self.metrics.samples_learned.inc(learned)
         self._export()
 
-    def _test_then_train(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+    def _step(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample]) -> None:
         """The learner's step on one mini-batch; its test-then-train predictions feed the drift monitor."""
         seen_before = self.learner.samples_seen
         if not self.cfg.prequential:
             self.learner.observe(images, labels)
             return
-        pred = self.learner.test_then_train(images, labels, self.cfg.alignment.inference_mode)
+        self._monitor(labels, self.learner.test_then_train(images, labels, self.cfg.alignment.inference_mode),
+                      seen_before)
+
+    def _monitor(self, labels: torch.Tensor, pred: torch.Tensor | None, seen_before: int) -> None:
+        """Feed the test-then-train predictions (None before any class is known) to the drift monitor."""
         if pred is None:
             return
         for event in self.monitor.update(labels.tolist(), pred.tolist(), seen_before):
@@ -230,7 +297,8 @@ class ServiceState:
     def _capture(self) -> dict:
         with self._lock:
             state = copy.deepcopy({
-                "learner": self.learner.state_dict(), "monitor": self.monitor.state_dict(), "version": self.version,
+                "format": CHECKPOINT_FORMAT, "learner": self.learner.state_dict(),
+                "monitor": self.monitor.state_dict(), "version": self.version,
                 **self.book.state_dict(), "time": time.time(),
                 "anytime": None if self.evaluation is None else self.evaluation.state_dict(),
                 "rng": torch.get_rng_state(),  # the augmentation draws continue as if nothing had happened
@@ -251,7 +319,7 @@ class ServiceState:
     def restore(self) -> None:
         if not self.checkpoint_path.is_file():
             return
-        state = load_checkpoint(self.checkpoint_path)
+        state = read_checkpoint(self.checkpoint_path)
         self.learner.load_state_dict(state["learner"])
         self.monitor.load_state_dict(state["monitor"])
         self.version, self.samples_seen = int(state["version"]), self.learner.samples_seen

@@ -102,13 +102,14 @@ class _SeekToHandled(ConsumerRebalanceListener):
         self.loop = loop
 
     def on_partitions_revoked(self, revoked):
-        """Learn what is pending and checkpoint before another consumer takes the partitions over; no commit
-        here, a blocking consumer call would stall the very thread that serves it."""
+        """Learn what is pending and checkpoint before another consumer takes the partitions over, then let them
+        go; no commit here, a blocking consumer call would stall the very thread that serves it."""
         self.loop.learn_pending()
         self.loop.persist(commit=False)
+        self.loop.state.revoke_partitions([tp_key(tp) for tp in revoked])
 
     def on_partitions_assigned(self, assigned):
-        self.loop.seek_to_handled(assigned)
+        self.loop.take_over(assigned)
 
 
 class LearnerLoop(ConsumerThread):
@@ -125,6 +126,8 @@ class LearnerLoop(ConsumerThread):
         self.decoder = decode_executor(self.cfg.decode_workers, state.learner.device)
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="mepo-checkpoint")
         self._writing: Future | None = None  # the checkpoint being written, to its offsets
+        self.refusal: str | None = None  # why learning must stop (set in a rebalance callback)
+        self._broken: KafkaError | None = None  # a broker error in a rebalance callback: reconnect
         super().__init__("mepo-learner")
 
     def request_checkpoint(self) -> None:
@@ -153,6 +156,25 @@ class LearnerLoop(ConsumerThread):
         self.consumer = self.producer = None
         self.connected = False
         self.state.metrics.learner_up.set(0)
+
+    def take_over(self, assigned) -> None:
+        """On assignment: restore the partitions' state (a learner in a group), or check that this learner has
+        the whole topic (one learning alone: a second one in its group would split the stream between two models
+        that nothing adds up), then seek."""
+        try:
+            self.state.assign_partitions([tp_key(tp) for tp in assigned])
+        except ValueError as e:
+            self.refusal = str(e)
+        except KafkaError as e:  # the partitions' states could not be read: reconnect, and be assigned again
+            self._broken = e
+        if self.refusal is None and not self.state.scales_out and self.consumer is not None:
+            everything = self.consumer.partitions_for_topic(self.cfg.kafka.topic) or set()
+            if {tp.partition for tp in assigned} != everything:
+                self.refusal = (f"another learner joined consumer group {self.cfg.kafka.group_id!r} and took some "
+                                f"of {self.cfg.kafka.topic}'s partitions: each would learn a part of the stream "
+                                f"into a model of its own. Learning in several processes needs "
+                                f"--kafka.state_topic (docs: Scale-out), and a model whose sums add up")
+        self.seek_to_handled(assigned)
 
     def seek_to_handled(self, assigned) -> None:
         """On assignment: seek each partition to the offset where this process's model stands (the book's)."""
@@ -185,6 +207,7 @@ class LearnerLoop(ConsumerThread):
     def _consume(self) -> None:
         assert self.consumer is not None
         while not self.stop_event.is_set():
+            self._check_rebalance()
             if self._checkpoint_request.is_set():
                 self._checkpoint_request.clear()
                 self.learn_pending()
@@ -195,6 +218,7 @@ class LearnerLoop(ConsumerThread):
             pending, limit = len(self.state.pending), self.state.batch_limit
             due = pending >= limit  # a whole mini-batch is waiting: learn it while the next poll decodes
             polled = self.consumer.poll(timeout_ms=0 if due else 500, max_records=limit if due else limit - pending)
+            self._check_rebalance()  # before a record of a partition whose state is not restored is accepted
             self._probe()
             records = sorted((r for rs in polled.values() for r in rs), key=lambda r: (r.partition, r.offset))
             self._accept_poll(records, meanwhile=self.learn_pending if due or (pending and not records) else None)
@@ -206,6 +230,14 @@ class LearnerLoop(ConsumerThread):
             self._update_lag()
         self.learn_pending()
         self.persist()
+
+    def _check_rebalance(self) -> None:
+        """Stop on a refusal (a rebalance callback or the state's), reconnect on a broker error in a callback."""
+        if (refusal := self.refusal or self.state.refusal) is not None:
+            raise RuntimeError(refusal)
+        if self._broken is not None:
+            broken, self._broken = self._broken, None
+            raise broken
 
     def _probe(self) -> None:
         """Every few seconds (and while disconnected), check that the broker still answers."""
@@ -282,11 +314,12 @@ class LearnerLoop(ConsumerThread):
     def learn_pending(self) -> None:
         """Learn the pending records in mini-batches of at most ``batch_limit`` (cut at a scheduled evaluation);
         records accepted while a step runs stay pending."""
-        waiting = [p.sample for p in self.state.pending]
-        while waiting:
-            limit = self.state.batch_limit
-            batch, waiting = waiting[:limit], waiting[limit:]
-            self.state.learn(batch)
+        for group in self.state.groups(self.state.pending):
+            waiting = [p.sample for p in group]
+            while waiting:
+                limit = self.state.batch_limit
+                batch, waiting = waiting[:limit], waiting[limit:]
+                self.state.learn(batch)
 
     def _dead_letter(self, record, reason: str, message: str) -> None:
         headers = [("error", reason.encode()), ("error_message", message[:500].encode("utf-8", "replace")),

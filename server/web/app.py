@@ -43,7 +43,11 @@ def create_app(settings: ServeConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.service = service = kind.start(settings, metrics)
+        try:
+            app.state.service = service = kind.start(settings, metrics)
+        except ValueError as e:  # a configuration or a saved state this version refuses: one clear line
+            log.error("refused to start: %s", e)
+            raise
         yield
         service.stop()
 

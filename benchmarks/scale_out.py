@@ -1,0 +1,172 @@
+"""Learning scaled out: two learners in a group against one learner, on the same stream already in Kafka.
+
+Each learner is ``mepo serve --kafka.state_topic ...`` in its own process with one torch thread, pinned to a core
+of its own (``taskset``); the single learner runs alone on one core with one thread. The stream (``--spec``'s
+images, dealt round-robin over ``partitions`` partitions) is produced once both learners have joined the group,
+and each learner's own samples (``mepo_samples_learned_total``) are polled: the aggregate rate is the stream's
+samples over the time from the start of the produce (a fraction of a second, the same for both) to the poll that
+finds them all learned.
+
+Also measured, from the learners' metrics: the merge cost per model change (``mepo_state_merge_duration_seconds``),
+the cost of writing its partition states (``mepo_checkpoint_duration_seconds``) and the bytes written per learner
+per second. "On paper" extrapolates the merge and publish costs to N learners (one partition each), L classes
+and D dimensions from the per-element cost of adding sums, measured here: a remote update re-adds N - 1
+partitions' sums (L + L D + D^2 + K float64 each); a state record holds one partition's sums.
+
+Usage:
+    python -m benchmarks.scale_out --spec.train_per_class 100 --out benchmarks/results/scale_out.json
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import torch
+
+from benchmarks.service import CLI, ROOT, ServiceSpec, write_result
+from mepo_stream.cli import config_options
+from mepo_stream.data import list_files
+from mepo_stream.kafka import KafkaConfig, ensure_topics
+from mepo_stream.label_statistics import LabelStatistics
+from server.broker import EmbeddedBroker, free_port
+
+PARTITIONS = 4
+"""Partitions of the benchmark's topic, as in the scale-out recipe (two per learner of the pair)."""
+SHAPES = [(n, classes, dim) for n in (2, 10, 100) for classes, dim in ((10, 384), (100, 384), (1000, 768))]
+
+
+def _metric(text: str, name: str) -> float:
+    """A sample's value in a Prometheus exposition (0 when absent)."""
+    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def _histogram(text: str, name: str) -> tuple[float, float]:
+    """(sum, count) of a histogram in a Prometheus exposition."""
+    return _metric(text, f"{name}_sum"), _metric(text, f"{name}_count")
+
+
+def _learner(spec: ServiceSpec, kafka: KafkaConfig, group: str, core: int, work: Path) -> tuple[subprocess.Popen, str]:
+    """``mepo serve`` of ``group`` pinned to ``core`` with one thread; its process and URL."""
+    port = free_port()
+    args = ["taskset", "-c", str(core), *CLI, "serve", "--kafka.bootstrap_servers", kafka.bootstrap_servers,
+            "--kafka.topic", kafka.topic,
+            "--kafka.group_id", group, "--kafka.state_topic", f"state-{group}", "--kafka.snapshot_topic", "null",
+            "--data.dataset", spec.dataset, "--data.train_per_class", str(spec.train_per_class),
+            "--backbone.name", spec.model, "--backbone.weights", spec.weights or "null",
+            "--backbone.img_size", str(spec.img_size), "--method", spec.method,
+            *config_options(spec.learner, "--learner."), "--protocol.eval_period", "0",
+            "--checkpoint_dir", str(work / f"{group}-{core}"), "--port", str(port)]
+    log = open(work / f"{group}-{core}.log", "wb")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT), f"http://127.0.0.1:{port}"
+
+
+def _alive(procs: list[tuple[subprocess.Popen, str]]) -> bool:
+    for proc, url in procs:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the learner at {url} exited with {proc.returncode} (its log is in --work)")
+    return True
+
+
+def _wait(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if value := predicate():
+                return value
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def run_group(spec: ServiceSpec, bootstrap: str, learners: int, n: int, work: Path) -> dict:
+    """``learners`` learners of one group, one core each, learning the stream produced once all have joined."""
+    group = f"g{learners}-{free_port()}"
+    kafka = KafkaConfig(bootstrap_servers=bootstrap, topic=f"images-{group}")
+    ensure_topics(kafka, kafka.topic, partitions=PARTITIONS)
+    procs = [_learner(spec, kafka, group, core, work) for core in range(learners)]
+    clients = [httpx.Client(base_url=url, timeout=30) for _, url in procs]
+    try:
+        _wait(lambda: _alive(procs) and all(_metric(c.get("/metrics").text, "mepo_partitions_owned") > 0
+                                            for c in clients), 600, "every learner to own partitions")
+        start = time.monotonic()
+        subprocess.run([*CLI, "produce", "--data.dataset", spec.dataset, "--data.train_per_class",
+                        str(spec.train_per_class), "--kafka.bootstrap_servers", bootstrap, "--kafka.topic",
+                        kafka.topic, "--replay.partition_by", "position"], check=True, capture_output=True,
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        _wait(lambda: _alive(procs) and sum(_metric(c.get("/metrics").text, "mepo_samples_learned_total")
+                                            for c in clients) >= n, 3600, f"{n} samples learned")
+        wall = time.monotonic() - start
+        texts = [c.get("/metrics").text for c in clients]
+    finally:
+        for c in clients:
+            c.close()
+        for proc, _ in procs:
+            proc.terminate()
+            proc.wait(120)
+    merges = [_histogram(t, "mepo_state_merge_duration_seconds") for t in texts]
+    writes = [_histogram(t, "mepo_checkpoint_duration_seconds") for t in texts]
+    return {"learners": learners, "samples": n, "seconds": wall, "samples_per_s": n / wall,
+            "merge_s_per_change": sum(s for s, _ in merges) / max(sum(c for _, c in merges), 1),
+            "state_write_s": sum(s for s, _ in writes) / max(sum(c for _, c in writes), 1),
+            "state_bytes_per_learner_per_s": [_metric(t, "mepo_state_written_bytes_total") / wall for t in texts]}
+
+
+def add_cost_per_element(repeats: int = 5) -> float:
+    """Seconds per float64 element to add partitions' sums (``LabelStatistics.total``), at 100 classes x 384."""
+    parts = [LabelStatistics.zeros(100, 384, 4) for _ in range(8)]
+    elements = 8 * (100 + 100 * 384 + 384 * 384 + 4)
+    best = min(_timed(lambda: LabelStatistics.total(parts)) for _ in range(repeats))
+    return best / elements
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def on_paper(per_element: float) -> list[dict]:
+    """Merge cost of one remote update and the size of one partition state, for N learners, L classes, D dims."""
+    rows = []
+    for n, classes, dim in SHAPES:
+        elements = classes + classes * dim + dim * dim + 4
+        rows.append({"learners": n, "classes": classes, "dim": dim, "state_bytes": 8 * elements,
+                     "merge_s": per_element * elements * n})
+    return rows
+
+
+def main(spec: ServiceSpec = ServiceSpec(train_per_class=100), out: Path = Path("benchmarks/results/scale_out.json"),
+         work: Path = Path("benchmarks/results/work/scale_out")) -> dict:
+    """Two learners (one thread, one core each) against one, on the same stream; and the costs on paper.
+
+    Args:
+        spec: Stream and model (the default learner: frozen backbone, streaming LDA; no bundle).
+        out: JSON result.
+        work: Logs and checkpoints.
+    """
+    spec = replace(spec, mepo=None)  # Meta Cov's running statistics cannot be merged: the default head without it
+    work.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    n = len(list_files(spec.data, "train").files)
+    with EmbeddedBroker(log_path=work / "broker.log") as broker:
+        one = run_group(spec, broker.bootstrap, 1, n, work)
+        two = run_group(spec, broker.bootstrap, 2, n, work)
+    per_element = add_cost_per_element()
+    result = {"spec": spec.as_json(), "one": one, "two": two, "ratio": two["samples_per_s"] / one["samples_per_s"],
+              "add_s_per_element": per_element, "on_paper": on_paper(per_element)}
+    return write_result(result, out, *spec.placement())
+
+
+if __name__ == "__main__":
+    from jsonargparse import CLI as run
+
+    run(main, as_positional=False)

@@ -1,0 +1,161 @@
+"""The state topic's reader and writer, for learners in a group (``server.state_topic`` says what a record is).
+
+* ``Changelog.read_all`` reads the topic from its beginning to its end with a consumer of its own and returns
+  each partition's newest state: what a learner restores when it is assigned a partition. The end is the high
+  watermark of a fetch made after the call started (never ``end_offsets``, which the embedded broker answers
+  wrongly after multi-record batches: ``../shared/notes/kafka.md``), so every state written before the
+  assignment (a revoked owner writes before it lets go) is read.
+* ``Changelog.write`` sends states and waits for the broker's acknowledgement: the learner commits offsets only
+  after their state is durable.
+* ``ChangelogFollower`` tails the topic in a thread and hands every state to a callback: how a learner hears of
+  the partitions other learners own, to add their sums to its model.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.errors import KafkaError
+
+from mepo_stream.kafka import KafkaConfig, open_producer
+from server.snapshot_topic import Assembler, CorruptSnapshot
+from server.state_topic import FORMAT, PartitionState, StateFormatError, decode, ensure_state_topic, state_records
+
+log = logging.getLogger(__name__)
+ACK_TIMEOUT_S = 30.0
+RETRY_S = 2.0
+
+
+def _consumer(kafka: KafkaConfig) -> tuple[KafkaConsumer, TopicPartition]:
+    """A group-less consumer of the state topic's one partition, at its beginning."""
+    ensure_state_topic(kafka)
+    consumer = KafkaConsumer(**kafka.client_options(), group_id=None, enable_auto_commit=False,
+                             auto_offset_reset="earliest", max_partition_fetch_bytes=4 * kafka.snapshot_chunk_bytes,
+                             fetch_max_bytes=64 * 1024 * 1024)
+    tp = TopicPartition(kafka.state_topic, 0)
+    consumer.assign([tp])
+    consumer.seek_to_beginning(tp)
+    return consumer, tp
+
+
+class _Reassembly:
+    """Puts the parts of each partition's states back together, whatever partition they belong to."""
+
+    def __init__(self):
+        self.assemblers: dict[str, Assembler] = {}
+
+    @property
+    def half_read(self) -> bool:
+        """A state's first parts are read, its last ones not yet."""
+        return any(a.incomplete for a in self.assemblers.values())
+
+    def states(self, polled: dict) -> Iterator[PartitionState]:
+        for record in sorted((r for rs in polled.values() for r in rs), key=lambda r: r.offset):
+            head = {k: v.decode(errors="replace") for k, v in record.headers or []}
+            if head.get("format") != FORMAT:
+                raise StateFormatError(f"record {record.offset} of the state topic has format "
+                                       f"{head.get('format')!r}; this learner reads {FORMAT!r}")
+            key = head.get("model", "")
+            assembler = self.assemblers.setdefault(key, Assembler(key, fmt=FORMAT))
+            try:
+                blob = assembler.add(record.key, record.value, record.headers)
+            except CorruptSnapshot as e:
+                raise StateFormatError(f"record {record.offset} of the state topic: {e}") from e
+            if blob is not None:
+                yield decode(blob)
+
+
+class Changelog:
+    """Reads and writes one learner group's state topic."""
+
+    def __init__(self, kafka: KafkaConfig):
+        self.kafka = kafka
+        self._producer: KafkaProducer | None = None
+
+    def read_all(self, timeout_s: float = 60.0) -> dict[str, PartitionState]:
+        """Every partition's newest state, read to the end of the topic as it is now."""
+        consumer, tp = _consumer(self.kafka)
+        latest: dict[str, PartitionState] = {}
+        reassembly, deadline = _Reassembly(), time.monotonic() + timeout_s
+        try:
+            while True:
+                for state in reassembly.states(consumer.poll(timeout_ms=200)):
+                    latest[state.key] = state
+                high = consumer.highwater(tp)
+                if high is not None and consumer.position(tp) >= high:
+                    return latest
+                if time.monotonic() > deadline:
+                    raise KafkaError(f"could not read {self.kafka.state_topic} to its end in {timeout_s:.0f} s")
+        finally:
+            consumer.close()
+
+    def write(self, states: list[PartitionState]) -> int:
+        """Send ``states`` and wait until the broker has them all; returns the bytes sent."""
+        if self._producer is None:
+            ensure_state_topic(self.kafka)
+            self._producer = open_producer(self.kafka, max_request_size=self.kafka.snapshot_chunk_bytes + 65536,
+                                           max_block_ms=int(ACK_TIMEOUT_S * 1000))
+        records = [r for state in states for r in state_records(state, self.kafka.snapshot_chunk_bytes)]
+        futures = [self._producer.send(self.kafka.state_topic, key=key, value=value, headers=headers)
+                   for key, value, headers in records]
+        for future in futures:
+            future.get(timeout=ACK_TIMEOUT_S)
+        return sum(len(value) for _, value, _ in records)
+
+    def close(self) -> None:
+        if self._producer is not None:
+            try:
+                self._producer.close(timeout=2)
+            except Exception:  # closing after a broker failure must not hide the failure itself
+                log.exception("error while closing the state producer")
+            self._producer = None
+
+
+class ChangelogFollower:
+    """Tails the state topic in a thread: every complete state goes to ``on_state``; a state this learner cannot
+    read goes to ``on_error`` and stops the follower (sums of another model are never added)."""
+
+    def __init__(self, kafka: KafkaConfig, on_state: Callable[[PartitionState], None],
+                 on_error: Callable[[str], None]):
+        self.kafka, self.on_state, self.on_error = kafka, on_state, on_error
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="mepo-changelog", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self.thread.join(timeout)
+
+    def _run(self) -> None:
+        position = 0
+        while not self._stop.is_set():
+            consumer = None
+            try:
+                consumer, tp = _consumer(self.kafka)
+                consumer.seek(tp, position)
+                reassembly = _Reassembly()  # parts of a state never span a reconnect: it re-reads from a state start
+                while not self._stop.is_set():
+                    polled = consumer.poll(timeout_ms=200)
+                    for state in reassembly.states(polled):
+                        self.on_state(state)
+                    if not reassembly.half_read:
+                        position = consumer.position(tp)
+            except KafkaError as e:
+                log.warning("state topic unavailable (%s); retrying in %.0f s", e, RETRY_S)
+                self._stop.wait(RETRY_S)
+            except StateFormatError as e:
+                self.on_error(str(e))
+                return
+            except Exception as e:  # a bug: stop following, report it
+                log.exception("the changelog follower failed")
+                self.on_error(f"{type(e).__name__}: {e}")
+                return
+            finally:
+                if consumer is not None:
+                    consumer.close()

@@ -1,0 +1,286 @@
+"""A learner in a group (``--kafka.state_topic``): state per partition, kept in Kafka, one merged model.
+
+Kafka Streams scales stateful work out the same way: state per partition, partitions spread over a consumer
+group, state that moves with its partition. Here the state of a partition is the label-indexed sums of what was
+learned from it (``mepo_stream.label_statistics``), with its next offset and learned ids, written together to the
+state topic (``server.state_topic``). Sums of disjoint parts of a stream add up to the sums of the whole stream,
+so every learner serves exactly the model one learner would have built from the same records:
+
+* **Learning.** Mini-batches are cut per partition. A step predicts the batch with the merged model (its
+  prequential hits choose the shrinkage, summed over partitions), adds the batch's features to its partition's
+  sums, and loads the new total into the classifier (``OnlineLearner.load_statistics``).
+* **Persisting.** Where a single learner writes its checkpoint file, this one writes the state of every partition
+  that moved to the state topic, waits for the broker, then commits the same offsets. A crash rolls each partition
+  back to its last state: the records after it are learned again once, by whichever learner owns it next.
+* **Rebalancing.** A revoked partition is learned up, persisted and let go (its sums stay in the model, now as
+  another learner's); an assigned one is restored from the newest state on the topic (read to its end) and the
+  consumer seeks to its offset.
+* **Merging.** A follower thread tails the state topic; every other partition's newer state replaces its sums in
+  the model. The any-time evaluations take place at global sample counts (the sum over partitions).
+* **Refusals.** A model whose state depends on the order of the stream (gradient-trained hosts, EMA alignment)
+  is refused at start; so is a state of another model (configuration, backbone or bundle) on the topic, or of
+  another format. A single learner's checkpoint in ``--checkpoint_dir`` becomes its partition's state
+  (migration) if it covers one partition, and is refused with what to do if it covers several.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from pathlib import Path
+
+import torch
+from kafka.errors import KafkaError
+
+from mepo_stream.label_statistics import LabelStatistics
+from server.config import ServeConfig
+from server.learner.book import Pending, Sample
+from server.learner.changelog import Changelog
+from server.learner.state import ServiceState, read_checkpoint
+from server.metrics import ServerMetrics
+from server.model_thread import ModelThread
+from server.state_topic import PartitionState
+
+log = logging.getLogger(__name__)
+MIGRATED = ".migrated"
+
+
+class PartitionedState(ServiceState):
+    """``ServiceState`` with per-partition sums: owned partitions in ``own``, the others' newest states in
+    ``remote``; the learner's classifier always holds their total."""
+
+    scales_out = True
+
+    def __init__(self, cfg: ServeConfig, metrics: ServerMetrics, model_thread: ModelThread | None = None):
+        self.changelog = Changelog(cfg.kafka)
+        self.learner_id = f"{socket.gethostname()}:{cfg.port}"
+        self.own: dict[str, LabelStatistics] = {}
+        self.remote: dict[str, PartitionState] = {}
+        self.written: dict[str, PartitionState] = {}  # the last state this learner wrote, per partition
+        self.lag: dict[str, int] = {}  # the loop's, per partition (``Service.start`` shares it)
+        self._remote_total: LabelStatistics | None = None
+        self._migration: PartitionState | None = None
+        self._rate_mark = (time.monotonic(), 0)
+        self._learned_here = 0
+        super().__init__(cfg, metrics, model_thread)
+
+    # --- start ------------------------------------------------------------------------------------------------
+    def restore(self) -> None:
+        """Refuse what cannot be merged, prepare a migration, and load every partition's newest state."""
+        if (why := self.learner.not_mergeable) is not None:
+            raise ValueError(f"--kafka.state_topic: learners in a group add their partitions' sums into one model, "
+                             f"but --method {self.cfg.method} with --learner.classifier "
+                             f"{self.cfg.learner.classifier} cannot be merged: {why}")
+        self._empty = self.learner.statistics()  # zeros of this model's shape
+        self._migration = self._migration_of(self.checkpoint_path)
+        try:
+            states = self.changelog.read_all()
+        except KafkaError as e:  # the follower and the assignment read the topic once the broker is back
+            log.warning("could not read the state topic at start (%s); the partitions' states come later", e)
+            return
+        for state in states.values():
+            self._check(state)
+            self.remote[state.key] = state
+        self._remote_total = None
+        self._load_total()
+        self.version = self.samples_seen = self.learner.samples_seen
+
+    def _migration_of(self, path: Path) -> PartitionState | None:
+        """A single learner's checkpoint as the state of the one partition it learned (None: no checkpoint)."""
+        if not path.is_file():
+            return None
+        state = read_checkpoint(path)
+        keys = sorted(state["offsets"])
+        if len(keys) > 1:
+            raise ValueError(f"{path} is the checkpoint of one learner over {len(keys)} partitions ({keys}): its "
+                             f"sums cannot be split between them. Keep learning without --kafka.state_topic, or "
+                             f"move the checkpoint away to learn the stream again in a group")
+        method = state["learner"]["method"]
+        stats = LabelStatistics.from_head_order(
+            method["classifier.counts"], method["classifier.sums"], method["classifier.second"],
+            method.get("classifier.hits", torch.zeros(0)), [int(y) for y in state["learner"]["exposed"]])
+        if stats.shape != self._empty.shape:
+            raise ValueError(f"{path} holds a model of shape {stats.shape}, this learner's is {self._empty.shape}")
+        learned = {s: v.tolist() for s, v in state["learned"].items()}
+        return PartitionState(keys[0] if keys else "", stats, int(state["offsets"].get(keys[0], 0)) if keys else 0,
+                              learned, self.origin, self.learner_id, time.time(), 0.0, 0)
+
+    def _check(self, state: PartitionState) -> None:
+        """Refuse a partition state of another model: its sums mean something else."""
+        if state.origin != self.origin:
+            theirs, mine = state.origin, self.origin
+            what = [name for name in ("model", "model_config", "class_names", "backbone_sha256", "bundle_sha256")
+                    if getattr(theirs, name) != getattr(mine, name)]
+            raise ValueError(f"the state topic {self.cfg.kafka.state_topic} holds {state.key}'s state written by "
+                             f"{state.learner} for another model (its {', '.join(what)} differ from this "
+                             f"learner's): every learner of a group needs the same options, backbone and bundle. "
+                             f"Start this one with the group's options, or use another --kafka.state_topic and "
+                             f"--kafka.group_id")
+
+    # --- partitions come and go -------------------------------------------------------------------------------
+    def assign_partitions(self, keys: list[str]) -> None:
+        """Restore each assigned partition from its newest state (or a migrated checkpoint, or nothing)."""
+        states = self.changelog.read_all()
+        for state in states.values():
+            self._check(state)
+        if self._migration is not None and self._migration.key in keys and self._migration.key not in states:
+            migrated = self._migration
+            self.changelog.write([migrated])
+            self.checkpoint_path.rename(self.checkpoint_path.with_name(self.checkpoint_path.name + MIGRATED))
+            log.info("migrated %s into %s's state on %s", self.checkpoint_path, migrated.key,
+                     self.cfg.kafka.state_topic)
+            states[migrated.key], self._migration = migrated, None
+        self.model_thread.run(self._assign_partitions, keys, states)
+
+    def _assign_partitions(self, keys: list[str], states: dict[str, PartitionState]) -> None:
+        with self._lock:
+            for key, state in states.items():
+                if key not in keys:
+                    self._newer_remote(state)
+            for key in keys:
+                state = states.get(key)
+                self.own[key] = self._empty.clone() if state is None else state.stats.clone()
+                self._book_partition(key, (0, {}) if state is None else (state.offset, state.learned))
+                self.remote.pop(key, None)
+                if state is not None:
+                    self.written[key] = state
+            self._remote_total = None
+            self._load_total()
+            self._changed()
+        self.metrics.partitions_owned.set(len(self.own))
+        log.info("learning partitions %s from offsets %s", sorted(self.own), self.offsets)
+        self._announce(0)
+
+    def revoke_partitions(self, keys: list[str]) -> None:
+        """Let revoked partitions go (persisted just before): their sums stay in the model as their last state."""
+        self.model_thread.run(self._revoke_partitions, keys)
+
+    def _revoke_partitions(self, keys: list[str]) -> None:
+        with self._lock:
+            for key in keys:
+                self._book_partition(key, None)
+                self.own.pop(key, None)
+                if key in self.written:
+                    self.remote[key] = self.written[key]
+            self._remote_total = None
+            self._load_total()
+        self.metrics.partitions_owned.set(len(self.own))
+
+    def merge_remote(self, state: PartitionState) -> None:
+        """Another learner's newer state of a partition (the follower thread): its sums replace the old ones."""
+        self.model_thread.run(self._merge_remote, state)
+
+    def _merge_remote(self, state: PartitionState) -> None:
+        try:
+            self._check(state)
+        except ValueError as e:
+            self.refuse(str(e))
+            return
+        with self._lock:
+            if not self._newer_remote(state):
+                return
+            self._load_total()
+            self._changed()
+        self.metrics.state_merges.inc()
+        self._announce(0)
+
+    def refuse(self, why: str) -> None:
+        """Stop learning (the loop raises it at its next turn): a state on the topic this learner cannot use."""
+        log.error("refused: %s", why)
+        self.refusal = why
+
+    def _newer_remote(self, state: PartitionState) -> bool:
+        """Keep ``state`` as a partition's remote sums if it is not owned here and is not older than the kept one
+        (the follower may trail a restore that already read a newer state)."""
+        kept = self.remote.get(state.key)
+        if state.key in self.own or (kept is not None and kept.offset > state.offset):
+            return False
+        self.remote[state.key] = state
+        self._remote_total = None
+        return True
+
+    def _load_total(self) -> None:
+        """The classifier becomes the sum of every partition's sums (remote ones cached until one changes)."""
+        start = time.perf_counter()
+        if self._remote_total is None:
+            self._remote_total = LabelStatistics.total([s.stats for s in self.remote.values()], like=self._empty)
+        self.learner.load_statistics(LabelStatistics.total([self._remote_total, *self.own.values()]))
+        self.metrics.merge_seconds.observe(time.perf_counter() - start)
+
+    # --- learning ---------------------------------------------------------------------------------------------
+    def groups(self, pending: list[Pending]) -> list[list[Pending]]:
+        """One group per partition, in the order partitions first appear: a step learns one partition."""
+        out: dict[str, list[Pending]] = {}
+        for p in pending:
+            out.setdefault(p.key, []).append(p)
+        return list(out.values())
+
+    def _step(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample]) -> None:
+        """Predict with the merged model, add the batch to its partition's sums, load the new total."""
+        in_batch = {id(s) for s in batch}
+        (key,) = {p.key for p in self.pending if id(p.sample) in in_batch}  # one partition per step
+        seen_before = self.learner.samples_seen
+        pred, h, hits = self.learner.statistics_step(images, labels)
+        self.own[key].add(h, labels, hits)
+        self._load_total()
+        self._learned_here += len(labels)
+        if self.cfg.prequential:
+            self._monitor(labels, pred, seen_before)
+
+    def _next_version(self) -> int:
+        """The merged model's sample count: the same on every learner once they have the same states."""
+        return self.learner.samples_seen
+
+    # --- persisting: the state topic instead of a checkpoint file --------------------------------------------
+    def _capture(self) -> dict:
+        now = time.time()
+        with self._lock:
+            rate = self._rate()
+            states = [PartitionState(key, self.own[key].clone(), offset, learned, self.origin, self.learner_id, now,
+                                     rate, int(self.lag.get(key, 0)))
+                      for key, offset, learned in self._moved_partitions()]
+            self._since_checkpoint = 0
+        return {"states": states, "offsets": {s.key: s.offset for s in states}, "time": now}
+
+    def _rate(self) -> float:
+        """Samples per second this learner learned since the last capture."""
+        (then, learned), now = self._rate_mark, time.monotonic()
+        self._rate_mark = (now, self._learned_here)
+        return (self._learned_here - learned) / max(now - then, 1e-3)
+
+    def write(self, state: dict) -> dict[str, int]:
+        """Write the captured partition states to the state topic, acknowledged; returns their offsets."""
+        start = time.perf_counter()
+        written = self.changelog.write(state["states"]) if state["states"] else 0
+        with self._lock:
+            self.written.update({s.key: s for s in state["states"]})
+        self.last_checkpoint_time = state["time"]
+        m = self.metrics
+        m.checkpoint_seconds.observe(time.perf_counter() - start)
+        m.last_checkpoint.set(self.last_checkpoint_time)
+        m.state_writes.inc(len(state["states"]))
+        m.state_bytes.inc(written)
+        return state["offsets"]
+
+    # --- reporting --------------------------------------------------------------------------------------------
+    def status(self) -> dict:  # pragma: no mutate block (reporting: tests/test_scale_out.py)
+        """The merged model's status, each learner's partitions, rate and lag, and each partition's samples."""
+        with self._lock:
+            samples = {k: s.stats.samples for k, s in self.remote.items()} | {k: s.samples for k, s in self.own.items()}
+            learners = {self.learner_id: {"partitions": sorted(self.own), "samples_per_second": self._current_rate(),
+                                          "lag": {k: int(self.lag.get(k, 0)) for k in sorted(self.own)}}}
+            for key, state in sorted(self.remote.items()):
+                entry = learners.setdefault(state.learner, {"partitions": [], "samples_per_second": state.rate,
+                                                            "lag": {}})
+                entry["partitions"].append(key)
+                entry["lag"][key] = state.lag
+        for key, n in samples.items():
+            self.metrics.partition_samples.labels(key.rsplit(":", 1)[1]).set(n)
+        return {**super().status(), "learner_id": self.learner_id, "learners": learners,
+                "partition_samples": dict(sorted(samples.items()))}
+
+    def _current_rate(self) -> float:
+        """Samples per second this learner learned since its last persist."""
+        then, learned = self._rate_mark
+        return round((self._learned_here - learned) / max(time.monotonic() - then, 1e-3), 1)

@@ -1,0 +1,107 @@
+"""Per-partition learner state on the wire: the changelog topic learners in a group write and restore from.
+
+Kafka Streams keeps a stateful task's state in a compacted changelog topic keyed by partition, so the state
+outlives the process and follows its partition to whichever instance is assigned it. Here one record (split into
+parts of ``--kafka.snapshot_chunk_bytes``, as snapshots are: ``server.snapshot_topic``) holds everything a
+partition's learner state is, written together so it can never be seen half:
+
+* the partition's label-indexed sums (``mepo_stream.label_statistics``);
+* its next offset (every record before it handled) and the sample ids it learned, per stream;
+* the ``Origin`` of the model (configuration, class names, backbone and bundle sha256): sums of another model
+  cannot be added to these;
+* who wrote it and when, its learning rate and lag (for ``/v1/status``).
+
+Records are keyed ``<topic>:<partition>/<part>`` and carry ``format`` (``FORMAT``); a record of another format
+is refused, never loaded half (``StateFormatError``). The topic has one partition, so every reader sees every
+partition's states in the order they were written; the newest complete one per partition wins.
+
+Example:
+    >>> from mepo_stream.label_statistics import LabelStatistics
+    >>> origin = Origin("mepo", "{}", ("cat", "dog"), "ab" * 32, None)
+    >>> stats = LabelStatistics.zeros(2, 3, 1)
+    >>> state = PartitionState("images:1", stats, 42, {"s": [3, 5]}, origin, "host:8000", 0.0, 1.5, 7)
+    >>> back = decode(encode(state))
+    >>> back.key, back.offset, back.learned, back.origin == origin, back.stats.shape
+    ('images:1', 42, {'s': [3, 5]}, True, (2, 3, 1))
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import asdict, dataclass
+
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from mepo_stream.kafka import KafkaConfig, ensure_topics
+from mepo_stream.label_statistics import LabelStatistics
+from server.snapshot_topic import SNAPSHOT_TOPIC_CONFIGS, Origin, Record, to_records
+
+FORMAT = "mepo-partition-state/1"
+
+
+class StateFormatError(ValueError):
+    """A state record this learner cannot load: another format, or not a readable state at all."""
+
+
+@dataclass(frozen=True)
+class PartitionState:
+    """One partition's learner state, as written to and restored from the state topic."""
+
+    key: str  # "topic:partition" of the image topic
+    stats: LabelStatistics
+    offset: int  # next offset to read: every record before it is handled
+    learned: dict[str, list[int]]  # sample indices learned, per stream id
+    origin: Origin  # the model these sums belong to
+    learner: str  # who wrote it (host:port)
+    written_at: float  # Unix time
+    rate: float  # samples per second the writer learned lately (all its partitions)
+    lag: int  # records of the partition not learned yet when written
+
+
+def ensure_state_topic(kafka: KafkaConfig) -> None:
+    """Create the compacted state topic (one partition: every state in the order it was written)."""
+    if kafka.state_topic is None:
+        raise ValueError("no state topic is configured (--kafka.state_topic)")
+    ensure_topics(kafka, kafka.state_topic, configs=SNAPSHOT_TOPIC_CONFIGS)
+
+
+def encode(state: PartitionState) -> bytes:
+    """The safetensors blob of one partition's state."""
+    tensors = {**state.stats.tensors("stats."),
+               **{f"learned.{i}": torch.tensor(v, dtype=torch.long) for i, v in enumerate(state.learned.values())}}
+    meta = {"format": FORMAT, "key": state.key, "offset": str(state.offset), "streams": json.dumps(list(state.learned)),
+            "origin": json.dumps(asdict(state.origin)), "learner": state.learner,
+            "written_at": repr(state.written_at), "rate": repr(state.rate), "lag": str(state.lag)}
+    return save_tensors({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata=meta)
+
+
+def decode(blob: bytes) -> PartitionState:
+    """Parse a blob; another format or any defect raises ``StateFormatError`` naming it."""
+    try:
+        (length,) = struct.unpack("<Q", blob[:8])
+        meta = json.loads(blob[8:8 + length])["__metadata__"]
+    except Exception as e:
+        raise StateFormatError(f"not a readable partition state: {type(e).__name__}: {e}") from e
+    if meta.get("format") != FORMAT:
+        raise StateFormatError(f"a partition state of format {meta.get('format')!r}; this learner reads {FORMAT!r} "
+                               f"(written by another version of mepo: run that version, or use a new "
+                               f"--kafka.state_topic and --kafka.group_id to start over)")
+    try:
+        tensors = load_tensors(blob)
+        streams = json.loads(meta["streams"])
+        origin = json.loads(meta["origin"])
+        return PartitionState(
+            meta["key"], LabelStatistics.from_tensors(tensors, "stats."), int(meta["offset"]),
+            {s: tensors[f"learned.{i}"].tolist() for i, s in enumerate(streams)},
+            Origin(**{**origin, "class_names": tuple(origin["class_names"])}), meta["learner"],
+            float(meta["written_at"]), float(meta["rate"]), int(meta["lag"]))
+    except Exception as e:  # missing keys, wrong types: a state we cannot trust
+        raise StateFormatError(f"not a readable partition state: {type(e).__name__}: {e}") from e
+
+
+def state_records(state: PartitionState, chunk_bytes: int) -> list[Record]:
+    """The Kafka records of one state: parts keyed ``<key>/<part>``, versioned by the partition's offset."""
+    return to_records(encode(state), state.key, state.offset, chunk_bytes, FORMAT)

@@ -1,0 +1,300 @@
+"""Learning scaled out (``--kafka.state_topic``): per-partition sums that add up to the single learner's model.
+
+The unit tests check the pieces (the sums, the learner's step without folding, the state record, the refusals,
+the checkpoint formats); the broker tests run real ``mepo serve`` processes on a 4-partition topic: two learners
+in a group against one learner alone, and two learners with one of them killed with SIGKILL three times.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+import yaml
+from kafka import TopicPartition
+from kafka.errors import KafkaConnectionError
+
+from mepo_stream.checkpoint import save_checkpoint
+from mepo_stream.data import load_split
+from mepo_stream.kafka import ensure_topics
+from mepo_stream.label_statistics import LabelStatistics
+from mepo_stream.learner import OnlineLearner
+from mepo_stream.model import create_model
+from mepo_stream.sampler import SiBlurryConfig
+from producers.siblurry import ReplayConfig, produce, stream_id
+from server.broker import free_port
+from server.config import ServeConfig, model_config
+from server.learner.changelog import Changelog
+from server.learner.partitioned import PartitionedState
+from server.learner.state import CHECKPOINT, ServiceState
+from server.metrics import ServerMetrics
+from server.snapshot_topic import Origin
+from server.state_topic import FORMAT, PartitionState, StateFormatError, decode, encode
+from tests.fakes import service
+from tests.helpers import DATA, ServeProcess, color_images, http_client, settings, wait_for
+
+STREAM = SiBlurryConfig(seed=1)
+PARTITIONS = 4
+NO_BROKER = type("NoBroker", (), {"bootstrap": "127.0.0.1:9"})()
+
+
+# --- the pieces -------------------------------------------------------------------------------------------------
+def learner(**kw) -> OnlineLearner:
+    cfg = settings(NO_BROKER, Path("/tmp/unused"), **kw)
+    return OnlineLearner(create_model(model_config(cfg), 10), cfg.learner)
+
+
+def test_the_sums_of_parts_learned_apart_are_the_sums_of_the_whole():
+    """Two learners (each numbering classes in its own order) on two halves equal one learner on the whole."""
+    torch.set_num_threads(1)  # batch-invariant features (docs "Scale-out": exact with one thread per learner)
+    labels = torch.tensor([3, 1, 3, 5, 1, 1, 5, 3, 0, 0, 5, 3])
+    images = color_images(labels % 8)
+    whole, a, b = learner(), learner(), learner()
+    whole.observe(images, labels)
+    parts = []
+    for part, rows in ((a, slice(0, 6)), (b, slice(6, 12))):
+        sums = LabelStatistics.zeros(10, whole.method.classifier.sums.shape[1], 4)
+        _, h, hits = part.statistics_step(images[rows], labels[rows])
+        sums.add(h, labels[rows], hits)
+        parts.append(sums)
+    assert a.exposed == [3, 1, 5] and b.exposed == [5, 3, 0]  # two label maps
+    merged = learner()
+    merged.load_statistics(LabelStatistics.total(parts))
+    mine, theirs = merged.statistics(), whole.statistics()
+    for name in ("counts", "sums", "second"):
+        assert torch.allclose(getattr(mine, name), getattr(theirs, name), rtol=1e-12, atol=0), name
+    test = color_images(torch.arange(8), seed=5)
+    assert torch.equal(merged.predict(test)["running"], whole.predict(test)["running"])
+
+
+def test_a_partition_state_survives_the_wire_and_another_format_is_refused():
+    origin = Origin("mepo", "{}", ("a", "b"), "ab" * 32, None)
+    stats = LabelStatistics.zeros(2, 3, 2)
+    stats.add(torch.ones(2, 3), torch.tensor([1, 1]), torch.tensor([1.0, 0.0]))
+    state = PartitionState("t:3", stats, 17, {"s": [4, 9]}, origin, "h:1", 5.0, 2.5, 3)
+    back = decode(encode(state))
+    assert (back.key, back.offset, back.learned, back.origin, back.rate, back.lag) == ("t:3", 17, {"s": [4, 9]},
+                                                                                      origin, 2.5, 3)
+    assert torch.equal(back.stats.second, stats.second) and back.stats.hits.tolist() == [1.0, 0.0]
+    blob = encode(state).replace(FORMAT.encode(), b"mepo-partition-state/9")
+    with pytest.raises(StateFormatError, match="mepo-partition-state/9.*another version"):
+        decode(blob)
+    with pytest.raises(StateFormatError, match="not a readable"):
+        decode(b"\x05\x00\x00\x00\x00\x00\x00\x00junk")
+
+
+@pytest.mark.parametrize("method,classifier,reason", [("misa", "slda", "trains by gradient"),
+                                                      ("frozen", "linear", "trains by gradient")])
+def test_a_model_that_depends_on_the_order_is_refused_in_a_group(tmp_path, method, classifier, reason):
+    cfg = settings(NO_BROKER, tmp_path, method=method, learner=replace(settings(NO_BROKER, tmp_path).learner,
+                                                                       classifier=classifier))
+    cfg = replace(cfg, kafka=replace(cfg.kafka, state_topic="state"))
+    with pytest.raises(ValueError, match=f"--kafka.state_topic.*--method {method}.*{reason}"):
+        PartitionedState(cfg, ServerMetrics())
+
+
+def single_checkpoint(tmp_path: Path, offsets: dict[str, int], fmt: str | None = None) -> ServeConfig:
+    """A single learner's checkpoint (its state after 12 samples) at ``offsets``, in ``fmt`` (None: version 1)."""
+    cfg = settings(NO_BROKER, tmp_path)
+    state = ServiceState(cfg, ServerMetrics())
+    labels = torch.tensor([2, 7, 2, 7, 4, 4, 2, 7, 4, 2, 2, 7])
+    state.learner.observe(color_images(labels % 8), labels)
+    captured = state.capture()
+    captured.update(offsets=offsets, learned={"s": torch.arange(12)})
+    if fmt is None:
+        del captured["format"]
+    else:
+        captured["format"] = fmt
+    save_checkpoint(cfg.checkpoint_dir / CHECKPOINT, captured)
+    return cfg
+
+
+def test_checkpoint_formats_are_read_or_refused_whole(tmp_path):
+    v1 = single_checkpoint(tmp_path / "v1", {"images:0": 12})  # written before checkpoints had a format
+    assert ServiceState(v1, ServerMetrics()).learner.samples_seen == 12
+    future = single_checkpoint(tmp_path / "v9", {"images:0": 12}, "mepo-checkpoint/9")
+    with pytest.raises(ValueError, match="format 'mepo-checkpoint/9'.*move it away"):
+        ServiceState(future, ServerMetrics())
+
+
+def test_a_single_learners_checkpoint_becomes_its_partitions_state_or_is_refused(tmp_path):
+    one = single_checkpoint(tmp_path / "one", {"images:0": 12})
+    state = ServiceState(one, ServerMetrics())
+    grouped = replace(one, kafka=replace(one.kafka, state_topic="state"))
+    migration = PartitionedState.__new__(PartitionedState)  # only the migration, no broker
+    migration.cfg, migration.learner, migration.learner_id = grouped, state.learner, "me"
+    migration.class_names, migration.n_classes, migration._empty = state.class_names, state.n_classes, \
+        state.learner.statistics()
+    migrated = migration._migration_of(one.checkpoint_dir / CHECKPOINT)
+    assert (migrated.key, migrated.offset, migrated.learned) == ("images:0", 12, {"s": list(range(12))})
+    assert torch.equal(migrated.stats.counts, state.learner.statistics().counts)
+    assert migrated.stats.samples == 12
+    several = single_checkpoint(tmp_path / "several", {"images:0": 6, "images:1": 6})
+    with pytest.raises(ValueError, match="over 2 partitions.*cannot be split"):
+        migration._migration_of(several.checkpoint_dir / CHECKPOINT)
+
+
+def test_a_second_learner_in_the_group_of_one_without_a_state_topic_stops_learning(tmp_path):
+    state, loop, _ = service(tmp_path)
+    loop.consumer = SimpleNamespace(partitions_for_topic=lambda topic: {0, 1}, seek=lambda tp, offset: None)
+    loop.take_over([TopicPartition(state.cfg.kafka.topic, 0)])
+    with pytest.raises(RuntimeError, match="another learner joined.*--kafka.state_topic"):
+        loop._check_rebalance()
+
+
+def test_a_state_of_another_model_is_never_merged(tmp_path, monkeypatch):
+    def broker_down(self, timeout_s=60.0):
+        raise KafkaConnectionError("no broker")
+
+    monkeypatch.setattr(Changelog, "read_all", broker_down)  # the start goes on; states come later
+    cfg = settings(NO_BROKER, tmp_path)
+    state = PartitionedState(replace(cfg, kafka=replace(cfg.kafka, state_topic="state")), ServerMetrics())
+    foreign = replace(state.origin, backbone_sha256="0" * 64)
+    stats = LabelStatistics.zeros(*state.learner.statistics().shape)
+    stats.add(torch.ones(3, stats.shape[1]), torch.tensor([1, 1, 2]), torch.zeros(stats.shape[2]))
+    state.merge_remote(PartitionState("images:1", stats, 3, {}, foreign, "other:1", 0.0, 0.0, 0))
+    assert "another model (its backbone_sha256 differ" in state.refusal and state.learner.samples_seen == 0
+    state.refusal = None
+    state.merge_remote(PartitionState("images:1", stats, 3, {}, state.origin, "other:1", 0.0, 0.0, 0))
+    assert state.refusal is None and state.learner.samples_seen == 3 and state.learner.exposed == [1, 2]
+    state.model_thread.shutdown()
+
+
+# --- against the real broker ------------------------------------------------------------------------------------
+def group_member(base: ServeConfig, root: Path, group: str) -> ServeConfig:
+    """A learner of ``group`` on ``base``'s image topic: the group's state topic, its own port and directory."""
+    kafka = replace(base.kafka, state_topic=f"{base.kafka.topic}-state-{group}",
+                    group_id=f"{base.kafka.group_id}-{group}")
+    return replace(base, kafka=kafka, port=free_port(), checkpoint_dir=root / f"{group}-{free_port()}",
+                   checkpoint_every=16)
+
+
+def learned_all(cfg: ServeConfig, n: int) -> dict[str, PartitionState] | None:
+    """Every partition's newest state once together they hold all ``n`` records, else None."""
+    states = Changelog(cfg.kafka).read_all()
+    return states if len(states) == PARTITIONS and sum(s.offset for s in states.values()) == n else None
+
+
+def total(states: dict[str, PartitionState]) -> LabelStatistics:
+    return LabelStatistics.total(s.stats for s in states.values())
+
+
+def assert_same_model(a: LabelStatistics, b: LabelStatistics, cfg: ServeConfig, origin: Origin) -> None:
+    """The sums agree to 1e-9 relative, and at every shrinkage the test set's top-1 predictions are identical."""
+    for name in ("counts", "sums", "second"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert ((x - y).abs().max() / x.abs().max()).item() <= 1e-9, name
+    torch.set_num_threads(1)
+    reference = OnlineLearner(create_model(model_config(cfg), len(origin.class_names)), cfg.learner)
+    assert reference.method.backbone_sha256 == origin.backbone_sha256  # the learners' model, rebuilt here
+    test = load_split(replace(cfg.data, load_size=cfg.limits.size), "test")
+    h = reference.encode(test.images).feature
+    predictions = []
+    for stats in (a, b):
+        reference.load_statistics(stats)
+        lda = reference.method.classifier
+        predictions.append([reference.to_labels(lda.scores(h, k).argmax(1)) for k in range(len(lda.shrinkage))])
+        print(f"shrinkage chosen from the summed prequential hits: {float(lda.shrinkage[lda.chosen])}")
+    for k, (pa, pb) in enumerate(zip(*predictions, strict=True)):
+        assert torch.equal(pa, pb), f"shrinkage #{k}"
+
+
+def start(cfgs: list[ServeConfig], tmp_path: Path) -> list[ServeProcess]:
+    """``mepo serve`` for each config, waited for until each answers."""
+    procs = [ServeProcess(c, tmp_path / f"{c.port}.log") for c in cfgs]
+    for proc, cfg in zip(procs, cfgs, strict=True):
+        with http_client(cfg) as http:
+            wait_for(lambda: proc.running() and http.get("/livez").is_success, 120, f"learner {cfg.port}",
+                     ignore=(httpx.TransportError,))
+    return procs
+
+
+def stop(procs: list[ServeProcess]) -> None:
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        proc.wait(60)
+
+
+def test_two_learners_on_four_partitions_build_the_single_learners_model(broker, tmp_path):
+    base = settings(broker, tmp_path)
+    ensure_topics(base.kafka, base.kafka.topic, partitions=PARTITIONS)
+    single = group_member(base, tmp_path, "single")
+    pair = [group_member(base, tmp_path, "pair") for _ in range(2)]
+    procs = start([single, *pair], tmp_path)
+    try:
+        n = produce(DATA, STREAM, base.kafka, ReplayConfig(partitions=PARTITIONS, partition_by="position"))
+        alone = wait_for(lambda: learned_all(single, n), 180, "the single learner's states")
+        split = wait_for(lambda: learned_all(pair[0], n), 180, "the pair's states")
+        assert len({s.learner for s in split.values()}) == 2, "both learners of the pair learned partitions"
+        assert len({s.learner for s in alone.values()}) == 1
+        assert_same_model(total(alone), total(split), single, next(iter(alone.values())).origin)
+        with pytest.raises(ValueError, match="another model \\(its model_config differ"):  # another seed
+            PartitionedState(replace(pair[0], seed=1), ServerMetrics())
+        for cfg in pair:  # each serves the merged model, and says who learns what
+            with http_client(cfg) as http:
+                status = wait_for(lambda h=http: (s := h.get("/v1/status").json())["samples_seen"] == n and s,
+                                  60, "the merged model")
+            assert sum(status["partition_samples"].values()) == n and len(status["partition_samples"]) == PARTITIONS
+            assert sorted(p for entry in status["learners"].values() for p in entry["partitions"]) == sorted(split)
+    finally:
+        stop(procs)
+
+
+def test_kill_9_of_one_of_two_learners_three_times_loses_nothing_and_learns_nothing_twice(broker, tmp_path):
+    rng = random.Random(3)
+    base = settings(broker, tmp_path)
+    ensure_topics(base.kafka, base.kafka.topic, partitions=PARTITIONS)
+    single = group_member(base, tmp_path, "single")
+    pair = [group_member(base, tmp_path, "pair") for _ in range(2)]
+    procs = start([single, *pair], tmp_path)
+    sent: list[int] = []
+    producer = threading.Thread(target=lambda: sent.append(produce(DATA, STREAM, base.kafka, ReplayConfig(
+        partitions=PARTITIONS, partition_by="position", rate=12))))
+    producer.start()
+    try:
+        for _ in range(3):  # the fault: one learner of the pair, at a random moment after it serves
+            time.sleep(rng.uniform(1.0, 3.0))
+            procs[2].send_signal(signal.SIGKILL)
+            procs[2].wait()
+            procs[2:] = start([pair[1]], tmp_path)
+        producer.join()
+        n = sent[0]
+        alone = wait_for(lambda: learned_all(single, n), 240, "the single learner's states")
+        split = wait_for(lambda: learned_all(pair[0], n), 240, "the pair's states after the kills")
+        sid = stream_id(DATA, STREAM)
+        learned = sorted(i for s in split.values() for i in s.learned[sid])
+        assert learned == sorted(i for s in alone.values() for i in s.learned[sid]) and len(learned) == n
+        assert total(split).samples == n, "a sample learned twice"
+        assert_same_model(total(alone), total(split), single, next(iter(alone.values())).origin)
+    finally:
+        producer.join()
+        stop(procs)
+
+
+def test_the_scale_out_recipe_runs_two_learners_one_replica_on_four_partitions():
+    """``deploy/compose.scale-out.yaml`` over ``deploy/compose.yaml``: what docs/scale-out.md promises."""
+    loader = type("ComposeLoader", (yaml.SafeLoader,), {})
+    loader.add_constructor("!override", lambda load, node: load.construct_sequence(node))  # Compose's merge tag
+    deploy = Path(__file__).parents[1] / "deploy"
+    services = yaml.load((deploy / "compose.scale-out.yaml").read_text(), loader)["services"]
+    base = yaml.safe_load((deploy / "compose.yaml").read_text())["services"]
+    assert set(services) - {"topics"} <= set(base)
+    assert "partitions=4" in services["topics"]["command"][0]
+    learner = services["learner"]
+    assert learner["deploy"]["replicas"] == 2 and "--kafka.state_topic mepo.state" in learner["command"][0]
+    assert learner["depends_on"]["topics"]["condition"] == "service_completed_successfully"
+    assert services["replica"]["deploy"]["replicas"] == 1
+    assert "--replay.partitions 4 --replay.partition_by position" in services["producer"]["command"][0]
+    config = services["prometheus"]["command"][0].split("=", 1)[1].removeprefix("/etc/prometheus/")
+    scrape = yaml.safe_load((deploy / "prometheus" / config).read_text())["scrape_configs"]
+    assert {"names": ["learner"], "type": "A", "port": 8000} in [c for j in scrape for c in j.get("dns_sd_configs", [])]
+    assert (Path(__file__).parents[1] / "docs" / "scale-out.md").is_file()
