@@ -63,8 +63,11 @@ def test_run_all_smoke_writes_every_result_and_the_readme_table(tmp_path):
     assert quality["spec"]["method"] == "frozen" and quality["stream_samples"] == 100
     assert 0 < results["predict_latency"]["requests_while_learning"] <= 10
     scale_out = results["scale_out"]
-    assert scale_out["one"]["samples"] == scale_out["two"]["samples"] == 100 and scale_out["two"]["learners"] == 2
+    assert 0 < scale_out["one"]["samples"] <= 2000 and 0 < scale_out["two"]["samples"] <= 2000
+    assert scale_out["two"]["learners"] == 2
     assert len(scale_out["two"]["state_bytes_per_learner_per_s"]) == 2 and scale_out["on_paper"][-1]["learners"] == 100
+    bare = scale_out["bare_samples_per_s"]
+    assert scale_out["bare_ratio"] == pytest.approx(bare["2"] / bare["1"])
     auto = str(resolve_precision("auto", torch.device("cpu"))).removeprefix("torch.")  # bf16 where the CPU has it
     assert all(r["machine"]["device"] == "cpu" and r["machine"]["dtype"] in {"float32", auto}
                and r["machine"]["device_name"] and "cuda" in r["machine"] and r["machine"]["torch_threads"] > 0

@@ -144,6 +144,18 @@ def test_initial_status_with_nulls_and_a_replicas_section(browser, tmp_path):
         wait_until(browser, lambda d: not d.find_element(By.ID, "replicas-panel").is_displayed(), "no replicas")
 
 
+def test_a_learner_in_a_group_shows_each_learners_partitions_rate_and_lag(browser):
+    learners = {"host-a:8000": {"partitions": ["images:0", "images:1"], "samples_per_second": 41.5,
+                                "lag": {"images:0": 3, "images:1": 0}},
+                "host-b:8000": {"partitions": ["images:2", "images:3"], "samples_per_second": 40.2, "lag": {}}}
+    with serve_app(stub_app({**EMPTY_STATUS, "learners": learners})) as url:
+        browser.get(url)
+        wait_until(browser, lambda d: d.find_element(By.ID, "learners-panel").is_displayed(), "the learners")
+        table = text(browser, "learners")
+        assert "host-b:8000" in table and "images:3" in table and "41.5" in table and "samples_per_second" in table
+        assert not browser.find_element(By.ID, "replicas-panel").is_displayed() and script_errors(browser) == []
+
+
 def test_the_pill_says_idle_when_nothing_is_learned_and_live_when_learning(browser):
     status = {**EMPTY_STATUS, "kafka_connected": True, "samples_seen": 64, "idle_seconds": 30.0}
     with serve_app(stub_app(status)) as url:

@@ -7,6 +7,7 @@ in a group against one learner alone, and two learners with one of them killed w
 
 from __future__ import annotations
 
+import io
 import random
 import signal
 import threading
@@ -21,6 +22,7 @@ import torch
 import yaml
 from kafka import TopicPartition
 from kafka.errors import KafkaConnectionError
+from PIL import Image
 
 from mepo_stream.checkpoint import save_checkpoint
 from mepo_stream.data import load_split
@@ -172,7 +174,8 @@ def test_a_state_of_another_model_is_never_merged(tmp_path, monkeypatch):
 def group_member(base: ServeConfig, root: Path, group: str) -> ServeConfig:
     """A learner of ``group`` on ``base``'s image topic: the group's state topic, its own port and directory."""
     kafka = replace(base.kafka, state_topic=f"{base.kafka.topic}-state-{group}",
-                    group_id=f"{base.kafka.group_id}-{group}")
+                    group_id=f"{base.kafka.group_id}-{group}",
+                    snapshot_topic=f"{base.kafka.topic}-snapshots-{group}")
     return replace(base, kafka=kafka, port=free_port(), checkpoint_dir=root / f"{group}-{free_port()}",
                    checkpoint_every=16)
 
@@ -207,6 +210,17 @@ def assert_same_model(a: LabelStatistics, b: LabelStatistics, cfg: ServeConfig, 
         assert torch.equal(pa, pb), f"shrinkage #{k}"
 
 
+def test_pngs(cfg: ServeConfig, count: int = 8) -> list[bytes]:
+    """The first test images of ``cfg``'s dataset, as PNG files."""
+    test = load_split(replace(cfg.data, load_size=cfg.limits.size), "test")
+    out = []
+    for image in test.images[:count]:
+        buffer = io.BytesIO()
+        Image.fromarray(image.permute(1, 2, 0).numpy()).save(buffer, format="PNG")
+        out.append(buffer.getvalue())
+    return out
+
+
 def start(cfgs: list[ServeConfig], tmp_path: Path) -> list[ServeProcess]:
     """``mepo serve`` for each config, waited for until each answers."""
     procs = [ServeProcess(c, tmp_path / f"{c.port}.log") for c in cfgs]
@@ -229,7 +243,8 @@ def test_two_learners_on_four_partitions_build_the_single_learners_model(broker,
     ensure_topics(base.kafka, base.kafka.topic, partitions=PARTITIONS)
     single = group_member(base, tmp_path, "single")
     pair = [group_member(base, tmp_path, "pair") for _ in range(2)]
-    procs = start([single, *pair], tmp_path)
+    replica = replace(pair[0], role="replica", port=free_port())
+    procs = start([single, *pair, replica], tmp_path)
     try:
         n = produce(DATA, STREAM, base.kafka, ReplayConfig(partitions=PARTITIONS, partition_by="position"))
         alone = wait_for(lambda: learned_all(single, n), 180, "the single learner's states")
@@ -239,12 +254,18 @@ def test_two_learners_on_four_partitions_build_the_single_learners_model(broker,
         assert_same_model(total(alone), total(split), single, next(iter(alone.values())).origin)
         with pytest.raises(ValueError, match="another model \\(its model_config differ"):  # another seed
             PartitionedState(replace(pair[0], seed=1), ServerMetrics())
-        for cfg in pair:  # each serves the merged model, and says who learns what
+        answers = []
+        for cfg in [*pair, replica]:  # each serves the merged model; the learners say who learns what
             with http_client(cfg) as http:
                 status = wait_for(lambda h=http: (s := h.get("/v1/status").json())["samples_seen"] == n and s,
                                   60, "the merged model")
-            assert sum(status["partition_samples"].values()) == n and len(status["partition_samples"]) == PARTITIONS
-            assert sorted(p for entry in status["learners"].values() for p in entry["partitions"]) == sorted(split)
+                files = [("files", (f"{i}.png", png, "image/png")) for i, png in enumerate(test_pngs(single))]
+                answers.append([p["top_k"][0]["label"]
+                                for p in http.post("/v1/predict", files=files).json()["predictions"]])
+            if cfg.role == "learner":
+                assert sum(status["partition_samples"].values()) == n and len(status["partition_samples"]) == 4
+                assert sorted(p for e in status["learners"].values() for p in e["partitions"]) == sorted(split)
+        assert answers[0] == answers[1] == answers[2], answers
     finally:
         stop(procs)
 
@@ -273,7 +294,7 @@ def test_kill_9_of_one_of_two_learners_three_times_loses_nothing_and_learns_noth
         sid = stream_id(DATA, STREAM)
         learned = sorted(i for s in split.values() for i in s.learned[sid])
         assert learned == sorted(i for s in alone.values() for i in s.learned[sid]) and len(learned) == n
-        assert total(split).samples == n, "a sample learned twice"
+        assert total(split).samples == n, "a sample lost or learned twice"
         assert_same_model(total(alone), total(split), single, next(iter(alone.values())).origin)
     finally:
         producer.join()

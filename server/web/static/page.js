@@ -133,19 +133,20 @@ function cellText(v) {
   return typeof v === "object" ? JSON.stringify(v) : String(v);
 }
 
-/** Replicas, shown only when /v1/status has a `replicas` field (a list of objects or a name -> object map),
- *  drawn as a table whose columns are the union of their keys, so any replica fields show without a change here. */
-function renderReplicas(replicas) {
-  $("replicas-panel").hidden = replicas === undefined;
-  if (replicas === undefined) return;
-  const rows = Array.isArray(replicas) ? replicas.map((r, i) => [String(i), r]) : Object.entries(replicas || {});
+/** A name -> object map (or a list) of /v1/status, `replicas` or `learners` (a learner in a group: its partitions,
+ *  rate and lag), as a table in its panel, shown only when the field is there; the columns are the union of the
+ *  objects' keys, so new fields show without a change here. */
+function renderTable(id, name, entries) {
+  $(`${id}-panel`).hidden = entries === undefined;
+  if (entries === undefined) return;
+  const rows = Array.isArray(entries) ? entries.map((r, i) => [String(i), r]) : Object.entries(entries || {});
   const isObject = (r) => r !== null && typeof r === "object";
   const keys = [...new Set(rows.flatMap(([, r]) => (isObject(r) ? Object.keys(r) : ["value"])))];
   const value = (r, k) => (isObject(r) ? r[k] : r);
-  const header = el("tr", {}, [el("th", {}, "replica"), ...keys.map((k) => el("th", {}, k))]);
-  const body = rows.map(([name, r]) => el("tr", {}, [el("td", {}, name),
+  const header = el("tr", {}, [el("th", {}, name), ...keys.map((k) => el("th", {}, k))]);
+  const body = rows.map(([key, r]) => el("tr", {}, [el("td", {}, key),
     ...keys.map((k) => el("td", {}, cellText(value(r, k))))]));
-  $("replicas").replaceChildren(rows.length ? el("table", {}, [header, ...body]) : el("p", { class: "note" }, "none"));
+  $(id).replaceChildren(rows.length ? el("table", {}, [header, ...body]) : el("p", { class: "note" }, "none"));
 }
 
 /** The header pill: live, idle (nothing learned for IDLE_AFTER_S), paused, disconnected from Kafka, or the
@@ -172,7 +173,8 @@ async function poll() {
     renderStats(s, rate.push(performance.now(), s.samples_seen || 0));
     renderCurve(s);
     renderDrift(s.drift_events);
-    renderReplicas(s.replicas);
+    renderTable("replicas", "replica", s.replicas);
+    renderTable("learners", "learner", s.learners);
     renderConnection(s);
   } catch (err) {
     $("connection").className = "pill bad";
