@@ -14,8 +14,8 @@ On a VM two vCPUs need not scale 2x even for bare PyTorch (shared caches, memory
 Also measured, from the learners' metrics: the merge cost per model change (``mepo_state_merge_duration_seconds``),
 the cost of writing its partition states (``mepo_checkpoint_duration_seconds``) and the bytes written per learner
 per second. "On paper" extrapolates the merge and publish costs to N learners (one partition each), L classes
-and D dimensions from the per-element cost of adding sums, measured here: a remote update re-adds N - 1
-partitions' sums (L + L D + D^2 + K float64 each); a state record holds one partition's sums.
+and D dimensions (``on_paper``) from the per-element cost of adding sums, measured here, and the single learner's
+rate.
 
 Usage:
     python -m benchmarks.scale_out --spec.train_per_class 100 --out benchmarks/results/scale_out.json
@@ -178,13 +178,25 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def on_paper(per_element: float) -> list[dict]:
-    """Merge cost of one remote update and the size of one partition state, for N learners, L classes, D dims."""
+def on_paper(per_element: float, rate: float, every: int = 512) -> list[dict]:
+    """Costs for N learners (one partition each), L classes and D dimensions, each learner learning ``rate``
+    samples/s and writing its partition's state every ``every`` samples (``--checkpoint_every``):
+
+    * ``state_bytes``: one partition state (its sums in float64; the learned ids aside);
+    * ``merge_s``: one remote state folded in (its part replaced in the remote total: 2 parts' additions, plus a
+      fresh sum of N parts every N replacements: about 3 parts, whatever N), then the total loaded (1 part);
+    * ``step_merge_s``: per learning step, the own partition added to the remote total and loaded (3 parts);
+    * ``merge_share``: the share of one core every learner spends merging the others' states (N - 1 of them,
+      each ``rate / every`` times a second);
+    * ``incoming_bytes_per_s``: what every learner reads from the state topic.
+    """
     rows = []
     for n, classes, dim in SHAPES:
         elements = classes + classes * dim + dim * dim + 4
+        part_s, updates_per_s = per_element * elements, (n - 1) * rate / every
         rows.append({"learners": n, "classes": classes, "dim": dim, "state_bytes": 8 * elements,
-                     "merge_s": per_element * elements * n})
+                     "merge_s": 4 * part_s, "step_merge_s": 3 * part_s, "merge_share": 4 * part_s * updates_per_s,
+                     "incoming_bytes_per_s": 8 * elements * updates_per_s})
     return rows
 
 
@@ -211,7 +223,7 @@ def main(spec: ServiceSpec = ServiceSpec(train_per_class=100), bare_batches: int
     per_element = add_cost_per_element()
     result = {"spec": spec.as_json(), "one": one, "two": two, "ratio": two["samples_per_s"] / one["samples_per_s"],
               "bare_samples_per_s": bare, "bare_ratio": bare["2"] / bare["1"],
-              "add_s_per_element": per_element, "on_paper": on_paper(per_element)}
+              "add_s_per_element": per_element, "on_paper": on_paper(per_element, one["samples_per_s"])}
     return write_result(result, out, *spec.placement())
 
 

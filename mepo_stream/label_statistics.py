@@ -14,9 +14,9 @@ Example:
     >>> merged = LabelStatistics.total([a, b])
     >>> merged.counts.tolist(), merged.samples, merged.hits.tolist()
     ([1.0, 0.0, 2.0], 3, [1.0])
-    >>> counts, sums = merged.head_order([2, 0])  # this learner saw label 2 first, then 0
+    >>> counts, sums = merged.head_order([2, 0])  # this learner saw label 2 first, then 0; output 2 is unmapped
     >>> counts.tolist(), sums.tolist()
-    ([2.0, 1.0], [[2.0, 1.0], [0.0, 1.0]])
+    ([2.0, 1.0, 0.0], [[2.0, 1.0], [0.0, 1.0], [0.0, 0.0]])
 """
 
 from __future__ import annotations
@@ -75,6 +75,12 @@ class LabelStatistics:
         if len(shapes) > 1:
             raise ValueError(f"statistics of different shapes cannot be added: {sorted(shapes)}")
         return cls(*(torch.stack([getattr(p, f) for p in parts]).sum(0) for f in FIELDS))
+
+    def replace_part(self, old: LabelStatistics | None, new: LabelStatistics) -> LabelStatistics:
+        """This total with one part ``old`` (None: a part not in it yet) replaced by ``new``: two additions, whatever
+        the number of parts (float64 rounding of the order of the total's magnitude per call)."""
+        return LabelStatistics(*((getattr(self, f) + getattr(new, f) - (0 if old is None else getattr(old, f)))
+                                 for f in FIELDS))
 
     def head_order(self, exposed: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Counts [C] and sums [C, D] in a learner's head order (head output k is label ``exposed[k]``), zero for

@@ -168,8 +168,8 @@ class LearnerLoop(ConsumerThread):
         except KafkaError as e:  # the partitions' states could not be read: reconnect, and be assigned again
             self._broken = e
         if self.refusal is None and not self.state.scales_out and self.consumer is not None:
-            everything = self.consumer.partitions_for_topic(self.cfg.kafka.topic) or set()
-            if {tp.partition for tp in assigned} != everything:
+            everything = self.consumer.partitions_for_topic(self.cfg.kafka.topic)  # None: not known yet
+            if everything and {tp.partition for tp in assigned} != everything:
                 self.refusal = (f"another learner joined consumer group {self.cfg.kafka.group_id!r} and took some "
                                 f"of {self.cfg.kafka.topic}'s partitions: each would learn a part of the stream "
                                 f"into a model of its own. Learning in several processes needs "
