@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import io
 import random
+import shutil
 import signal
+import subprocess
 import threading
 import time
 from dataclasses import replace
@@ -344,3 +346,6 @@ def test_the_scale_out_recipe_runs_two_learners_one_replica_on_four_partitions()
     scrape = yaml.safe_load((deploy / "prometheus" / config).read_text())["scrape_configs"]
     assert {"names": ["learner"], "type": "A", "port": 8000} in [c for j in scrape for c in j.get("dns_sd_configs", [])]
     assert (Path(__file__).parents[1] / "docs" / "scale-out.md").is_file()
+    if promtool := shutil.which("promtool"):  # CI installs it (.ci/run)
+        subprocess.run([promtool, "check", "config", str(deploy / "prometheus" / config)], check=True,
+                       capture_output=True)
