@@ -11,6 +11,9 @@ The reference is the machine's own limit: the bare learner loop (``benchmarks.le
 model and test-then-train on decoded batches) in one process against two at once, one core and one thread each.
 On a VM two vCPUs need not scale 2x even for bare PyTorch (shared caches, memory bandwidth, the host's SMT).
 
+Also checked on the real model: the two groups' merged sums (read from their state topics) against each other,
+the shrinkage each chose from its summed prequential hits, and the A_last of each at both choices.
+
 Also measured, from the learners' metrics: the merge cost per model change (``mepo_state_merge_duration_seconds``),
 the cost of writing its partition states (``mepo_checkpoint_duration_seconds``) and the bytes written per learner
 per second. "On paper" extrapolates the merge and publish costs to N learners (one partition each), L classes
@@ -37,10 +40,12 @@ import torch
 from benchmarks.learner_throughput import learn, stream_batches
 from benchmarks.service import CLI, ROOT, ServiceSpec, bare_learner, write_result
 from mepo_stream.cli import config_options
-from mepo_stream.data import list_files
+from mepo_stream.data import list_files, load_split
 from mepo_stream.kafka import KafkaConfig, ensure_topics
 from mepo_stream.label_statistics import LabelStatistics
 from server.broker import EmbeddedBroker, free_port
+from server.config import ServeConfig
+from server.learner.changelog import Changelog
 
 PARTITIONS = 4
 """Partitions of the benchmark's topic, as in the scale-out recipe (two per learner of the pair)."""
@@ -129,7 +134,10 @@ def run_group(spec: ServiceSpec, bootstrap: str, learners: int, n: int, work: Pa
             proc.wait(120)
     merges = [_histogram(t, "mepo_state_merge_duration_seconds") for t in texts]
     writes = [_histogram(t, "mepo_checkpoint_duration_seconds") for t in texts]
+    states = Changelog(replace(kafka, state_topic=f"state-{group}")).read_all()
+    merged = LabelStatistics.total(state.stats for state in states.values())
     return {"learners": learners, "samples": int(n - before), "seconds": wall, "samples_per_s": (n - before) / wall,
+            "merged": merged,
             "merge_s_per_change": sum(s for s, _ in merges) / max(sum(c for _, c in merges), 1),
             "state_write_s": sum(s for s, _ in writes) / max(sum(c for _, c in writes), 1),
             "state_bytes_per_learner_per_s": [_metric(t, "mepo_state_written_bytes_total") / wall for t in texts]}
@@ -162,6 +170,29 @@ def bare_scaling(spec: ServiceSpec, workers: int, batches: int) -> float:
     for proc in procs:
         proc.join()
     return sum(rates)
+
+
+def same_model(spec: ServiceSpec, one: LabelStatistics, two: LabelStatistics, test_per_class: int) -> dict:
+    """How far apart the two groups' merged sums are (largest relative difference), which shrinkage each chose
+    from its summed prequential hits, and the test accuracy (A_last) of each at its own and at the other's."""
+    differences = {name: float((getattr(one, name) - getattr(two, name)).abs().max() / getattr(one, name).abs().max())
+                   for name in ("counts", "sums", "second")}
+    learner = bare_learner(spec, len(list_files(spec.data, "train").classes))
+    test = load_split(replace(spec.data, test_per_class=test_per_class, load_size=ServeConfig.limits.size), "test")
+    h = torch.cat([learner.encode(test.images[i:i + 128]).feature for i in range(0, len(test), 128)])  # [N, D]
+    out: dict = {"relative_difference": differences, "test_images": len(test)}
+    for name, stats in (("one", one), ("two", two)):
+        learner.load_statistics(stats)
+        lda = learner.method.classifier
+        accuracy = [float((learner.to_labels(lda.scores(h, k).argmax(1)) == test.targets).float().mean())
+                    for k in range(len(lda.shrinkage))]
+        predictions = [learner.to_labels(lda.scores(h, k).argmax(1)) for k in range(len(lda.shrinkage))]
+        out[name] = {"shrinkage": float(lda.shrinkage[lda.chosen]), "a_last": accuracy[lda.chosen],
+                     "a_last_per_shrinkage": accuracy, "hits": lda.hits.tolist()}
+        out.setdefault("_predictions", []).append(predictions)
+    first, second = out.pop("_predictions")
+    out["identical_predictions_per_shrinkage"] = [bool(torch.equal(a, b)) for a, b in zip(first, second, strict=True)]
+    return out
 
 
 def add_cost_per_element(repeats: int = 5) -> float:
@@ -200,7 +231,7 @@ def on_paper(per_element: float, rate: float, every: int = 512) -> list[dict]:
     return rows
 
 
-def main(spec: ServiceSpec = ServiceSpec(train_per_class=100), bare_batches: int = 20,
+def main(spec: ServiceSpec = ServiceSpec(train_per_class=100), bare_batches: int = 20, test_per_class: int = 100,
          out: Path = Path("benchmarks/results/scale_out.json"),
          work: Path = Path("benchmarks/results/work/scale_out")) -> dict:
     """Two learners (one thread, one core each) against one, on the same stream; the same for the bare learner
@@ -209,6 +240,7 @@ def main(spec: ServiceSpec = ServiceSpec(train_per_class=100), bare_batches: int
     Args:
         spec: Stream and model (the default learner: frozen backbone, streaming LDA; no bundle).
         bare_batches: Timed mini-batches of each bare learner.
+        test_per_class: Test images per class for the A_last of each group's model.
         out: JSON result.
         work: Logs and checkpoints.
     """
@@ -219,10 +251,11 @@ def main(spec: ServiceSpec = ServiceSpec(train_per_class=100), bare_batches: int
     with EmbeddedBroker(log_path=work / "broker.log") as broker:
         one = run_group(spec, broker.bootstrap, 1, n, work)
         two = run_group(spec, broker.bootstrap, 2, n, work)
+    exact = same_model(spec, one.pop("merged"), two.pop("merged"), test_per_class)
     bare = {str(k): bare_scaling(spec, k, bare_batches) for k in (1, 2)}
     per_element = add_cost_per_element()
     result = {"spec": spec.as_json(), "one": one, "two": two, "ratio": two["samples_per_s"] / one["samples_per_s"],
-              "bare_samples_per_s": bare, "bare_ratio": bare["2"] / bare["1"],
+              "bare_samples_per_s": bare, "bare_ratio": bare["2"] / bare["1"], "same_model": exact,
               "add_s_per_element": per_element, "on_paper": on_paper(per_element, one["samples_per_s"])}
     return write_result(result, out, *spec.placement())
 

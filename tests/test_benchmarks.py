@@ -66,6 +66,8 @@ def test_run_all_smoke_writes_every_result_and_the_readme_table(tmp_path):
     assert 0 < scale_out["one"]["samples"] <= 2000 and 0 < scale_out["two"]["samples"] <= 2000
     assert scale_out["two"]["learners"] == 2
     assert len(scale_out["two"]["state_bytes_per_learner_per_s"]) == 2 and scale_out["on_paper"][-1]["learners"] == 100
+    exact = scale_out["same_model"]  # one learner's and two learners' models, read back from their state topics
+    assert max(exact["relative_difference"].values()) <= 1e-9 and all(exact["identical_predictions_per_shrinkage"])
     bare = scale_out["bare_samples_per_s"]
     assert scale_out["bare_ratio"] == pytest.approx(bare["2"] / bare["1"])
     auto = str(resolve_precision("auto", torch.device("cpu"))).removeprefix("torch.")  # bf16 where the CPU has it
