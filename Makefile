@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test bench mutate
+.PHONY: setup demo test bench docs mutate
 
 $(BIN)/mepo: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ test: setup
 
 bench: setup
 	$(BIN)/python -m benchmarks.run_all
+
+# The docs site (MkDocs, Material theme) into site/; --strict: a broken link or a missing page fails.
+docs: setup
+	$(BIN)/mkdocs build --strict
 
 # Mutation testing of the modules behind the reliability guarantees ([tool.mutmut] in pyproject.toml; not in CI,
 # about an hour on 2 cores). Prints the score and every surviving mutant; `mutmut show NAME` shows its diff.

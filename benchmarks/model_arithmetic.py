@@ -8,8 +8,8 @@ batch (``batch`` images) and of one image are timed, under ``inference_mode``, i
 * ``bf16_weights``: the weights stored in bf16, under autocast (what the learner does with a frozen plain
   backbone at bf16, ``--learner.cast_frozen_backbone``),
 
-the bf16 ones only where the hardware multiplies bf16 natively; and two candidates beyond them (README
-"Benchmarks" says where they pay and what they cost; int8 is an option of the learner, compile is not):
+the bf16 ones only where the hardware multiplies bf16 natively; and two candidates beyond them (docs/performance.md
+says where they pay and what they cost; int8 is an option of the learner, compile is not):
 
 * ``bf16_weights_compiled``: ``bf16_weights`` through ``torch.compile`` (Inductor; compile time excluded);
 * ``int8_dynamic``: the Linear layers' weights quantised to int8, activations quantised per batch

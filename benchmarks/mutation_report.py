@@ -1,6 +1,6 @@
 """Summarise a finished ``mutmut run`` (``make mutate``): the score and every surviving mutant with its diff.
 
-Writes ``benchmarks/results/mutation.json`` and prints the survivors, one diff each, for README's "Mutation
+Writes ``benchmarks/results/mutation.json`` and prints the survivors, one diff each, for docs/reliability.md's "Mutation
 testing" section, which says for each why it is harmless or which test now kills it.
 
     .venv/bin/mutmut run && .venv/bin/python -m benchmarks.mutation_report

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What MePo's refine gives downstream (README "Does the refine lift the ceiling?"): three backbones (the untouched
+# What MePo's refine gives downstream (docs/results.md, "Does the refine lift the ceiling?"): three backbones (the untouched
 # DINOv2 ViT-S/14, plain supervised fine-tuning, the paper's Meta Rep; both refines with the stem frozen, at the
 # same images and steps), each with its offline heads, the default learner without and with Meta Cov, and MISA
 # with the fixes without and with ISA prompts, on the Tiny-ImageNet downstream half and CIFAR-10, seeds 1-3; plus

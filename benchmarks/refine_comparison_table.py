@@ -1,4 +1,4 @@
-"""The README table of ``benchmarks/refine_comparison.sh``: every backbone's offline heads and online learners.
+"""The docs/results.md table of ``benchmarks/refine_comparison.sh``: every backbone's offline heads and online learners.
 
 Reads the sweeps' ``results.json`` under ``RUNS/eval/<dataset>/`` and prints one markdown table per dataset: for
 each backbone (untouched, fine-tuned, Meta Rep), the offline logistic probe and the best offline head of its

@@ -230,7 +230,7 @@ def main(spec: ServiceSpec = ServiceSpec(), clients: int = 16, bare_repeats: int
 
 
 def summary(spec: ServiceSpec, cores: tuple[int, int], bare: dict, runs: dict) -> dict:
-    """The result: the runs, and the ratios the README table shows."""
+    """The result: the runs, and the ratios the benchmark table shows."""
     http, alone = runs["latency"]["http"], runs["latency"]["samples_per_s"]
     return {"benchmark": "replica_latency", "spec": spec.as_json(), "cores": {"learner_and_broker": cores[0],
             "replica_and_clients": cores[1]}, "torch_threads_per_process": 1, "bare_forward": bare, **runs,

@@ -1,4 +1,4 @@
-"""Run every benchmark, write their JSON results, and update the results table in the README.
+"""Run every benchmark, write their JSON results, and update the results table of docs/performance.md.
 
 Each benchmark runs in its own process (clean memory and threads), one after another, with the same model
 and MePo bundle. Without ``--mepo`` a Sigma_pre-only bundle is computed first (``mepo covariance`` on a few
@@ -271,7 +271,7 @@ def _machine_text(m: dict) -> str:
 
 
 def table(results: dict[str, dict]) -> str:
-    """The README table: one row per measured quantity, with its goal and where it was measured."""
+    """The results table: one row per measured quantity, with its goal and where it was measured."""
     lines = ["| measurement | mepo-stream | bare PyTorch reference | ratio | goal | met | measured on |",
              "|---|---|---|---|---|---|---|"]
     for name, rows in ROWS.items():
@@ -292,19 +292,19 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def update_readme(readme: Path, text: str) -> None:
+def update_page(page: Path, text: str) -> None:
     """Replace what is between the benchmark markers."""
-    content = readme.read_text()
+    content = page.read_text()
     if START not in content or END not in content:
-        raise ValueError(f"{readme} has no {START} ... {END} markers")
+        raise ValueError(f"{page} has no {START} ... {END} markers")
     head, rest = content.split(START, 1)
-    readme.write_text(f"{head}{START}\n{text}\n{END}{rest.split(END, 1)[1]}")
+    page.write_text(f"{head}{START}\n{text}\n{END}{rest.split(END, 1)[1]}")
 
 
 def main(mepo: Path | None = None, model: str = "vit_small_patch14_dinov2", weights: str | None = "dinov2",
          img_size: int = 84, quick: bool = False, only: str | None = None, gpu: bool | None = None,
-         results: Path = Path("benchmarks/results"), readme: Path | None = Path("README.md")) -> str:
-    """Run all benchmarks, then rewrite the README's results table.
+         results: Path = Path("benchmarks/results"), page: Path | None = Path("docs/performance.md")) -> str:
+    """Run all benchmarks, then rewrite the results table of the docs' performance page.
 
     Args:
         mepo: MePo bundle for the service benchmarks (null: compute a Sigma_pre-only bundle).
@@ -316,7 +316,7 @@ def main(mepo: Path | None = None, model: str = "vit_small_patch14_dinov2", weig
         gpu: Run the GPU rows (null: when CUDA is present; true also runs them without CUDA, on the CPU, as the
             smoke test does).
         results: Folder of the JSON results.
-        readme: README to update (null: only print the table).
+        page: The page whose table to update (null: only print the table).
     """
     selected = ALL if only is None else tuple(b.strip() for b in only.split(","))
     if unknown := set(selected) - set(ALL):
@@ -333,8 +333,8 @@ def main(mepo: Path | None = None, model: str = "vit_small_patch14_dinov2", weig
         _run(module, [*args, "--out", str(results / f"{name}.json")], cuda=name in GPU_BENCHMARKS)
     text = table({name: json.loads((results / f"{name}.json").read_text()) for name in ROWS
                   if (results / f"{name}.json").is_file()})
-    if readme is not None:
-        update_readme(readme, text)
+    if page is not None:
+        update_page(page, text)
     print(text)
     return text
 

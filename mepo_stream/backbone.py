@@ -49,7 +49,7 @@ class BackboneConfig:
     null for random init."""
     img_size: int = 112
     """Input resolution in pixels. The paper uses 224; 112 keeps the DINOv2 accuracy on 32-64 px data at about
-    5x the speed on CPU (see README)."""
+    5x the speed on CPU (docs/getting-started.md, "Data and weights")."""
 
 
 def device() -> torch.device:

@@ -98,6 +98,21 @@ def _underscore_options(argv: list[str]) -> list[str]:
     return [fix(a) for a in argv]
 
 
+def parse(argv: list[str]) -> object:
+    """Check a command line against the CLI without running it: the parsed namespace, or ``SystemExit`` with the
+    CLI's error message (the docs' command examples are checked this way, in the test suite).
+
+    Example:
+        >>> parse(["produce", "--replay.partitions", "4"]).subcommand
+        'produce'
+    """
+    from jsonargparse import auto_parser, set_parsing_settings
+
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    parser = auto_parser(_flatten(commands(), {}), as_positional=False, prog="mepo")
+    return parser.parse_args(_underscore_options(argv))
+
+
 def main(argv: list[str] | None = None) -> None:
     from jsonargparse import CLI, set_parsing_settings
 

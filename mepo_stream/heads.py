@@ -1,8 +1,8 @@
 """Order-invariant classifiers for one-pass, rehearsal-free learning, and running feature standardisation.
 
 Why: a linear head trained by SGD on a non-i.i.d. stream writes the stream's class order into its weights
-(README "Why the learners collapsed"): the newest or last-majority class wins on every image. Heads built from
-*statistics* of the features do not depend on the order the samples came in:
+(docs/results.md, "Why the online learners collapsed"): the newest or last-majority class wins on every image.
+Heads built from *statistics* of the features do not depend on the order the samples came in:
 
 * ``NearestClassMean`` (NCM, as SimpleCIL): cosine similarity to each class mean, features centred by the
   mean of everything seen.
@@ -162,7 +162,7 @@ class StreamingLDA(ClassStatistics):
         Why one Cholesky per candidate and not one ``eigh`` for all of them (the candidates share the
         eigenvectors): LAPACK's ``eigh`` runs 7x slower in a thread other than the main one (MKL with 2 threads,
         D = 384: 46 ms against 6.6 ms for four Cholesky factorisations and solves), and the service learns in
-        its loop's thread; on the main thread the two cost the same (README, "Benchmarks").
+        its loop's thread; on the main thread the two cost the same (docs/performance.md).
         """
         if "spread" not in self._cache:
             self._cache["spread"] = self._spread()

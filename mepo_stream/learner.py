@@ -14,7 +14,7 @@ classes seen so far; evaluation uses no mask (MISA/MePo) or the seen-class mask 
    the un-augmented batch, then the classifier's statistics update. A host without trainable parameters
    besides the linear head (``frozen``, ``linear_probe``) then takes no gradient step at all.
 
-``LearnerConfig()`` is the configuration that learns best in our measurements (README, "Learning quality");
+``LearnerConfig()`` is the configuration that learns best in our measurements (docs/results.md, "Learning quality");
 ``PAPER_RECIPE`` is the reference's MISA + MePo setting.
 
 Example:
@@ -67,11 +67,11 @@ class LearnerConfig:
     """Autocast precision of the backbone and prompts (alignment and statistics stay fp32/fp64): auto = bf16 where
     the hardware multiplies bf16 natively (a bf16 CUDA GPU, a CPU with AMX or AVX512-BF16), fp32 elsewhere. int8
     (never chosen by auto): a frozen host without prompts on the CPU with its backbone's Linear layers quantised
-    to int8, the rest fp32; it pays on some CPUs and not on others (README "Benchmarks")."""
+    to int8, the rest fp32; it pays on some CPUs and not on others (docs/performance.md)."""
     cast_frozen_backbone: bool = True
     """At bf16, also cast the backbone of a host without prompts (the default, ``frozen``) to bf16 weights when
-    nothing trains it (not only autocast): no bf16 copy of its weights is made on every forward (README
-    "Benchmarks": faster on CPU, features within 1e-5 cosine)."""
+    nothing trains it (not only autocast): no bf16 copy of its weights is made on every forward (docs/performance.md:
+    faster on CPU, features within 1e-5 cosine)."""
     lr: float = 5e-3
     """Adam learning rate (constant)."""
     batch_size: int = 32

@@ -25,7 +25,7 @@ import torch
 
 def native_bf16(device: torch.device) -> bool:
     """Whether ``device`` multiplies bf16 matrices in hardware: a CUDA GPU that supports bf16, or a CPU with AMX
-    or AVX512-BF16 (there bf16 autocast runs the backbone 2.5-3x faster than fp32; README "Benchmarks")."""
+    or AVX512-BF16 (there bf16 autocast runs the backbone 2.5-3x faster than fp32; docs/performance.md)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     return device.type == "cpu" and bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
@@ -56,8 +56,8 @@ def quantize_int8(module: torch.nn.Module) -> torch.nn.Module:
 
     Why ``torch.ao.quantization.quantize_dynamic``, which torch deprecates in favour of torchao: on the CPU it runs
     fbgemm's int8 kernels in eager mode, and torchao's eager replacement (``Int8DynamicActivationInt8WeightConfig``)
-    ran DINOv2 ViT-S/14 no faster than bf16 weights (160 against 262 images/s on a 2-core AMD EPYC; README
-    "Benchmarks"). The pinned torch still ships it; its deprecation warnings are silenced here only.
+    ran DINOv2 ViT-S/14 no faster than bf16 weights (160 against 262 images/s on a 2-core AMD EPYC;
+    docs/performance.md). The pinned torch still ships it; its deprecation warnings are silenced here only.
 
     Example:
         >>> quantize_int8(torch.nn.Sequential(torch.nn.Linear(4, 2)))[0]._get_name()

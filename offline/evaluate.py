@@ -416,7 +416,7 @@ def evaluate(
         stream: Si-Blurry stream settings (the seeds are --seeds).
         backbone: Pretrained backbone.
         method_config: Per-method hyperparameters (--method_config.misa.e_pool, ...).
-        learner: Online learning settings (--learner.classifier linear ... for the paper's recipe; see README).
+        learner: Online learning settings (--learner.classifier linear ... for the paper's recipe: docs/fidelity.md).
         alignment: Meta Cov alignment settings.
         protocol: Evaluation protocol settings.
         probe: The offline probe that gives each table's ceiling.

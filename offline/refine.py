@@ -3,7 +3,7 @@ adaptation of the prompts (``offline/isa.py``; ``--adapt.skip true`` leaves it o
 
 Two modes over the same images and steps (``--loop.mode``):
 
-* ``finetune`` (the default, measured best: README "Does the refine lift the ceiling?"): plain supervised
+* ``finetune`` (the default, measured best: docs/results.md, "Does the refine lift the ceiling?"): plain supervised
   fine-tuning, the baseline the paper argues against; the epoch's images shuffled jointly over every class.
 * ``meta``: the paper's Meta Rep. Per meta-epoch and group (``mepo_stream.pseudo_tasks``): remember theta0; inner
   loop = sequential SGD over the group's pseudo tasks (``inner_epochs`` passes each, training augmentation),
@@ -82,11 +82,11 @@ class RefineConfig:
     """The refine loop (defaults: the reference code's settings, except the mode and the frozen stem)."""
 
     mode: Literal["finetune", "meta"] = "finetune"
-    """finetune: supervised training on every pretraining class at once, shuffled (measured best, README);
+    """finetune: supervised training on every pretraining class at once, shuffled (measured best, docs/results.md);
     meta: the paper's Meta Rep, pseudo task sequences and Reptile updates. Both see the same images and steps."""
     freeze: tuple[str, ...] = ("patch_embed",)
     """Parameter groups kept bit-identical (names or dotted prefixes: patch_embed, pos_embed, cls_token,
-    blocks.0, ...). Default: the stem, whose update wrecks the features (README); [] trains everything, as the
+    blocks.0, ...). Default: the stem, whose update wrecks the features (docs/results.md); [] trains everything, as the
     reference does."""
     lr_patch_embed: float | None = None
     """SGD learning rate of the patch embedding when it is not frozen (null: lr_backbone)."""

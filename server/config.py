@@ -87,7 +87,7 @@ class ServeConfig:
     """Threads decoding and validating the images of one Kafka poll while the model learns the previous
     mini-batch (PIL releases the GIL while decoding); 0 decodes inline in the learner thread, between steps.
     Default: 4 when the model runs on a GPU, 0 on a CPU, whose cores the model's forward already fills (decoding
-    beside it slowed a 2-core learner by 5–8 %: README, "Where the learner's time goes")."""
+    beside it slowed a 2-core learner by 5–8 %: docs/performance.md, "Where the learner's time goes")."""
     max_files: int = 16
     """Most images in one prediction request."""
     top_k: int = 5

@@ -4,6 +4,8 @@ polled waits, and the learner checkpoint. Tests import from here; ``conftest.py`
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import subprocess
 import sys
 import threading
@@ -204,3 +206,22 @@ def assert_same_learner_state(a: dict, b: dict, rtol: float = 1e-5, atol: float 
 def learner_of(method: ContinualMethod, cfg: LearnerConfig) -> OnlineLearner:
     """A learner around a host method built by hand in a test, finished as the factory finishes it (CPU)."""
     return OnlineLearner(complete(method, cfg), cfg)
+
+
+# --- the docs' examples -----------------------------------------------------------------------------------------
+def code_blocks(markdown: str, lang: str) -> list[str]:
+    """The fenced code blocks of ``lang`` in a Markdown text, in order."""
+    return re.findall(rf"^```{lang}\n(.*?)^```", markdown, flags=re.M | re.S)
+
+
+def mepo_commands(markdown: str) -> list[list[str]]:
+    """Every ``mepo`` command line of a page's bash blocks as its arguments (continuation lines joined, comments
+    dropped; ``.venv/bin/mepo``, ``mepo`` and ``-m mepo_stream.cli`` alike)."""
+    commands = []
+    for block in code_blocks(markdown, "bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            starts = [i for i, w in enumerate(words) if w.endswith("/mepo") or w in ("mepo", "mepo_stream.cli")]
+            if starts and not (words[0] in ("docker", "make", "curl") or "compose" in words):
+                commands.append(words[starts[0] + 1:])
+    return commands

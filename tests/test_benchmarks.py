@@ -12,7 +12,7 @@ import pytest
 import torch
 from jsonargparse import ArgumentParser
 
-from benchmarks.run_all import ALL, BENCHMARKS, END, GPU_BENCHMARKS, START, job, table, update_readme
+from benchmarks.run_all import ALL, BENCHMARKS, END, GPU_BENCHMARKS, START, job, table, update_page
 from benchmarks.service import ServiceSpec
 from mepo_stream.precision import resolve_precision
 
@@ -39,11 +39,11 @@ def _numbers(result: object) -> list[float]:
 
 
 @pytest.mark.timeout(1200)  # a dozen processes; on a busy 2-core machine it has taken 8 minutes
-def test_run_all_smoke_writes_every_result_and_the_readme_table(tmp_path):
-    readme = tmp_path / "README.md"
+def test_run_all_smoke_writes_every_result_and_the_performance_table(tmp_path):
+    readme = tmp_path / "performance.md"
     readme.write_text(f"# x\n\nbefore\n{START}\nold table\n{END}\nafter\n")
     out = _run("run_all", "--quick", "true", "--gpu", "false", *TINY, "--results", str(tmp_path / "results"),
-               "--readme", str(readme))
+               "--page", str(readme))
     assert "GPU rows skipped" in out
     results = _results(tmp_path / "results")
     assert set(results) == set(BENCHMARKS)  # the GPU rows skipped (and the CPU rows on the CPU, CUDA or not)
@@ -84,7 +84,7 @@ def test_run_all_smoke_writes_every_result_and_the_readme_table(tmp_path):
 def test_gpu_rows_smoke_on_the_cpu(tmp_path):
     """The GPU rows' functions at tiny sizes (on the CPU without CUDA): bf16 service and bare loop, bare ViT."""
     _run("run_all", "--quick", "true", "--gpu", "true", "--only", "gpu_learner_bf16,gpu_vit_b16", *TINY,
-         "--results", str(tmp_path / "results"), "--readme", "null")
+         "--results", str(tmp_path / "results"), "--page", "null")
     results = _results(tmp_path / "results")
     assert set(results) == {"gpu_learner_bf16", "gpu_vit_b16"}
     assert all(r["machine"]["dtype"] == "bfloat16" for r in results.values())
@@ -127,7 +127,7 @@ def test_table_reads_results_from_before_devices_were_recorded():
 def test_gpu_rows_measure_on_the_gpu(tmp_path):
     """The GPU-only path: by default (CUDA present) the GPU rows run, each on the GPU in its own dtype."""
     _run("run_all", "--quick", "true", *TINY, "--only", ",".join(GPU_BENCHMARKS), "--results",
-         str(tmp_path / "results"), "--readme", "null")
+         str(tmp_path / "results"), "--page", "null")
     machines = {name: r["machine"] for name, r in _results(tmp_path / "results").items()}
     assert set(machines) == set(GPU_BENCHMARKS)
     assert all(m["device"] == "cuda" and m["device_name"] == torch.cuda.get_device_name() and m["cuda"]
@@ -135,11 +135,11 @@ def test_gpu_rows_measure_on_the_gpu(tmp_path):
     assert machines["gpu_learner_fp32"]["dtype"] == "float32" and machines["gpu_vit_b16"]["dtype"] == "bfloat16"
 
 
-def test_readme_without_markers_is_a_clear_error(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text("no markers")
+def test_a_page_without_markers_is_a_clear_error(tmp_path):
+    page = tmp_path / "performance.md"
+    page.write_text("no markers")
     with pytest.raises(ValueError, match="markers"):
-        update_readme(readme, "table")
+        update_page(page, "table")
 
 
 def test_serve_report_smoke(tmp_path):

@@ -128,7 +128,7 @@ def test_compose_wiring_agrees_with_prometheus_grafana_and_readme():
     assert "./grafana/provisioning:/etc/grafana/provisioning" in grafana_mounts
     provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/dashboard.yml").read_text())
     assert f"./grafana/dashboards:{provider['providers'][0]['options']['path']}" in grafana_mounts
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "operations.md").read_text()
     assert "docker compose -f deploy/compose.yaml up" in readme and "--role replica" in readme and ":8001" in readme
     for svc, port in (("learner", 8000), ("prometheus", 9090), ("grafana", 3000)):
         assert f"{port}:{port}" in services[svc]["ports"] and f":{port}" in readme

@@ -1,4 +1,4 @@
-"""One fast test per guarantee of README's "Reliability" and "exactly once" sections, each failing when that
+"""One fast test per guarantee of docs/reliability.md, each failing when that
 guarantee alone is broken (``make mutate`` checks that they do).
 
 The learner loop runs over the fake Kafka clients of ``tests.fakes``, whose event log records the order of the

@@ -8,6 +8,7 @@ import io
 import json
 import math
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from mepo_stream.images import ImageLimits
 from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce
 from server.config import ServeConfig
-from tests.helpers import DATA, LiveServer, http_client, serve_process, settings, wait_for
+from tests.helpers import DATA, ROOT, LiveServer, code_blocks, http_client, serve_process, settings, wait_for
 
 STREAM_LIMIT = 32
 
@@ -60,6 +61,24 @@ def test_tritonclient_speaks_to_the_server_and_gets_the_v1_answer(live):
     np.testing.assert_allclose(result.as_numpy("probability")[0], [c["probability"] for c in v1], atol=1e-5)
     stats = client.get_inference_statistics(cfg.model_name)["model_stats"][0]
     assert stats["name"] == cfg.model_name and stats["inference_stats"]["success"]["count"] >= 2
+
+
+def test_the_docs_client_examples_run_against_a_live_server(live, tmp_path, monkeypatch, capsys):
+    """docs/http-api.md's curl lines and Python client, pointed at this server and a real image."""
+    _, http = live
+    page = (ROOT / "docs" / "http-api.md").read_text()
+    address = str(http.base_url).removeprefix("http://").rstrip("/")
+    (tmp_path / "cat.jpg").write_bytes(jpeg("red"))
+    monkeypatch.chdir(tmp_path)
+    curls = [line for block in code_blocks(page, "bash") for line in block.splitlines() if line.startswith("curl")]
+    assert len(curls) == 2
+    for line in curls:
+        out = subprocess.run(line.replace("127.0.0.1:8000", address), shell=True, capture_output=True, text=True,
+                             check=True).stdout
+        assert json.loads(out)
+    (python,) = code_blocks(page, "python")
+    exec(python.replace("127.0.0.1:8000", address), {})  # the client's own errors fail the test
+    assert "[[" in capsys.readouterr().out  # it printed the [1, 3] labels
 
 
 def test_json_without_content_type_is_read(live):

@@ -1,4 +1,4 @@
-"""The import rules of README "Layout", read from the source: a change that breaks one fails here."""
+"""The import rules of docs/architecture.md, read from the source: a change that breaks one fails here."""
 
 from __future__ import annotations
 

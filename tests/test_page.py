@@ -82,7 +82,7 @@ def upload(driver: WebDriver, path: Path) -> None:
 
 
 def save_screenshot(driver: WebDriver, path: Path) -> None:
-    """Screenshot into the test's tmp_path, and a copy to $MEPO_PAGE_SCREENSHOT when set (the README's image)."""
+    """Screenshot into the test's tmp_path, and a copy to $MEPO_PAGE_SCREENSHOT when set (docs/live-page.png)."""
     assert driver.save_screenshot(str(path)), "Chromium took no screenshot"
     if os.environ.get("MEPO_PAGE_SCREENSHOT"):
         shutil.copyfile(path, os.environ["MEPO_PAGE_SCREENSHOT"])

@@ -1,4 +1,5 @@
-"""The refine comparison's README table is built from the sweeps' results.json, one row per backbone and learner."""
+"""The refine comparison's table (docs/results.md) is built from the sweeps' results.json, one row per backbone
+and learner."""
 
 import json
 
