@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from mepo_stream.errors import ConfigError
 from mepo_stream.files import atomic_path, sha256_file
 
 FORMAT = "mepo-bundle/1"
@@ -38,7 +39,7 @@ BACKBONE = "backbone"
 PROMPTS = "prompts"
 
 
-class BundleError(ValueError):
+class BundleError(ConfigError):
     """A bundle is missing, incomplete or does not match its manifest."""
 
 

@@ -50,6 +50,9 @@ class BackboneConfig:
     img_size: int = 112
     """Input resolution in pixels. The paper uses 224; 112 keeps the DINOv2 accuracy on 32-64 px data at about
     5x the speed on CPU (docs/getting-started.md, "Data and weights")."""
+    allow_resample: bool = False
+    """Build a bundle's refined backbone at another resolution than the one it was refined at (its position
+    table is resampled); without it, such a bundle is refused."""
 
 
 def device() -> torch.device:

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
 
+from mepo_stream.errors import ConfigError
+
 COMMANDS_GROUP = "mepo.commands"
 
 
@@ -121,10 +123,14 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("kafka").setLevel(logging.WARNING)  # kafka-python narrates every connection at INFO
     args = _underscore_options(sys.argv[1:] if argv is None else argv)
     runners: dict[type, Callable] = {}
-    result = CLI(_flatten(commands(), runners), args=args, as_positional=False, prog="mepo",
-                 description="MePo streaming continual learner: refine, evaluate, serve.")
-    if type(result) in runners:
-        runners[type(result)](result)
+    try:
+        result = CLI(_flatten(commands(), runners), args=args, as_positional=False, prog="mepo",
+                     description="MePo streaming continual learner: refine, evaluate, serve.")
+        if type(result) in runners:
+            runners[type(result)](result)
+    except ConfigError as e:  # the user's to fix: one line, no traceback
+        print(f"mepo: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -30,8 +30,17 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from mepo_stream.alignment import AlignmentConfig, FeatureAlignment
-from mepo_stream.artifacts import BACKBONE, PROMPTS, SIGMA_PRE, load_part, load_sigma_pre, read_manifest
+from mepo_stream.artifacts import (
+    BACKBONE,
+    PROMPTS,
+    SIGMA_PRE,
+    BundleError,
+    load_part,
+    load_sigma_pre,
+    read_manifest,
+)
 from mepo_stream.backbone import BackboneConfig, create_backbone, normalization
+from mepo_stream.errors import ConfigError
 from mepo_stream.heads import NearestClassMean, RunningStandardize, StreamingLDA
 from mepo_stream.learner import LearnerConfig
 from mepo_stream.methods import MethodsConfig, create_method
@@ -60,6 +69,34 @@ class BundleParts:
         has = {name: f"{name}.safetensors" in files for name in (BACKBONE, SIGMA_PRE, PROMPTS)}
         return cls(rep=bundle if has[BACKBONE] else None, cov=bundle if has[SIGMA_PRE] else None,
                    prompts=bundle if has[PROMPTS] else None)
+
+
+def check_bundle(bundle: Path, backbone: BackboneConfig, needs: dict[str, str] | None = None) -> None:
+    """Refuse, before any work, a bundle that lacks a part the caller ``needs`` (part -> what to do instead), or
+    whose refined backbone is another architecture or resolution than ``backbone``.
+
+    Example:
+        >>> check_bundle(Path("/nonexistent"), BackboneConfig())
+        Traceback (most recent call last):
+        ...
+        mepo_stream.artifacts.BundleError: /nonexistent is not a bundle: manifest.json is missing
+    """
+    manifest = read_manifest(bundle)
+    have = [part for part in (BACKBONE, SIGMA_PRE, PROMPTS) if f"{part}.safetensors" in manifest["files"]]
+    for part, instead in (needs or {}).items():
+        if part not in have:
+            raise BundleError(f"{bundle} has {', '.join(have) or 'no parts'} but no {part}: {instead}")
+    made = manifest.get("backbone", {})
+    if BACKBONE not in have:
+        return
+    if made.get("name") not in (None, backbone.name):
+        raise ConfigError(f"{bundle} holds a {made['name']} backbone, not {backbone.name}: pass --backbone.name "
+                          f"{made['name']}")
+    refined = manifest.get("kind") != "imported"  # an imported checkpoint has its architecture's size, not a refine's
+    if refined and made.get("img_size") not in (None, backbone.img_size) and not backbone.allow_resample:
+        raise ConfigError(f"{bundle} was refined at {made['img_size']} px, not {backbone.img_size} px: pass "
+                          f"--backbone.img_size {made['img_size']}, or --backbone.allow_resample true to resample "
+                          f"its position table")
 
 
 def backbone_config(backbone: BackboneConfig, parts: BundleParts) -> BackboneConfig:
@@ -208,6 +245,8 @@ class ModelConfig:
 
 def create_model(cfg: ModelConfig, n_classes: int, device: torch.device | None = None) -> ContinualMethod:
     """The complete model for ``n_classes`` classes: seeded, built with what the bundle has, and finished."""
+    if cfg.mepo is not None:
+        check_bundle(cfg.mepo, cfg.backbone)
     torch.manual_seed(cfg.seed)
     method = build_method(cfg.method, n_classes, cfg.backbone, BundleParts.of(cfg.mepo), cfg.method_config,
                           cfg.alignment)

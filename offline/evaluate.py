@@ -32,11 +32,12 @@ from tqdm import tqdm
 
 from mepo_stream.alignment import AlignmentConfig, AlignMode
 from mepo_stream.anytime import AnytimeEvaluation, ProtocolConfig
+from mepo_stream.artifacts import BACKBONE, PROMPTS, SIGMA_PRE
 from mepo_stream.backbone import BackboneConfig, create_backbone, device, provenance
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.learner import LearnerConfig, OnlineLearner
 from mepo_stream.methods import METHODS, MethodsConfig
-from mepo_stream.model import BundleParts, assemble, backbone_config, complete
+from mepo_stream.model import BundleParts, assemble, backbone_config, check_bundle, complete
 from mepo_stream.probe import ProbeConfig, offline_ceiling
 from mepo_stream.sampler import SiBlurryConfig, SiBlurryShape, si_blurry_stream
 
@@ -421,6 +422,7 @@ def evaluate(
         protocol: Evaluation protocol settings.
         probe: The offline probe that gives each table's ceiling.
     """
+    check_bundles(mepo, mepo_rep, mepo_cov, mepo_prompts, backbone)
     bundles = Bundles.of(mepo, mepo_rep, mepo_cov, mepo_prompts)
     names = parse_methods(methods)
     jobs = plan_jobs(names, parse_seeds(seeds), mepo is not None, mepo_rep is not None, mepo_cov is not None,
@@ -430,6 +432,24 @@ def evaluate(
                   SiBlurryConfig(**asdict(stream)), backbone, method_config, learner, alignment, protocol, probe)
     runs = [sweep.run(job) for job in tqdm(jobs, desc="runs", unit="run")]
     return report(sweep, names, jobs, runs, mepo)
+
+
+def check_bundles(mepo: Path | None, rep: Path | None, cov: Path | None, prompts: Path | None,
+                  backbone: BackboneConfig) -> None:
+    """Each bundle option against the parts it uses, before any work: ``--mepo`` runs Meta Rep and Meta Cov
+    together, so its bundle needs both; each other option needs its own part (a ``cov_*.npy`` is Σ_pre as is)."""
+    if mepo is not None:
+        check_bundle(mepo, backbone, {
+            BACKBONE: f"--mepo runs Meta Rep and Meta Cov, and Meta Rep needs a refined backbone; use --mepo_cov "
+                      f"{mepo} for Meta Cov alone",
+            SIGMA_PRE: f"--mepo runs Meta Rep and Meta Cov, and Meta Cov needs Sigma_pre; use --mepo_rep {mepo} for "
+                       f"Meta Rep alone, or add Sigma_pre with `mepo covariance`"})
+    if rep is not None:
+        check_bundle(rep, backbone, {BACKBONE: "--mepo_rep needs a refined backbone (mepo refine)"})
+    if cov is not None and Path(cov).suffix != ".npy":
+        check_bundle(cov, backbone, {SIGMA_PRE: "--mepo_cov needs Sigma_pre (mepo covariance, or mepo refine)"})
+    if prompts is not None:
+        check_bundle(prompts, backbone, {PROMPTS: "--mepo_prompts needs ISA prompts (mepo isa)"})
 
 
 def report(sweep: Sweep, names: list[str], jobs: list[Job], runs: list[dict], mepo: Path | None) -> dict:

@@ -1,10 +1,17 @@
 import json
+import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from mepo_stream.artifacts import BundleError, load_part, load_sigma_pre, read_manifest, write_bundle
+from mepo_stream.artifacts import BACKBONE, BundleError, load_part, load_sigma_pre, read_manifest, write_bundle
+from mepo_stream.backbone import create_backbone
+from mepo_stream.cli import main
+from mepo_stream.errors import ConfigError
+from mepo_stream.model import ModelConfig, create_model
+from tests.helpers import TINY
 
 
 def make_bundle(path):
@@ -70,3 +77,31 @@ def test_atomic_path_keeps_the_first_copy_when_asked(tmp_path):
         (tmp / "a").write_text("second")
     assert (tmp_path / "cache" / "a").read_text() == "first"
     assert [p.name for p in tmp_path.iterdir()] == ["cache"]
+
+
+# --- a bundle checked against what uses it, before any work ------------------------------------------------------
+def backbone_bundle(root, img_size: int = 32):
+    """A bundle holding only a (random) test_vit backbone refined at ``img_size``: no Sigma_pre, no prompts."""
+    backbone = create_backbone(replace(TINY, img_size=img_size))
+    return write_bundle(root / "refined", {BACKBONE: backbone.state_dict()},
+                        {"kind": "refined", "backbone": {"name": "test_vit", "img_size": img_size}})
+
+
+def test_evaluate_refuses_a_bundle_without_sigma_pre_before_any_work(tmp_path, capsys):
+    bundle = backbone_bundle(tmp_path)
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as stop:
+        main(["evaluate", "--mepo", str(bundle), "--out", str(tmp_path / "out"), "--backbone.name", "test_vit",
+              "--backbone.weights", "null", "--backbone.img_size", "32", "--data.train_per_class", "5"])
+    assert stop.value.code == 2 and time.monotonic() - start < 5
+    err = capsys.readouterr().err
+    assert f"mepo: error: {bundle} has backbone but no sigma_pre" in err and f"--mepo_rep {bundle}" in err
+    assert "Traceback" not in err and not (tmp_path / "out" / "cache").exists()
+
+
+def test_a_bundle_refined_at_another_size_is_refused_unless_resampling_is_asked(tmp_path):
+    cfg = ModelConfig(backbone=replace(TINY, img_size=48), mepo=backbone_bundle(tmp_path, img_size=32))
+    with pytest.raises(ConfigError, match="refined at 32 px, not 48 px: pass --backbone.img_size 32"):
+        create_model(cfg, 4)
+    model = create_model(replace(cfg, backbone=replace(cfg.backbone, allow_resample=True)), 4)
+    assert model.backbone.patch_embed.img_size[0] == 48

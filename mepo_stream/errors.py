@@ -1,0 +1,13 @@
+"""The one kind of error a user fixes by changing what they asked for, not the code.
+
+A ``ConfigError`` says what is wrong and which option fixes it; the ``mepo`` command prints it as one line
+(``mepo: error: ...``) and exits with status 2, before any work, where other exceptions keep their traceback.
+
+Example:
+    >>> str(ConfigError("runs/b has no sigma_pre: use --mepo_rep runs/b"))
+    'runs/b has no sigma_pre: use --mepo_rep runs/b'
+"""
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work, with what to do instead."""
