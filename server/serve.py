@@ -21,17 +21,28 @@ from mepo_stream.kafka import ensure_topics
 from server.allocator import keep_freed_memory
 from server.broker import EmbeddedBroker
 from server.config import DemoConfig, ServeConfig
+from server.learner.service import Service
 from server.learner.state import CHECKPOINT
+from server.metrics import ServerMetrics
+from server.replica.follower import ReplicaService
+from server.serving import ServingModel
 from server.web.app import create_app
 
 log = logging.getLogger(__name__)
+
+
+def start_role(settings: ServeConfig, metrics: ServerMetrics) -> ServingModel:
+    """Load the model and start the service ``settings.role`` asks for: the learner, or a prediction replica (the
+    composition root: the web app is handed this, and knows no role)."""
+    kind = ReplicaService if settings.role == "replica" else Service
+    return kind.start(settings, metrics)
 
 
 def serve(cfg: ServeConfig = ServeConfig()) -> None:
     """Learn the Kafka stream in one pass and serve predictions, status and metrics over HTTP (the options are
     ``ServeConfig``'s fields: ``mepo serve --kafka.bootstrap_servers k1:9092 --mepo BUNDLE --port 8000``)."""
     keep_freed_memory()
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="info")
+    uvicorn.run(create_app(cfg, start_role), host=cfg.host, port=cfg.port, log_level="info")
 
 
 def _stop_when_learned(app: FastAPI, server: uvicorn.Server, producer: subprocess.Popen, expected: int) -> None:
@@ -75,7 +86,7 @@ def demo(cfg: DemoConfig = DemoConfig()) -> None:
         ensure_topics(cfg.kafka)
         producer = _start_producer(cfg)
         keep_freed_memory()
-        app = create_app(cfg)
+        app = create_app(cfg, start_role)
         server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning"))
         if cfg.until_done:
             expected = min(len(list_files(cfg.data, "train").files), cfg.replay.limit or math.inf)

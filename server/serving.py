@@ -9,12 +9,13 @@ implement it without importing the web layer, and the web layer reads it without
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
 from server.batching import MicroBatcher
+from server.config import ServeConfig
 from server.consumer import ConsumerThread
 from server.metrics import ServerMetrics
 from server.snapshot import Snapshot
@@ -47,6 +48,12 @@ class ServingModel(Protocol):
     def resume(self) -> None: ...
 
     def request_checkpoint(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+Starter = Callable[[ServeConfig, ServerMetrics], ServingModel]
+"""What the entry point hands the web app: load the model and start a role's service (``server.serve``)."""
 
 
 class Serving:

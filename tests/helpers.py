@@ -36,6 +36,7 @@ from producers.siblurry import stream_id
 from server.broker import free_port
 from server.config import ServeConfig
 from server.learner.state import CHECKPOINT
+from server.serve import start_role
 from server.web.app import create_app
 
 T = TypeVar("T")
@@ -142,7 +143,7 @@ class LiveServer:
 
     def __init__(self, cfg: ServeConfig):
         self.port = free_port()
-        self.app = create_app(cfg)
+        self.app = create_app(cfg, start_role)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -27,7 +27,7 @@ def test_thresholds_the_environment_sets_are_left_alone(monkeypatch):
 def test_serve_keeps_freed_memory_before_it_builds_the_model(monkeypatch):
     calls = []
     monkeypatch.setattr(serve_module, "keep_freed_memory", lambda: calls.append("allocator"))
-    monkeypatch.setattr(serve_module, "create_app", lambda cfg: calls.append("app"))
+    monkeypatch.setattr(serve_module, "create_app", lambda cfg, start: calls.append("app"))
     monkeypatch.setattr(serve_module.uvicorn, "run", lambda app, **_: calls.append("run"))
     serve_module.serve(ServeConfig())
     assert calls == ["allocator", "app", "run"]

@@ -66,11 +66,10 @@ def reaching(path: Path, packages: tuple[str, ...]) -> set[str]:
 def test_the_web_layer_sees_a_serving_model_never_a_roles_internals(path):
     """No module of ``server/web`` (app, routers, dependencies, middleware, prediction, the page), nor the protocol
     module ``server/serving.py``, imports anything under ``server.learner`` or ``server.replica``, or
-    ``server.model_thread``: routes reach a running service only through ``server.serving.ServingModel``. The one
-    exception is ``server/web/app.py``, the composition root, whose lifespan starts a role: it may import exactly
-    the two service modules, ``server.learner.service`` and ``server.replica.follower``."""
-    allowed = {"server.learner.service", "server.replica.follower"} if path.name == "app.py" else set()
-    assert not reaching(path, ("server.learner", "server.replica", "server.model_thread")) - allowed
+    ``server.model_thread``: routes reach a running service only through ``server.serving.ServingModel``. Not even
+    the app: the entry point (``server/serve.py``, the composition root) hands it the function that starts a
+    role."""
+    assert not reaching(path, ("server.learner", "server.replica", "server.model_thread"))
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "server" / "replica").rglob("*.py")), ids=lambda p: p.name)

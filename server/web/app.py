@@ -1,5 +1,8 @@
-"""The FastAPI application: routers, a lifespan that loads the model and starts the learner, and the settings
-dependency (``server.web.dependencies.get_settings``) that tests override.
+"""The FastAPI application: routers, a lifespan that starts the service it is given, and the settings dependency
+(``server.web.dependencies.get_settings``) that tests override.
+
+The web layer knows no role: the entry point (``server.serve``) composes, handing ``create_app`` the function that
+starts a learner or a replica, and the routes reach the running service only as a ``ServingModel``.
 
 Example (without ``with``, the test client runs no lifespan: no model is loaded and no broker is needed):
     >>> from fastapi.testclient import TestClient
@@ -25,9 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mepo_stream import __version__
 from server.config import ServeConfig
-from server.learner.service import Service
 from server.metrics import ServerMetrics
-from server.replica.follower import ReplicaService
+from server.serving import Starter
 from server.web.dependencies import error_response
 from server.web.middleware import BodyLimit, PredictCounter
 from server.web.routers import inference_v2, ops, page, predict
@@ -35,16 +37,19 @@ from server.web.routers import inference_v2, ops, page, predict
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: ServeConfig) -> FastAPI:
-    """The app for ``settings``; the model loads (and the learner, or a replica's follower, starts) in the
-    lifespan, not here. Both roles serve the same routers."""
+def create_app(settings: ServeConfig, start: Starter | None = None) -> FastAPI:
+    """The app for ``settings``; ``start`` loads the model and starts the service (a learner, or a replica's
+    follower) in the lifespan, not here. Both roles serve the same routers; without ``start`` nothing is served
+    but liveness (the routers' tests give their own service)."""
     metrics = ServerMetrics(settings.role)
-    kind = ReplicaService if settings.role == "replica" else Service
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if start is None:
+            yield
+            return
         try:
-            app.state.service = service = kind.start(settings, metrics)
+            app.state.service = service = start(settings, metrics)
         except ValueError as e:  # a configuration or a saved state this version refuses: one clear line
             log.error("refused to start: %s", e)
             raise
