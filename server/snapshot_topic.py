@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load as load_tensors
@@ -43,7 +45,12 @@ from safetensors.torch import save as save_tensors
 
 from mepo_stream.artifacts import MANIFEST
 from mepo_stream.files import sha256_file
-from mepo_stream.kafka import KafkaConfig, ensure_topics
+from mepo_stream.kafka import KafkaConfig, ensure_topics, open_producer
+
+if TYPE_CHECKING:
+    from kafka import KafkaProducer
+
+log = logging.getLogger(__name__)
 
 FORMAT = "mepo-snapshot/1"
 Record = tuple[bytes, bytes, list[tuple[str, bytes]]]  # key, value, headers
@@ -65,6 +72,23 @@ def ensure_snapshot_topic(kafka: KafkaConfig) -> None:
     if kafka.snapshot_topic is None:
         raise ValueError("no snapshot topic is configured (--kafka.snapshot_topic)")
     ensure_topics(kafka, kafka.snapshot_topic, configs=SNAPSHOT_TOPIC_CONFIGS)
+
+
+def open_parts_producer(kafka: KafkaConfig, ack_timeout_s: float) -> KafkaProducer:
+    """A producer for records of up to ``--kafka.snapshot_chunk_bytes`` (snapshot and partition-state parts) that
+    blocks at most ``ack_timeout_s`` for room in its buffer."""
+    return open_producer(kafka, max_request_size=kafka.snapshot_chunk_bytes + 65536,
+                         max_block_ms=int(ack_timeout_s * 1000))
+
+
+def close_quietly(producer: KafkaProducer | None, what: str) -> None:
+    """Close a producer; an error (after a broker failure) is logged, never raised over the failure itself."""
+    if producer is None:
+        return
+    try:
+        producer.close(timeout=2)
+    except Exception:
+        log.exception("error while closing the %s producer", what)
 
 
 class CorruptSnapshot(ValueError):

@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
 
-from mepo_stream.kafka import KafkaConfig, open_producer
-from server.snapshot_topic import Assembler, CorruptSnapshot
+from mepo_stream.kafka import KafkaConfig
+from server.snapshot_topic import Assembler, CorruptSnapshot, close_quietly, open_parts_producer
 from server.state_topic import FORMAT, PartitionState, StateFormatError, decode, ensure_state_topic, state_records
 
 log = logging.getLogger(__name__)
@@ -97,8 +97,7 @@ class Changelog:
         """Send ``states`` and wait until the broker has them all; returns the bytes sent."""
         if self._producer is None:
             ensure_state_topic(self.kafka)
-            self._producer = open_producer(self.kafka, max_request_size=self.kafka.snapshot_chunk_bytes + 65536,
-                                           max_block_ms=int(ACK_TIMEOUT_S * 1000))
+            self._producer = open_parts_producer(self.kafka, ACK_TIMEOUT_S)
         records = [r for state in states for r in state_records(state, self.kafka.snapshot_chunk_bytes)]
         futures = [self._producer.send(self.kafka.state_topic, key=key, value=value, headers=headers)
                    for key, value, headers in records]
@@ -107,12 +106,8 @@ class Changelog:
         return sum(len(value) for _, value, _ in records)
 
     def close(self) -> None:
-        if self._producer is not None:
-            try:
-                self._producer.close(timeout=2)
-            except Exception:  # closing after a broker failure must not hide the failure itself
-                log.exception("error while closing the state producer")
-            self._producer = None
+        close_quietly(self._producer, "state")
+        self._producer = None
 
 
 class ChangelogFollower:

@@ -20,12 +20,18 @@ from collections.abc import Callable
 from kafka import KafkaProducer
 from kafka.errors import KafkaError
 
-from mepo_stream.kafka import open_producer
 from server.config import ServeConfig
 from server.learner.state import ServiceState
 from server.metrics import ServerMetrics
 from server.snapshot import Snapshot
-from server.snapshot_topic import Origin, encode, ensure_snapshot_topic, to_records
+from server.snapshot_topic import (
+    Origin,
+    close_quietly,
+    encode,
+    ensure_snapshot_topic,
+    open_parts_producer,
+    to_records,
+)
 
 log = logging.getLogger(__name__)
 RETRY_S = 2.0
@@ -122,14 +128,9 @@ class SnapshotPublisher:
     def _connect(self) -> KafkaProducer:
         if self._producer is None:
             ensure_snapshot_topic(self.kafka)
-            self._producer = open_producer(self.kafka, max_request_size=self.kafka.snapshot_chunk_bytes + 65536,
-                                           max_block_ms=int(ACK_TIMEOUT_S * 1000))
+            self._producer = open_parts_producer(self.kafka, ACK_TIMEOUT_S)
         return self._producer
 
     def _close(self) -> None:
-        if self._producer is not None:
-            try:
-                self._producer.close(timeout=2)
-            except Exception:  # closing after a broker failure must not hide the failure itself
-                log.exception("error while closing the snapshot producer")
-            self._producer = None
+        close_quietly(self._producer, "snapshot")
+        self._producer = None

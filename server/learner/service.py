@@ -54,6 +54,7 @@ class Service(Serving):
         self.loop.stop()
         if self.follower is not None:
             self.follower.stop()
+            self.state.changelog.close()
         if self.publisher is not None:
             self.publisher.stop()
         self.state.model_thread.shutdown()
