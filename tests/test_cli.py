@@ -135,7 +135,7 @@ def test_backbone_import_makes_a_usable_bundle(tmp_path):
 
     np.save(tmp_path / "cov.npy", np.eye(64))
     main(["backbone", "import", "--source", str(tmp_path / "vit_test_meta_1.pth"), "--out", str(tmp_path / "b"),
-          "--name", "test_vit", "--covariance", str(tmp_path / "cov.npy")])
+          "--backbone.name", "test_vit", "--mepo_cov", str(tmp_path / "cov.npy")])
     assert set(read_manifest(tmp_path / "b")["files"]) == {"backbone.safetensors", "sigma_pre.safetensors"}
     from mepo_stream.backbone import BackboneConfig, create_backbone
 
@@ -166,7 +166,7 @@ def test_sweep_of_methods_with_mepo_writes_table1_ablation_and_reuses_cached_run
     torch.save(timm.create_model("test_vit", pretrained=False, num_classes=0).state_dict(), tmp_path / "w.pth")
     np.save(tmp_path / "cov.npy", np.eye(64))
     main(["backbone", "import", "--source", str(tmp_path / "w.pth"), "--out", str(tmp_path / "bundle"),
-          "--name", "test_vit", "--covariance", str(tmp_path / "cov.npy")])
+          "--backbone.name", "test_vit", "--mepo_cov", str(tmp_path / "cov.npy")])
     args = ["evaluate", "--out", str(tmp_path / "sweep"), "--seeds", "1", "--methods", "misa,linear_probe",
             "--mepo", str(tmp_path / "bundle"), "--ablation", "true", *TINY, "--data.dataset", "cifar10",
             "--data.train_per_class", "10", "--data.test_per_class", "3", "--protocol.eval_period", "50"]
@@ -210,10 +210,13 @@ SYNONYMS = {
     "--method": r"--[\w.]+\.method|--\w+_method",
     "--method_config": r"--[\w.]+\.method_configs?|--(?!method_config$)\w*methods?_configs?|--configs",
     "--replay.*": r"--(rate|limit|partitions|replay_\w+)",
+    "--mepo_cov": r"--covariance|--sigma_pre\w*|--cov_\w+",
+    "--backbone.name": r"--name|--arch\w*",
 }
 """Each meaning -> the names it once had or could slip into (an option matching one fails the test): the bundle
 is --mepo, one host method --method (a list of them: evaluate's --methods) with its settings --method_config, and
-the producer's pace and size --replay.*, in every command."""
+the producer's pace and size --replay.*, Sigma_pre --mepo_cov and an architecture --backbone.name, in every
+command."""
 
 
 def group_fields(options: set[str]) -> dict[str, set[str]]:
