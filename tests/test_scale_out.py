@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -37,7 +38,7 @@ from producers.siblurry import ReplayConfig, produce, stream_id
 from server.broker import free_port
 from server.config import ServeConfig, model_config
 from server.learner.changelog import Changelog
-from server.learner.partitioned import PartitionedState
+from server.learner.partitioned import PartitionedState, migrated_state
 from server.learner.state import CHECKPOINT, ServiceState
 from server.metrics import ServerMetrics
 from server.snapshot_topic import Origin
@@ -132,18 +133,13 @@ def test_checkpoint_formats_are_read_or_refused_whole(tmp_path):
 def test_a_single_learners_checkpoint_becomes_its_partitions_state_or_is_refused(tmp_path):
     one = single_checkpoint(tmp_path / "one", {"images:0": 12})
     state = ServiceState(one, ServerMetrics())
-    grouped = replace(one, kafka=replace(one.kafka, state_topic="state"))
-    migration = PartitionedState.__new__(PartitionedState)  # only the migration, no broker
-    migration.cfg, migration.learner, migration.learner_id = grouped, state.learner, "me"
-    migration.class_names, migration.n_classes, migration._empty = state.class_names, state.n_classes, \
-        state.learner.statistics()
-    migrated = migration._migration_of(one.checkpoint_dir / CHECKPOINT)
+    migrated = migrated_state(one.checkpoint_dir / CHECKPOINT, state.origin, "me", state.learner.statistics().shape)
     assert (migrated.key, migrated.offset, migrated.learned) == ("images:0", 12, {"s": list(range(12))})
     assert torch.equal(migrated.stats.counts, state.learner.statistics().counts)
     assert migrated.stats.samples == 12
     several = single_checkpoint(tmp_path / "several", {"images:0": 6, "images:1": 6})
     with pytest.raises(ValueError, match="over 2 partitions.*cannot be split"):
-        migration._migration_of(several.checkpoint_dir / CHECKPOINT)
+        migrated_state(several.checkpoint_dir / CHECKPOINT, state.origin, "me", state.learner.statistics().shape)
 
 
 def test_a_second_learner_in_the_group_of_one_without_a_state_topic_stops_learning(tmp_path):
@@ -292,6 +288,9 @@ def test_two_learners_on_four_partitions_build_the_single_learners_model(broker,
                 assert status["anytime_accuracy"]["samples"] == [64, 128, 192]
                 assert sum(status["partition_samples"].values()) == n and len(status["partition_samples"]) == 4
                 assert sorted(p for e in status["learners"].values() for p in e["partitions"]) == sorted(split)
+                metrics = http.get("/metrics").text  # Prometheus sees what the status says, without a status read
+                assert sum(float(v) for v in re.findall(r"^mepo_partition_samples\{[^}]*\} (\S+)$", metrics,
+                                                        re.M)) == n
         assert answers[0] == answers[1] == answers[2], answers
     finally:
         stop(procs)

@@ -69,6 +69,7 @@ class StreamBook:
     the decode pool's threads give claims back, and nothing is seen half-way."""
 
     learn_replays: bool = False  # claim every record, so a replayed sample is learned again
+    by_partition: bool = False  # also keep the ids learned from each partition (a learner in a group writes them)
     dead_lettered: int = field(default=0, init=False)  # counted by dead_letter()
     replays_skipped: int = field(default=0, init=False)  # counted by claim()
     _learned: dict[str, set[int]] = field(default_factory=dict, init=False, repr=False)
@@ -127,13 +128,14 @@ class StreamBook:
         first one still pending (records added during the learning step stay pending)."""
         learned = {id(s) for s in batch}
         with self._lock:
-            key_of = {id(p.sample): p.key for p in self._pending}
-            for sample in batch:
-                stream_id, index = sample.id
+            for stream_id, index in (s.id for s in batch):
                 self._in_flight.get(stream_id, set()).discard(index)
                 self._learned.setdefault(stream_id, set()).add(index)
-                in_partition = self._learned_in.setdefault(key_of.get(id(sample), ""), {})
-                in_partition.setdefault(stream_id, set()).add(index)
+            if self.by_partition:
+                for p in self._pending:
+                    if id(p.sample) in learned:
+                        self._learned_in.setdefault(p.key, {}).setdefault(p.sample.meta.stream_id, set()).add(
+                            p.sample.meta.sample_index)
             self._pending = [p for p in self._pending if id(p.sample) not in learned]
             for key, upto in self._read.items():
                 self._handled[key] = min((p.offset for p in self._pending if p.key == key), default=upto)

@@ -40,10 +40,35 @@ from server.learner.changelog import Changelog
 from server.learner.state import ServiceState, read_checkpoint
 from server.metrics import ServerMetrics
 from server.model_thread import ModelThread
+from server.snapshot_topic import Origin
 from server.state_topic import PartitionState
 
 log = logging.getLogger(__name__)
 MIGRATED = ".migrated"
+
+
+def migrated_state(path: Path, origin: Origin, learner_id: str, shape: tuple[int, int, int]
+                   ) -> PartitionState | None:
+    """A single learner's checkpoint as the state of the one partition it learned (None: no checkpoint); one over
+    several partitions is refused (its sums cannot be split), and so is one of another model's shape."""
+    if not path.is_file():
+        return None
+    state = read_checkpoint(path)
+    keys = sorted(state["offsets"])
+    if len(keys) > 1:
+        raise ValueError(f"{path} is the checkpoint of one learner over {len(keys)} partitions ({keys}): its "
+                         f"sums cannot be split between them. Keep learning without --kafka.state_topic, or "
+                         f"move the checkpoint away to learn the stream again in a group")
+    method = state["learner"]["method"]
+    stats = LabelStatistics.from_head_order(
+        method["classifier.counts"], method["classifier.sums"], method["classifier.second"],
+        method.get("classifier.hits", torch.zeros(0)), [int(y) for y in state["learner"]["exposed"]])
+    if stats.shape != shape:
+        raise ValueError(f"{path} holds a model of shape {stats.shape}, this learner's is {shape}")
+    learned = {s: v.tolist() for s, v in state["learned"].items()}
+    key = keys[0] if keys else ""
+    return PartitionState(key, stats, int(state["offsets"].get(key, 0)), learned, origin, learner_id, time.time(),
+                          0.0, 0)
 
 
 class PartitionedState(ServiceState):
@@ -74,7 +99,7 @@ class PartitionedState(ServiceState):
                              f"but --method {self.cfg.method} with --learner.classifier "
                              f"{self.cfg.learner.classifier} cannot be merged: {why}")
         self._empty = self.learner.statistics()  # zeros of this model's shape
-        self._migration = self._migration_of(self.checkpoint_path)
+        self._migration = migrated_state(self.checkpoint_path, self.origin, self.learner_id, self._empty.shape)
         try:
             states = self.changelog.read_all()
         except KafkaError as e:  # the follower and the assignment read the topic once the broker is back
@@ -86,26 +111,6 @@ class PartitionedState(ServiceState):
         self._remote_total = None
         self._load_total()
         self.version = self.samples_seen = self.learner.samples_seen
-
-    def _migration_of(self, path: Path) -> PartitionState | None:
-        """A single learner's checkpoint as the state of the one partition it learned (None: no checkpoint)."""
-        if not path.is_file():
-            return None
-        state = read_checkpoint(path)
-        keys = sorted(state["offsets"])
-        if len(keys) > 1:
-            raise ValueError(f"{path} is the checkpoint of one learner over {len(keys)} partitions ({keys}): its "
-                             f"sums cannot be split between them. Keep learning without --kafka.state_topic, or "
-                             f"move the checkpoint away to learn the stream again in a group")
-        method = state["learner"]["method"]
-        stats = LabelStatistics.from_head_order(
-            method["classifier.counts"], method["classifier.sums"], method["classifier.second"],
-            method.get("classifier.hits", torch.zeros(0)), [int(y) for y in state["learner"]["exposed"]])
-        if stats.shape != self._empty.shape:
-            raise ValueError(f"{path} holds a model of shape {stats.shape}, this learner's is {self._empty.shape}")
-        learned = {s: v.tolist() for s, v in state["learned"].items()}
-        return PartitionState(keys[0] if keys else "", stats, int(state["offsets"].get(keys[0], 0)) if keys else 0,
-                              learned, self.origin, self.learner_id, time.time(), 0.0, 0)
 
     def _check(self, state: PartitionState) -> None:
         """Refuse a partition state of another model: its sums mean something else."""
@@ -142,7 +147,7 @@ class PartitionedState(ServiceState):
             for key in keys:
                 state = states.get(key)
                 self.own[key] = self._empty.clone() if state is None else state.stats.clone()
-                self._book_partition(key, (0, {}) if state is None else (state.offset, state.learned))
+                self._adopt_partition(key, *((0, {}) if state is None else (state.offset, state.learned)))
                 self.remote.pop(key, None)
                 if state is not None:
                     self.written[key] = state
@@ -160,7 +165,7 @@ class PartitionedState(ServiceState):
     def _revoke_partitions(self, keys: list[str]) -> None:
         with self._lock:
             for key in keys:
-                self._book_partition(key, None)
+                self._drop_partition(key)
                 self.own.pop(key, None)
                 if key in self.written:
                     self.remote[key] = self.written[key]
@@ -192,11 +197,12 @@ class PartitionedState(ServiceState):
         self.refusal = why
 
     def _newer_remote(self, state: PartitionState) -> bool:
-        """Keep ``state`` as a partition's remote sums if it is not owned here and is not older than the kept one
-        (the follower may trail a restore that already read a newer state)."""
+        """Keep ``state`` as a partition's remote sums if it is not owned here and is newer than the kept one (the
+        follower may trail a restore that already read a newer state, and it re-reads what the start read)."""
         kept = self.remote.get(state.key)
-        if state.key in self.own or (kept is not None and kept.offset > state.offset):
-            return False
+        if state.key in self.own or (kept is not None and (kept.offset, kept.written_at) >= (state.offset,
+                                                                                              state.written_at)):
+            return False  # owned here, older, or the very state already kept (the follower re-reads the topic)
         self.remote[state.key] = state
         if self._remote_total is not None and self._replaced < len(self.remote):
             self._remote_total = self._remote_total.replace_part(None if kept is None else kept.stats, state.stats)
@@ -215,6 +221,8 @@ class PartitionedState(ServiceState):
             self._replaced = 0
         self.learner.load_statistics(LabelStatistics.total([self._remote_total, *self.own.values()]))
         self.metrics.merge_seconds.observe(time.perf_counter() - start)
+        for key, n in self._partition_samples().items():
+            self.metrics.partition_samples.labels(key.rsplit(":", 1)[1]).set(n)
 
     # --- learning ---------------------------------------------------------------------------------------------
     def groups(self, pending: list[Pending]) -> list[list[Pending]]:
@@ -275,7 +283,7 @@ class PartitionedState(ServiceState):
     def status(self) -> dict:  # pragma: no mutate block (reporting: tests/test_scale_out.py)
         """The merged model's status, each learner's partitions, rate and lag, and each partition's samples."""
         with self._lock:
-            samples = {k: s.stats.samples for k, s in self.remote.items()} | {k: s.samples for k, s in self.own.items()}
+            samples = self._partition_samples()
             learners = {self.learner_id: {"partitions": sorted(self.own), "samples_per_second": self._current_rate(),
                                           "lag": {k: int(self.lag.get(k, 0)) for k in sorted(self.own)}}}
             for key, state in sorted(self.remote.items()):
@@ -283,10 +291,12 @@ class PartitionedState(ServiceState):
                                                             "lag": {}})
                 entry["partitions"].append(key)
                 entry["lag"][key] = state.lag
-        for key, n in samples.items():
-            self.metrics.partition_samples.labels(key.rsplit(":", 1)[1]).set(n)
         return {**super().status(), "learner_id": self.learner_id, "learners": learners,
                 "partition_samples": dict(sorted(samples.items()))}
+
+    def _partition_samples(self) -> dict[str, int]:
+        """What the model holds of each partition: its own sums, or the newest state another learner wrote."""
+        return {k: s.stats.samples for k, s in self.remote.items()} | {k: s.samples for k, s in self.own.items()}
 
     def _current_rate(self) -> float:
         """Samples per second this learner learned since its last persist."""

@@ -12,6 +12,7 @@ partition, so model and offsets roll back together.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import threading
@@ -76,7 +77,7 @@ class ServiceState:
         self.learner = build_learner(cfg, self.n_classes)  # seeded: the augmentation's draws follow from the seed
         self.on_learned: Callable[[], None] | None = None  # told of every new version (the publisher)
         self.monitor = StreamMonitor(cfg.monitor)
-        self.book = StreamBook(learn_replays=cfg.learn_replays)  # written by this object only (tests read it)
+        self.book = StreamBook(learn_replays=cfg.learn_replays, by_partition=self.scales_out)  # written here only
         self.version = 0
         self.last_checkpoint_time = math.nan
         self.last_learned_time = math.nan  # wall time of the last learned mini-batch (not checkpointed)
@@ -91,9 +92,10 @@ class ServiceState:
                            "method": cfg.method, "n_classes": str(self.n_classes)})
         self._export()
 
-    @property
+    @functools.cached_property
     def origin(self) -> Origin:
-        """What this learner's snapshots and partition states share, and what a reader must match to use them."""
+        """What this learner's snapshots and partition states share, and what a reader must match to use them
+        (fixed once the model is built)."""
         names = tuple(self.class_names[label] for label in range(self.n_classes))
         return Origin(self.cfg.model_name, model_config(self.cfg).to_json(), names,
                       self.learner.method.backbone_sha256, bundle_sha256(self.cfg.mepo))
@@ -170,12 +172,13 @@ class ServiceState:
     def revoke_partitions(self, keys: list[str]) -> None:
         """Partitions taken away (after a checkpoint): the checkpoint keeps them, nothing to do."""
 
-    def _book_partition(self, key: str, taken: tuple[int, dict[str, list[int]]] | None) -> None:
-        """A partition taken over at (next offset, ids learned from it), or let go (None): the book follows."""
-        if taken is None:
-            self.book.drop(key)
-        else:
-            self.book.adopt(key, *taken)
+    def _adopt_partition(self, key: str, offset: int, learned: dict[str, list[int]]) -> None:
+        """Book a partition taken over at ``offset``, with the ids its earlier owners learned from it."""
+        self.book.adopt(key, offset, learned)
+
+    def _drop_partition(self, key: str) -> None:
+        """Let a partition go from the book (its records are all learned and persisted)."""
+        self.book.drop(key)
 
     def _moved_partitions(self) -> list[tuple[str, int, dict[str, list[int]]]]:
         """(partition, next offset, learned ids) of each partition whose offset moved since the last capture;
