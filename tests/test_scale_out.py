@@ -284,11 +284,12 @@ def test_two_learners_on_four_partitions_build_the_single_learners_model(broker,
                 files = [("files", (f"{i}.png", png, "image/png")) for i, png in enumerate(png_files(single))]
                 answers.append([p["top_k"][0]["label"]
                                 for p in http.post("/v1/predict", files=files).json()["predictions"]])
+                metrics = http.get("/metrics").text
             if cfg.role == "learner":  # evaluated at the global counts, the sum over partitions
                 assert status["anytime_accuracy"]["samples"] == [64, 128, 192]
                 assert sum(status["partition_samples"].values()) == n and len(status["partition_samples"]) == 4
                 assert sorted(p for e in status["learners"].values() for p in e["partitions"]) == sorted(split)
-                metrics = http.get("/metrics").text  # Prometheus sees what the status says, without a status read
+                # Prometheus sees the partitions the status lists
                 assert sum(float(v) for v in re.findall(r"^mepo_partition_samples\{[^}]*\} (\S+)$", metrics,
                                                         re.M)) == n
         assert answers[0] == answers[1] == answers[2], answers
