@@ -32,23 +32,21 @@ Writes ``benchmarks/results/learning_diagnosis.json`` and ``benchmarks/results/l
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from timm.models.vision_transformer import VisionTransformer
 
 from benchmarks.service import write_result
 from mepo_stream.anytime import AnytimeEvaluation, stream_batches
-from mepo_stream.backbone import BackboneConfig, create_backbone, device
+from mepo_stream.backbone import BackboneConfig, device
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.heads import NearestClassMean
 from mepo_stream.learner import PAPER_RECIPE, LearnerConfig, OnlineLearner
 from mepo_stream.methods.base import ContinualMethod, Encoded
-from mepo_stream.model import assemble, complete
+from mepo_stream.model import ModelConfig, create_model
 from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
 
 EVAL_BATCH = 128
@@ -236,11 +234,10 @@ def ncm_accuracy(train_feats: torch.Tensor, train_targets: torch.Tensor, test_fe
             "raw": float((raw.argmax(1) == test_targets).float().mean())}
 
 
-def prompt_report(base: VisionTransformer, seed: int, train: ImageSet, test: ImageSet,
+def prompt_report(backbone: BackboneConfig, seed: int, train: ImageSet, test: ImageSet,
                   plain: dict[str, torch.Tensor], dev: torch.device) -> dict:
     """MISA's CLS feature with its random uniform(-1, 1) prompts against the plain backbone's, same images."""
-    torch.manual_seed(seed)
-    misa = complete(assemble("misa", len(train.classes), copy.deepcopy(base)), LearnerConfig(), dev)
+    misa = create_model(ModelConfig("misa", backbone=backbone, seed=seed), len(train.classes), dev)
     prompted = {split: features(misa, images.images)
                 for split, images in (("train", train), ("test", test))}
     p, q = prompted["test"], plain["test"]  # [N, D]
@@ -280,12 +277,12 @@ def plot(runs: dict[str, dict], class_names: list[str], path: Path) -> None:
     plt.close(fig)
 
 
-def learn(name: str, base: VisionTransformer, train: ImageSet, test: ImageSet, tasks: list[list[int]],
+def learn(name: str, backbone: BackboneConfig, train: ImageSet, test: ImageSet, tasks: list[list[int]],
           plain: dict[str, torch.Tensor], cfg: LearnerConfig, seed: int, eval_period: int) -> dict:
     """One learner over the stream; the paper recipe's head is watched and reported, LDA's shrinkage too."""
-    torch.manual_seed(seed)
     start, method = time.time(), LEARNERS[name][0]
-    learner = OnlineLearner(complete(assemble(method, len(train.classes), copy.deepcopy(base)), cfg, device()), cfg)
+    model = create_model(ModelConfig(method, backbone=backbone, learner=cfg, seed=seed), len(train.classes), device())
+    learner = OnlineLearner(model, cfg)
     linear = cfg.classifier == "linear"
     tracker = HeadTracker(learner.method.head, learner.optimizer, plain["test"].mean(0)) if linear else None
     run = {"method": method, **run_stream(learner, train, tasks, test, plain["test"], eval_period)}
@@ -318,13 +315,13 @@ def main(data: DataConfig = DataConfig("cifar10", train_per_class=100, test_per_
     torch.set_num_threads(threads)
     start, dev = time.time(), device()
     train, test = load_split(data, "train"), load_split(data, "test")
-    n_classes, base = len(train.classes), create_backbone(backbone)
-    frozen = complete(assemble("frozen", n_classes, copy.deepcopy(base)), LearnerConfig(), dev)
+    n_classes = len(train.classes)
+    frozen = create_model(ModelConfig("frozen", backbone=backbone), n_classes, dev)
     plain = {split: features(frozen, images.images)  # [N, D], reused wherever frozen
              for split, images in (("train", train), ("test", test))}
     tasks = si_blurry_stream(train.targets.tolist(), stream.n_tasks, stream.n, stream.m, stream.seed).tasks
     cfgs = {name: replace(cfg, autoaugment=autoaugment) for name, (_, cfg) in LEARNERS.items()}
-    runs = {name: learn(name, base, train, test, tasks, plain, cfg, stream.seed, eval_period)
+    runs = {name: learn(name, backbone, train, test, tasks, plain, cfg, stream.seed, eval_period)
             for name, cfg in cfgs.items()}
     batches = stream_batches(tasks, cfgs["paper_recipe"].batch_size, eval_period)
     single = count_single_class(batches, train.targets)
@@ -339,7 +336,7 @@ def main(data: DataConfig = DataConfig("cifar10", train_per_class=100, test_per_
         "runs": runs,
         "features": feature_scale(plain["test"], test.targets),
         "adam": adam_scale(cfgs["paper_recipe"].lr, plain["test"], runs["paper_recipe"]["head"]),
-        "prompt_init": prompt_report(base, stream.seed, train, test, plain, dev),
+        "prompt_init": prompt_report(backbone, stream.seed, train, test, plain, dev),
         "wall_time_s": round(time.time() - start, 1),
     }
     if plot_path is not None:

@@ -36,7 +36,7 @@ from mepo_stream.cli import config_options
 from mepo_stream.data import DataConfig, list_files
 from mepo_stream.learner import PAPER_RECIPE, LearnerConfig, OnlineLearner
 from mepo_stream.methods.base import ContinualMethod
-from mepo_stream.model import ModelConfig, create_model
+from mepo_stream.model import BundleParts, ModelConfig, create_model
 from mepo_stream.precision import resolve_precision
 from server.broker import EmbeddedBroker, free_port
 from server.config import ServeConfig
@@ -187,7 +187,7 @@ def bare_model(spec: ServiceSpec, n_classes: int) -> ContinualMethod:
     """The service's model (backbone, host method, every part of the MePo bundle, classifier, precision), built
     by the factory the service builds it with, on the device the service runs on."""
     cfg = ModelConfig(spec.method, ServeConfig.method_config, BackboneConfig(spec.model, spec.weights, spec.img_size),
-                      spec.mepo, ServeConfig.alignment, spec.learner, ServeConfig.seed)
+                      BundleParts.of(spec.mepo), ServeConfig.alignment, spec.learner, ServeConfig.seed)
     return create_model(cfg, n_classes, device())
 
 

@@ -137,8 +137,14 @@ def load_weights(model: VisionTransformer, path: Path) -> None:
 
 
 def create_backbone(cfg: BackboneConfig) -> VisionTransformer:
-    """Build the timm ViT of ``cfg`` without a classifier (``num_classes=0``) and load its weights."""
-    model = build_vit(cfg.name, cfg.img_size)
+    """Build the timm ViT of ``cfg`` without a classifier (``num_classes=0``) and load its weights.
+
+    Without weights the backbone is drawn with seed 0, whatever the global RNG: like pretrained weights, it is then
+    the same for every run and seed (and so is its ceiling), and building it leaves the global RNG as it was.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = build_vit(cfg.name, cfg.img_size)
     if (path := weights_path(cfg.weights)) is not None:
         load_weights(model, path)
     return model

@@ -1,12 +1,12 @@
-"""The model factory (timm's ``create_model``): a ``ModelConfig`` and a MePo bundle in, a complete model out.
+"""The model factory (timm's ``create_model``): a ``ModelConfig`` in, a finished model out.
 
-A MePo bundle may carry up to three parts, each optional: a (meta-refined) backbone (Meta Rep), Sigma_pre
-(Meta Cov), and ISA-warmed prompts (MISA's initial session adaptation). ``build_method`` builds the host method
-with what the bundle has; ``complete`` finishes it into the model a learner trains and a snapshot serves
-(statistics classifier, standardisation, what trains, precision, the eval transform); ``create_model`` is the
-two in one. The service, its replicas, ``mepo evaluate`` and the benchmarks all build their model here, so they
-run the same model for the same configuration, and a snapshot's ``ModelConfig`` is all a replica needs to
-rebuild it.
+A ``ModelConfig`` says everything a model is made of: the host method, the backbone, which MePo parts to take
+from which bundle (``BundleParts``: a (meta-refined) backbone for Meta Rep, Sigma_pre for Meta Cov, ISA-warmed
+prompts), the Meta Cov settings and the learner's readout (statistics classifier, standardisation, precision).
+``create_model`` checks every bundle against the model before any work, builds the backbone, and constructs the
+host with its ``Readout``, so nothing is set on the model once it is built. The service, its replicas,
+``mepo evaluate``, ``mepo isa``, the benchmarks and the test helpers all build here, so they run the same model
+for the same configuration, and a snapshot's ``ModelConfig`` is all a replica needs to rebuild it.
 
 Example:
     >>> from mepo_stream.backbone import BackboneConfig
@@ -32,6 +32,7 @@ from torch import nn
 from mepo_stream.alignment import AlignmentConfig, FeatureAlignment
 from mepo_stream.artifacts import (
     BACKBONE,
+    MANIFEST,
     PROMPTS,
     SIGMA_PRE,
     BundleError,
@@ -41,17 +42,23 @@ from mepo_stream.artifacts import (
 )
 from mepo_stream.backbone import BackboneConfig, create_backbone, normalization
 from mepo_stream.errors import ConfigError
+from mepo_stream.files import sha256_file
 from mepo_stream.heads import NearestClassMean, RunningStandardize, StreamingLDA
 from mepo_stream.learner import LearnerConfig
 from mepo_stream.methods import MethodsConfig, create_method
-from mepo_stream.methods.base import ContinualMethod
+from mepo_stream.methods.base import ContinualMethod, Readout
 from mepo_stream.precision import quantize_int8, resolve_precision
 from mepo_stream.transforms import test_transform
 
 
 @dataclass(frozen=True)
 class BundleParts:
-    """Which parts of MePo to take, and from which bundle (None: that part is off)."""
+    """Which parts of MePo to take, and from which bundle (None: that part is off).
+
+    Example (``mepo serve --mepo B`` takes every part ``B`` has; ``mepo evaluate`` picks parts per variant):
+        >>> BundleParts(cov=Path("cov_vit.npy")).bundles
+        (PosixPath('cov_vit.npy'),)
+    """
 
     rep: Path | None = None
     """Bundle whose backbone replaces the configured one (Meta Rep)."""
@@ -65,10 +72,28 @@ class BundleParts:
         """Every part the bundle has."""
         if bundle is None:
             return cls()
-        files = read_manifest(bundle)["files"]
-        has = {name: f"{name}.safetensors" in files for name in (BACKBONE, SIGMA_PRE, PROMPTS)}
-        return cls(rep=bundle if has[BACKBONE] else None, cov=bundle if has[SIGMA_PRE] else None,
-                   prompts=bundle if has[PROMPTS] else None)
+        have = bundle_parts(bundle)
+        return cls(rep=bundle if BACKBONE in have else None, cov=bundle if SIGMA_PRE in have else None,
+                   prompts=bundle if PROMPTS in have else None)
+
+    @property
+    def bundles(self) -> tuple[Path, ...]:
+        """Each bundle (or ``.npy``) the parts come from, once, in part order."""
+        return tuple(dict.fromkeys(Path(p) for p in (self.rep, self.cov, self.prompts) if p is not None))
+
+    def sha256(self) -> str | None:
+        """What a replica compares: the sha256 of the one bundle's manifest (which holds every file's sha256), of
+        the manifests or ``.npy`` files of several joined, or None without MePo."""
+        digests = [sha256_file(b if b.suffix == ".npy" else b / MANIFEST) for b in self.bundles]
+        if len(digests) <= 1:
+            return next(iter(digests), None)
+        return hashlib.sha256(",".join(digests).encode()).hexdigest()
+
+
+def bundle_parts(bundle: Path) -> list[str]:
+    """The parts a bundle holds (``BundleError`` when it is not a bundle)."""
+    files = read_manifest(bundle)["files"]
+    return [part for part in (BACKBONE, SIGMA_PRE, PROMPTS) if f"{part}.safetensors" in files]
 
 
 def check_bundle(bundle: Path, backbone: BackboneConfig, needs: dict[str, str] | None = None) -> None:
@@ -81,14 +106,14 @@ def check_bundle(bundle: Path, backbone: BackboneConfig, needs: dict[str, str] |
         ...
         mepo_stream.artifacts.BundleError: /nonexistent is not a bundle: manifest.json is missing
     """
-    manifest = read_manifest(bundle)
-    have = [part for part in (BACKBONE, SIGMA_PRE, PROMPTS) if f"{part}.safetensors" in manifest["files"]]
+    have = bundle_parts(bundle)
     for part, instead in (needs or {}).items():
         if part not in have:
             raise BundleError(f"{bundle} has {', '.join(have) or 'no parts'} but no {part}: {instead}")
-    made = manifest.get("backbone", {})
     if BACKBONE not in have:
         return
+    manifest = read_manifest(bundle)
+    made = manifest.get("backbone", {})
     if made.get("name") not in (None, backbone.name):
         raise ConfigError(f"{bundle} holds a {made['name']} backbone, not {backbone.name}: pass --backbone.name "
                           f"{made['name']}")
@@ -99,58 +124,60 @@ def check_bundle(bundle: Path, backbone: BackboneConfig, needs: dict[str, str] |
                           f"its position table")
 
 
+def check_parts(parts: BundleParts, backbone: BackboneConfig) -> None:
+    """Each part's bundle holds that part and fits ``backbone`` (a ``cov_*.npy`` is Sigma_pre as is)."""
+    if parts.rep is not None:
+        check_bundle(parts.rep, backbone, {BACKBONE: "Meta Rep needs a refined backbone (mepo refine)"})
+    if parts.cov is not None and Path(parts.cov).suffix != ".npy":
+        check_bundle(parts.cov, backbone, {SIGMA_PRE: "Meta Cov needs Sigma_pre (mepo covariance, or mepo refine)"})
+    if parts.prompts is not None:
+        check_bundle(parts.prompts, backbone, {PROMPTS: "prompt hosts start from ISA prompts (mepo isa)"})
+
+
 def backbone_config(backbone: BackboneConfig, parts: BundleParts) -> BackboneConfig:
     """The backbone to build: the bundle's refined one under Meta Rep, else the configured one."""
     return backbone if parts.rep is None else replace(backbone, weights=str(parts.rep))
 
 
-def assemble(method: str, n_classes: int, backbone: VisionTransformer, parts: BundleParts = BundleParts(),
-             method_config: MethodsConfig = MethodsConfig(), alignment: AlignmentConfig = AlignmentConfig()
-             ) -> ContinualMethod:
-    """The host method around an already built ``backbone``, with Meta Cov and ISA prompts if ``parts`` say so."""
-    align = None
-    if parts.cov is not None:
-        sigma = load_sigma_pre(parts.cov)
-        if sigma.shape[0] != backbone.num_features:
-            raise ValueError(f"Sigma_pre is {tuple(sigma.shape)} but the backbone has {backbone.num_features} "
-                             f"features")
-        align = FeatureAlignment.from_config(sigma, alignment)
-    model = create_method(method, backbone, n_classes, align, method_config)
-    if parts.prompts is not None:
-        load_initial_prompts(model, parts.prompts)
-    return model
+def meta_cov(parts: BundleParts, backbone: VisionTransformer, cfg: AlignmentConfig) -> FeatureAlignment | None:
+    """The Meta Cov alignment to Sigma_pre when the parts hold one, else None."""
+    if parts.cov is None:
+        return None
+    sigma = load_sigma_pre(parts.cov)  # [D, D]
+    if sigma.shape[0] != backbone.num_features:
+        raise BundleError(f"{parts.cov}: Sigma_pre is {tuple(sigma.shape)} but the backbone has "
+                          f"{backbone.num_features} features")
+    return FeatureAlignment.from_config(sigma, cfg)
 
 
-def load_initial_prompts(model: ContinualMethod, bundle: Path) -> None:
-    """Start a prompt-based host from the bundle's ISA prompts; other hosts have none to start from."""
-    loader = getattr(model, "load_initial_prompts", None)
-    if loader is None:
-        return
-    loader(load_part(bundle, PROMPTS))
-
-
-def build_method(method: str, n_classes: int, backbone: BackboneConfig, parts: BundleParts = BundleParts(),
-                 method_config: MethodsConfig = MethodsConfig(), alignment: AlignmentConfig = AlignmentConfig(),
-                 device: torch.device | None = None) -> ContinualMethod:
-    """Build the backbone (the bundle's under Meta Rep) and the host method around it."""
-    model = assemble(method, n_classes, create_backbone(backbone_config(backbone, parts)), parts, method_config,
-                     alignment)
-    return model if device is None else model.to(device)
-
-
-def make_classifier(cfg: LearnerConfig, method: ContinualMethod) -> torch.nn.Module | None:
+def make_classifier(cfg: LearnerConfig, dim: int, n_classes: int, alignment: FeatureAlignment | None
+                    ) -> nn.Module | None:
     """The statistics classifier ``cfg`` asks for (None for the linear head)."""
-    dim, n_classes = method.backbone.num_features, method.n_classes
     if cfg.classifier == "ncm":
         return NearestClassMean(dim, n_classes)
     if cfg.classifier == "linear":
         return None
     prior = None
     if cfg.slda_prior == "sigma_pre":
-        if method.alignment is None:
-            raise ValueError("slda_prior=sigma_pre needs Sigma_pre: give a MePo bundle with Meta Cov")
-        prior = method.alignment.sigma_pre()
+        if alignment is None:
+            raise ConfigError("--learner.slda_prior sigma_pre needs Sigma_pre: give a MePo bundle with Meta Cov")
+        prior = alignment.sigma_pre()
     return StreamingLDA(dim, n_classes, cfg.slda_shrinkage, prior)
+
+
+def readout(cfg: LearnerConfig, backbone: VisionTransformer, n_classes: int, alignment: FeatureAlignment | None,
+            device: torch.device) -> Readout:
+    """How the model reads its input and its feature: the eval transform at the backbone's resolution, the
+    statistics classifier and standardisation ``cfg`` asks for, the precision on ``device``, the logit mask, and
+    the sha256 of the backbone as built (before any cast: a replica in another precision checks the same
+    weights)."""
+    dim = backbone.num_features
+    return Readout(
+        classifier=make_classifier(cfg, dim, n_classes, alignment),
+        standardize=RunningStandardize(dim) if cfg.standardize else None,
+        transform=test_transform(backbone.patch_embed.img_size[0], *normalization(backbone)),
+        dtype=resolve_precision(cfg.precision, device), eval_mask=cfg.eval_mask,
+        backbone_sha256=weights_sha256(backbone))
 
 
 def plain_frozen_backbone(method: ContinualMethod) -> bool:
@@ -164,10 +191,10 @@ def plain_frozen_backbone(method: ContinualMethod) -> bool:
 def quantize_frozen_backbone(method: ContinualMethod) -> None:
     """``--learner.precision int8``: the backbone's Linear layers in int8, where nothing trains through them."""
     if method.device.type != "cpu":
-        raise ValueError(f"precision int8 runs on the CPU only (the model is on {method.device}); use auto or bf16")
+        raise ConfigError(f"precision int8 runs on the CPU only (the model is on {method.device}); use auto or bf16")
     if not plain_frozen_backbone(method):
-        raise ValueError("precision int8 needs a frozen backbone without prompts (--method frozen, the default): "
-                         "nothing can train through its quantised layers")
+        raise ConfigError("precision int8 needs a frozen backbone without prompts (--method frozen, the default): "
+                          "nothing can train through its quantised layers")
     quantize_int8(method.backbone)
 
 
@@ -184,34 +211,25 @@ def weights_sha256(module: nn.Module) -> str:
     return digest.hexdigest()
 
 
-
-def complete(method: ContinualMethod, cfg: LearnerConfig, device: torch.device | None = None) -> ContinualMethod:
-    """Finish a host method into the model: the statistics classifier and standardisation ``cfg`` asks for, only
-    the head trainable when the encoder does not train, on ``device``, in its precision (a frozen plain backbone
-    stored in bf16 at bf16), with the eval transform and mask its predictions use, and the sha256 of its backbone
-    as built (before any cast: a replica in another precision checks the same weights)."""
-    method.backbone_sha256 = weights_sha256(method.backbone)
-    method.classifier = make_classifier(cfg, method)
+def place(method: ContinualMethod, cfg: LearnerConfig, device: torch.device) -> ContinualMethod:
+    """Only the head trainable when the encoder does not train; on ``device``; a frozen plain backbone stored at
+    the model's precision (read under autocast as it is: no per-forward weight cast), or quantised for int8."""
     if not cfg.train_encoder:
         for name, p in method.named_parameters():
             p.requires_grad_(p.requires_grad and name.startswith("head."))
-    method.standardize = RunningStandardize(method.backbone.num_features) if cfg.standardize else None
-    method.to(device or torch.device("cpu"))
-    method.dtype = resolve_precision(cfg.precision, method.device)
+    method.to(device)
     if cfg.cast_frozen_backbone and method.dtype != torch.float32 and plain_frozen_backbone(method):
-        method.backbone.to(method.dtype)  # read under autocast as it is: no per-forward weight cast
+        method.backbone.to(method.dtype)
     if cfg.precision == "int8":
         quantize_frozen_backbone(method)
-    method.transform = test_transform(method.backbone.patch_embed.img_size[0], *normalization(method.backbone))
-    method.eval_mask = cfg.eval_mask
     return method
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """What defines a model: its host, backbone, bundle, Meta Cov settings and head (the learner's settings ride
-    along; only the head's and the precision's shape the model). A snapshot carries it, so a replica rebuilds the
-    model it serves from the snapshot alone."""
+    """What defines a model: its host, backbone, MePo parts, Meta Cov settings and head (the learner's settings
+    ride along; only the head's and the precision's shape the model). A snapshot carries it, so a replica rebuilds
+    the model it serves from the snapshot alone."""
 
     method: str = "frozen"
     """Host method (``mepo_stream.methods.METHODS``)."""
@@ -219,14 +237,15 @@ class ModelConfig:
     """Per-method hyperparameters."""
     backbone: BackboneConfig = BackboneConfig()
     """Pretrained backbone (replaced by the bundle's under Meta Rep)."""
-    mepo: Path | None = None
-    """MePo bundle: its backbone, Sigma_pre and ISA prompts, where it has them."""
+    mepo: BundleParts = BundleParts()
+    """The MePo parts and the bundle each comes from (``BundleParts.of(bundle)``: every part it has)."""
     alignment: AlignmentConfig = AlignmentConfig()
-    """Meta Cov settings (used when the bundle has Sigma_pre)."""
+    """Meta Cov settings (used when the parts hold Sigma_pre)."""
     learner: LearnerConfig = LearnerConfig()
     """Classifier, precision, what trains (and the training settings, which do not shape the model)."""
     seed: int = 0
-    """Seed of the random initialisation (prompts, head; the backbone too without weights)."""
+    """Seed of the random initialisation of prompts and head (a backbone without weights is always drawn with
+    seed 0: ``create_backbone``)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), default=str, sort_keys=True)
@@ -244,10 +263,15 @@ class ModelConfig:
 
 
 def create_model(cfg: ModelConfig, n_classes: int, device: torch.device | None = None) -> ContinualMethod:
-    """The complete model for ``n_classes`` classes: seeded, built with what the bundle has, and finished."""
-    if cfg.mepo is not None:
-        check_bundle(cfg.mepo, cfg.backbone)
+    """The finished model for ``n_classes`` classes: every bundle checked first, then seeded and built with the
+    parts ``cfg.mepo`` names, on ``device`` (the CPU by default)."""
+    check_parts(cfg.mepo, cfg.backbone)
+    device = device or torch.device("cpu")
     torch.manual_seed(cfg.seed)
-    method = build_method(cfg.method, n_classes, cfg.backbone, BundleParts.of(cfg.mepo), cfg.method_config,
-                          cfg.alignment)
-    return complete(method, cfg.learner, device)
+    backbone = create_backbone(backbone_config(cfg.backbone, cfg.mepo))
+    alignment = meta_cov(cfg.mepo, backbone, cfg.alignment)
+    method = create_method(cfg.method, backbone, n_classes, alignment, cfg.method_config,
+                           readout(cfg.learner, backbone, n_classes, alignment, device))
+    if cfg.mepo.prompts is not None and hasattr(method, "load_initial_prompts"):  # hosts without prompts: none
+        method.load_initial_prompts(load_part(cfg.mepo.prompts, PROMPTS))
+    return place(method, cfg.learner, device)

@@ -18,7 +18,6 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
@@ -37,7 +36,7 @@ from mepo_stream.backbone import BackboneConfig, create_backbone, device, proven
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.learner import LearnerConfig, OnlineLearner
 from mepo_stream.methods import METHODS, MethodsConfig
-from mepo_stream.model import BundleParts, assemble, backbone_config, check_bundle, complete
+from mepo_stream.model import BundleParts, ModelConfig, backbone_config, check_bundle, create_model
 from mepo_stream.probe import ProbeConfig, offline_ceiling
 from mepo_stream.sampler import SiBlurryConfig, SiBlurryShape, si_blurry_stream
 
@@ -56,41 +55,30 @@ def parse_seeds(spec: str) -> list[int]:
 
 @dataclass(frozen=True)
 class SeedRun:
-    """What one run of the protocol needs: a method on one seed's stream, with its backbone and MePo parts.
+    """What one run of the protocol needs: the model (host, backbone, MePo parts, head; its seed is the run's), the
+    data and the seed's stream.
 
     Example (``run_seed`` learns it; the sweep builds one per job):
-        SeedRun(seed=1, method="frozen", backbone=vit, parts=BundleParts(), train=train, test=test,
-                stream=SiBlurryConfig(seed=1), method_config=MethodsConfig(), learner=LearnerConfig(),
-                alignment=AlignmentConfig(), protocol=ProtocolConfig())
+        SeedRun(ModelConfig(method="misa", seed=1), train, test, SiBlurryConfig(seed=1), ProtocolConfig())
     """
 
-    seed: int
-    method: str
-    backbone: torch.nn.Module
-    """The shared pretrained backbone; each run learns on a copy of it."""
-    parts: BundleParts
+    model: ModelConfig
     train: ImageSet
     test: ImageSet
     stream: SiBlurryConfig
-    method_config: MethodsConfig
-    learner: LearnerConfig
-    alignment: AlignmentConfig
     protocol: ProtocolConfig
 
 
 def run_seed(run: SeedRun) -> dict:
     """One seed of the protocol; returns the curves per alignment mode and the wall time."""
-    torch.manual_seed(run.seed)
-    train, stream_cfg = run.train, run.stream
-    stream = si_blurry_stream(train.targets.tolist(), stream_cfg.n_tasks, stream_cfg.n, stream_cfg.m, run.seed)
-    model = assemble(run.method, len(train.classes), copy.deepcopy(run.backbone), run.parts, run.method_config,
-                     run.alignment)
-    learner = OnlineLearner(complete(model, run.learner, device()), run.learner)
+    train, stream_cfg, cfg = run.train, run.stream, run.model.learner
+    stream = si_blurry_stream(train.targets.tolist(), stream_cfg.n_tasks, stream_cfg.n, stream_cfg.m, run.model.seed)
+    learner = OnlineLearner(create_model(run.model, len(train.classes), device()), cfg)
     evaluation = AnytimeEvaluation(run.test, run.protocol.eval_period, run.protocol.eval_batch_size, MODES)
     start = time.time()
-    bar = tqdm(total=len(stream.order), desc=f"{run.method} seed {run.seed}", unit="img", leave=False)
+    bar = tqdm(total=len(stream.order), desc=f"{run.model.method} seed {run.model.seed}", unit="img", leave=False)
     for task in stream.tasks:
-        for batch in evaluation.batches(learner, task, run.learner.batch_size):  # never across a task's end
+        for batch in evaluation.batches(learner, task, cfg.batch_size):  # never across a task's end
             idx = torch.tensor(batch)
             loss = learner.observe(train.images[idx], train.targets[idx])
             bar.update(len(idx))
@@ -100,7 +88,7 @@ def run_seed(run: SeedRun) -> dict:
             evaluation.end_of_task(learner)
     bar.close()
     curves = evaluation.curves
-    return {"seed": run.seed, "wall_time_s": round(time.time() - start, 1), "stream_length": len(stream.order),
+    return {"seed": run.model.seed, "wall_time_s": round(time.time() - start, 1), "stream_length": len(stream.order),
             "curves": {m: c.to_dict() for m, c in curves.items()}}
 
 
@@ -261,60 +249,57 @@ def parse_methods(spec: str) -> list[str]:
     return names
 
 
-def ceiling(out: Path, bcfg: BackboneConfig, base, train: ImageSet, test: ImageSet, probe: ProbeConfig,
+def ceiling(out: Path, bcfg: BackboneConfig, train: ImageSet, test: ImageSet, probe: ProbeConfig,
             data: DataConfig) -> dict[str, float]:
-    """The offline heads of ``base``'s frozen features on the whole stream: probe, LDA and the best of them
-    (cached with the runs; they depend on the data, the backbone and the probe only)."""
+    """The offline heads of the frozen features of backbone ``bcfg`` on the whole stream: probe, LDA and the best
+    of them (cached with the runs; they depend on the data, the backbone and the probe only)."""
     key = job_key(Job("offline_heads", "probe", probe.seed), {"data": asdict(data), "backbone": provenance(bcfg),
                                                               "probe": asdict(probe)})
     cached = out / "cache" / f"ceiling-{key}.json"
     if cached.is_file():
         return json.loads(cached.read_text())["accuracy"]
     log.info("offline heads (the ceiling) on %d training images of %s", len(train), bcfg.weights)
-    acc = offline_ceiling(base.to(device()), train.images, train.targets, test.images, test.targets,
+    acc = offline_ceiling(create_backbone(bcfg).to(device()), train.images, train.targets, test.images, test.targets,
                           len(train.classes), probe)
     cached.write_text(json.dumps({"accuracy": acc, "backbone": provenance(bcfg)}, default=str))
     return acc
 
 
-@dataclass(frozen=True)
-class Bundles:
-    """Which bundle supplies each part of MePo, from --mepo, --mepo_rep, --mepo_cov and --mepo_prompts.
+def variant_parts(mepo: Path | None, rep: Path | None, cov: Path | None, prompts: Path | None
+                  ) -> dict[str, BundleParts]:
+    """The MePo parts of each variant, from --mepo, --mepo_rep, --mepo_cov and --mepo_prompts.
 
     Each Sigma_pre goes with its backbone's features: Meta Cov alone takes --mepo_cov (that of the untouched
-    backbone), full MePo keeps --mepo's.
+    backbone), full MePo keeps --mepo's. ISA prompts start every variant.
 
     Example:
-        >>> Bundles.of(Path("refined"), None, Path("cov.npy"), None).cov
-        {'cov': PosixPath('cov.npy'), 'mepo': PosixPath('refined')}
+        >>> variant_parts(Path("refined"), None, Path("cov.npy"), None)["cov"]
+        BundleParts(rep=None, cov=PosixPath('cov.npy'), prompts=None)
     """
-
-    rep: Path | None
-    cov: dict[str, Path | None]
-    """Sigma_pre per variant that uses Meta Cov (``cov``, ``mepo``)."""
-    prompts: Path | None
-
-    @classmethod
-    def of(cls, mepo: Path | None, rep: Path | None, cov: Path | None, prompts: Path | None) -> Bundles:
-        return cls(rep or mepo, {"cov": cov or mepo, "mepo": mepo or cov}, prompts)
+    covs = {"cov": cov or mepo, "mepo": mepo or cov}
+    return {variant: BundleParts(rep=(rep or mepo) if use_rep else None, cov=covs[variant] if use_cov else None,
+                                 prompts=prompts)
+            for variant, (use_rep, use_cov) in VARIANTS.items()}
 
 
 @dataclass
 class Sweep:
-    """The runs of one ``mepo evaluate``: shared data and settings, plus each backbone (w/o and w/ Meta Rep)
-    built at most once, with its ceiling.
+    """The runs of one ``mepo evaluate``: shared data and settings, the MePo parts of each variant, and the
+    ceiling of each backbone (w/o and w/ Meta Rep), measured at most once. Each run builds its own model
+    (``create_model``).
 
     ``run(job)`` answers a job from ``out/cache`` when the same settings ran before (``job_key`` of
     ``job_config(job)``), else learns it and caches it, so a re-run continues an interrupted sweep.
 
     Example (what ``evaluate`` does between planning and reporting):
-        sweep = Sweep(out, Bundles.of(mepo, None, None, None), train, test, data, stream, backbone,
+        sweep = Sweep(out, variant_parts(mepo, None, None, None), train, test, data, stream, backbone,
                       method_config, learner, alignment, protocol, probe)
         runs = [sweep.run(job) for job in plan_jobs(["misa"], [1, 2], True, False, False, False)]
     """
 
     out: Path
-    bundles: Bundles
+    parts: dict[str, BundleParts]
+    """The MePo parts of each variant (``variant_parts``)."""
     train: ImageSet
     test: ImageSet
     data: DataConfig
@@ -325,7 +310,6 @@ class Sweep:
     alignment: AlignmentConfig
     protocol: ProtocolConfig
     probe: ProbeConfig
-    built: dict[bool, torch.nn.Module] = field(default_factory=dict)
     ceilings: dict[bool, dict[str, float]] = field(default_factory=dict)
     backbones: dict[bool, BackboneConfig] = field(init=False)
     """The backbone config w/o (False) and w/ (True) Meta Rep."""
@@ -333,52 +317,47 @@ class Sweep:
     """The settings every job shares, as recorded in the cache keys and results.json."""
 
     def __post_init__(self) -> None:
-        self.backbones = {False: self.backbone, True: backbone_config(self.backbone, BundleParts(self.bundles.rep))}
+        self.backbones = {False: self.backbone, True: backbone_config(self.backbone, self.parts["rep"])}
         self.common = {"data": asdict(self.data), "stream": asdict(self.stream), "learner": asdict(self.learner),
                        "protocol": asdict(self.protocol), "n_train": len(self.train), "n_test": len(self.test)}
 
     def job_config(self, job: Job) -> dict:
         """Everything that shapes the job's numbers: what its cache key hashes, and what its run records."""
         use_rep, use_cov = VARIANTS[job.variant]
-        cov_bundle, prompts = self.bundles.cov.get(job.variant), self.bundles.prompts
+        parts = self.parts[job.variant]
         return {**self.common, "backbone": provenance(self.backbones[use_rep]),
                 "method_config": asdict(self.method_config),
                 "alignment": asdict(self.alignment) if use_cov else None,
-                "sigma_pre": str(cov_bundle) if use_cov else None,
-                "prompts": str(prompts) if prompts else None}
+                "sigma_pre": str(parts.cov) if use_cov else None,
+                "prompts": str(parts.prompts) if parts.prompts else None}
 
-    def base(self, use_rep: bool) -> torch.nn.Module:
-        """The backbone w/o or w/ Meta Rep, built (and its ceiling measured) on first use."""
-        if use_rep not in self.built:
+    def ceiling(self, use_rep: bool) -> dict[str, float]:
+        """The offline heads of the backbone w/o or w/ Meta Rep, measured on first use."""
+        if use_rep not in self.ceilings:
             bcfg = self.backbones[use_rep]
-            self.built[use_rep] = create_backbone(bcfg)
-            self.ceilings[use_rep] = ceiling(self.out, bcfg, self.built[use_rep], self.train, self.test,
-                                             self.probe, self.data)
-        return self.built[use_rep]
+            self.ceilings[use_rep] = ceiling(self.out, bcfg, self.train, self.test, self.probe, self.data)
+        return self.ceilings[use_rep]
 
     def run(self, job: Job) -> dict:
         """The job's run, from the cache or learnt now, with its backbone's ceiling."""
-        use_rep = VARIANTS[job.variant][0]
         config = self.job_config(job)
-        base = self.base(use_rep)
+        heads = self.ceiling(VARIANTS[job.variant][0])
         cached = self.out / "cache" / f"{job_key(job, config)}.json"
         if cached.is_file():
             run = json.loads(cached.read_text())
         else:
-            run = {**asdict(job), **self.learn(job, base), "config": config}
+            run = {**asdict(job), **self.learn(job), "config": config}
             cached.write_text(json.dumps(run, default=str))
             log.info("%s %s seed %d: %s", job.method, job.variant, job.seed,
                      {m: {k: round(c[k], 4) for k in ("A_auc", "A_last")} for m, c in run["curves"].items()})
-        heads = self.ceilings[use_rep]
         return {**run, "ceiling": heads["probe"], "best_offline_head": heads["best"], "offline_lda": heads["lda"]}
 
-    def learn(self, job: Job, base: torch.nn.Module) -> dict:
+    def learn(self, job: Job) -> dict:
         """Run the job's seed; without Meta Cov both alignment modes are the same model, so keep one."""
         use_cov = VARIANTS[job.variant][1]
-        parts = BundleParts(cov=self.bundles.cov.get(job.variant), prompts=self.bundles.prompts)
-        run = run_seed(SeedRun(job.seed, job.method, base, parts, self.train, self.test,
-                               replace(self.stream, seed=job.seed), self.method_config, self.learner,
-                               self.alignment, self.protocol))
+        model = ModelConfig(job.method, self.method_config, self.backbone, self.parts[job.variant], self.alignment,
+                            self.learner, job.seed)
+        run = run_seed(SeedRun(model, self.train, self.test, replace(self.stream, seed=job.seed), self.protocol))
         if not use_cov:
             run["curves"] = {"batch": run["curves"]["batch"]}
         return run
@@ -423,12 +402,12 @@ def evaluate(
         probe: The offline probe that gives each table's ceiling.
     """
     check_bundles(mepo, mepo_rep, mepo_cov, mepo_prompts, backbone)
-    bundles = Bundles.of(mepo, mepo_rep, mepo_cov, mepo_prompts)
     names = parse_methods(methods)
     jobs = plan_jobs(names, parse_seeds(seeds), mepo is not None, mepo_rep is not None, mepo_cov is not None,
                      ablation)
     (out / "cache").mkdir(parents=True, exist_ok=True)
-    sweep = Sweep(out, bundles, load_split(data, "train"), load_split(data, "test"), data,
+    parts = variant_parts(mepo, mepo_rep, mepo_cov, mepo_prompts)
+    sweep = Sweep(out, parts, load_split(data, "train"), load_split(data, "test"), data,
                   SiBlurryConfig(**asdict(stream)), backbone, method_config, learner, alignment, protocol, probe)
     runs = [sweep.run(job) for job in tqdm(jobs, desc="runs", unit="run")]
     return report(sweep, names, jobs, runs, mepo)
@@ -457,11 +436,11 @@ def report(sweep: Sweep, names: list[str], jobs: list[Job], runs: list[dict], me
     variants = {VARIANT_NAMES[j.variant] for j in jobs}
     title = (f"{', '.join(names)} ({'; '.join(sorted(variants))}) on {sweep.data.dataset} "
              f"({sweep.backbone.name} @ {sweep.backbone.img_size}px)")
-    bundles = sweep.bundles
+    parts = sweep.parts
     result = {"config": {**sweep.common, "methods": names, "mepo": str(mepo) if mepo else None,
-                         "mepo_rep": str(bundles.rep) if bundles.rep else None,
-                         "mepo_cov": {k: str(v) for k, v in bundles.cov.items() if v},
-                         "mepo_prompts": str(bundles.prompts) if bundles.prompts else None},
+                         "mepo_rep": str(parts["rep"].rep) if parts["rep"].rep else None,
+                         "mepo_cov": {v: str(parts[v].cov) for v in ("cov", "mepo") if parts[v].cov},
+                         "mepo_prompts": str(parts["host"].prompts) if parts["host"].prompts else None},
               "ceiling": {"w/o Meta Rep" if not k else "Meta Rep": v for k, v in sweep.ceilings.items()},
               "runs": runs}
     (sweep.out / "results.json").write_text(json.dumps(result, indent=1, default=str))

@@ -36,19 +36,19 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 from torch.nn.utils import parametrize
 from torchvision.transforms import v2
 from tqdm import tqdm
 
 from mepo_stream.artifacts import PROMPTS, BundleError, library_versions, load_part, read_manifest, write_bundle
-from mepo_stream.backbone import BackboneConfig, create_backbone, device, normalization, provenance
+from mepo_stream.backbone import BackboneConfig, device, normalization, provenance
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.fam import FAM
-from mepo_stream.methods import METHODS, MethodsConfig, create_method
+from mepo_stream.learner import LearnerConfig
+from mepo_stream.methods import METHODS, MethodsConfig
 from mepo_stream.methods.base import ContinualMethod
-from mepo_stream.model import BundleParts, backbone_config
+from mepo_stream.model import BundleParts, ModelConfig, backbone_config, create_model
 from mepo_stream.transforms import AUTOAUGMENT_POLICIES, Transform, train_transform
 
 log = logging.getLogger(__name__)
@@ -115,15 +115,19 @@ def prompt_hosts() -> list[str]:
     return sorted(name for name, (cls, _) in METHODS.items() if hasattr(cls, "initial_prompts"))
 
 
-def build_host(backbone: VisionTransformer, n_classes: int, cfg: ISAConfig, method: str,
-               method_config: MethodsConfig) -> ContinualMethod:
-    """The prompt host ``method`` around a frozen ``backbone``, with MISA's e-prompt projector when ``cfg.e_proj``."""
+def build_host(n_classes: int, cfg: ISAConfig, method: str, method_config: MethodsConfig, backbone: BackboneConfig,
+               rep: Path | None) -> ContinualMethod:
+    """The prompt host ``method`` (seeded by ``cfg.seed``) around the frozen backbone, the bundle's under Meta Rep
+    (``rep``), in fp32 and without Meta Cov; with MISA's e-prompt projector when ``cfg.e_proj``."""
     if method not in prompt_hosts():
         raise ValueError(f"--method {method!r} is not a prompt-based host: ISA warms the prompts of "
                          f"{', '.join(prompt_hosts())}")
-    host = create_method(method, backbone, n_classes, None, method_config)
+    model = ModelConfig(method, method_config, backbone, BundleParts(rep=rep),
+                        learner=LearnerConfig(classifier="linear", precision="fp32"), seed=cfg.seed)
+    host = create_model(model, n_classes, device())
     if cfg.e_proj:  # host.e_prompt.prompts now reads p + MLP(p); the MLP trains along with p
-        parametrize.register_parametrization(host.e_prompt, "prompts", ResidualProjector(backbone.num_features))
+        projector = ResidualProjector(host.backbone.num_features).to(host.device)
+        parametrize.register_parametrization(host.e_prompt, "prompts", projector)
     return host
 
 
@@ -302,8 +306,7 @@ def add_prompts(out: Path, bundle: Path | None, backbone: BackboneConfig, data: 
     if bundle is not None:
         check_backbone(bundle, manifest, backbone, parts)
     model_cfg = backbone_config(backbone, parts)
-    torch.manual_seed(cfg.seed)
-    host = build_host(create_backbone(model_cfg), len(images.classes), cfg, method, method_config).to(device())
+    host = build_host(len(images.classes), cfg, method, method_config, backbone, parts.rep)
     result = warm_prompts(host, images, cfg)
     tensors = carried_parts(bundle, manifest) if bundle is not None else {}
     if parts.prompts is not None:

@@ -18,7 +18,7 @@ from mepo_stream.images import ImageLimits
 from mepo_stream.kafka import KafkaConfig, ReplayConfig
 from mepo_stream.learner import LearnerConfig
 from mepo_stream.methods import MethodsConfig
-from mepo_stream.model import ModelConfig
+from mepo_stream.model import BundleParts, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -131,4 +131,5 @@ class DemoConfig(ServeConfig):
 def model_config(cfg: ServeConfig) -> ModelConfig:
     """What of a service's configuration defines its model (``mepo_stream.model.create_model``); a replica gets
     it from the learner's snapshots. (A function, not a method: the CLI would take a method for a subcommand.)"""
-    return ModelConfig(cfg.method, cfg.method_config, cfg.backbone, cfg.mepo, cfg.alignment, cfg.learner, cfg.seed)
+    return ModelConfig(cfg.method, cfg.method_config, cfg.backbone, BundleParts.of(cfg.mepo), cfg.alignment,
+                       cfg.learner, cfg.seed)

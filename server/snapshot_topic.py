@@ -36,15 +36,12 @@ import logging
 import math
 import struct
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from mepo_stream.artifacts import MANIFEST
-from mepo_stream.files import sha256_file
 from mepo_stream.kafka import KafkaConfig, ensure_topics, open_producer
 
 if TYPE_CHECKING:
@@ -95,11 +92,6 @@ class CorruptSnapshot(ValueError):
     """A snapshot record or blob that cannot be what a learner published: never loaded."""
 
 
-def bundle_sha256(bundle: Path | None) -> str | None:
-    """sha256 of a MePo bundle's manifest (which holds the sha256 of every file of the bundle); None without one."""
-    return None if bundle is None else sha256_file(Path(bundle) / MANIFEST)
-
-
 @dataclass(frozen=True)
 class Origin:
     """What a learner's snapshots share and a replica must match for their tensors to mean the same thing."""
@@ -108,7 +100,7 @@ class Origin:
     model_config: str  # the learner's ModelConfig as JSON: what a replica builds the model from
     class_names: tuple[str, ...]  # name of each original label
     backbone_sha256: str  # weights_sha256 of the backbone as built, before any learning
-    bundle_sha256: str | None  # bundle_sha256 of --mepo
+    bundle_sha256: str | None  # BundleParts.sha256 of the model's MePo parts
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import numpy as np
 import torch
 import uvicorn
 from PIL import Image
 
+from mepo_stream.alignment import AlignmentConfig
 from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.backbone import BackboneConfig
 from mepo_stream.checkpoint import load_checkpoint
@@ -29,8 +31,7 @@ from mepo_stream.data import DataConfig, list_files
 from mepo_stream.images import ImageLimits
 from mepo_stream.kafka import KafkaConfig
 from mepo_stream.learner import LearnerConfig, OnlineLearner
-from mepo_stream.methods.base import ContinualMethod
-from mepo_stream.model import complete
+from mepo_stream.model import BundleParts, ModelConfig, create_model
 from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
 from producers.siblurry import stream_id
 from server.broker import free_port
@@ -204,9 +205,19 @@ def assert_same_learner_state(a: dict, b: dict, rtol: float = 1e-5, atol: float 
         assert torch.allclose(ta, tb, rtol=rtol, atol=atol), (key, (ta - tb).abs().max().item())
 
 
-def learner_of(method: ContinualMethod, cfg: LearnerConfig) -> OnlineLearner:
-    """A learner around a host method built by hand in a test, finished as the factory finishes it (CPU)."""
-    return OnlineLearner(complete(method, cfg), cfg)
+def learner_of(method: str, cfg: LearnerConfig, n_classes: int = 4, cov: Path | None = None,
+               alignment: AlignmentConfig = AlignmentConfig(), backbone: BackboneConfig = TINY) -> OnlineLearner:
+    """A learner around the model the factory builds (CPU, seed 0: the same model every call), with Meta Cov to
+    the Sigma_pre in ``cov`` (a ``.npy``: ``sigma_file``) when given."""
+    model = ModelConfig(method, backbone=backbone, mepo=BundleParts(cov=cov), alignment=alignment, learner=cfg)
+    return OnlineLearner(create_model(model, n_classes), cfg)
+
+
+def sigma_file(folder: Path, sigma: torch.Tensor) -> Path:
+    """Sigma_pre [D, D] as a MePo release ``cov_*.npy`` in ``folder``, for ``BundleParts(cov=...)``."""
+    path = folder / "cov_test.npy"
+    np.save(path, sigma.double().numpy())
+    return path
 
 
 # --- the docs' examples -----------------------------------------------------------------------------------------

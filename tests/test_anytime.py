@@ -13,7 +13,6 @@ from mepo_stream.anytime import (
 )
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.learner import LearnerConfig, OnlineLearner
-from mepo_stream.methods import MethodsConfig, create_method
 from mepo_stream.probe import ProbeConfig
 from mepo_stream.records import RecordMeta
 from mepo_stream.sampler import si_blurry_stream
@@ -59,9 +58,8 @@ def test_round_trip_through_dict():
     assert d["A_auc"] == 0.5 and AnytimeCurve(**{k: d[k] for k in fields}) == curve
 
 
-def _learner(tiny_backbone, method: str, cfg: LearnerConfig) -> OnlineLearner:
-    model = create_method(method, tiny_backbone, 4, None, MethodsConfig())
-    return learner_of(model, cfg)
+def _learner(method: str, cfg: LearnerConfig) -> OnlineLearner:
+    return learner_of(method, cfg)
 
 
 def _test_set(n: int = 40) -> ImageSet:
@@ -80,8 +78,8 @@ def _fresh_accuracy(learner: OnlineLearner, test: ImageSet, batch_size: int) -> 
     ("frozen", LearnerConfig(autoaugment=None)),
     ("misa", LearnerConfig(autoaugment=None, classifier="linear", online_iter=1)),
 ])
-def test_evaluation_equals_a_fresh_forward_and_encodes_a_fixed_encoder_once(tiny_backbone, method, cfg):
-    learner, test = _learner(tiny_backbone, method, cfg), _test_set()
+def test_evaluation_equals_a_fresh_forward_and_encodes_a_fixed_encoder_once(method, cfg):
+    learner, test = _learner(method, cfg), _test_set()
     encodings, n_encoded = EncodedTestSet(test, batch_size=16), 0
     for labels in (torch.tensor([0, 1] * 4), torch.tensor([2, 3] * 4), torch.tensor([0, 3] * 4)):
         learner.observe(_test_set(8).images, labels)
@@ -97,8 +95,8 @@ def test_evaluation_equals_a_fresh_forward_and_encodes_a_fixed_encoder_once(tiny
         assert n_encoded == len(test)  # each test image encoded once over three evaluations
 
 
-def test_evaluations_run_exactly_at_their_scheduled_positions_and_round_trip(tiny_backbone):
-    learner, test = _learner(tiny_backbone, "frozen", LearnerConfig(autoaugment=None)), _test_set()
+def test_evaluations_run_exactly_at_their_scheduled_positions_and_round_trip():
+    learner, test = _learner("frozen", LearnerConfig(autoaugment=None)), _test_set()
     run = AnytimeEvaluation(test, eval_period=50, batch_size=16)
     sizes, positions = [], []
     for batch in run.batches(learner, list(range(160)), batch_size=32):  # batches cut at 50, 100, 150
@@ -114,8 +112,8 @@ def test_evaluations_run_exactly_at_their_scheduled_positions_and_round_trip(tin
     assert again.next_eval == 200 and again.curves == run.curves and again.room(learner, 32) == 32
 
 
-def test_no_schedule_without_a_period(tiny_backbone):
-    learner = _learner(tiny_backbone, "frozen", LearnerConfig(autoaugment=None))
+def test_no_schedule_without_a_period():
+    learner = _learner("frozen", LearnerConfig(autoaugment=None))
     run = AnytimeEvaluation(_test_set(), eval_period=0)
     assert run.room(learner, 32) == 32
     learner.observe(_test_set(32).images, torch.arange(32) % 4)

@@ -10,7 +10,7 @@ from mepo_stream.artifacts import BACKBONE, BundleError, load_part, load_sigma_p
 from mepo_stream.backbone import create_backbone
 from mepo_stream.cli import main
 from mepo_stream.errors import ConfigError
-from mepo_stream.model import ModelConfig, create_model
+from mepo_stream.model import BundleParts, ModelConfig, create_model
 from tests.helpers import TINY
 
 
@@ -100,7 +100,7 @@ def test_evaluate_refuses_a_bundle_without_sigma_pre_before_any_work(tmp_path, c
 
 
 def test_a_bundle_refined_at_another_size_is_refused_unless_resampling_is_asked(tmp_path):
-    cfg = ModelConfig(backbone=replace(TINY, img_size=48), mepo=backbone_bundle(tmp_path, img_size=32))
+    cfg = ModelConfig(backbone=replace(TINY, img_size=48), mepo=BundleParts.of(backbone_bundle(tmp_path, img_size=32)))
     with pytest.raises(ConfigError, match="refined at 32 px, not 48 px: pass --backbone.img_size 32"):
         create_model(cfg, 4)
     model = create_model(replace(cfg, backbone=replace(cfg.backbone, allow_resample=True)), 4)

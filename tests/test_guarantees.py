@@ -28,13 +28,14 @@ from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.artifacts import SIGMA_PRE, write_bundle
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.images import ImageLimits
+from mepo_stream.model import BundleParts
 from mepo_stream.records import RecordError, parse_headers, record_headers
 from server.config import ServeConfig, model_config
 from server.learner.state import CHECKPOINT, ServiceState, build_learner
 from server.metrics import ServerMetrics
 from server.replica.follower import Refused, ReplicaModel
 from server.snapshot import take_snapshot
-from server.snapshot_topic import Origin, SnapshotMessage, bundle_sha256
+from server.snapshot_topic import Origin, SnapshotMessage
 from server.web.app import create_app
 from server.web.dependencies import get_service
 from tests.fakes import STREAM_ID, TOPIC, FakeConsumer, record, records, run_loop, service
@@ -341,12 +342,12 @@ def test_a_replica_refuses_another_bundle_other_backbone_weights_and_options_tha
                           {"kind": "covariance"})
     cfg = settings(NO_BROKER, tmp_path, mepo=bundle)
     learner = build_learner(cfg, 2)
-    ours = Origin("mepo", model_config(cfg).to_json(), ("a", "b"), learner.method.backbone_sha256,
-                  bundle_sha256(bundle))
+    bundle_sha256 = BundleParts.of(bundle).sha256()
+    ours = Origin("mepo", model_config(cfg).to_json(), ("a", "b"), learner.method.backbone_sha256, bundle_sha256)
     model = ReplicaModel(replace(cfg, role="replica"))
     assert model.config(ours) == model_config(cfg)
     for theirs, shown in ((None, "None"), ("f" * 64, "f" * 12)):
-        with pytest.raises(Refused, match=f"bundle has sha256 {shown}…, this replica's {bundle_sha256(bundle)[:12]}… "
+        with pytest.raises(Refused, match=f"bundle has sha256 {shown}…, this replica's {bundle_sha256[:12]}… "
                                           f".give it the learner's bundle with --mepo") as e:
             model.config(replace(ours, bundle_sha256=theirs))
         assert e.value.reason == "bundle_mismatch"

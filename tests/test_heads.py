@@ -8,7 +8,6 @@ import torch
 
 from mepo_stream.heads import NearestClassMean, RunningStandardize, StreamingLDA
 from mepo_stream.learner import PAPER_RECIPE, LearnerConfig, OnlineLearner
-from mepo_stream.methods import create_method
 from mepo_stream.probe import ProbeConfig, fit_probe, probe_accuracy
 from tests.helpers import color_images, learner_of
 
@@ -94,10 +93,9 @@ def test_offline_probe_separates_blobs():
     assert probe_accuracy(fit_probe(x.float(), y, 4, ProbeConfig(lr=1e-2)), x.float(), y) > 0.95
 
 
-def _stream_ending_single_class(tiny_backbone, cfg: LearnerConfig) -> OnlineLearner:
+def _stream_ending_single_class(cfg: LearnerConfig) -> OnlineLearner:
     """Four colour classes, two batches each, then single-class batches of the last class only."""
-    method = create_method("linear_probe", tiny_backbone, 4)
-    learner = learner_of(method, cfg)
+    learner = learner_of("linear_probe", cfg)
     for classes in ([0, 1], [2, 3], [0, 1], [2, 3]):
         labels = torch.tensor(classes * 8)
         learner.observe(color_images(labels), labels)
@@ -113,15 +111,15 @@ def _per_class_accuracy(learner: OnlineLearner) -> torch.Tensor:
     return torch.stack([(pred[labels == k] == k).float().mean() for k in range(4)])
 
 
-def test_default_learner_keeps_earlier_classes_after_single_class_batches(tiny_backbone):
-    acc = _per_class_accuracy(_stream_ending_single_class(tiny_backbone, LearnerConfig(autoaugment=None)))
+def test_default_learner_keeps_earlier_classes_after_single_class_batches():
+    acc = _per_class_accuracy(_stream_ending_single_class(LearnerConfig(autoaugment=None)))
     assert acc.min() >= 0.8, acc  # the floor: every class, not only the last one, stays recognised
 
 
-def test_paper_recipe_collapses_on_the_same_stream(tiny_backbone):
+def test_paper_recipe_collapses_on_the_same_stream():
     """The failure the default fixes: SGD on the linear head loses earlier classes to the final batches'."""
     cfg = LearnerConfig(**{**PAPER_RECIPE.__dict__, "autoaugment": None, "train_mask": "seen"})
-    acc = _per_class_accuracy(_stream_ending_single_class(tiny_backbone, cfg))
+    acc = _per_class_accuracy(_stream_ending_single_class(cfg))
     assert acc[3] == 1.0 and acc[:3].min() < 0.5, acc
 
 

@@ -6,12 +6,11 @@ import pytest
 import torch
 
 from mepo_stream.artifacts import load_part, read_manifest, write_bundle
-from mepo_stream.backbone import create_backbone
 from mepo_stream.cli import main
 from mepo_stream.data import DataConfig, ImageSet
 from mepo_stream.fam import FAM
 from mepo_stream.methods import MethodsConfig
-from mepo_stream.model import BundleParts, build_method
+from mepo_stream.model import BundleParts, ModelConfig, create_model
 from mepo_stream.pseudo_tasks import PseudoTaskConfig
 from offline.covariance import CovarianceConfig, covariance
 from offline.isa import ISAConfig, PoolBatches, build_host, class_split, isa, warm_prompts
@@ -72,7 +71,7 @@ def test_isa_writes_prompts_a_learner_starts_from(tmp_path):
     assert record["lr"] == FAST.lr and record["backbone"]["name"] == "test_vit" and record["steps"] > 0
     assert len(record["pool_classes_names"]) == 10 and sum(len(t) for t in record["session_tasks"]) == 90
     prompts = load_part(tmp_path / "b", "prompts")
-    learner = build_method("misa", 100, TINY, BundleParts.of(tmp_path / "b"))
+    learner = create_model(ModelConfig("misa", backbone=TINY, mepo=BundleParts.of(tmp_path / "b")), 100)
     assert learner.initial_prompts().keys() == prompts.keys()
     assert all(torch.equal(learner.initial_prompts()[k], prompts[k]) for k in prompts)
     assert prompts["e_prompt"].shape == (10, 3, 20, 64)  # the whole keyed pool, every slot warmed
@@ -86,8 +85,7 @@ def color_set(per_class: int = 8, n_classes: int = 8) -> ImageSet:
 
 def test_isa_changes_the_prompts_and_lowers_the_loss():
     cfg = ISAConfig(pool_classes=2, n_tasks=1, epochs=6, online_iter=1, batch_size=16, autoaugment=None)
-    torch.manual_seed(cfg.seed)
-    host = build_host(create_backbone(TINY), 8, cfg, "misa", MethodsConfig())
+    host = build_host(8, cfg, "misa", MethodsConfig(), TINY, None)
     start = {k: v.clone() for k, v in host.initial_prompts().items()}
     result = warm_prompts(host, color_set(), cfg)
     assert all(not torch.equal(result.prompts[k], start[k]) for k in start)
@@ -99,7 +97,7 @@ def test_clear_errors(tmp_path):
     write_bundle(tmp_path / "bad", {"prompts": {"g_prompt": torch.zeros(1, 2, 5, 64), "e_prompt": torch.zeros(
         10, 3, 20, 64), "e_keys": torch.zeros(10, 64)}}, {"kind": "isa"})
     with pytest.raises(ValueError, match="g_prompt.*another layout or backbone"):
-        build_method("misa", 10, TINY, BundleParts.of(tmp_path / "bad"))
+        create_model(ModelConfig("misa", backbone=TINY, mepo=BundleParts.of(tmp_path / "bad")), 10)
     with pytest.raises(ValueError, match="not a prompt-based host"):
         isa(out=tmp_path / "x", backbone=TINY, data=DATA, adapt=FAST, method="linear_probe")
     covariance(tmp_path / "cov", backbone=TINY, cov=COV)

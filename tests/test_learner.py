@@ -4,17 +4,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mepo_stream.alignment import FeatureAlignment
+from mepo_stream.alignment import AlignmentConfig
 from mepo_stream.learner import PAPER_RECIPE, LearnerConfig, OnlineLearner
-from mepo_stream.methods import create_method
-from tests.helpers import color_images, learner_of
+from tests.helpers import color_images, learner_of, sigma_file
 
 # the MISA tests run the paper's recipe (the SGD-trained linear head), where these mechanisms matter
 CFG = replace(PAPER_RECIPE, batch_size=16, online_iter=3, lr=5e-3, samples_per_slot=10_000, autoaugment=None)
 
 
-def make_learner(backbone, n_classes=8, alignment=None, cfg=CFG):
-    return learner_of(create_method("misa", backbone, n_classes, alignment), cfg)
+def make_learner(n_classes=8, cov=None, alpha=0.7, cfg=CFG):
+    return learner_of("misa", cfg, n_classes, cov, AlignmentConfig(alpha=alpha))
 
 
 def accuracy(learner, labels, mode="running"):
@@ -22,9 +21,8 @@ def accuracy(learner, labels, mode="running"):
 
 
 @pytest.mark.parametrize("with_cov", [False, True])
-def test_learner_learns_a_stream_in_one_pass(tiny_backbone, with_cov):
-    align = FeatureAlignment(torch.eye(64, dtype=torch.float64), alpha=0.5) if with_cov else None
-    learner = make_learner(tiny_backbone, alignment=align)
+def test_learner_learns_a_stream_in_one_pass(tmp_path, with_cov):
+    learner = make_learner(cov=sigma_file(tmp_path, torch.eye(64)) if with_cov else None, alpha=0.5)
     g = torch.Generator().manual_seed(1)
     stream = torch.randint(0, 4, (320,), generator=g)
     test = torch.arange(4).repeat(16)
@@ -37,17 +35,17 @@ def test_learner_learns_a_stream_in_one_pass(tiny_backbone, with_cov):
     assert learner.samples_seen == 320 and sorted(learner.exposed) == [0, 1, 2, 3]
 
 
-def test_labels_are_remapped_by_first_appearance(tiny_backbone):
-    learner = make_learner(tiny_backbone)
+def test_labels_are_remapped_by_first_appearance():
+    learner = make_learner()
     learner.observe(color_images(torch.tensor([5, 2, 5])), torch.tensor([5, 2, 5]))
     learner.observe(color_images(torch.tensor([7, 2])), torch.tensor([7, 2]))
     assert learner.exposed == [5, 2, 7]
     with pytest.raises(ValueError, match="outputs"):
-        make_learner(tiny_backbone, n_classes=2).observe(color_images(torch.tensor([0, 1, 3])), torch.tensor([0, 1, 3]))
+        make_learner(n_classes=2).observe(color_images(torch.tensor([0, 1, 3])), torch.tensor([0, 1, 3]))
 
 
-def test_backbone_stays_frozen_and_only_the_slot_prompt_trains(tiny_backbone):
-    learner = make_learner(tiny_backbone, cfg=replace(CFG, batch_size=8, samples_per_slot=8))
+def test_backbone_stays_frozen_and_only_the_slot_prompt_trains():
+    learner = make_learner(cfg=replace(CFG, batch_size=8, samples_per_slot=8))
     before = {k: v.clone() for k, v in learner.method.state_dict().items()}
     y = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
     learner.observe(color_images(y), y)  # slot 0
@@ -60,8 +58,8 @@ def test_backbone_stays_frozen_and_only_the_slot_prompt_trains(tiny_backbone):
     assert keys_changed == [0, 1]
 
 
-def test_batch_mask_only_trains_present_classes(tiny_backbone):
-    learner = make_learner(tiny_backbone)
+def test_batch_mask_only_trains_present_classes():
+    learner = make_learner()
     bias_before = learner.method.head.bias.detach().clone()
     y = torch.tensor([3, 3, 1, 1])
     learner.observe(color_images(y), y)
@@ -69,22 +67,20 @@ def test_batch_mask_only_trains_present_classes(tiny_backbone):
     assert moved == [0, 1]  # head outputs of the two classes seen (remapped 3 -> 0, 1 -> 1)
 
 
-def test_seen_class_eval_mask_never_predicts_unseen_outputs(tiny_backbone):
-    learner = make_learner(tiny_backbone, cfg=replace(CFG, eval_mask="seen"))
+def test_seen_class_eval_mask_never_predicts_unseen_outputs():
+    learner = make_learner(cfg=replace(CFG, eval_mask="seen"))
     y = torch.tensor([4, 6])
     learner.observe(color_images(y), y)
     preds = learner.predict(color_images(torch.arange(8)), ("batch",))["batch"]
     assert set(preds.tolist()) <= {4, 6}
 
 
-def test_state_round_trip_continues_identically(tiny_backbone):
-    import copy
-
+def test_state_round_trip_continues_identically(tmp_path):
     y = torch.tensor([0, 1, 2, 3] * 4)
-    a = make_learner(tiny_backbone, alignment=FeatureAlignment(torch.eye(64, dtype=torch.float64), alpha=0.5))
+    cov = sigma_file(tmp_path, torch.eye(64))
+    a = make_learner(cov=cov, alpha=0.5)
     a.observe(color_images(y), y)
-    b = make_learner(copy.deepcopy(tiny_backbone),
-                     alignment=FeatureAlignment(torch.eye(64, dtype=torch.float64), alpha=0.5))
+    b = make_learner(cov=cov, alpha=0.5)
     b.load_state_dict(a.state_dict())
     assert b.exposed == a.exposed and b.samples_seen == 16
     torch.manual_seed(5)
@@ -97,10 +93,10 @@ def test_state_round_trip_continues_identically(tiny_backbone):
         assert torch.allclose(v, b.method.state_dict()[k], atol=1e-2), k
 
 
-def test_snapshot_is_isolated_from_further_learning(tiny_backbone):
+def test_snapshot_is_isolated_from_further_learning(tmp_path):
     from server.snapshot import take_snapshot
 
-    learner = make_learner(tiny_backbone, alignment=FeatureAlignment(torch.eye(64, dtype=torch.float64)))
+    learner = make_learner(cov=sigma_file(tmp_path, torch.eye(64)))
     y = torch.tensor([0, 1, 2, 3] * 4)
     learner.observe(color_images(y), y)
     snap = take_snapshot(learner, version=1)
@@ -121,8 +117,8 @@ def colour_stream(learner: OnlineLearner, n: int = 128) -> None:
         learner.observe(color_images(y), y)
 
 
-def test_default_frozen_host_learns_by_statistics_without_gradient_steps(tiny_backbone):
-    learner = learner_of(create_method("frozen", tiny_backbone, 4), LearnerConfig(autoaugment=None))
+def test_default_frozen_host_learns_by_statistics_without_gradient_steps():
+    learner = learner_of("frozen", LearnerConfig(autoaugment=None))
     head_before = learner.method.head.weight.detach().clone()
     colour_stream(learner)
     assert not learner.trains_by_gradient and not learner.optimizer.state  # no Adam step was ever taken
@@ -130,12 +126,10 @@ def test_default_frozen_host_learns_by_statistics_without_gradient_steps(tiny_ba
     assert accuracy(learner, torch.arange(4).repeat(8)) > 0.9
 
 
-def test_bf16_autocast_learns_like_fp32(tiny_backbone):
+def test_bf16_autocast_learns_like_fp32():
     """--learner.precision bf16 (autocast of the backbone; statistics stay fp64) keeps the accuracy."""
-    import copy
 
-    learners = {p: learner_of(create_method("frozen", copy.deepcopy(tiny_backbone), 4),
-                              LearnerConfig(autoaugment=None, precision=p)) for p in ("fp32", "bf16")}
+    learners = {p: learner_of("frozen", LearnerConfig(autoaugment=None, precision=p)) for p in ("fp32", "bf16")}
     for learner in learners.values():
         colour_stream(learner)
     assert learners["bf16"].dtype == torch.bfloat16 and learners["fp32"].dtype == torch.float32
@@ -144,11 +138,10 @@ def test_bf16_autocast_learns_like_fp32(tiny_backbone):
     assert accuracy(learners["bf16"], test) >= accuracy(learners["fp32"], test) - 0.1
 
 
-def test_int8_backbone_learns_like_fp32_and_checkpoints_without_it(tiny_backbone):
+def test_int8_backbone_learns_like_fp32_and_checkpoints_without_it():
     """--learner.precision int8 quantises the frozen backbone's Linear layers (statistics stay fp64) and keeps the
     accuracy; the backbone stays out of the learner's state, so a checkpoint is the same tensors as at fp32."""
-    learners = {p: learner_of(create_method("frozen", copy.deepcopy(tiny_backbone), 4),
-                              LearnerConfig(autoaugment=None, precision=p)) for p in ("fp32", "int8")}
+    learners = {p: learner_of("frozen", LearnerConfig(autoaugment=None, precision=p)) for p in ("fp32", "int8")}
     for learner in learners.values():
         colour_stream(learner)
     int8 = learners["int8"]
@@ -159,37 +152,36 @@ def test_int8_backbone_learns_like_fp32_and_checkpoints_without_it(tiny_backbone
     state = int8.state_dict()["method"]
     assert not any(k.startswith("backbone.") for k in state)
     assert state.keys() == learners["fp32"].state_dict()["method"].keys()
-    restored = learner_of(create_method("frozen", copy.deepcopy(tiny_backbone), 4),
-                          LearnerConfig(autoaugment=None, precision="int8"))
+    restored = learner_of("frozen", LearnerConfig(autoaugment=None, precision="int8"))
     restored.load_state_dict(copy.deepcopy(int8.state_dict()))  # a restart from its checkpoint
     images = color_images(test)
     assert torch.equal(restored.predict_logits(images)["running"], int8.predict_logits(images)["running"])
 
 
 @pytest.mark.parametrize("method", ["misa", "dualprompt"])
-def test_int8_refuses_a_host_that_trains_through_the_backbone(tiny_backbone, method):
+def test_int8_refuses_a_host_that_trains_through_the_backbone(method):
     with pytest.raises(ValueError, match="int8 needs a frozen backbone without prompts"):
-        learner_of(create_method(method, tiny_backbone, 4), LearnerConfig(autoaugment=None, precision="int8"))
+        learner_of(method, LearnerConfig(autoaugment=None, precision="int8"))
 
 
-def test_statistics_classifier_state_round_trip(tiny_backbone):
+def test_statistics_classifier_state_round_trip():
     import copy
 
-    a = learner_of(create_method("frozen", tiny_backbone, 4), LearnerConfig(autoaugment=None))
+    a = learner_of("frozen", LearnerConfig(autoaugment=None))
     colour_stream(a)
-    b = learner_of(create_method("frozen", copy.deepcopy(tiny_backbone), 4), LearnerConfig(autoaugment=None))
+    b = learner_of("frozen", LearnerConfig(autoaugment=None))
     b.load_state_dict(copy.deepcopy(a.state_dict()))
     images = color_images(torch.arange(4).repeat(4))
     assert torch.equal(a.predict_logits(images)["running"], b.predict_logits(images)["running"])
 
 
-def test_test_then_train_equals_predict_then_observe(tiny_backbone):
+def test_test_then_train_equals_predict_then_observe():
     """One forward serves the prediction and the statistics of a frozen host: same answers, same state."""
     import copy
 
     cfg = LearnerConfig(autoaugment=None, batch_size=16)
-    a = learner_of(create_method("frozen", tiny_backbone, 4), cfg)
-    b = learner_of(create_method("frozen", copy.deepcopy(tiny_backbone), 4), cfg)
+    a = learner_of("frozen", cfg)
+    b = learner_of("frozen", cfg)
     b.load_state_dict(copy.deepcopy(a.state_dict()))
     stream = torch.randint(0, 4, (64,), generator=torch.Generator().manual_seed(3))
     for y in stream.split(16):
@@ -203,10 +195,9 @@ def test_test_then_train_equals_predict_then_observe(tiny_backbone):
         torch.testing.assert_close(v, b.method.state_dict()[k], msg=k)
 
 
-def test_the_default_learner_at_bf16_with_a_cast_backbone_predicts_as_at_fp32(tiny_backbone):
+def test_the_default_learner_at_bf16_with_a_cast_backbone_predicts_as_at_fp32():
     """The bf16 path (autocast, the frozen backbone stored in bf16) learns the same stream to the same answers."""
-    learners = {p: learner_of(create_method("frozen", copy.deepcopy(tiny_backbone), 8),
-                              LearnerConfig(precision=p, autoaugment=None)) for p in ("fp32", "bf16")}
+    learners = {p: learner_of("frozen", LearnerConfig(precision=p, autoaugment=None), 8) for p in ("fp32", "bf16")}
     assert learners["bf16"].method.backbone.cls_token.dtype == torch.bfloat16
     assert learners["fp32"].method.backbone.cls_token.dtype == torch.float32
     stream = torch.randint(0, 8, (256,), generator=torch.Generator().manual_seed(2))

@@ -11,7 +11,6 @@ from mepo_stream.anytime import stream_batches
 from mepo_stream.backbone import BackboneConfig
 from mepo_stream.data import DataConfig, load_split
 from mepo_stream.learner import PAPER_RECIPE, LearnerConfig
-from mepo_stream.model import build_method
 from mepo_stream.sampler import si_blurry_stream
 from tests.helpers import color_images, learner_of
 
@@ -51,7 +50,7 @@ def test_diagnosis_writes_every_measure_and_counts_single_class_batches_from_the
 @pytest.mark.parametrize("method,cfg", [("linear_probe", PAPER_RECIPE), ("frozen", LearnerConfig())])
 def test_predictions_from_cached_features_are_the_learners_own(method, cfg):
     """The diagnosis evaluates on features computed once; that must be what ``learner.predict`` answers."""
-    learner = learner_of(build_method(method, 4, TINY), replace(cfg, autoaugment=None))
+    learner = learner_of(method, replace(cfg, autoaugment=None))
     for labels in (torch.tensor([0, 1] * 8), torch.tensor([2, 1, 3, 3] * 4)):
         learner.observe(color_images(labels), labels)
     images = color_images(torch.arange(4).repeat(6))

@@ -1,6 +1,5 @@
 """Each host method learns a tiny stream in one pass and keeps its defining mechanism."""
 
-import copy
 
 import pytest
 import torch
@@ -13,8 +12,8 @@ from tests.helpers import color_images, learner_of
 CFG = LearnerConfig(batch_size=16, online_iter=3, samples_per_slot=10_000, autoaugment=None)
 
 
-def learn_stream(method: str, backbone, lr: float = 5e-3) -> OnlineLearner:
-    learner = learner_of(create_method(method, backbone, 8), LearnerConfig(**{**CFG.__dict__, "lr": lr}))
+def learn_stream(method: str, lr: float = 5e-3) -> OnlineLearner:
+    learner = learner_of(method, LearnerConfig(**{**CFG.__dict__, "lr": lr}), 8)
     stream = torch.randint(0, 4, (320,), generator=torch.Generator().manual_seed(1))
     for start in range(0, len(stream), 16):
         y = stream[start:start + 16]
@@ -23,9 +22,9 @@ def learn_stream(method: str, backbone, lr: float = 5e-3) -> OnlineLearner:
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_every_method_learns_above_chance(method, tiny_backbone):
+def test_every_method_learns_above_chance(method):
     lr = 1e-3 if method == "seq_ft" else 5e-3  # the whole model at 5e-3 Adam diverges even on colours
-    learner = learn_stream(method, tiny_backbone, lr)
+    learner = learn_stream(method, lr)
     test = torch.arange(4).repeat(16)
     acc = (learner.predict(color_images(test), ("batch",))["batch"] == test).float().mean().item()
     assert acc > 0.5  # chance is 0.25
@@ -36,20 +35,24 @@ def backbone_shift(learner: OnlineLearner, start: dict[str, torch.Tensor]) -> fl
     return sum((now[k].float() - v.to(now[k].dtype).float()).norm().item() for k, v in start.items())
 
 
-def test_linear_probe_never_changes_the_backbone(tiny_backbone):
-    start = copy.deepcopy(tiny_backbone.state_dict())
-    assert backbone_shift(learn_stream("linear_probe", tiny_backbone), start) == 0.0
+def initial_backbone() -> dict[str, torch.Tensor]:
+    """The backbone every ``learner_of`` model starts from (the factory seeds it)."""
+    return learner_of("frozen", CFG).method.backbone.state_dict()
 
 
-def test_slow_learner_moves_the_backbone_less_than_seq_ft(tiny_backbone):
-    start = copy.deepcopy(tiny_backbone.state_dict())
-    fast = backbone_shift(learn_stream("seq_ft", copy.deepcopy(tiny_backbone), 1e-3), start)
-    slow = backbone_shift(learn_stream("seq_ft_sl", copy.deepcopy(tiny_backbone), 1e-3), start)
+def test_linear_probe_never_changes_the_backbone():
+    assert backbone_shift(learn_stream("linear_probe"), initial_backbone()) == 0.0
+
+
+def test_slow_learner_moves_the_backbone_less_than_seq_ft():
+    start = initial_backbone()
+    fast = backbone_shift(learn_stream("seq_ft", 1e-3), start)
+    slow = backbone_shift(learn_stream("seq_ft_sl", 1e-3), start)
     assert 0 < slow < 0.2 * fast
 
 
-def test_fine_tuned_backbones_are_snapshotted_and_checkpointed(tiny_backbone):
-    learner = learn_stream("seq_ft", tiny_backbone, 1e-3)
+def test_fine_tuned_backbones_are_snapshotted_and_checkpointed():
+    learner = learn_stream("seq_ft", 1e-3)
     snap = take_snapshot(learner, 1)
     assert snap.model.backbone is not learner.method.backbone  # predictions must not see a moving backbone
     images = color_images(torch.arange(4))
@@ -88,20 +91,19 @@ def test_prefix_tuning_touches_only_the_configured_blocks(tiny_backbone):
         assert not torch.allclose(out, vit.forward_features(x), atol=1e-3)
 
 
-def test_deep_l2p_trains_only_prefixes_keys_and_head(tiny_backbone):
-    learner = learn_stream("deep_l2p", tiny_backbone)
+def test_deep_l2p_trains_only_prefixes_keys_and_head():
+    learner = learn_stream("deep_l2p")
     trainable = {n for n, p in learner.method.named_parameters() if p.requires_grad}
     assert trainable == {"prefixes", "keys", "head.weight", "head.bias"}
     assert learner.method.prefixes.shape == (10, 5, 2, 5, 64)  # pool, layers 1-5, K/V, length 5, D
 
 
-def test_dualprompt_prefix_tunes_blocks_0_to_4_with_the_g_prompt_then_the_key_selected_e_prompt(
-        tiny_backbone, monkeypatch):
+def test_dualprompt_prefix_tunes_blocks_0_to_4_with_the_g_prompt_then_the_key_selected_e_prompt(monkeypatch):
     """What the forward does: blocks 0-4 attend to 5 extra keys and values (the g-prompt's in 0-1, the selected
     e-prompt's in 2-4), block 5 runs plain, and only the e-prompt whose key matches the image is used."""
     import mepo_stream.prompts as prompts
 
-    learner = learner_of(create_method("dualprompt", tiny_backbone, 8), CFG)
+    learner = learner_of("dualprompt", CFG, 8)
     method, x = learner.method.eval(), learner.method.transform(color_images(torch.arange(2)))
     prefixed, plain = {}, []
     attention = prompts.prefix_attention
@@ -158,8 +160,8 @@ def test_coda_p_inference_uses_only_the_groups_trained_so_far(tiny_backbone):
     assert method._active(method.keys, None).shape[0] == 8  # groups 0-3
 
 
-def test_mvp_mask_suppresses_unseen_classes(tiny_backbone):
-    learner = learn_stream("mvp", tiny_backbone)  # classes 0-3 of 8 seen (head outputs 0-3)
+def test_mvp_mask_suppresses_unseen_classes():
+    learner = learn_stream("mvp")  # classes 0-3 of 8 seen (head outputs 0-3)
     scale = 2 * torch.sigmoid(learner.method.class_mask.detach())  # [pool, C]
     used = learner.method.usage > 0
     assert torch.allclose(scale[:, 4:], torch.full_like(scale[:, 4:], 2 * torch.sigmoid(torch.tensor(-1.0))))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mepo_stream.methods.base import ContinualMethod
+from mepo_stream.methods.base import ContinualMethod, Readout
 from mepo_stream.methods.coda import CodaConfig, CodaPrompt
 from mepo_stream.methods.finetune import FineTuneConfig, LinearProbe, SequentialFineTune
 from mepo_stream.methods.l2p import DeepL2P, L2PConfig
@@ -18,7 +18,7 @@ from mepo_stream.methods.misa import MISA, MISAConfig
 from mepo_stream.methods.mvp import MVP, MVPConfig
 
 __all__ = ["METHODS", "MISA", "CodaConfig", "CodaPrompt", "ContinualMethod", "DeepL2P", "FineTuneConfig",
-           "L2PConfig", "MISAConfig", "MVP", "MVPConfig", "MethodsConfig", "create_method"]
+           "L2PConfig", "MISAConfig", "MVP", "MVPConfig", "MethodsConfig", "Readout", "create_method"]
 
 
 @dataclass(frozen=True)
@@ -56,9 +56,10 @@ METHODS: dict[str, tuple[type[ContinualMethod], str | None]] = {
 
 
 def create_method(name: str, backbone, n_classes: int, alignment=None,
-                  method_config: MethodsConfig = MethodsConfig()) -> ContinualMethod:
-    """Instantiate the host method ``name`` around ``backbone`` with its config from ``method_config``."""
+                  method_config: MethodsConfig = MethodsConfig(), readout: Readout = Readout()) -> ContinualMethod:
+    """Instantiate the host method ``name`` around ``backbone`` with its config from ``method_config`` (the bare
+    host of a unit test; a model to learn with comes from ``mepo_stream.model.create_model``)."""
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
     cls, field = METHODS[name]
-    return cls(backbone, n_classes, alignment, cfg=None if field is None else getattr(method_config, field))
+    return cls(backbone, n_classes, alignment, None if field is None else getattr(method_config, field), readout)

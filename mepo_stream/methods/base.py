@@ -1,5 +1,5 @@
-"""What every host method is: a feature encoder, a linear head, optional Meta Cov, and, once
-``mepo_stream.model.complete`` has finished it, a statistics classifier and the one prediction path.
+"""What every host method is: a feature encoder, a linear head, optional Meta Cov, its ``Readout`` (statistics
+classifier, standardisation, input transform, precision, logit mask), and the one prediction path.
 
 Example (a finished model predicts over the classes seen so far; an empty statistics classifier is uniform):
     >>> from mepo_stream.model import ModelConfig, create_model
@@ -39,6 +39,25 @@ class Encoded:
     """Optional [B, C] multiplier of the logits (MVP's instance-wise mask)."""
 
 
+@dataclass
+class Readout:
+    """How a model takes its input and reads out its feature, fixed when it is built
+    (``mepo_stream.model.readout``; a bare host, as in a unit test, keeps these defaults)."""
+
+    classifier: nn.Module | None = None
+    """The statistics classifier (NCM or streaming LDA); None: the linear head predicts."""
+    standardize: nn.Module | None = None
+    """Running standardisation of the linear head's input (None: off)."""
+    transform: Transform | None = None
+    """uint8 images -> the backbone's normalised input at its resolution."""
+    dtype: torch.dtype = torch.float32
+    """Autocast precision of the backbone and prompts."""
+    eval_mask: Literal["none", "seen"] = "seen"
+    """Prediction logit mask: none (MISA/MePo) or the seen classes only (MVP/FlyGCL)."""
+    backbone_sha256: str | None = None
+    """``mepo_stream.model.weights_sha256`` of the backbone as built, before any cast."""
+
+
 class ContinualMethod(nn.Module):
     """A host method: ``encode`` gives the pre-head feature, ``logits`` aligns it (Meta Cov) and classifies.
 
@@ -51,25 +70,17 @@ class ContinualMethod(nn.Module):
     the linear head then only carries the gradient that trains the method's prompts.
     """
 
-    classifier: nn.Module | None
-    standardize: nn.Module | None
-    transform: Transform | None
-    """uint8 images -> the backbone's normalised input at its resolution (set by ``complete``)."""
-    dtype: torch.dtype
-    """Autocast precision of the backbone and prompts (set by ``complete``)."""
-    eval_mask: Literal["none", "seen"]
-    """Prediction logit mask: none (MISA/MePo) or the seen classes only (MVP/FlyGCL)."""
-
-    def __init__(self, backbone: VisionTransformer, n_classes: int, alignment: FeatureAlignment | None = None):
+    def __init__(self, backbone: VisionTransformer, n_classes: int, alignment: FeatureAlignment | None = None,
+                 readout: Readout = Readout()):
         super().__init__()
         self.backbone = backbone
         self.head = nn.Linear(backbone.num_features, n_classes)
         nn.init.trunc_normal_(self.head.weight, std=0.02)
         nn.init.zeros_(self.head.bias)
         self.alignment = alignment
-        self.classifier = None
-        self.standardize = None
-        self.transform, self.dtype, self.eval_mask = None, torch.float32, "seen"
+        self.classifier, self.standardize = readout.classifier, readout.standardize
+        self.transform, self.dtype, self.eval_mask = readout.transform, readout.dtype, readout.eval_mask
+        self.backbone_sha256 = readout.backbone_sha256
 
     @property
     def n_classes(self) -> int:

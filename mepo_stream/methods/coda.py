@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from mepo_stream.backbone import cls_feature
-from mepo_stream.methods.base import ContinualMethod, Encoded
+from mepo_stream.methods.base import ContinualMethod, Encoded, Readout
 from mepo_stream.prompts import prefix_forward
 
 
@@ -44,8 +44,8 @@ def _orthogonal(rows: int, dim: int) -> torch.Tensor:
 
 
 class CodaPrompt(ContinualMethod):
-    def __init__(self, backbone, n_classes, alignment=None, cfg: CodaConfig = CodaConfig()):
-        super().__init__(backbone, n_classes, alignment)
+    def __init__(self, backbone, n_classes, alignment=None, cfg: CodaConfig = CodaConfig(), readout=Readout()):
+        super().__init__(backbone, n_classes, alignment, readout=readout)
         self.backbone.requires_grad_(False)
         if cfg.components % cfg.groups:
             raise ValueError(f"components ({cfg.components}) must be a multiple of groups ({cfg.groups})")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from mepo_stream.backbone import cls_feature
-from mepo_stream.methods.base import ContinualMethod, Encoded
+from mepo_stream.methods.base import ContinualMethod, Encoded, Readout
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,8 @@ class FineTuneConfig:
 
 
 class LinearProbe(ContinualMethod):
-    def __init__(self, backbone, n_classes, alignment=None, cfg: None = None):
-        super().__init__(backbone, n_classes, alignment)
+    def __init__(self, backbone, n_classes, alignment=None, cfg: None = None, readout=Readout()):
+        super().__init__(backbone, n_classes, alignment, readout=readout)
         self.backbone.requires_grad_(False)
 
     def encode(self, x: torch.Tensor, slot: int | None = None) -> Encoded:
@@ -38,8 +38,9 @@ class LinearProbe(ContinualMethod):
 
 
 class SequentialFineTune(ContinualMethod):
-    def __init__(self, backbone, n_classes, alignment=None, cfg: FineTuneConfig = FineTuneConfig()):
-        super().__init__(backbone, n_classes, alignment)
+    def __init__(self, backbone, n_classes, alignment=None, cfg: FineTuneConfig = FineTuneConfig(),
+                 readout=Readout()):
+        super().__init__(backbone, n_classes, alignment, readout=readout)
         self.backbone.requires_grad_(True)
         self.backbone_lr_scale = cfg.backbone_lr_scale
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from mepo_stream.backbone import cls_feature
-from mepo_stream.methods.base import ContinualMethod, Encoded
+from mepo_stream.methods.base import ContinualMethod, Encoded, Readout
 from mepo_stream.prompts import prefix_forward
 
 
@@ -37,8 +37,8 @@ class L2PConfig:
 
 
 class DeepL2P(ContinualMethod):
-    def __init__(self, backbone, n_classes, alignment=None, cfg: L2PConfig = L2PConfig()):
-        super().__init__(backbone, n_classes, alignment)
+    def __init__(self, backbone, n_classes, alignment=None, cfg: L2PConfig = L2PConfig(), readout=Readout()):
+        super().__init__(backbone, n_classes, alignment, readout=readout)
         self.backbone.requires_grad_(False)
         if cfg.top_k > cfg.pool:
             raise ValueError(f"top_k ({cfg.top_k}) must not exceed the pool ({cfg.pool})")

@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 
 from mepo_stream.backbone import cls_feature
-from mepo_stream.methods.base import ContinualMethod, Encoded
+from mepo_stream.methods.base import ContinualMethod, Encoded, Readout
 from mepo_stream.prompts import PromptPool, prefix_forward, prompted_forward
 
 
@@ -53,8 +53,8 @@ class MISAConfig:
 
 
 class MISA(ContinualMethod):
-    def __init__(self, backbone, n_classes, alignment=None, cfg: MISAConfig = MISAConfig()):
-        super().__init__(backbone, n_classes, alignment)
+    def __init__(self, backbone, n_classes, alignment=None, cfg: MISAConfig = MISAConfig(), readout=Readout()):
+        super().__init__(backbone, n_classes, alignment, readout=readout)
         self.backbone.requires_grad_(False)
         dim, per_token = backbone.num_features, 2 if cfg.tuning == "prefix" else 1  # prefixes: keys + values
         self.g_prompt = PromptPool(cfg.g_layers, per_token * cfg.g_length, dim, pool=1)

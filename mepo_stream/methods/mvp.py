@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from mepo_stream.backbone import cls_feature
-from mepo_stream.methods.base import Encoded
+from mepo_stream.methods.base import Encoded, Readout
 from mepo_stream.methods.misa import MISA, MISAConfig
 
 
@@ -36,8 +36,8 @@ class MVPConfig:
 
 
 class MVP(MISA):
-    def __init__(self, backbone, n_classes, alignment=None, cfg: MVPConfig = MVPConfig()):
-        super().__init__(backbone, n_classes, alignment, cfg.prompts)
+    def __init__(self, backbone, n_classes, alignment=None, cfg: MVPConfig = MVPConfig(), readout=Readout()):
+        super().__init__(backbone, n_classes, alignment, cfg.prompts, readout)
         self.use_mask, self.contrastive = cfg.use_mask, cfg.contrastive
         self.class_mask = nn.Parameter(torch.full((self.n_slots, n_classes), -1.0))  # [pool, C]
         self.register_buffer("usage", torch.zeros(self.n_slots))

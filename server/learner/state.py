@@ -36,7 +36,7 @@ from server.learner.staging import stack_images
 from server.metrics import ServerMetrics
 from server.model_thread import ModelThread
 from server.snapshot import Snapshot, take_snapshot
-from server.snapshot_topic import Origin, bundle_sha256
+from server.snapshot_topic import Origin
 
 log = logging.getLogger(__name__)
 CHECKPOINT = "learner.pt"
@@ -98,7 +98,7 @@ class ServiceState:
         (fixed once the model is built)."""
         names = tuple(self.class_names[label] for label in range(self.n_classes))
         return Origin(self.cfg.model_name, model_config(self.cfg).to_json(), names,
-                      self.learner.method.backbone_sha256, bundle_sha256(self.cfg.mepo))
+                      self.learner.method.backbone_sha256, model_config(self.cfg).mepo.sha256())
 
     @property
     def checkpoint_path(self) -> Path:

@@ -38,7 +38,7 @@ from kafka.errors import KafkaError
 
 from mepo_stream.backbone import device
 from mepo_stream.methods.base import ContinualMethod
-from mepo_stream.model import ModelConfig, create_model
+from mepo_stream.model import BundleParts, ModelConfig, create_model
 from server.batching import MicroBatcher
 from server.config import ServeConfig, model_config
 from server.consumer import PROBE_EVERY_S, ConsumerThread, broker_answers
@@ -51,7 +51,6 @@ from server.snapshot_topic import (
     CorruptSnapshot,
     Origin,
     SnapshotMessage,
-    bundle_sha256,
     decode,
     ensure_snapshot_topic,
 )
@@ -103,14 +102,15 @@ class ReplicaModel:
         elsewhere on this disk); ``Refused`` if an option of the replica contradicts it, or the bundle differs."""
         learner = ModelConfig.from_json(origin.model_config)
         mine, unset = model_config(self.cfg), model_config(ServeConfig())
-        for option, value, theirs in contradictions(replace(mine, mepo=None), replace(learner, mepo=None), unset):
+        mine_but_bundle, learner_but_bundle = replace(mine, mepo=BundleParts()), replace(learner, mepo=BundleParts())
+        for option, value, theirs in contradictions(mine_but_bundle, learner_but_bundle, unset):
             reason = "backbone_mismatch" if option.startswith("--backbone.") else "incompatible"
             raise Refused(reason, f"{option} {value} contradicts the learner's {theirs}: a replica builds the model "
                           f"its snapshots define; leave the option out")
-        config = learner if mine.mepo is None else replace(learner, mepo=mine.mepo)
-        if bundle_sha256(config.mepo) != origin.bundle_sha256:
+        config = learner if not mine.mepo.bundles else replace(learner, mepo=mine.mepo)
+        if config.mepo.sha256() != origin.bundle_sha256:
             raise Refused("bundle_mismatch", f"the learner's bundle has sha256 {str(origin.bundle_sha256)[:12]}…, "
-                          f"this replica's {str(bundle_sha256(config.mepo))[:12]}… (give it the learner's bundle "
+                          f"this replica's {str(config.mepo.sha256())[:12]}… (give it the learner's bundle "
                           f"with --mepo)")
         return config
 
@@ -174,7 +174,8 @@ class ReplicaState:
         self.class_names = dict(enumerate(message.origin.class_names))
         self.snapshot, self.published_at = snapshot, message.published_at  # the swap
         config = ModelConfig.from_json(message.origin.model_config)
-        self.metrics.info.info({"backbone": config.backbone.name, "mepo_bundle": str(config.mepo or ""),
+        bundles = ",".join(map(str, config.mepo.bundles))
+        self.metrics.info.info({"backbone": config.backbone.name, "mepo_bundle": bundles,
                                 "method": config.method, "role": "replica",
                                 "backbone_sha256": message.origin.backbone_sha256})
         m = self.metrics
