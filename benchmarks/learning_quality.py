@@ -35,7 +35,7 @@ def main(spec: ServiceSpec = ServiceSpec(), test_per_class: int = 50, seed: int 
     """
     data = DataConfig(spec.dataset, train_per_class=spec.train_per_class, test_per_class=test_per_class)
     backbone = BackboneConfig(spec.model, spec.weights, spec.img_size)
-    result = evaluate(out=work, seeds=str(seed), methods=spec.method, data=data, backbone=backbone,
+    result = evaluate(out=work, seed=str(seed), method=spec.method, data=data, backbone=backbone,
                       learner=spec.learner, protocol=ProtocolConfig(eval_period=eval_period))
     run = result["runs"][0]
     a_last = run["curves"]["batch"]["A_last"]

@@ -49,14 +49,14 @@ evaluate() {  # dataset-name out-name extra-flags...: one sweep into its own fol
     local name=$1 out=$RUNS/eval/$1/$2; shift 2
     mkdir -p "$out" "$RUNS/eval/$name/cache"
     ln -sfn "$(realpath "$RUNS/eval/$name/cache")" "$out/cache"
-    "$MEPO" evaluate --out "$out" --seeds 1-3 "${COMMON[@]}" --learner.train_encoder false \
+    "$MEPO" evaluate --out "$out" --seed 1-3 "${COMMON[@]}" --learner.train_encoder false \
         --protocol.eval_period 250 "${DATA[@]}" "$@"
 }
 
 table1() {  # every host of Table 1 with each same-budget refine, ablation included (Tiny-ImageNet)
     DATA=(--data.dataset tinyimagenet-downstream --data.train_per_class 25 --data.test_per_class 10)
     for mode in meta finetune; do
-        evaluate tinyimagenet "table1_$mode" --methods frozen,misa,dualprompt,deep_l2p,coda_p,mvp \
+        evaluate tinyimagenet "table1_$mode" --method frozen,misa,dualprompt,deep_l2p,coda_p,mvp \
             --mepo "$RUNS/$mode" --mepo_cov "$RUNS/cov_base" --ablation true
     done
 }
@@ -68,21 +68,21 @@ for name in $DATASETS; do
     else
         DATA=(--data.dataset cifar10 --data.train_per_class 100 --data.test_per_class 50)
     fi
-    evaluate "$name" frozen_base --methods frozen
-    evaluate "$name" frozen_cov_base --methods frozen --mepo_cov "$RUNS/cov_base"
+    evaluate "$name" frozen_base --method frozen
+    evaluate "$name" frozen_cov_base --method frozen --mepo_cov "$RUNS/cov_base"
     for mode in "${MODES[@]}" ${MODES[@]:+finetune2}; do
-        evaluate "$name" "frozen_$mode" --methods frozen --mepo "$RUNS/$mode" --mepo_cov "$RUNS/cov_base" \
+        evaluate "$name" "frozen_$mode" --method frozen --mepo "$RUNS/$mode" --mepo_cov "$RUNS/cov_base" \
             --ablation true
     done
-    evaluate "$name" misa_base --methods misa
+    evaluate "$name" misa_base --method misa
     for mode in "${MODES[@]}"; do
-        evaluate "$name" "misa_$mode" --methods misa --mepo_rep "$RUNS/$mode"
+        evaluate "$name" "misa_$mode" --method misa --mepo_rep "$RUNS/$mode"
     done
     isa_prompts base
-    evaluate "$name" misa_isa_base --methods misa --mepo_prompts "$RUNS/isa_base"
+    evaluate "$name" misa_isa_base --method misa --mepo_prompts "$RUNS/isa_base"
     for mode in "${MODES[@]}"; do
         isa_prompts "$mode" "$RUNS/$mode"
-        evaluate "$name" "misa_isa_$mode" --methods misa --mepo_rep "$RUNS/$mode" --mepo_prompts "$RUNS/isa_$mode"
+        evaluate "$name" "misa_isa_$mode" --method misa --mepo_rep "$RUNS/$mode" --mepo_prompts "$RUNS/isa_$mode"
     done
 done
 [ "$STAGE" = base ] || table1

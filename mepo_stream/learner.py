@@ -42,7 +42,7 @@ from mepo_stream.alignment import AlignMode
 from mepo_stream.backbone import normalization
 from mepo_stream.label_statistics import LabelStatistics
 from mepo_stream.methods.base import ContinualMethod, Encoded
-from mepo_stream.precision import autocast
+from mepo_stream.precision import Precision, autocast
 from mepo_stream.transforms import Transform, train_transform
 
 
@@ -63,7 +63,7 @@ class LearnerConfig:
     train_encoder: bool = True
     """Train the host's own parameters (prompts, keys) online; false keeps them at their initialisation (e.g. ISA
     prompts from the bundle) so only the classifier learns, and a statistics classifier then needs no gradient."""
-    precision: Literal["auto", "fp32", "bf16", "int8"] = "auto"
+    precision: Precision = "auto"
     """Autocast precision of the backbone and prompts (alignment and statistics stay fp32/fp64): auto = bf16 where
     the hardware multiplies bf16 natively (a bf16 CUDA GPU, a CPU with AMX or AVX512-BF16), fp32 elsewhere. int8
     (never chosen by auto): a frozen host without prompts on the CPU with its backbone's Linear layers quantised

@@ -19,6 +19,7 @@ import functools
 import warnings
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -42,7 +43,11 @@ def cpu_flags() -> frozenset[str]:
                            if line.startswith("flags")), []))
 
 
-def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
+Precision = Literal["auto", "fp32", "bf16", "int8"]
+"""The precisions every ``--*.precision`` option offers (``--learner.precision``, ``--loop.precision``)."""
+
+
+def resolve_precision(precision: Precision, device: torch.device) -> torch.dtype:
     """The autocast dtype: bf16 where asked (or, for auto, where the hardware has native bf16), else fp32 (int8
     included: its quantised layers take fp32 activations)."""
     if precision == "auto":

@@ -12,8 +12,8 @@ of methods, the layout of the paper's Table 1), ``ablation.md`` (with ``--ablati
 ``anytime_accuracy.png`` into ``out``. Finished runs are cached under ``out/cache``.
 
 Example:
-    mepo evaluate --data.dataset cifar10 --seeds 1-3 --mepo runs/refined --out runs/eval-cifar10
-    mepo evaluate --methods all --mepo runs/refined --ablation true --seeds 1-5 --out runs/table1
+    mepo evaluate --data.dataset cifar10 --seed 1-3 --mepo runs/refined --out runs/eval-cifar10
+    mepo evaluate --method all --mepo runs/refined --ablation true --seed 1-5 --out runs/table1
 """
 
 from __future__ import annotations
@@ -364,7 +364,7 @@ class Sweep:
 
 
 def evaluate(
-    out: Path = Path("runs/evaluate"), seeds: str = "1-5", methods: str = "frozen", mepo: Path | None = None,
+    out: Path = Path("runs/evaluate"), seed: str = "1-5", method: str = "frozen", mepo: Path | None = None,
     mepo_rep: Path | None = None, mepo_cov: Path | None = None, mepo_prompts: Path | None = None,
     ablation: bool = False, data: DataConfig = DataConfig(), stream: SiBlurryShape = SiBlurryShape(),
     backbone: BackboneConfig = BackboneConfig(), method_config: MethodsConfig = MethodsConfig(),
@@ -380,9 +380,10 @@ def evaluate(
 
     Args:
         out: Output folder.
-        seeds: Seeds to run, e.g. "1-5" or "1,3" (each seed gives its own stream order).
-        methods: Host methods, comma-separated, or "all": frozen, misa, dualprompt, deep_l2p, coda_p, mvp,
-            linear_probe, seq_ft, seq_ft_sl.
+        seed: The seed, or seeds, to run: "1", "1-5" or "1,3" (each seed gives its own stream order and model
+            initialisation, as --seed and --stream.seed do in mepo serve and mepo produce).
+        method: The host method, or several comma-separated, or "all": frozen, misa, dualprompt, deep_l2p, coda_p,
+            mvp, linear_probe, seq_ft, seq_ft_sl.
         mepo: A MePo bundle (mepo refine): every PTM-based method runs without and with it (Meta Rep = its
             backbone, Meta Cov = its Sigma_pre); the lower bounds run without. ISA prompts come from
             --mepo_prompts only, so an ablation controls them separately.
@@ -393,7 +394,7 @@ def evaluate(
         mepo_prompts: A bundle whose ISA prompts (mepo isa) start the prompt-based hosts, in every variant.
         ablation: With --mepo, also run Meta Rep alone and Meta Cov alone (writes ablation.md).
         data: Downstream dataset.
-        stream: Si-Blurry stream settings (the seeds are --seeds).
+        stream: Si-Blurry stream settings (its seed is --seed).
         backbone: Pretrained backbone.
         method_config: Per-method hyperparameters (--method_config.misa.e_pool, ...).
         learner: Online learning settings (--learner.classifier linear ... for the paper's recipe: docs/fidelity.md).
@@ -402,8 +403,8 @@ def evaluate(
         probe: The offline probe that gives each table's ceiling.
     """
     check_bundles(mepo, mepo_rep, mepo_cov, mepo_prompts, backbone)
-    names = parse_methods(methods)
-    jobs = plan_jobs(names, parse_seeds(seeds), mepo is not None, mepo_rep is not None, mepo_cov is not None,
+    names = parse_methods(method)
+    jobs = plan_jobs(names, parse_seeds(seed), mepo is not None, mepo_rep is not None, mepo_cov is not None,
                      ablation)
     (out / "cache").mkdir(parents=True, exist_ok=True)
     parts = variant_parts(mepo, mepo_rep, mepo_cov, mepo_prompts)

@@ -56,6 +56,7 @@ from mepo_stream.artifacts import BACKBONE, SIGMA_PRE, library_versions, write_b
 from mepo_stream.backbone import BackboneConfig, cls_feature, create_backbone, device, normalization, provenance
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.data import DataConfig, ImageSet, load_split
+from mepo_stream.errors import ConfigError
 from mepo_stream.meta import (
     MaskMode,
     MetaHead,
@@ -67,7 +68,7 @@ from mepo_stream.meta import (
     reptile_update,
 )
 from mepo_stream.methods import MethodsConfig
-from mepo_stream.precision import autocast, resolve_precision
+from mepo_stream.precision import Precision, autocast, resolve_precision
 from mepo_stream.pseudo_tasks import GroupPlan, PseudoTaskConfig, meta_epoch_plan, shuffled_batches
 from mepo_stream.transforms import Transform, test_transform, train_transform
 from offline.covariance import CovarianceConfig, sigma_pre
@@ -111,9 +112,10 @@ class RefineConfig:
     """Reset the optimizer state at every Reptile reset (code: never)."""
     seed: int = 1
     """Seed of the plan, the batch order and the augmentation."""
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    precision: Precision = "auto"
     """Autocast precision of the forward passes (weights and optimizer stay fp32): auto = bf16 where the hardware
-    multiplies bf16 natively (2.5-3x faster training on an AVX512-BF16 CPU), fp32 elsewhere."""
+    multiplies bf16 natively (2.5-3x faster training on an AVX512-BF16 CPU), fp32 elsewhere. int8 (offered as by
+    --learner.precision) is refused: the refine trains the backbone, and quantised layers cannot be trained."""
 
 
 PAPER_REFINE = RefineConfig(mode="meta", freeze=())
@@ -337,6 +339,9 @@ def refine(
         guard: The held-out probe on the pretraining data's test split, before and after every meta-epoch.
         resume: Continue from <out>.checkpoint.pt if it exists.
     """
+    if loop.precision == "int8":
+        raise ConfigError("--loop.precision int8: the refine trains the backbone, and int8 layers cannot be "
+                          "trained; use auto, bf16 or fp32 (int8 serves a frozen backbone: --learner.precision)")
     ddp = Distributed.init()
     start = time.time()
     torch.manual_seed(loop.seed)

@@ -50,8 +50,7 @@ def _stop_when_learned(app: FastAPI, server: uvicorn.Server, producer: subproces
     while not server.should_exit:
         service = getattr(app.state, "service", None)
         if producer.poll() is not None and service is not None:
-            state = service.state
-            if state.samples_seen >= expected and not state.idle_evaluation_due:
+            if service.reporter.settled(expected):
                 server.should_exit = True
         time.sleep(1.0)
 
@@ -67,7 +66,7 @@ def _start_producer(cfg: DemoConfig) -> subprocess.Popen:
 def _summary(app: FastAPI, wall_time: float) -> None:
     service = getattr(app.state, "service", None)
     if service is not None:
-        status = service.state.status()
+        status = service.reporter.status()
         keys = ("samples_seen", "classes_seen", "a_last", "dead_lettered")
         print(json.dumps({k: status[k] for k in keys} | {"a_auc": status["anytime_accuracy"]["a_auc"],
                                                           "wall_time_s": round(wall_time, 1)}))

@@ -80,10 +80,15 @@ class Serving:
         """The snapshot that answered and the class probabilities [n, n_seen] of uint8 images [3, S, S]."""
         return self.batcher.run(lambda: self.state.snapshot, images)
 
+    @property
+    def reporter(self):
+        """What reports the role's status (a replica's state reports itself; a learner's has a reporter)."""
+        return self.state
+
     def status(self) -> dict:
         """The role's status with its Kafka thread's health."""
         health = self.loop.health()
-        return {**self.state.status(), "paused": health.paused, "kafka_connected": health.kafka_connected,
+        return {**self.reporter.status(), "paused": health.paused, "kafka_connected": health.kafka_connected,
                 "consumer_lag": health.consumer_lag, "learner_error": health.error}
 
     def pause(self) -> None:

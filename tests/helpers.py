@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, TypeVar
 
 import httpx
@@ -44,6 +45,8 @@ T = TypeVar("T")
 ROOT = Path(__file__).parents[1]
 TINY = BackboneConfig(name="test_vit", weights=None, img_size=32)
 DATA = DataConfig(dataset="cifar10", train_per_class=20, test_per_class=5)  # a 200-image stream
+NO_BROKER = SimpleNamespace(bootstrap="127.0.0.1:9")
+"""A broker address nothing answers at, for ``settings`` of a state built without Kafka."""
 
 
 def color_images(labels: torch.Tensor, size: int = 32, noise: int = 40, seed: int | None = None) -> torch.Tensor:

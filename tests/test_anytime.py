@@ -125,7 +125,7 @@ def test_service_and_evaluate_report_the_same_anytime_accuracy(tmp_path):
     # images decoded at the size the service decodes its records and its held-out images at
     data, period = DataConfig(dataset="cifar10", train_per_class=12, test_per_class=4,
                               load_size=ServeConfig.limits.size), 30
-    result = evaluate(out=tmp_path / "ev", seeds="1", methods="frozen", data=data, backbone=TINY,
+    result = evaluate(out=tmp_path / "ev", seed="1", method="frozen", data=data, backbone=TINY,
                       protocol=ProtocolConfig(eval_period=period), probe=ProbeConfig(epochs=1))
     offline = result["runs"][0]["curves"]["batch"]  # without Meta Cov both modes are one model; evaluate keeps one
     cfg = ServeConfig(data=data, backbone=TINY, protocol=ProtocolConfig(eval_period=period),
@@ -135,7 +135,7 @@ def test_service_and_evaluate_report_the_same_anytime_accuracy(tmp_path):
         while task:  # the service's rule: at most batch_limit samples, so a batch ends at each scheduled evaluation
             batch, task = task[: state.batch_limit], task[state.batch_limit :]
             state.learn([Sample(train.images[i], RecordMeta(int(train.targets[i]), i, i, "s")) for i in batch])
-    served = state.status()["anytime_accuracy"]
+    served = state.reporter.status()["anytime_accuracy"]
     assert served["samples"] == offline["samples"] == list(range(period, len(train) + 1, period))
     assert served["accuracy"] == pytest.approx(offline["accuracy"], abs=1e-6)
     assert served["a_auc"] == pytest.approx(offline["A_auc"], abs=1e-6)

@@ -105,3 +105,15 @@ def test_a_bundle_refined_at_another_size_is_refused_unless_resampling_is_asked(
         create_model(cfg, 4)
     model = create_model(replace(cfg, backbone=replace(cfg.backbone, allow_resample=True)), 4)
     assert model.backbone.patch_embed.img_size[0] == 48
+
+
+def test_refine_offers_the_learners_precisions_and_refuses_int8_before_any_work(tmp_path, capsys):
+    """``--loop.precision`` takes what ``--learner.precision`` takes; int8, which cannot train, is refused at once."""
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as stop:
+        main(["refine", "--out", str(tmp_path / "out"), "--loop.precision", "int8", "--backbone.name", "test_vit",
+              "--backbone.weights", "null", "--backbone.img_size", "32"])
+    assert stop.value.code == 2 and time.monotonic() - start < 5
+    err = capsys.readouterr().err
+    assert "mepo: error: --loop.precision int8: the refine trains the backbone" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

@@ -147,7 +147,7 @@ def test_evaluate_end_to_end(tmp_path):
     sigma_dir = tmp_path / "cov"
     main(["covariance", "--out", str(sigma_dir), *TINY, "--cov.data.dataset", "cifar10",
           "--cov.data.train_per_class", "8"])
-    main(["evaluate", "--out", str(tmp_path / "ev"), "--seeds", "1-2", "--mepo-cov", str(sigma_dir), *TINY,
+    main(["evaluate", "--out", str(tmp_path / "ev"), "--seed", "1-2", "--mepo-cov", str(sigma_dir), *TINY,
           "--data.dataset", "cifar10", "--data.train_per_class", "20", "--data.test_per_class", "5",
           "--protocol.eval_period", "50", "--learner.samples_per_slot", "40"])
     result = json.loads((tmp_path / "ev" / "results.json").read_text())
@@ -167,7 +167,7 @@ def test_sweep_of_methods_with_mepo_writes_table1_ablation_and_reuses_cached_run
     np.save(tmp_path / "cov.npy", np.eye(64))
     main(["backbone", "import", "--source", str(tmp_path / "w.pth"), "--out", str(tmp_path / "bundle"),
           "--backbone.name", "test_vit", "--mepo_cov", str(tmp_path / "cov.npy")])
-    args = ["evaluate", "--out", str(tmp_path / "sweep"), "--seeds", "1", "--methods", "misa,linear_probe",
+    args = ["evaluate", "--out", str(tmp_path / "sweep"), "--seed", "1", "--method", "misa,linear_probe",
             "--mepo", str(tmp_path / "bundle"), "--ablation", "true", *TINY, "--data.dataset", "cifar10",
             "--data.train_per_class", "10", "--data.test_per_class", "3", "--protocol.eval_period", "50"]
     main(args)
@@ -207,16 +207,19 @@ def option_types(command: tuple[str, ...]) -> dict[str, str]:
 
 SYNONYMS = {
     "--mepo": r"--([\w.]+\.)?\w*bundle\w*",
-    "--method": r"--[\w.]+\.method|--\w+_method",
+    "--method": r"--[\w.]+\.method|--\w+_method|--methods",
+    "--seed": r"--seeds|--\w+_seeds?|--random_state",
     "--method_config": r"--[\w.]+\.method_configs?|--(?!method_config$)\w*methods?_configs?|--configs",
     "--replay.*": r"--(rate|limit|partitions|replay_\w+)",
     "--mepo_cov": r"--covariance|--sigma_pre\w*|--cov_\w+",
     "--backbone.name": r"--name|--arch\w*",
 }
 """Each meaning -> the names it once had or could slip into (an option matching one fails the test): the bundle
-is --mepo, one host method --method (a list of them: evaluate's --methods) with its settings --method_config, and
-the producer's pace and size --replay.*, Sigma_pre --mepo_cov and an architecture --backbone.name, in every
-command."""
+is --mepo, a host method --method (evaluate's takes a list too) with its settings --method_config, a seed --seed
+(evaluate's takes a list too), the producer's pace and size --replay.*, Sigma_pre --mepo_cov and an architecture
+--backbone.name, in every command."""
+LISTS = {"--seed": "int"}
+"""Options whose ``mepo evaluate`` form takes one value or a list of them (``--seed 1-5``), typed ``str`` there."""
 
 
 def group_fields(options: set[str]) -> dict[str, set[str]]:
@@ -244,7 +247,9 @@ def test_one_option_name_means_one_thing_across_all_commands():
                 groups.setdefault(group, {})[" ".join(command)] = fields
     assert {"backbone import", "evaluate", "isa", "refine", "serve"} <= {c for by in seen.values() for c in by}
     assert len(seen) > 50
-    conflicts = {name: by_command for name, by_command in seen.items() if len(set(by_command.values())) > 1}
+    conflicts = {name: by_command for name, by_command in seen.items() if len(set(by_command.values())) > 1
+                 and not (name in LISTS and {k for c, k in by_command.items() if c != "evaluate"} == {LISTS[name]}
+                          and by_command["evaluate"] == "str")}
     assert not conflicts, f"one option name, several types: {conflicts}"
     unlike = {group: {c: sorted(f) for c, f in by.items()} for group, by in groups.items()
               if any(not (a <= b or b <= a) for a in by.values() for b in by.values())}
@@ -252,8 +257,9 @@ def test_one_option_name_means_one_thing_across_all_commands():
     synonyms = {name: canonical for name in seen for canonical, pattern in SYNONYMS.items()
                 if re.fullmatch(pattern, name)}
     assert not synonyms, {name: (f"use {canonical}", seen[name]) for name, canonical in synonyms.items()}
-    assert "--stream.seed" not in {n for n, by in seen.items() if "evaluate" in by}  # evaluate's seeds: --seeds
-    assert not {"--method", "--methods"} <= {n for n, by in seen.items() if "evaluate" in by}
+    assert "--stream.seed" not in {n for n, by in seen.items() if "evaluate" in by}  # evaluate's seeds: --seed
+    precisions = {name: by for name, by in seen.items() if name.endswith(".precision")}
+    assert len(precisions) >= 2 and len({k for by in precisions.values() for k in by.values()}) == 1, precisions
 
 
 def test_each_command_function_carries_the_command_name():

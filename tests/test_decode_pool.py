@@ -15,6 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
+import server.learner.state as learner_state
 import server.learner.stream as stream
 from mepo_stream.records import record_headers
 from server.learner.staging import stack_images
@@ -89,7 +90,7 @@ def test_a_decode_error_in_the_pool_dead_letters_that_record_and_gives_back_its_
     copy's claim waits for the bad one's decode, so it is learned, not skipped as a replay."""
     state, loop, _ = service(tmp_path, decode_workers=workers)
     threads: set[str] = set()
-    decode, slow = stream.decode_image, TRUNCATED + b"slow"
+    decode, slow = learner_state.decode_image, TRUNCATED + b"slow"
 
     def decode_and_note_thread(data, limits):
         threads.add(threading.current_thread().name)
@@ -97,9 +98,9 @@ def test_a_decode_error_in_the_pool_dead_letters_that_record_and_gives_back_its_
             time.sleep(0.2)  # fails only after the next record's claim, unless that claim waits for it
         return decode(data, limits)
 
-    monkeypatch.setattr(stream, "decode_image", decode_and_note_thread)
+    monkeypatch.setattr(learner_state, "decode_image", decode_and_note_thread)
     poll = [sample(0, 0), sample(1, 1), sample(2, 2, TRUNCATED), sample(3, 3), sample(4, 4, slow), sample(5, 4)]
-    loop._accept_poll(poll)
+    loop.accept(poll)
     assert [(o, s.meta.sample_index) for _, o, s in state.book.pending] == [(0, 0), (1, 1), (3, 3), (5, 4)]
     assert [dict(m["headers"])[k] for m in loop.producer.sent for k in ("error", "source_offset")] == \
         [b"corrupt_image", b"2", b"corrupt_image", b"4"]
@@ -134,8 +135,8 @@ def test_learn_stacks_through_stack_images(tmp_path, monkeypatch):
         return stack_images(images, device)
 
     monkeypatch.setattr("server.learner.state.stack_images", stack_and_note)
-    loop._accept_poll([sample(0, 0), sample(1, 1)])
-    loop.learn_pending()
+    loop.accept([sample(0, 0), sample(1, 1)])
+    loop.state.learn_pending()
     assert devices == [state.learner.device] and len(learned) == 2
 
 

@@ -1,7 +1,7 @@
 """Exactly once, with the interleavings forced: the learner loop driven by fake Kafka records, no broker.
 
 A real ``ServiceState`` (tiny test ViT) learns; a fake consumer serves scripted records through the loop's own
-``_consume``, or the tests call ``_accept`` / ``learn_pending`` themselves, so a replay arrives exactly while
+``_consume``, or the tests call ``accept`` / ``learn_pending`` themselves, so a replay arrives exactly while
 its original is still pending in a partial mini-batch, or inside the learning step. Nothing waits or sleeps.
 """
 
@@ -50,14 +50,14 @@ def test_replays_of_samples_still_in_a_partial_batch_are_skipped_through_the_loo
 def test_a_replay_of_a_pending_sample_is_skipped(tmp_path):
     state, loop, learned = service(tmp_path)
     for r in records(list(range(20))):
-        loop._accept(r)
+        loop.accept([r])
         if len(state.book.pending) == 16:
-            loop.learn_pending()
+            loop.state.learn_pending()
     assert [s.meta.sample_index for _, _, s in state.book.pending] == [16, 17, 18, 19]
     for r in records([16, 17, 18, 19, 3], start=20):  # replays: four pending, one learned
-        loop._accept(r)
+        loop.accept([r])
     assert len(state.book.pending) == 4 and state.book.replays_skipped == 5
-    loop.learn_pending()
+    loop.state.learn_pending()
     assert_each_learned_once(state, learned, range(20))
     assert state.book.offsets == {"images:0": 25}
 
@@ -66,22 +66,22 @@ def test_a_replay_while_its_original_is_in_the_learning_step_is_skipped(tmp_path
     """Records accepted from inside the step: the replay is skipped, a new sample waits for the next batch."""
     state, loop, learned = service(tmp_path)
     for r in records([0, 1, 2, 3]):
-        loop._accept(r)
+        loop.accept([r])
     observe, seen_in_step = state.learner.observe, {}
 
     def observe_and_accept(images, labels, *rest):
         if not seen_in_step:
-            loop._accept(record(4, 0))  # a replay of sample 0, which is in this very step
-            loop._accept(record(5, 4))  # a new sample
+            loop.accept([record(4, 0)])  # a replay of sample 0, which is in this very step
+            loop.accept([record(5, 4)])  # a new sample
             seen_in_step.update(consumed=dict(state.book.offsets), skipped=state.book.replays_skipped)
         observe(images, labels, *rest)
 
     state.learner.observe = observe_and_accept
-    loop.learn_pending()
+    loop.state.learn_pending()
     assert seen_in_step == {"consumed": {}, "skipped": 1}  # no offset moved past the records in the step
     assert [s.meta.sample_index for _, _, s in state.book.pending] == [4]
     assert state.book.offsets == {"images:0": 5}  # up to the new sample, which is still pending
-    loop.learn_pending()
+    loop.state.learn_pending()
     assert_each_learned_once(state, learned, range(5))
     assert state.book.offsets == {"images:0": 6} and state.book.replays_skipped == 1
 
@@ -89,8 +89,8 @@ def test_a_replay_while_its_original_is_in_the_learning_step_is_skipped(tmp_path
 def test_learn_replays_learns_a_replayed_sample_again(tmp_path):
     state, loop, learned = service(tmp_path, learn_replays=True)
     for r in records([0, 1, 0, 1]):
-        loop._accept(r)
-    loop.learn_pending()
+        loop.accept([r])
+    loop.state.learn_pending()
     assert sorted(learned) == [(STREAM_ID, 0), (STREAM_ID, 0), (STREAM_ID, 1), (STREAM_ID, 1)]
     assert state.book.replays_skipped == 0
 
@@ -99,16 +99,16 @@ def test_learn_replays_learns_a_replayed_sample_again(tmp_path):
 def test_a_reconnect_drops_pending_records_and_their_claims_so_they_are_learned_once(tmp_path, monkeypatch):
     state, loop, learned = service(tmp_path)
     for r in records([0, 1, 2]):
-        loop._accept(r)
+        loop.accept([r])
     monkeypatch.setattr(stream, "ensure_topics", lambda kafka, *topics: None)
     monkeypatch.setattr(stream, "open_producer", lambda kafka, **_: FakeProducer())
     monkeypatch.setattr(stream, "KafkaConsumer", lambda **_: SimpleNamespace(subscribe=lambda *a, **k: None))
     loop._connect()  # the broker went away: the pending records are read again from the book's offsets
     assert state.book.pending == [] and state.book.offsets == {}
     for r in records([0, 1, 2]):
-        loop._accept(r)
+        loop.accept([r])
     assert state.book.replays_skipped == 0
-    loop.learn_pending()
+    loop.state.learn_pending()
     assert_each_learned_once(state, learned, range(3))
 
 
@@ -117,9 +117,9 @@ def test_a_restart_restores_learned_ids_and_nothing_in_flight(tmp_path, monkeypa
     state, loop, _ = service(tmp_path)
     log = records(list(range(20)))
     for r in log:
-        loop._accept(r)
+        loop.accept([r])
         if len(state.book.pending) == 16:
-            loop.learn_pending()
+            loop.state.learn_pending()
     loop.persist()  # 0..15 learned, 16..19 in flight
     saved = state.book.state_dict()
     assert saved["offsets"] == {"images:0": 16} and saved["learned"][STREAM_ID].tolist() == list(range(16))
@@ -133,14 +133,14 @@ def test_a_restart_restores_learned_ids_and_nothing_in_flight(tmp_path, monkeypa
 # --- offsets: stored only past records with nothing pending before them -----------------------------------------
 def test_offsets_do_not_move_past_a_pending_record_but_do_past_handled_ones(tmp_path):
     state, loop, _ = service(tmp_path)
-    loop._accept(record(0, 0))  # pending
-    loop._accept(record(1, 1, value=b"NOTANIMG"))  # dead-lettered, behind a pending record
-    loop._accept(record(2, 0))  # a skipped replay, behind a pending record
+    loop.accept([record(0, 0)])  # pending
+    loop.accept([record(1, 1, value=b"NOTANIMG")])  # dead-lettered, behind a pending record
+    loop.accept([record(2, 0)])  # a skipped replay, behind a pending record
     assert state.book.offsets == {}
-    loop._accept(record(0, 7, partition=1, value=b""))  # dead-lettered on a partition with nothing pending
-    loop._accept(record(1, 0, partition=1))  # a replay there
+    loop.accept([record(0, 7, partition=1, value=b"")])  # dead-lettered on a partition with nothing pending
+    loop.accept([record(1, 0, partition=1)])  # a replay there
     assert state.book.offsets == {"images:1": 2}
-    loop.learn_pending()
+    loop.state.learn_pending()
     assert state.book.offsets == {"images:0": 3, "images:1": 2} and state.book.pending == []
     assert state.book.dead_lettered == 2 and state.book.replays_skipped == 2
     letters = loop.producer.sent
@@ -150,20 +150,20 @@ def test_offsets_do_not_move_past_a_pending_record_but_do_past_handled_ones(tmp_
 
 def test_pending_records_on_several_partitions_all_count_as_handled_once_learned(tmp_path):
     state, loop, _ = service(tmp_path)
-    loop._accept(record(5, 0, partition=0))
-    loop._accept(record(9, 1, partition=1))
-    loop._accept(record(10, 1, partition=1))  # a replay behind a pending record
+    loop.accept([record(5, 0, partition=0)])
+    loop.accept([record(9, 1, partition=1)])
+    loop.accept([record(10, 1, partition=1)])  # a replay behind a pending record
     assert state.book.offsets == {}
-    loop.learn_pending()
+    loop.state.learn_pending()
     assert state.book.offsets == {"images:0": 6, "images:1": 11}
 
 
 def test_a_bad_copy_of_a_sample_gives_its_claim_back(tmp_path):
     state, loop, learned = service(tmp_path)
-    loop._accept(record(0, 5, value=jpeg("red")[:60]))  # a valid header, a truncated image
-    loop._accept(record(1, 5))  # a good copy of the same sample is learned, not skipped as a replay
+    loop.accept([record(0, 5, value=jpeg("red")[:60])])  # a valid header, a truncated image
+    loop.accept([record(1, 5)])  # a good copy of the same sample is learned, not skipped as a replay
     assert state.book.dead_lettered == 1 and state.book.replays_skipped == 0
-    loop.learn_pending()
+    loop.state.learn_pending()
     assert learned == [(STREAM_ID, 5)] and state.book.offsets == {"images:0": 2}
 
 
@@ -196,7 +196,7 @@ def test_stream_book_state_dict_round_trips_through_a_checkpoint_file(tmp_path):
     book.add_pending("images:1", 0, t9 := sample("t", 9))
     assert not book.claim("s", 1)  # a replay of a pending sample
     book.skip("images:0", 4)
-    book.dead_letter("images:0", 5)
+    book.skip("images:0", 5, dead_letter=True)
     book.mark_learned(samples[:3] + [t9])  # s3 stays pending at offset 3
     saved = book.state_dict()
     assert saved["offsets"] == {"images:0": 3, "images:1": 1}  # stops at the pending record
@@ -211,7 +211,7 @@ def test_stream_book_state_dict_round_trips_through_a_checkpoint_file(tmp_path):
     again = restored.state_dict()
     assert {k: v.tolist() for k, v in again.pop("learned").items()} == {"s": [0, 1, 2], "t": [9]}
     assert again == {"offsets": {"images:0": 3, "images:1": 1}, "dead_lettered": 1, "replays_skipped": 1}
-    assert restored.pending == [] and not restored.offsets_unsaved  # the offsets restored are the saved ones
+    assert restored.pending == [] and not restored.unsaved_keys()  # the offsets restored are the saved ones
     assert restored.claim("s", 3)  # it was pending, not learned: it is read and claimed again
     assert not restored.claim("s", 2) and not restored.claim("t", 9) and restored.replays_skipped == 3
 
@@ -223,23 +223,23 @@ def test_a_checkpoint_stores_the_offsets_before_the_pending_records_and_only_whe
     state, loop, _ = service(tmp_path)
     path = state.cfg.checkpoint_dir / CHECKPOINT
     for r in records(list(range(20))):
-        loop._accept(r)
+        loop.accept([r])
         if len(state.book.pending) == 16:
-            loop.learn_pending()
+            loop.state.learn_pending()
     loop.persist()  # 0..15 learned, 16..19 pending
     saved = load_checkpoint(path)
     assert saved["offsets"] == {"images:0": 16} and saved["learned"][STREAM_ID].tolist() == list(range(16))
     assert saved["learner"]["samples_seen"] == 16 and saved["replays_skipped"] == 0
-    loop.learn_pending()
-    loop._accept(record(20, 3))  # a replay: handled, nothing learned
-    assert state.book.offsets == {"images:0": 21} and state.book.offsets_unsaved
+    loop.state.learn_pending()
+    loop.accept([record(20, 3)])  # a replay: handled, nothing learned
+    assert state.book.offsets == {"images:0": 21} and state.book.unsaved_keys()
     loop.persist()
     saved = load_checkpoint(path)
     assert saved["offsets"] == {"images:0": 21} and saved["learner"]["samples_seen"] == 20
     assert torch.equal(saved["learned"][STREAM_ID], torch.arange(20)) and saved["replays_skipped"] == 1
-    loop._accept(record(21, 4))  # only a replay again: the offset moved, so it is saved
+    loop.accept([record(21, 4)])  # only a replay again: the offset moved, so it is saved
     loop.persist()
     assert load_checkpoint(path)["offsets"] == {"images:0": 22}
     written = path.stat().st_mtime_ns
     loop.persist()  # nothing changed since
-    assert path.stat().st_mtime_ns == written and not state.unsaved
+    assert path.stat().st_mtime_ns == written and state.capture() is None

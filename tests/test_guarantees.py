@@ -39,9 +39,7 @@ from server.snapshot_topic import Origin, SnapshotMessage
 from server.web.app import create_app
 from server.web.dependencies import get_service
 from tests.fakes import STREAM_ID, TOPIC, FakeConsumer, record, records, run_loop, service
-from tests.helpers import color_images, settings
-
-NO_BROKER = SimpleNamespace(bootstrap="127.0.0.1:9")
+from tests.helpers import NO_BROKER, color_images, settings
 
 
 def logged_checkpoints(monkeypatch, events: list) -> None:
@@ -167,8 +165,8 @@ def test_dead_letter_records_carry_every_header_and_the_original_record(tmp_path
     state, loop, _ = service(tmp_path)
     bad_image, bad_label = record(7, 3, value=b"not an image"), record(8, 4)
     bad_label.headers = record_headers(10, 4, 4, STREAM_ID, "cifar10")  # labels are 0..9
-    loop._accept(bad_image)
-    loop._accept(bad_label)
+    loop.accept([bad_image])
+    loop.accept([bad_label])
     assert [m["topic"] for m in loop.producer.sent] == [state.cfg.kafka.dead_letter_topic] * 2
     for sent, original, reason in zip(loop.producer.sent, (bad_image, bad_label), ("not_an_image",
                                                                                     "label_out_of_range")):
@@ -378,15 +376,15 @@ def test_lag_counts_the_records_read_but_not_yet_learned(tmp_path):
     state, loop, _ = service(tmp_path)
     loop.consumer = consumer = FakeConsumer(loop, records(list(range(8))))
     polled = consumer.poll(timeout_ms=0, max_records=5)
-    loop._accept_poll(next(iter(polled.values())))
+    loop.accept(next(iter(polled.values())))
     loop._update_lag()
     assert loop.lag == {f"{TOPIC}:0": 8}  # 3 unread + 5 waiting in the mini-batch
-    loop.learn_pending()
+    loop.state.learn_pending()
     loop._update_lag()
     metric = state.metrics.lag.labels("0")._value.get()
     assert loop.lag == {f"{TOPIC}:0": 3} and metric == 3
-    loop._accept_poll(next(iter(consumer.poll(timeout_ms=0, max_records=5).values())))
-    loop.learn_pending()
+    loop.accept(next(iter(consumer.poll(timeout_ms=0, max_records=5).values())))
+    loop.state.learn_pending()
     loop._update_lag()
     assert loop.lag == {f"{TOPIC}:0": 0}  # drained and learned
 
@@ -394,16 +392,16 @@ def test_lag_counts_the_records_read_but_not_yet_learned(tmp_path):
 def test_an_idle_stream_is_evaluated_once_where_it_stopped(tmp_path, monkeypatch):
     state, loop, _ = service(tmp_path, protocol=ProtocolConfig(eval_period=10))
     run_loop(monkeypatch, loop, records(list(range(25))), idle_polls=3)
-    curve = state.curve
+    curve = state.reporter.curve
     assert curve.samples == [10, 20] and len(curve.task_accuracy) == 1  # A_last at 25, not again while idle
-    assert state.status()["a_last"] == curve.task_accuracy[0] and not state.idle_evaluation_due
+    assert state.reporter.status()["a_last"] == curve.task_accuracy[0] and not state.reporter.idle_evaluation_due
 
 
 def test_per_class_accuracy_of_the_latest_evaluation_is_exported(tmp_path, monkeypatch):
     state, loop, _ = service(tmp_path, protocol=ProtocolConfig(eval_period=10))
     run_loop(monkeypatch, loop, records(list(range(30))))
-    assert state.curve.samples == [10, 20, 30]  # the loop cut its batches at the scheduled positions
-    per_class = state.status()["class_accuracy"]
+    assert state.reporter.curve.samples == [10, 20, 30]  # the loop cut its batches at the scheduled positions
+    per_class = state.reporter.status()["class_accuracy"]
     assert set(per_class) == {state.class_names[c] for c in range(10)}
     text = generate_latest(state.metrics.registry).decode()
     for name, acc in per_class.items():
@@ -416,5 +414,5 @@ def test_a_restart_continues_from_the_checkpoint_model_offsets_and_curve(tmp_pat
     again = ServiceState(state.cfg, ServerMetrics())  # a new process on the same checkpoint folder
     assert again.version == state.version == 4 and again.learner.samples_seen == 35  # 10, 10, 10, 5
     assert again.book.offsets == state.book.offsets == {f"{TOPIC}:0": 35}
-    assert again.curve == state.curve and again.curve.samples == [10, 20, 30]
+    assert again.reporter.curve == state.reporter.curve and again.reporter.curve.samples == [10, 20, 30]
     assert again.snapshot.version == 4 and again.learner.exposed == state.learner.exposed

@@ -21,7 +21,7 @@ from mepo_stream.images import ImageLimits
 from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce
 from server.config import ServeConfig
-from tests.helpers import DATA, ROOT, LiveServer, code_blocks, http_client, serve_process, settings, wait_for
+from tests.helpers import DATA, NO_BROKER, ROOT, LiveServer, code_blocks, http_client, serve_process, settings, wait_for
 
 STREAM_LIMIT = 32
 
@@ -211,3 +211,21 @@ def test_body_limits_hold_on_every_path_with_or_without_content_length(broker, t
         http.close()
         server.terminate()
         server.wait(60)
+
+
+def test_every_json_answer_has_a_typed_model_in_the_schema(tmp_path):
+    """Each route's 2xx JSON answer is a pydantic model in the OpenAPI schema (so the fuzz test checks real
+    answers against it), not an untyped object."""
+    from server.web.app import create_app
+
+    schema = create_app(settings(NO_BROKER, tmp_path)).openapi()
+    untyped = []
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            for status, answer in operation["responses"].items():
+                body = answer.get("content", {}).get("application/json", {}).get("schema")
+                if status.startswith("2") and body is not None and "$ref" not in body.get("items", body):
+                    untyped.append(f"{method.upper()} {path} {status}: {body}")
+    assert not untyped
+    assert schema["paths"]["/v1/status"]["get"]["responses"]["200"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/Status"}

@@ -113,8 +113,33 @@ def test_no_object_touches_another_objects_private_attributes(path):
 
 def test_the_stream_book_has_one_owner():
     """``ServiceState`` (``server/learner/state.py``) owns the ``StreamBook``: it is the only code in ``server/``
-    that touches a ``.book`` attribute, and only its own (the loop reports records through the state's methods)."""
-    owner = ROOT / "server" / "learner" / "state.py"
-    reaches = [f"{path.relative_to(ROOT)}:{line}: {obj}.book" for path in SERVER
+    that touches a ``.book`` attribute, and only its own (the loop hands records to the state's ``accept``). Its
+    reporter (``server/learner/reporter.py``) only reads the book's two counts."""
+    owner, reporter = ROOT / "server" / "learner" / "state.py", ROOT / "server" / "learner" / "reporter.py"
+    reaches = [f"{path.relative_to(ROOT)}:{line}: {obj}.book" for path in SERVER if path != reporter
                for line, obj, attr in attributes(path) if attr == "book" and (path != owner or obj != "self")]
     assert not reaches
+    reads = [(n.attr, n.value.attr) for n in ast.walk(ast.parse(reporter.read_text()))
+             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == "book"]
+    books = [n for n in ast.walk(ast.parse(reporter.read_text())) if isinstance(n, ast.Attribute) and n.attr == "book"]
+    assert len(reads) == len(books) and {attr for attr, _ in reads} <= {"dead_lettered", "replays_skipped"}
+
+
+def test_no_class_in_server_has_more_than_15_public_methods():
+    """One concept per class: public methods and properties, the inherited ones of ``server/`` classes included."""
+    import importlib
+    import inspect
+
+    too_many = {}
+    for path in SERVER:
+        module = importlib.import_module(".".join(path.relative_to(ROOT).with_suffix("").parts))
+        for name, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ != module.__name__:
+                continue
+            public = [n for klass in cls.__mro__ if klass.__module__.startswith("server.")
+                      for n, v in vars(klass).items()
+                      if not n.startswith("_") and (inspect.isfunction(v) or isinstance(v, property | classmethod
+                                                                                          | staticmethod))]
+            if len(set(public)) > 15:
+                too_many[f"{module.__name__}.{name}"] = sorted(set(public))
+    assert not too_many

@@ -1,15 +1,15 @@
 """What the learner has done with the stream, kept with the model so that both roll back together.
 
 ``StreamBook`` is the one place that decides whether a record is a replay and where the offsets stand. It knows
-no Kafka: a partition is a ``"topic:partition"`` key and an offset an int. Its one owner is ``ServiceState``
-(``server.learner.state``), which saves and restores it with the model; ``server.learner.stream`` reads the records
-and tells the state, which tells the book, what became of each one:
+no Kafka: a partition is a ``"topic:partition"`` key (``tp_key``) and an offset an int. Its one owner is
+``ServiceState`` (``server.learner.state``), which books every record the loop hands it, and saves and restores the
+book with the model:
 
 * ``claim`` its sample id (stream id, sample index) before decoding the image; False means a replay: the sample
   is learned or still pending, and the replay is counted. A bad image gives its claim back (``release``), so a
   good copy of the sample is still learned.
-* then, in offset order, the record is ``add_pending`` (a decoded sample waiting for its mini-batch), ``skip``
-  (a replay: nothing more to do) or ``dead_letter`` (counted, nothing more to do);
+* then, in offset order, the record is ``add_pending`` (a decoded sample waiting for its mini-batch) or ``skip``
+  (a replay, or a dead letter, counted: nothing more to do);
 * ``mark_learned`` after the learning step: those samples are learned and their records handled.
 
 ``offsets`` are the next offset per partition with every record before it handled: what a checkpoint stores,
@@ -42,6 +42,11 @@ import torch
 from mepo_stream.records import RecordMeta
 
 
+def tp_key(tp) -> str:
+    """The book's name of a partition (of a ``TopicPartition`` or a record): ``"topic:partition"``."""
+    return f"{tp.topic}:{tp.partition}"
+
+
 @dataclass
 class Sample:
     """A decoded, validated record waiting to be learned."""
@@ -70,7 +75,7 @@ class StreamBook:
 
     learn_replays: bool = False  # claim every record, so a replayed sample is learned again
     by_partition: bool = False  # also keep the ids learned from each partition (a learner in a group writes them)
-    dead_lettered: int = field(default=0, init=False)  # counted by dead_letter()
+    dead_lettered: int = field(default=0, init=False)  # counted by skip(dead_letter=True)
     replays_skipped: int = field(default=0, init=False)  # counted by claim()
     _learned: dict[str, set[int]] = field(default_factory=dict, init=False, repr=False)
     _learned_in: dict[str, dict[str, set[int]]] = field(default_factory=dict, init=False, repr=False)  # per partition
@@ -104,18 +109,14 @@ class StreamBook:
             self._read[key] = offset + 1
             self._pending.append(Pending(key, offset, sample))
 
-    def skip(self, key: str, offset: int) -> None:
-        """The record needs no more work; the offset moves past it unless a record before it is pending."""
+    def skip(self, key: str, offset: int, dead_letter: bool = False) -> None:
+        """The record needs no more work (a replay, or ``dead_letter``: sent to the dead-letter topic, counted); the
+        offset moves past it unless a record before it is pending."""
         with self._lock:
+            self.dead_lettered += dead_letter
             self._read[key] = offset + 1
             if not any(p.key == key for p in self._pending):
                 self._handled[key] = offset + 1
-
-    def dead_letter(self, key: str, offset: int) -> None:
-        """The record went to the dead-letter topic: counted, and needs no more work."""
-        with self._lock:
-            self.dead_lettered += 1
-        self.skip(key, offset)
 
     @property
     def pending(self) -> list[Pending]:
@@ -154,12 +155,6 @@ class StreamBook:
         with self._lock:
             return dict(self._handled)
 
-    @property
-    def offsets_unsaved(self) -> bool:
-        """The offsets moved since the last checkpoint (records handled without any new learning count too)."""
-        with self._lock:
-            return self._handled != self._saved
-
     def mark_saved(self, offsets: dict[str, int]) -> None:
         """A checkpoint holding ``offsets`` (from ``state_dict``) is on disk."""
         with self._lock:
@@ -191,7 +186,8 @@ class StreamBook:
                 table.pop(key, None)
 
     def unsaved_keys(self) -> list[str]:
-        """The partitions whose offsets moved since the last ``mark_saved``."""
+        """The partitions whose offsets moved since the last ``mark_saved`` (records handled without any new
+        learning count too)."""
         with self._lock:
             return [k for k, v in self._handled.items() if self._saved.get(k) != v]
 

@@ -37,6 +37,7 @@ from mepo_stream.label_statistics import LabelStatistics
 from server.config import ServeConfig
 from server.learner.book import Pending, Sample
 from server.learner.changelog import Changelog
+from server.learner.reporter import PartitionedReporter
 from server.learner.state import ServiceState, read_checkpoint
 from server.metrics import ServerMetrics
 from server.model_thread import ModelThread
@@ -76,6 +77,7 @@ class PartitionedState(ServiceState):
     ``remote``; the learner's classifier always holds their total."""
 
     scales_out = True
+    reporter_class = PartitionedReporter
 
     def __init__(self, cfg: ServeConfig, metrics: ServerMetrics, model_thread: ModelThread | None = None):
         self.changelog = Changelog(cfg.kafka)
@@ -87,12 +89,12 @@ class PartitionedState(ServiceState):
         self._remote_total: LabelStatistics | None = None
         self._replaced = 0  # remote states folded into ``_remote_total`` by replacement since it was summed afresh
         self._migration: PartitionState | None = None
-        self._rate_mark = (time.monotonic(), 0)
-        self._learned_here = 0
+        self.rate_mark = (time.monotonic(), 0)  # (when, learned_here) at the last persist
+        self.learned_here = 0  # samples this learner learned (not merged from others)
         super().__init__(cfg, metrics, model_thread)
 
     # --- start ------------------------------------------------------------------------------------------------
-    def restore(self) -> None:
+    def _restore(self) -> None:
         """Refuse what cannot be merged, prepare a migration, and load every partition's newest state."""
         if (why := self.learner.not_mergeable) is not None:
             raise ValueError(f"--kafka.state_topic: learners in a group add their partitions' sums into one model, "
@@ -140,7 +142,7 @@ class PartitionedState(ServiceState):
         self.model_thread.run(self._assign_partitions, keys, states)
 
     def _assign_partitions(self, keys: list[str], states: dict[str, PartitionState]) -> None:
-        with self._lock:
+        with self.lock:
             for key, state in states.items():
                 if key not in keys:
                     self._newer_remote(state)
@@ -163,7 +165,7 @@ class PartitionedState(ServiceState):
         self.model_thread.run(self._revoke_partitions, keys)
 
     def _revoke_partitions(self, keys: list[str]) -> None:
-        with self._lock:
+        with self.lock:
             for key in keys:
                 self._drop_partition(key)
                 self.own.pop(key, None)
@@ -172,6 +174,7 @@ class PartitionedState(ServiceState):
             self._remote_total = None
             self._load_total()
         self.metrics.partitions_owned.set(len(self.own))
+        self.reporter.export()
 
     def merge_remote(self, state: PartitionState) -> None:
         """Another learner's newer state of a partition (the follower thread): its sums replace the old ones."""
@@ -183,7 +186,7 @@ class PartitionedState(ServiceState):
         except ValueError as e:
             self.refuse(str(e))
             return
-        with self._lock:
+        with self.lock:
             if not self._newer_remote(state):
                 return
             self._load_total()
@@ -221,11 +224,9 @@ class PartitionedState(ServiceState):
             self._replaced = 0
         self.learner.load_statistics(LabelStatistics.total([self._remote_total, *self.own.values()]))
         self.metrics.merge_seconds.observe(time.perf_counter() - start)
-        for key, n in self._partition_samples().items():
-            self.metrics.partition_samples.labels(key.rsplit(":", 1)[1]).set(n)
 
     # --- learning ---------------------------------------------------------------------------------------------
-    def groups(self, pending: list[Pending]) -> list[list[Pending]]:
+    def _groups(self, pending: list[Pending]) -> list[list[Pending]]:
         """One group per partition, in the order partitions first appear: a step learns one partition."""
         out: dict[str, list[Pending]] = {}
         for p in pending:
@@ -240,7 +241,7 @@ class PartitionedState(ServiceState):
         pred, h, hits = self.learner.statistics_step(images, labels)
         self.own[key].add(h, labels, hits)
         self._load_total()
-        self._learned_here += len(labels)
+        self.learned_here += len(labels)
         if self.cfg.prequential:
             self._monitor(labels, pred, seen_before)
 
@@ -251,7 +252,7 @@ class PartitionedState(ServiceState):
     # --- persisting: the state topic instead of a checkpoint file --------------------------------------------
     def _capture(self) -> dict:
         now = time.time()
-        with self._lock:
+        with self.lock:
             rate = self._rate()
             states = [PartitionState(key, self.own[key].clone(), offset, learned, self.origin, self.learner_id, now,
                                      rate, int(self.lag.get(key, 0)))
@@ -261,15 +262,15 @@ class PartitionedState(ServiceState):
 
     def _rate(self) -> float:
         """Samples per second this learner learned since the last capture."""
-        (then, learned), now = self._rate_mark, time.monotonic()
-        self._rate_mark = (now, self._learned_here)
-        return (self._learned_here - learned) / max(now - then, 1e-3)
+        (then, learned), now = self.rate_mark, time.monotonic()
+        self.rate_mark = (now, self.learned_here)
+        return (self.learned_here - learned) / max(now - then, 1e-3)
 
     def write(self, state: dict) -> dict[str, int]:
         """Write the captured partition states to the state topic, acknowledged; returns their offsets."""
         start = time.perf_counter()
         written = self.changelog.write(state["states"]) if state["states"] else 0
-        with self._lock:
+        with self.lock:
             self.written.update({s.key: s for s in state["states"]})
         self.last_checkpoint_time = state["time"]
         m = self.metrics
@@ -278,27 +279,3 @@ class PartitionedState(ServiceState):
         m.state_writes.inc(len(state["states"]))
         m.state_bytes.inc(written)
         return state["offsets"]
-
-    # --- reporting --------------------------------------------------------------------------------------------
-    def status(self) -> dict:  # pragma: no mutate block (reporting: tests/test_scale_out.py)
-        """The merged model's status, each learner's partitions, rate and lag, and each partition's samples."""
-        with self._lock:
-            samples = self._partition_samples()
-            learners = {self.learner_id: {"partitions": sorted(self.own), "samples_per_second": self._current_rate(),
-                                          "lag": {k: int(self.lag.get(k, 0)) for k in sorted(self.own)}}}
-            for key, state in sorted(self.remote.items()):
-                entry = learners.setdefault(state.learner, {"partitions": [], "samples_per_second": state.rate,
-                                                            "lag": {}})
-                entry["partitions"].append(key)
-                entry["lag"][key] = state.lag
-        return {**super().status(), "learner_id": self.learner_id, "learners": learners,
-                "partition_samples": dict(sorted(samples.items()))}
-
-    def _partition_samples(self) -> dict[str, int]:
-        """What the model holds of each partition: its own sums, or the newest state another learner wrote."""
-        return {k: s.stats.samples for k, s in self.remote.items()} | {k: s.samples for k, s in self.own.items()}
-
-    def _current_rate(self) -> float:
-        """Samples per second this learner learned since its last persist."""
-        then, learned = self._rate_mark
-        return round((self._learned_here - learned) / max(time.monotonic() - then, 1e-3), 1)

@@ -1,7 +1,7 @@
 """The learner's snapshot publisher: its newest snapshot to the compacted snapshot topic, from its own thread.
 
 ``notify`` is all a learning step does (it sets a flag and wakes the thread), so publishing never blocks
-learning. The thread then asks the learner for a snapshot of its newest version (``ServiceState.fresh_snapshot``,
+learning. The thread then asks the learner for a snapshot of its newest version (``ServiceState.snapshot``,
 made then, between two steps: never one per step), encodes it (``server.snapshot_topic``), sends its parts and
 waits for the broker's acknowledgement, then rests ``publish_interval_s``; versions learned meanwhile are
 skipped, the newest one is always published (at shutdown too, once). A broker that cannot be reached is retried
@@ -57,7 +57,7 @@ class SnapshotPublisher:
         """The publisher of a learner's snapshots, or None when no snapshot topic is configured."""
         if state.cfg.kafka.snapshot_topic is None:
             return None
-        return cls(state.cfg, state.origin, state.metrics, state.fresh_snapshot, state.model_thread.run)
+        return cls(state.cfg, state.origin, state.metrics, lambda: state.snapshot, state.model_thread.run)
 
     def start(self) -> None:
         self.thread.start()

@@ -14,6 +14,7 @@ from server.config import ServeConfig
 from server.learner.changelog import ChangelogFollower
 from server.learner.partitioned import PartitionedState
 from server.learner.publisher import SnapshotPublisher
+from server.learner.reporter import StateReporter
 from server.learner.state import ServiceState
 from server.learner.stream import LearnerLoop
 from server.metrics import ServerMetrics
@@ -58,6 +59,10 @@ class Service(Serving):
         if self.publisher is not None:
             self.publisher.stop()
         self.state.model_thread.shutdown()
+
+    @property
+    def reporter(self) -> StateReporter:
+        return self.state.reporter
 
     def readiness(self) -> dict:
         """``/readyz``'s checks (all true: ready) and the learner's error, if it stopped on one."""

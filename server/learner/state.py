@@ -1,37 +1,41 @@
-"""The service's model state: learner, published snapshot, stream bookkeeping, metrics and checkpoints.
+"""The learner's state, the one owner of a record's life: claim, decode, book, learn, and checkpoint capture.
 
-No Kafka here: ``server.learner.stream`` reads the records and tells the state what became of each one (``claim``,
-``add_pending``, ``skip``, ``dead_letter``, ``release``), then has it ``learn`` the pending ones, ``capture`` a
-checkpoint and ``write`` it. The state is the one owner of the ``StreamBook`` (``server.learner.book``): it books
-the records the loop reports, marks a mini-batch learned in the same step that learns it, and saves and restores
-the book with the model. A checkpoint holds the trainable state, optimizer, seen classes, running alignment
-statistics, monitor state, any-time history, the learned sample ids per stream, and the next offset per
-partition, so model and offsets roll back together.
+No Kafka here: ``server.learner.stream`` polls the records and hands them to ``accept``, which claims each sample
+id in the ``StreamBook`` (``server.learner.book``) before its image is decoded, and books each record in offset
+order as pending, a skipped replay or a dead letter (the loop sends those to the dead-letter topic).
+``learn_pending`` learns the pending samples in mini-batches and marks them learned in the same step;
+``capture`` takes a consistent checkpoint, which ``write`` puts on disk. A checkpoint holds the trainable state,
+optimizer, seen classes, running alignment statistics, monitor state, any-time history, the learned sample ids
+per stream, and the next offset per partition, so model and offsets roll back together. Status and metrics are
+read by the state's ``reporter`` (``server.learner.reporter``).
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from concurrent.futures import Executor, Future, wait
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from mepo_stream.anytime import AnytimeCurve, AnytimeEvaluation
+from mepo_stream.anytime import AnytimeEvaluation
 from mepo_stream.backbone import device
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.data import list_files, load_split
+from mepo_stream.images import ImageError, decode_image
 from mepo_stream.learner import OnlineLearner
 from mepo_stream.model import create_model
+from mepo_stream.records import RecordError, RecordMeta, parse_headers
 from server.config import ServeConfig, model_config
-from server.learner.book import Pending, Sample, StreamBook
+from server.learner.book import Pending, Sample, StreamBook, tp_key
 from server.learner.monitor import StreamMonitor
+from server.learner.reporter import StateReporter
 from server.learner.staging import stack_images
 from server.metrics import ServerMetrics
 from server.model_thread import ModelThread
@@ -55,6 +59,23 @@ def read_checkpoint(path: Path) -> dict:
     return state
 
 
+@dataclass
+class DeadLetter:
+    """A record that cannot be learned, with the reason the dead-letter topic records."""
+
+    record: object  # a kafka-python ConsumerRecord
+    reason: str
+    message: str
+
+
+@dataclass
+class _Claimed:
+    """A record whose sample id is claimed and whose image is being decoded."""
+
+    meta: RecordMeta
+    image: Future  # of a uint8 [3, S, S] tensor, or an ImageError (the claim is then given back)
+
+
 def build_learner(cfg: ServeConfig, n_classes: int) -> OnlineLearner:
     """The learner around the model the factory builds from ``cfg`` (every part of the MePo bundle it has)."""
     return OnlineLearner(create_model(model_config(cfg), n_classes, device()), cfg.learner)
@@ -62,6 +83,12 @@ def build_learner(cfg: ServeConfig, n_classes: int) -> OnlineLearner:
 
 class ServiceState:
     """Shared by the learner thread (writes) and request handlers (read the published snapshot)."""
+
+    scales_out = False
+    """A learner in a group keeps state per partition (``server.learner.partitioned``)."""
+    refusal: str | None = None
+    """Why learning must stop (a learner in a group: a state of another model on the state topic)."""
+    reporter_class: type[StateReporter] = StateReporter
 
     def __init__(self, cfg: ServeConfig, metrics: ServerMetrics, model_thread: ModelThread | None = None):
         self.cfg, self.metrics = cfg, metrics
@@ -75,6 +102,11 @@ class ServiceState:
             self.evaluation = AnytimeEvaluation(test, cfg.protocol.eval_period,
                                                 cfg.protocol.eval_batch_size, (cfg.alignment.inference_mode,))
         self.learner = build_learner(cfg, self.n_classes)  # seeded: the augmentation's draws follow from the seed
+        self.checkpoint_path = cfg.checkpoint_dir / CHECKPOINT
+        names = tuple(self.class_names[label] for label in range(self.n_classes))
+        self.origin = Origin(cfg.model_name, model_config(cfg).to_json(), names, self.learner.method.backbone_sha256,
+                             model_config(cfg).mepo.sha256())
+        """What this learner's snapshots and partition states share, and what a reader must match to use them."""
         self.on_learned: Callable[[], None] | None = None  # told of every new version (the publisher)
         self.monitor = StreamMonitor(cfg.monitor)
         self.book = StreamBook(learn_replays=cfg.learn_replays, by_partition=self.scales_out)  # written here only
@@ -82,70 +114,101 @@ class ServiceState:
         self.last_checkpoint_time = math.nan
         self.last_learned_time = math.nan  # wall time of the last learned mini-batch (not checkpointed)
         self.class_accuracy: dict[int, float] = {}  # per class id, of the latest evaluation
-        self._since_checkpoint = 0
-        self._idle_eval_at = -1
-        self._lock = threading.Lock()  # one writer at a time: the learner thread, or kafka-python's in a rebalance
+        self.idle_evaluated_at = -1  # samples seen at the last evaluation where the stream went idle
+        self.lock = threading.Lock()  # one writer at a time: the learner thread, or kafka-python's in a rebalance
         self.samples_seen = 0  # of the last whole step (``learner.samples_seen`` moves inside the step)
-        self.restore()
+        self._since_checkpoint = 0
+        self._restore()
         self._snapshot: Snapshot = take_snapshot(self.learner, self.version, self.cfg.alignment.inference_mode)
+        self.reporter = self.reporter_class(self)
         metrics.info.info({"backbone": cfg.backbone.name, "mepo_bundle": str(cfg.mepo or ""),
                            "method": cfg.method, "n_classes": str(self.n_classes)})
-        self._export()
-
-    @functools.cached_property
-    def origin(self) -> Origin:
-        """What this learner's snapshots and partition states share, and what a reader must match to use them
-        (fixed once the model is built)."""
-        names = tuple(self.class_names[label] for label in range(self.n_classes))
-        return Origin(self.cfg.model_name, model_config(self.cfg).to_json(), names,
-                      self.learner.method.backbone_sha256, model_config(self.cfg).mepo.sha256())
-
-    @property
-    def checkpoint_path(self) -> Path:
-        return self.cfg.checkpoint_dir / CHECKPOINT
+        self.reporter.export()
 
     # --- serving ------------------------------------------------------------------------------------------
     @property
     def snapshot(self) -> Snapshot:
-        """What predictions use: the learner's newest version (a request during a step gets the version after
-        it: one thread runs the model, ``server.model_thread``)."""
-        return self._snapshot if self._snapshot.version == self.version else self.fresh_snapshot()
-
-    def fresh_snapshot(self) -> Snapshot:
-        """A snapshot of the learner's current version, made now (in the model thread) if the learner moved on
-        since the last one.
+        """What predictions use: the learner's newest version, made now (in the model thread) if the learner
+        moved on since the last one (a request during a step gets the version after it: one thread runs the
+        model, ``server.model_thread``).
 
         Why on demand: making one solves the LDA and copies the trainable state, a few ms that a learner taking
         15 mini-batches a second would otherwise spend on every one of them, for snapshots nobody reads.
         """
-        return self.model_thread.run(self._fresh_snapshot)
+        return self._snapshot if self._snapshot.version == self.version else self.model_thread.run(self._fresh)
 
-    def _fresh_snapshot(self) -> Snapshot:
-        with self._lock:
+    def _fresh(self) -> Snapshot:
+        with self.lock:
             if self._snapshot.version != self.version:
                 self._snapshot = take_snapshot(self.learner, self.version, self.cfg.alignment.inference_mode)
             return self._snapshot
 
-    # --- the stream's records, as the loop reports them (the book is the state's: it rolls back with the model) -----
-    def claim(self, sample_id: tuple[str, int]) -> bool:
-        """Take a sample id before decoding its image; False: a replay (learned or in flight), counted."""
-        return self.book.claim(*sample_id)
+    # --- a record's life: claim, decode, book ---------------------------------------------------------------
+    def accept(self, records: list, decoder: Executor, meanwhile: Callable[[], None] | None = None
+               ) -> list[DeadLetter]:
+        """Claim the records' sample ids in offset order, decode their images in ``decoder``, book the outcomes in
+        offset order (pending, a skipped replay, or a dead letter); returns the dead letters, for the loop to send
+        before its next checkpoint.
 
-    def release(self, sample_id: tuple[str, int]) -> None:
-        """Give back the claim of a record whose image is bad (any thread: the decode pool calls it)."""
-        self.book.release(*sample_id)
+        ``meanwhile`` (learning the pending mini-batch) runs while the pool decodes: the images of the next
+        mini-batch are ready when the step ends. It learns only samples booked before these records, so the order,
+        the claims and the offsets are those of decoding first and learning after. Every decode has finished
+        before this returns, even on an error, so no late claim release can race a reconnect's ``reread``.
+        """
+        decoding: dict[tuple[str, int], Future] = {}
+        try:
+            claimed = [self._claim(record, decoder, decoding) for record in records]
+            if meanwhile is not None:
+                meanwhile()
+            booked = (self._book(record, outcome) for record, outcome in zip(records, claimed, strict=True))
+            return [dead for dead in booked if dead is not None]
+        finally:
+            wait(decoding.values())
 
-    def add_pending(self, key: str, offset: int, sample: Sample) -> None:
-        """The record at ``offset`` of partition ``key`` holds a decoded sample that waits for its mini-batch."""
-        self.book.add_pending(key, offset, sample)
+    def _claim(self, record, decoder: Executor, decoding: dict[tuple[str, int], Future]
+               ) -> _Claimed | RecordError | None:
+        """Parse the headers and claim the sample id before decoding (None: a replay).
 
-    def skip(self, key: str, offset: int) -> None:
-        """The record is a replay: nothing more to do."""
-        self.book.skip(key, offset)
+        An earlier copy of the same sample among the records is waited for first: if its image is bad it has
+        given the claim back by then, and this copy is learned, as when records are decoded one at a time.
+        """
+        try:
+            meta = parse_headers(record.headers, self.n_classes)
+        except RecordError as e:
+            return e
+        sample_id = (meta.stream_id, meta.sample_index)
+        if sample_id in decoding:
+            wait([decoding[sample_id]])
+        if not self.book.claim(*sample_id):  # learned or in flight: a replay
+            return None
+        decoding[sample_id] = decoder.submit(self._decode, record, meta)
+        return _Claimed(meta, decoding[sample_id])
 
-    def dead_letter(self, key: str, offset: int) -> None:
-        """The record went to the dead-letter topic: counted, nothing more to do."""
-        self.book.dead_letter(key, offset)
+    def _decode(self, record, meta: RecordMeta) -> torch.Tensor:
+        """The record's image; a bad one gives its claim back, so a good copy of the sample is still learned."""
+        try:
+            return decode_image(record.value or b"", self.cfg.limits)
+        except ImageError:
+            self.book.release(meta.stream_id, meta.sample_index)
+            raise
+
+    def _book(self, record, outcome: _Claimed | RecordError | None) -> DeadLetter | None:
+        """Book one record, in offset order: pending, a skipped replay, or a dead letter with its reason."""
+        key = tp_key(record)
+        self.metrics.records_consumed.inc()
+        if outcome is None:
+            self.metrics.replays_skipped.inc()
+            self.book.skip(key, record.offset)
+            return None
+        try:
+            if isinstance(outcome, RecordError):
+                raise outcome
+            image = outcome.image.result()
+        except (RecordError, ImageError) as e:
+            self.book.skip(key, record.offset, dead_letter=True)
+            return DeadLetter(record, e.reason, e.message)
+        self.book.add_pending(key, record.offset, Sample(image, outcome.meta))
+        return None
 
     def reread(self) -> None:
         """Forget the pending records and every claim: the loop reads them again from ``offsets``."""
@@ -162,10 +225,6 @@ class ServiceState:
         return self.book.offsets
 
     # --- partitions (a learner in a group keeps state per partition: ``server.learner.partitioned``) -------------
-    scales_out = False
-    refusal: str | None = None
-    """Why learning must stop (a learner in a group: a state of another model on the state topic)."""
-
     def assign_partitions(self, keys: list[str]) -> None:
         """Partitions assigned to this learner: its checkpoint already holds where each one stands."""
 
@@ -196,7 +255,17 @@ class ServiceState:
             return self.cfg.learner.batch_size
         return self.evaluation.room(self.learner, self.cfg.learner.batch_size)
 
-    def groups(self, pending: list[Pending]) -> list[list[Pending]]:
+    def learn_pending(self) -> None:
+        """Learn the pending records in mini-batches of at most ``batch_limit`` (cut at a scheduled evaluation);
+        records accepted while a step runs stay pending."""
+        for group in self._groups(self.book.pending):
+            waiting = [p.sample for p in group]
+            while waiting:
+                limit = self.batch_limit
+                batch, waiting = waiting[:limit], waiting[limit:]
+                self.learn(batch)
+
+    def _groups(self, pending: list[Pending]) -> list[list[Pending]]:
         """The pending records as the groups mini-batches are cut from, in order: one group here (mini-batches may
         span partitions); a learner in a group learns each partition on its own (``server.learner.partitioned``)."""
         return [pending]
@@ -210,7 +279,7 @@ class ServiceState:
     def _learn(self, batch: list[Sample]) -> None:
         images = stack_images([s.image for s in batch], self.learner.device)  # [B, 3, S, S] uint8, pinned on CUDA
         labels = torch.tensor([s.meta.label for s in batch])
-        with self._lock:
+        with self.lock:
             start = time.perf_counter()
             self._step(images, labels, batch)
             self.book.mark_learned(batch)
@@ -237,7 +306,7 @@ class ServiceState:
             self.last_learned_time = time.time()
             self.metrics.learn_steps.inc()
             self.metrics.samples_learned.inc(learned)
-        self._export()
+        self.reporter.export()
 
     def _step(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample]) -> None:
         """The learner's step on one mini-batch; its test-then-train predictions feed the drift monitor."""
@@ -256,49 +325,37 @@ class ServiceState:
             self.metrics.drift.labels(event["detector"]).inc()
             log.warning("drift detected at %d samples by %s", event["samples_seen"], event["detector"])
 
-    def evaluate_now(self) -> float:
-        """Accuracy where the stream went idle (A_last of the stream so far), in the served alignment mode."""
-        return self.model_thread.run(self._evaluate_now)
+    def on_idle(self) -> None:
+        """The topic is drained: snapshot the newest version (requests then never wait for it), and measure the
+        accuracy here (A_last of the stream so far) once per new stretch of learning."""
+        self.snapshot  # noqa: B018 (made now, in the model thread, if the learner moved on)
+        if self.reporter.idle_evaluation_due:
+            self.model_thread.run(self._evaluate_now)
 
-    def _evaluate_now(self) -> float:
-        if self.evaluation is None or not self.learner.exposed:
-            return math.nan
-        with self._lock:
-            acc, self.class_accuracy = self.evaluation.end_of_task(self.learner)[self.cfg.alignment.inference_mode]
-            self._idle_eval_at = self.learner.samples_seen
-        self._export()
-        return acc
-
-    @property
-    def curve(self) -> AnytimeCurve:
-        """The any-time accuracy curve of the stream so far (empty without a test set)."""
-        mode = self.cfg.alignment.inference_mode
-        return AnytimeCurve() if self.evaluation is None else self.evaluation.curves[mode]
-
-    @property
-    def checkpoint_due(self) -> bool:
-        return self._since_checkpoint >= self.cfg.checkpoint_every
-
-    @property
-    def unsaved(self) -> bool:
-        """A checkpoint now would differ from the last one: samples learned or offsets moved since."""
-        return self._since_checkpoint > 0 or self.book.offsets_unsaved
-
-    @property
-    def idle_evaluation_due(self) -> bool:
-        """The stream went idle after new learning: measure the accuracy there (A_last of the stream so far)."""
-        return (self.evaluation is not None and bool(self.learner.exposed)
-                and self._idle_eval_at != self.learner.samples_seen)
+    def _evaluate_now(self) -> None:
+        with self.lock:
+            results = self.evaluation.end_of_task(self.learner)[self.cfg.alignment.inference_mode]
+            self.class_accuracy, self.idle_evaluated_at = results[1], self.learner.samples_seen
+        self.reporter.export()
 
     # --- checkpoints ----------------------------------------------------------------------------------------
-    def capture(self) -> dict:
-        """A copy of everything a checkpoint holds, consistent (taken between two steps, in the model thread)
-        and detached (learning on changes none of it), so ``write`` may run while the learner goes on; the book
-        counts its offsets as saved from here (a failed write stops the loop)."""
+    def capture(self, due_only: bool = False, before: Callable[[], None] | None = None) -> dict | None:
+        """A copy of everything a checkpoint holds, or None when it would equal the last one (or, ``due_only``,
+        when fewer than ``--checkpoint_every`` samples were learned since). ``before`` runs first when a copy is
+        taken (the loop flushes its dead letters: durable before the offsets that skip them).
+
+        The copy is consistent (taken between two steps, in the model thread) and detached (learning on changes
+        none of it), so ``write`` may run while the learner goes on; the book counts its offsets as saved from
+        here (a failed write stops the loop)."""
+        due = self._since_checkpoint >= self.cfg.checkpoint_every
+        if (due_only and not due) or not (self._since_checkpoint > 0 or self.book.unsaved_keys()):
+            return None
+        if before is not None:
+            before()
         return self.model_thread.run(self._capture)
 
     def _capture(self) -> dict:
-        with self._lock:
+        with self.lock:
             state = copy.deepcopy({
                 "format": CHECKPOINT_FORMAT, "learner": self.learner.state_dict(),
                 "monitor": self.monitor.state_dict(), "version": self.version,
@@ -319,7 +376,7 @@ class ServiceState:
         self.metrics.last_checkpoint.set(self.last_checkpoint_time)
         return state["offsets"]
 
-    def restore(self) -> None:
+    def _restore(self) -> None:
         if not self.checkpoint_path.is_file():
             return
         state = read_checkpoint(self.checkpoint_path)
@@ -329,51 +386,9 @@ class ServiceState:
         self.book.load_state_dict(state)
         if self.evaluation is not None and state["anytime"] is not None:
             self.evaluation.load_state_dict(state["anytime"])
-            self.class_accuracy = dict(next(reversed(self.curve.task_class_accuracy), {}))
+            curve = self.evaluation.curves[self.cfg.alignment.inference_mode]
+            self.class_accuracy = dict(next(reversed(curve.task_class_accuracy), {}))
         torch.set_rng_state(state["rng"])
         self.last_checkpoint_time = float(state["time"])
         log.info("restored checkpoint %s: %d samples learned, offsets %s", self.checkpoint_path,
                  self.learner.samples_seen, self.book.offsets)
-
-    # --- reporting ------------------------------------------------------------------------------------------
-    def _export(self) -> None:  # pragma: no mutate block (reporting: tests/test_deploy.py, test_streaming.py)
-        m = self.metrics
-        m.seen_classes.set(len(self.learner.exposed))
-        m.model_version.set(self.version)
-        if self.monitor.total:
-            m.prequential.set(self.monitor.cumulative)
-            m.rolling.set(self.monitor.rolling)
-        curve = self.curve
-        if curve.accuracy:
-            m.anytime.set(curve.accuracy[-1])
-            m.a_auc.set(curve.a_auc)
-        if curve.task_accuracy:
-            m.last_accuracy.set(curve.a_last)
-        for c, acc in self.class_accuracy.items():
-            m.class_accuracy.labels(self.class_names.get(c, str(c))).set(acc)
-        if not math.isnan(self.last_learned_time):
-            m.last_learned.set(self.last_learned_time)
-
-    def status(self) -> dict:  # pragma: no mutate block (reporting: tests/test_streaming.py, test_page.py)
-        b, curve = self.book, self.curve
-        return {
-            "samples_seen": self.samples_seen,
-            "classes_seen": len(self.learner.exposed),
-            "model_version": self.version,
-            "anytime_accuracy": {"last": curve.accuracy[-1] if curve.accuracy else None,
-                                 "a_auc": curve.a_auc if curve.accuracy else None,
-                                 "evaluations": len(curve.accuracy), "samples": curve.samples,
-                                 "accuracy": curve.accuracy},
-            "a_last": curve.a_last if curve.task_accuracy else None,
-            "prequential_accuracy": {"cumulative": self.monitor.cumulative if self.monitor.total else None,
-                                     "rolling": self.monitor.rolling if self.monitor.total else None,
-                                     "samples": self.monitor.total},
-            "drift_events": self.monitor.events,
-            "dead_lettered": b.dead_lettered,
-            "replays_skipped": b.replays_skipped,
-            "checkpoint_age_seconds": None if math.isnan(self.last_checkpoint_time)
-            else round(time.time() - self.last_checkpoint_time, 1),
-            "idle_seconds": None if math.isnan(self.last_learned_time)
-            else round(time.time() - self.last_learned_time, 1),
-            "class_accuracy": {self.class_names.get(c, str(c)): acc for c, acc in sorted(self.class_accuracy.items())},
-        }

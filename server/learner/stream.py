@@ -1,7 +1,7 @@
 """The learner loop: consume the labelled image topic in one pass, learn in stream order, checkpoint, commit.
 
-The loop speaks Kafka and tells ``ServiceState`` what became of each record; the state owns the model and the
-``StreamBook`` (``server.learner.book``), which decides which samples are learned and where the offsets stand.
+The loop speaks Kafka: it hands each poll to ``ServiceState.accept``, the one owner of a record's life (claim,
+decode, book, learn, checkpoint capture), sends the dead letters it returns, and persists.
 
 * One consumer in a group, ``enable_auto_commit=False``. On partition assignment the consumer seeks to the
   book's offsets (after a restart, those of the learner checkpoint, the source of truth). Offsets reach Kafka
@@ -31,8 +31,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import torch
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
@@ -40,19 +39,12 @@ from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
-from mepo_stream.images import ImageError, decode_image
 from mepo_stream.kafka import ensure_topics, open_producer
-from mepo_stream.records import RecordError, RecordMeta, parse_headers
 from server.consumer import PROBE_EVERY_S, ConsumerThread, broker_answers
-from server.learner.book import Sample
-from server.learner.state import ServiceState
+from server.learner.book import tp_key
+from server.learner.state import DeadLetter, ServiceState
 
 log = logging.getLogger(__name__)
-
-
-def tp_key(tp: TopicPartition) -> str:
-    """The book's name of a partition (of a ``TopicPartition`` or a record): ``"topic:partition"``."""
-    return f"{tp.topic}:{tp.partition}"
 
 
 def parse_tp(key: str) -> TopicPartition:
@@ -87,14 +79,6 @@ def decode_executor(workers: int | None, dev: torch.device) -> Executor:
     return ThreadPoolExecutor(workers, thread_name_prefix="mepo-decode") if workers > 0 else InlineExecutor()
 
 
-@dataclass
-class _Claimed:
-    """A record whose sample id is claimed and whose image is being decoded."""
-
-    meta: RecordMeta
-    image: Future  # of a uint8 [3, S, S] tensor, or an ImageError (the claim is then given back)
-
-
 class _SeekToHandled(ConsumerRebalanceListener):
     """Runs on kafka-python's IO thread while the learner thread waits inside ``poll()`` or ``close()``."""
 
@@ -104,7 +88,7 @@ class _SeekToHandled(ConsumerRebalanceListener):
     def on_partitions_revoked(self, revoked):
         """Learn what is pending and checkpoint before another consumer takes the partitions over, then let them
         go; no commit here, a blocking consumer call would stall the very thread that serves it."""
-        self.loop.learn_pending()
+        self.loop.state.learn_pending()
         self.loop.persist(commit=False)
         self.loop.state.revoke_partitions([tp_key(tp) for tp in revoked])
 
@@ -113,8 +97,8 @@ class _SeekToHandled(ConsumerRebalanceListener):
 
 
 class LearnerLoop(ConsumerThread):
-    """Runs in a thread next to the HTTP server; it reads Kafka, reports every record to ``ServiceState`` (which
-    books it) and learns through it. Stopping learns the records in hand, checkpoints, commits and closes."""
+    """Runs in a thread next to the HTTP server; it reads Kafka, hands every poll to ``ServiceState`` (which books
+    it) and learns through it. Stopping learns the records in hand, checkpoints, commits and closes."""
 
     stop_timeout = 60.0
 
@@ -210,7 +194,7 @@ class LearnerLoop(ConsumerThread):
             self._check_rebalance()
             if self._checkpoint_request.is_set():
                 self._checkpoint_request.clear()
-                self.learn_pending()
+                self.state.learn_pending()
                 self.persist(wait=False)
             if self._paused.is_set():
                 self.stop_event.wait(0.2)
@@ -221,14 +205,14 @@ class LearnerLoop(ConsumerThread):
             self._check_rebalance()  # before a record of a partition whose state is not restored is accepted
             self._probe()
             records = sorted((r for rs in polled.values() for r in rs), key=lambda r: (r.partition, r.offset))
-            self._accept_poll(records, meanwhile=self.learn_pending if due or (pending and not records) else None)
+            self.accept(records, meanwhile=self.state.learn_pending if due or (pending and not records) else None)
             if not records and not self.state.pending:
-                self._on_idle()
+                self.state.on_idle()
+                self.persist()
             self._finish_write(block=False)
-            if self.state.checkpoint_due:
-                self.persist(wait=False)
+            self.persist(wait=False, due_only=True)
             self._update_lag()
-        self.learn_pending()
+        self.state.learn_pending()
         self.persist()
 
     def _check_rebalance(self) -> None:
@@ -245,84 +229,16 @@ class LearnerLoop(ConsumerThread):
             self.connected, self._probed_at = broker_answers(self.consumer), time.monotonic()
             self.state.metrics.learner_up.set(int(self.connected))
 
-    def _accept(self, record) -> None:
-        """One record, as a poll of its own."""
-        self._accept_poll([record])
+    def accept(self, records: list, meanwhile: Callable[[], None] | None = None) -> None:
+        """Hand one poll's records (in offset order) to the state, which claims, decodes and books them while
+        ``meanwhile`` learns; send the dead letters it returns."""
+        for dead in self.state.accept(records, self.decoder, meanwhile):
+            self._dead_letter(dead)
 
-    def _accept_poll(self, records: list, meanwhile: Callable[[], None] | None = None) -> None:
-        """Claim in offset order, decode concurrently, apply the results in offset order.
-
-        ``meanwhile`` (learning the pending mini-batch) runs while the pool decodes: the images of the next
-        mini-batch are ready when the step ends. It learns only samples applied before this poll, so the order,
-        the claims and the offsets are those of decoding first and learning after. Every decode has finished
-        before this returns, even on an error, so no late claim release can race a reconnect's ``reread``.
-        """
-        decoding: dict[tuple[str, int], Future] = {}
-        try:
-            claimed = [self._claim(record, decoding) for record in records]
-            if meanwhile is not None:
-                meanwhile()
-            for record, outcome in zip(records, claimed, strict=True):
-                self._apply(record, outcome)
-        finally:
-            wait(decoding.values())
-
-    def _claim(self, record, decoding: dict[tuple[str, int], Future]) -> _Claimed | RecordError | None:
-        """Parse the headers and claim the sample id before decoding (None: a replay).
-
-        An earlier copy of the same sample in this poll is waited for first: if its image is bad it has given
-        the claim back by then, and this copy is learned, as when records are decoded one at a time.
-        """
-        try:
-            meta = parse_headers(record.headers, self.state.n_classes)
-        except RecordError as e:
-            return e
-        sample_id = (meta.stream_id, meta.sample_index)
-        if sample_id in decoding:
-            wait([decoding[sample_id]])
-        if not self.state.claim(sample_id):  # learned or in flight: a replay
-            return None
-        decoding[sample_id] = self.decoder.submit(self._decode, record, meta)
-        return _Claimed(meta, decoding[sample_id])
-
-    def _apply(self, record, outcome: _Claimed | RecordError | None) -> None:
-        """Book one record, in offset order: pending, a skipped replay, or a dead letter with its reason."""
-        key = tp_key(record)
-        self.state.metrics.records_consumed.inc()
-        if outcome is None:
-            self.state.metrics.replays_skipped.inc()
-            self.state.skip(key, record.offset)
-            return
-        try:
-            if isinstance(outcome, RecordError):
-                raise outcome
-            image = outcome.image.result()
-        except (RecordError, ImageError) as e:
-            self._dead_letter(record, e.reason, e.message)
-            self.state.dead_letter(key, record.offset)
-            return
-        self.state.add_pending(key, record.offset, Sample(image, outcome.meta))
-
-    def _decode(self, record, meta: RecordMeta) -> torch.Tensor:
-        """The record's image; a bad one gives its claim back, so a good copy of the sample is still learned."""
-        try:
-            return decode_image(record.value or b"", self.cfg.limits)
-        except ImageError:
-            self.state.release((meta.stream_id, meta.sample_index))
-            raise
-
-    def learn_pending(self) -> None:
-        """Learn the pending records in mini-batches of at most ``batch_limit`` (cut at a scheduled evaluation);
-        records accepted while a step runs stay pending."""
-        for group in self.state.groups(self.state.pending):
-            waiting = [p.sample for p in group]
-            while waiting:
-                limit = self.state.batch_limit
-                batch, waiting = waiting[:limit], waiting[limit:]
-                self.state.learn(batch)
-
-    def _dead_letter(self, record, reason: str, message: str) -> None:
-        headers = [("error", reason.encode()), ("error_message", message[:500].encode("utf-8", "replace")),
+    def _dead_letter(self, dead: DeadLetter) -> None:
+        """Send a record that cannot be learned to the dead-letter topic, with its reason and where it came from."""
+        record, reason = dead.record, dead.reason
+        headers = [("error", reason.encode()), ("error_message", dead.message[:500].encode("utf-8", "replace")),
                    ("source_topic", record.topic.encode()), ("source_partition", str(record.partition).encode()),
                    ("source_offset", str(record.offset).encode()), *(record.headers or [])]
         assert self.producer is not None
@@ -330,15 +246,7 @@ class LearnerLoop(ConsumerThread):
         self.state.metrics.dead_lettered.labels(reason).inc()
         log.info("dead-lettered %s:%d@%d: %s", record.topic, record.partition, record.offset, reason)
 
-    def _on_idle(self) -> None:
-        """The topic is drained: snapshot the newest version (requests then never wait for the evaluation), record
-        the accuracy at this point (A_last of the stream so far) and persist."""
-        self.state.fresh_snapshot()
-        if self.state.idle_evaluation_due:
-            self.state.evaluate_now()
-        self.persist()
-
-    def persist(self, commit: bool = True, wait: bool = True) -> None:
+    def persist(self, commit: bool = True, wait: bool = True, due_only: bool = False) -> None:
         """The one way offsets leave the loop: checkpoint model and offsets together, then commit the same offsets.
 
         Nothing is written when nothing changed since the last checkpoint. Dead letters are flushed first, so
@@ -346,14 +254,16 @@ class LearnerLoop(ConsumerThread):
         failure is only logged: the checkpoint is the source of truth, Kafka's offsets inform lag monitoring.
         Without ``wait`` (the periodic checkpoint) the file is written in the checkpoint thread while the loop
         learns on, and its offsets are committed at the loop's first turn after it is on disk: writing and syncing
-        4 MB on the loop's own time cost the learner 5 % of its speed. One write is in flight at a time.
+        4 MB on the loop's own time cost the learner 5 % of its speed. One write is in flight at a time; with
+        ``due_only`` nothing is written before ``--checkpoint_every`` samples were learned since the last one.
         """
-        self._finish_write(commit)
-        if not self.state.unsaved:
+        if due_only and self._writing is not None:  # one write in flight at a time: the next turn asks again
             return
-        if self.producer is not None:
-            self.producer.flush()
-        self._writing = self.writer.submit(self.state.write, self.state.capture())
+        self._finish_write(commit)
+        flush = self.producer.flush if self.producer is not None else None
+        if (state := self.state.capture(due_only, before=flush)) is None:
+            return
+        self._writing = self.writer.submit(self.state.write, state)
         if wait:
             self._finish_write(commit)
 

@@ -8,50 +8,54 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from server.serving import NotALearner, ServingModel
-from server.web.dependencies import ApiError, errors, get_service, require_admin
+from server.web.dependencies import ApiError, ErrorBody, errors, get_service, require_admin
+from server.web.schemas import Action, Liveness, Readiness, Status
 
 router = APIRouter(tags=["operations"])
 ADMIN_ERRORS = errors(401, 403, 503)
 
 
 @router.get("/livez", summary="Liveness: the process serves HTTP")
-def livez() -> dict:
-    return {"status": "ok"}
+def livez() -> Liveness:
+    return Liveness(status="ok")
 
 
 @router.get("/readyz", summary="Readiness: a learner's model loaded and connected to Kafka; a replica's snapshot "
                                "loaded",
-            responses={503: {"description": "Not ready: the failing checks, or the error model while loading"}})
+            response_model=Readiness,
+            responses={503: {"model": Readiness | ErrorBody,
+                             "description": "Not ready: the checks and the error, or the error while loading"}})
 def readyz(service: Annotated[ServingModel, Depends(get_service)]) -> JSONResponse:
     readiness = service.readiness()
     ok = all(readiness["checks"].values())
-    return JSONResponse({"status": "ready" if ok else "not_ready", **readiness}, status_code=200 if ok else 503)
+    body = Readiness(status="ready" if ok else "not_ready", **readiness)
+    return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
 
 
 @router.get("/v1/status", summary="Learning progress, accuracy and stream health", responses=errors(503))
-def status(service: Annotated[ServingModel, Depends(get_service)]) -> dict:
-    return service.status()
+def status(service: Annotated[ServingModel, Depends(get_service)]) -> Status:
+    return Status(**service.status())
 
 
 @router.post("/v1/admin/checkpoint", dependencies=[Depends(require_admin)], responses=ADMIN_ERRORS,
              summary="Checkpoint now")
-def checkpoint(service: Annotated[ServingModel, Depends(get_service)]) -> dict:
+def checkpoint(service: Annotated[ServingModel, Depends(get_service)]) -> Action:
     try:
         service.request_checkpoint()
     except NotALearner as e:
         raise ApiError(409, str(e), "not_a_learner") from e
-    return {"status": "checkpoint requested"}
+    return Action(status="checkpoint requested")
 
 
 @router.post("/v1/admin/pause", dependencies=[Depends(require_admin)], responses=ADMIN_ERRORS,
              summary="Pause learning")
-def pause(service: Annotated[ServingModel, Depends(get_service)]) -> dict:
+def pause(service: Annotated[ServingModel, Depends(get_service)]) -> Action:
     service.pause()
-    return {"status": "paused"}
+    return Action(status="paused")
 
 
 @router.post("/v1/admin/resume", dependencies=[Depends(require_admin)], responses=ADMIN_ERRORS,
              summary="Resume learning")
-def resume(service: Annotated[ServingModel, Depends(get_service)]) -> dict:
+def resume(service: Annotated[ServingModel, Depends(get_service)]) -> Action:
     service.resume()
-    return {"status": "resumed"}
+    return Action(status="resumed")

@@ -12,6 +12,7 @@ from server.config import ServeConfig
 from server.serving import ServingModel
 from server.web.dependencies import ApiError, errors, get_service, get_settings
 from server.web.prediction import predict_uploads
+from server.web.schemas import PredictResponse
 
 router = APIRouter(tags=["predict"])
 UPLOAD_SCHEMA = {
@@ -54,8 +55,9 @@ async def predict(
     service: Annotated[ServingModel, Depends(get_service)],
     settings: Annotated[ServeConfig, Depends(get_settings)],
     top_k: Annotated[int | None, Query(ge=1, le=100, description="labels per image")] = None,
-) -> dict:
+) -> PredictResponse:
     """Top-k labels (with names and probabilities) over the classes seen so far, from the current model."""
     items = await read_uploads(request, settings)
     meta, rows = await run_in_threadpool(predict_uploads, service, items, settings, top_k or settings.top_k)
-    return {**meta, "predictions": [{"filename": name, "top_k": row} for (name, _), row in zip(items, rows)]}
+    return PredictResponse(**meta, predictions=[{"filename": name, "top_k": row}
+                                                for (name, _), row in zip(items, rows, strict=True)])
