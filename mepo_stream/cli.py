@@ -25,6 +25,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from mepo_stream.errors import ConfigError
+from mepo_stream.shutdown import Stopped, stop_signals
 
 COMMANDS_GROUP = "mepo.commands"
 
@@ -124,13 +125,17 @@ def main(argv: list[str] | None = None) -> None:
     args = _underscore_options(sys.argv[1:] if argv is None else argv)
     runners: dict[type, Callable] = {}
     try:
-        result = CLI(_flatten(commands(), runners), args=args, as_positional=False, prog="mepo",
-                     description="MePo streaming continual learner: refine, evaluate, serve.")
-        if type(result) in runners:
-            runners[type(result)](result)
+        with stop_signals():  # SIGTERM takes SIGINT's path: every command's cleanup runs (mepo_stream.shutdown)
+            result = CLI(_flatten(commands(), runners), args=args, as_positional=False, prog="mepo",
+                         description="MePo streaming continual learner: refine, evaluate, serve.")
+            if type(result) in runners:
+                runners[type(result)](result)
     except ConfigError as e:  # the user's to fix: one line, no traceback
         print(f"mepo: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except Stopped as stop:  # stopped before its work was done; its cleanup has run
+        print(f"mepo: stopped by {stop.name}", file=sys.stderr)
+        raise SystemExit(stop.exit_code) from None
 
 
 if __name__ == "__main__":

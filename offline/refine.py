@@ -28,7 +28,9 @@ per-image RandomResizedCrop + ColorJitter).
 
 Long runs: a progress bar per meta-epoch with the losses, a log line per meta-epoch (losses, held-out probe,
 each parameter group's relative change), an atomic checkpoint after every meta-epoch (``<out>.checkpoint.pt``:
-model, optimizer, RNG state, progress) and ``--resume`` to continue exactly. Under ``torchrun --nproc_per_node
+model, optimizer, RNG state, progress) and ``--resume`` to continue exactly. SIGINT or SIGTERM lets the current
+meta-epoch finish and checkpoint, then exits with 130 or 143 and no bundle (a second signal stops at once, the
+previous meta-epoch's checkpoint kept). Under ``torchrun --nproc_per_node
 N`` it runs DistributedDataParallel (gloo on CPU, nccl on GPU), each rank taking its share of every batch; the
 result matches a single process with the same global batch up to float summation order.
 
@@ -70,6 +72,7 @@ from mepo_stream.meta import (
 from mepo_stream.methods import MethodsConfig
 from mepo_stream.precision import Precision, autocast, resolve_precision
 from mepo_stream.pseudo_tasks import GroupPlan, PseudoTaskConfig, meta_epoch_plan, shuffled_batches
+from mepo_stream.shutdown import StopRequest, deferred_stop
 from mepo_stream.transforms import Transform, test_transform, train_transform
 from offline.covariance import CovarianceConfig, sigma_pre
 from offline.guard import Guard, GuardConfig, HeldOutProbe
@@ -350,7 +353,8 @@ def refine(
     ckpt = checkpoint_path(out)
     first, history = trainer.restore(ckpt) if resume and ckpt.is_file() else (1, [])
     watch = None if guard.skip else Guard(guard, HeldOutProbe.load(data, guard))
-    history = meta_train(trainer, tasks, first, history, ckpt, start, watch)
+    with deferred_stop() as signalled:  # SIGINT/SIGTERM: the meta-epoch finishes and checkpoints, then it stops
+        history = meta_train(trainer, tasks, first, history, ckpt, start, watch, signalled)
     wall = time.time() - start
     if ddp.rank == 0:
         write_refined_bundle(out, trainer.model, images, backbone, data, tasks, loop, None if cov.skip else cov,
@@ -362,11 +366,12 @@ def refine(
 
 
 def meta_train(trainer: Trainer, tasks: PseudoTaskConfig, first: int, history: list[dict], ckpt: Path,
-               start: float, guard: Guard | None = None) -> list[dict]:
+               start: float, guard: Guard | None = None, signalled: StopRequest | None = None) -> list[dict]:
     """Meta-epochs ``first`` to the last, each logged, added to ``history`` and checkpointed (by rank 0) at
     ``ckpt``; ``start`` is the run's start time, for the history's elapsed seconds. With a ``guard``, the
     held-out probe and each parameter group's relative change join every entry (meta-epoch 0: the untouched
-    backbone); when it fires under ``stop``, the loop ends and the best backbone measured is put back."""
+    backbone); when it fires under ``stop``, the loop ends and the best backbone measured is put back. When a stop
+    signal is ``signalled``, it raises ``Stopped`` once the meta-epoch is checkpointed."""
     cfg, backbone = trainer.cfg, trainer.model.backbone
     if guard is not None and first == 1:
         history = [{"meta_epoch": 0, "held_out": guard.check(backbone, 0)[0]}]
@@ -384,6 +389,10 @@ def meta_train(trainer: Trainer, tasks: PseudoTaskConfig, first: int, history: l
         log.info("meta-epoch %d/%d: %s", epoch, cfg.meta_epochs, entry)
         if trainer.ddp.rank == 0:
             trainer.save(ckpt, epoch, history)
+        if signalled is not None and signalled.requested:
+            log.warning("stopped after meta-epoch %d/%d: %s holds it; --resume true continues from there",
+                        epoch, cfg.meta_epochs, ckpt)
+            signalled.raise_if_requested()
         if stop:
             backbone.load_state_dict(guard.best_state)
             entry["kept_held_out_probe"] = guard.best

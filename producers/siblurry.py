@@ -8,6 +8,9 @@ position`` deals the stream round-robin over the topic's partitions (for learner
 ``label`` keys records by label; each partition keeps its records in stream order. With the idempotent producer
 (``acks=all``) retries cannot reorder or duplicate records.
 
+On SIGINT or SIGTERM it flushes the records sent so far, logs how many, and exits with 130 or 143 (the stream is
+incomplete: a script must not go on as if it were whole).
+
 Example:
     mepo produce --data.dataset cifar10 --data.train_per_class 100 --stream.seed 1
     mepo produce --replay.partitions 4 --replay.partition_by position
@@ -24,6 +27,7 @@ from mepo_stream.data import DataConfig, list_files
 from mepo_stream.kafka import KafkaConfig, ReplayConfig, ensure_topics, open_producer, record_key
 from mepo_stream.records import record_headers
 from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
+from mepo_stream.shutdown import Stopped
 
 log = logging.getLogger(__name__)
 CONTENT_TYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".webp": "image/webp"}
@@ -68,6 +72,11 @@ def produce(
             if replay.rate:
                 time.sleep(max(0.0, start + sent / replay.rate - time.monotonic()))
         producer.flush()
+    except Stopped as stop:  # SIGINT or SIGTERM (mepo_stream.shutdown): what was sent reaches the broker first
+        producer.flush()
+        log.warning("stopped by %s: sent %d of %d records of stream %s to %s in %.1f s", stop.name, sent, len(order),
+                    sid, kafka.topic, time.monotonic() - start)
+        raise
     finally:
         producer.close()
     log.info("sent %d records of stream %s to %s in %.1f s", sent, sid, kafka.topic, time.monotonic() - start)

