@@ -75,6 +75,8 @@ NOISE_FACTOR = 10.0
 """A difference over tolerance within this many times our own fp32 noise floor is rounding, not a different step."""
 FP32_NOISE = ("fp32 noise: within 10x of our side against itself with timm's attention unfused (docs/fidelity.md, "
               "'Equivalence to the reference code', the alignment's conditioning)")
+FP32_RESOLUTION = ("fp32 resolution: every tensor's update over tolerance differs by at most 2 units in the last "
+                   "place of the parameter (an update below a parameter's fp32 spacing rounds either way)")
 DOCUMENTED = {
     "index_bug": "docs/fidelity.md, Host method: MISA, 'Index bug fixed' (the reference trains prompts[0] "
                  "whatever the slot; we train the slot's own prompt, as FlyGCL)",
@@ -151,6 +153,8 @@ class Row:
     def verdict(self) -> str:
         if self.passed is not None:
             return "yes" if self.passed else "no"
+        if self.note.startswith(FP32_RESOLUTION):
+            return "fp32 resolution"
         return "fp32 noise" if self.note.startswith(FP32_NOISE) else "documented"
 
 
@@ -209,9 +213,16 @@ def compare_updates(step: str, ours: Tensors, theirs: Tensors, start: Tensors, t
     diffs = {k: difference(ours[k].double() - start[k].double(), theirs[k].double() - start[k].double())
              for k in ours if ours[k].is_floating_point()}
     worst = max(diffs, key=lambda k: diffs[k][1])
-    max_abs = max(d[0] for d in diffs.values())
-    return Row(step, f"update of all {len(diffs)} tensors", max_abs, diffs[worst][1], tol, diffs[worst][1] <= tol,
-               f"worst: {worst}")
+    row = Row(step, f"update of all {len(diffs)} tensors", max(d[0] for d in diffs.values()), diffs[worst][1], tol,
+              diffs[worst][1] <= tol, f"worst: {worst}")
+    if not row.passed and all(d[1] <= tol or d[0] <= last_bits(theirs[k]) for k, d in diffs.items()):
+        row.passed, row.note = None, f"{FP32_RESOLUTION}; worst: {worst}"
+    return row
+
+
+def last_bits(t: torch.Tensor) -> float:
+    """Two units in the last place of a tensor's largest fp32 entry: what rounding alone can change it by."""
+    return 2 * torch.finfo(torch.float32).eps * t.detach().abs().max().item()
 
 
 def markdown_table(rows: list[Row]) -> str:

@@ -55,7 +55,15 @@ def test_an_update_is_compared_apart_from_the_parameter_it_moves():
     ours, theirs = {"w": start["w"] + 1e-3}, {"w": start["w"] + 2e-3}
     assert compare("s", "w", ours["w"], theirs["w"], tol=1e-4).passed  # 1e-4 of the parameter: invisible
     row = compare_updates("s", ours, theirs, start, tol=1e-3)
-    assert not row.passed and row.max_rel == pytest.approx(0.5, rel=1e-3)
+    assert row.passed is False and row.max_rel == pytest.approx(0.5, rel=1e-3)
+
+
+def test_an_update_below_the_parameters_fp32_spacing_may_round_either_way():
+    start = {"w": torch.ones(4)}
+    ours = {"w": torch.lerp(start["w"], start["w"] + 4e-7, 0.1)}  # 4e-8: under the spacing of 1.0 (1.2e-7)
+    theirs = {"w": start["w"] + torch.finfo(torch.float32).eps}  # the same, rounded up to one ulp
+    row = compare_updates("s", ours, theirs, start, tol=1e-3)
+    assert row.verdict == "fp32 resolution" and row.max_rel == 1.0
 
 
 def test_the_stand_in_equals_itself_exactly(tmp_path):
