@@ -21,7 +21,12 @@ refine); nothing of it is copied here. What had to change for it to run on a CPU
 run time and listed in the result (``reference_patches``).
 
 The relative difference of a tensor is ``max|ours - theirs| / max|theirs|`` (its scale, not element-wise, so
-near-zero entries do not blow it up).
+near-zero entries do not blow it up). Tolerance: 1e-4, and 1e-3 for an update (parameters after minus before).
+Each row also has a noise floor: the same comparison of our side with itself built with timm's attention unfused
+(the same arithmetic in another fp32 order, the reference ViT's). Why: with B < D the alignment's ``L_B^-1``
+stretches rounding by up to ``1/sqrt(eps)``, and Adam moves a coordinate by ``lr * sign(g)`` however small ``g`` is,
+so two exact fp32 implementations differ by far more than 1e-4 downstream of either. A row over tolerance within 10x
+of its floor is "fp32 noise"; an update within 2 ulp of its parameter is "fp32 resolution".
 
 Without ``--reference`` the harness compares our side with a second copy of itself, optionally perturbed
 (``--perturb.alpha``, ``--perturb.lr``, ``--perturb.reptile_eps``): what CI runs, on a tiny ViT, to show that the
