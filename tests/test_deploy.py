@@ -123,7 +123,9 @@ def test_compose_wiring_agrees_with_prometheus_grafana_and_readme():
     assert "--role replica" in replica["command"][0] and "--port 8000" in replica["command"][0]
     assert all("$${MEPO_MODEL_FLAGS}" in services[s]["command"][0] for s in ("learner", "replica"))
     assert {"names": ["replica"], "type": "A", "port": 8000} in [c for j in jobs for c in j.get("dns_sd_configs", [])]
-    assert replica["ports"] == ["8001-8004:8000"]
+    assert replica["ports"] == ["8001-8004:8000", "8082-8085:8081"]  # HTTP and gRPC
+    assert all("--grpc_port 8081" in services[s]["command"][0] for s in ("learner", "replica"))
+    assert "8081:8081" in services["learner"]["ports"] and "8081" in (ROOT / "Dockerfile").read_text()
     grafana_mounts = " ".join(services["grafana"]["volumes"])
     assert "./grafana/provisioning:/etc/grafana/provisioning" in grafana_mounts
     provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/dashboard.yml").read_text())

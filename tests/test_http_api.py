@@ -20,6 +20,7 @@ from PIL import Image
 from mepo_stream.images import ImageLimits
 from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce
+from server.broker import free_port
 from server.config import ServeConfig
 from tests.helpers import DATA, NO_BROKER, ROOT, LiveServer, code_blocks, http_client, serve_process, settings, wait_for
 
@@ -35,7 +36,7 @@ def jpeg(color: str) -> bytes:
 @pytest.fixture(scope="module")
 def live(broker, tmp_path_factory) -> Iterator[tuple[ServeConfig, httpx.Client]]:
     """One server (in this process, uvicorn in a thread) that has learned a few classes, shared by the module."""
-    cfg = settings(broker, tmp_path_factory.mktemp("live"))
+    cfg = settings(broker, tmp_path_factory.mktemp("live"), grpc_port=free_port())
     with LiveServer(cfg) as http:
         produce(DATA, SiBlurryConfig(seed=1), cfg.kafka, ReplayConfig(limit=STREAM_LIMIT))
         wait_for(lambda: http.get("/v1/status").json()["samples_seen"] >= STREAM_LIMIT, what="a model to query")
@@ -64,8 +65,8 @@ def test_tritonclient_speaks_to_the_server_and_gets_the_v1_answer(live):
 
 
 def test_the_docs_client_examples_run_against_a_live_server(live, tmp_path, monkeypatch, capsys):
-    """docs/http-api.md's curl lines and Python client, pointed at this server and a real image."""
-    _, http = live
+    """docs/http-api.md's curl lines and Python clients (HTTP and gRPC), pointed at this server and a real image."""
+    cfg, http = live
     page = (ROOT / "docs" / "http-api.md").read_text()
     address = str(http.base_url).removeprefix("http://").rstrip("/")
     (tmp_path / "cat.jpg").write_bytes(jpeg("red"))
@@ -76,9 +77,11 @@ def test_the_docs_client_examples_run_against_a_live_server(live, tmp_path, monk
         out = subprocess.run(line.replace("127.0.0.1:8000", address), shell=True, capture_output=True, text=True,
                              check=True).stdout
         assert json.loads(out)
-    (python,) = code_blocks(page, "python")
-    exec(python.replace("127.0.0.1:8000", address), {})  # the client's own errors fail the test
-    assert "[[" in capsys.readouterr().out  # it printed the [1, 3] labels
+    clients = code_blocks(page, "python")
+    assert len(clients) == 2
+    for python in clients:
+        exec(python.replace("127.0.0.1:8000", address).replace("127.0.0.1:8001", f"127.0.0.1:{cfg.grpc_port}"), {})
+        assert "[[" in capsys.readouterr().out  # it printed the [1, 3] labels (the client's errors fail the test)
 
 
 def test_json_without_content_type_is_read(live):
@@ -189,6 +192,9 @@ def test_body_limits_hold_on_every_path_with_or_without_content_length(broker, t
                 "Content-Type: image/jpeg\r\n\r\n").encode()
         multipart = {"content-type": f"multipart/form-data; boundary={boundary}"}
         json_head = b'{"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "data": ["'
+        binary_head = b'{"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "parameters": ' \
+            b'{"binary_data_size": 314572800}}]}'
+        binary = {"inference-header-content-length": str(len(binary_head))}  # Triton's binary tensor extension
         v1, v2 = "/v1/predict", f"/v2/models/{cfg.model_name}/infer"
         cases = {
             "raw, Content-Length": (v1, lambda: b"\xff" * 300_000, {"content-type": "image/jpeg"}),
@@ -199,13 +205,14 @@ def test_body_limits_hold_on_every_path_with_or_without_content_length(broker, t
             "JSON, chunked 300 MB": (v2, lambda: _then(json_head, _chunks(BIG, b"A")),
                                      {"content-type": "application/json"}),
             "JSON, no Content-Type, chunked 300 MB": (v2, lambda: _then(json_head, _chunks(BIG, b"A")), {}),
+            "binary extension, chunked 300 MB": (v2, lambda: _then(binary_head, _chunks(BIG)), binary),
         }
         rss0 = _rss_kib(server.pid)
         for name, (path, body, headers) in cases.items():
             r = http.post(path, content=body(), headers=headers)
             assert r.status_code == 413 and r.json()["reason"] == "too_large", (name, r.status_code, r.text[:300])
         growth_mib = (_rss_kib(server.pid) - rss0) / 1024
-        print(f"\nserver RSS growth over the oversize bodies (four of 300 MB, chunked): {growth_mib:.1f} MiB")
+        print(f"\nserver RSS growth over the oversize bodies (five of 300 MB, chunked): {growth_mib:.1f} MiB")
         assert growth_mib < 64 and math.isfinite(growth_mib)
     finally:
         http.close()

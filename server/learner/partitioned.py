@@ -235,8 +235,7 @@ class PartitionedState(ServiceState):
 
     def _step(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample]) -> None:
         """Predict with the merged model, add the batch to its partition's sums, load the new total."""
-        in_batch = {id(s) for s in batch}
-        (key,) = {p.key for p in self.pending if id(p.sample) in in_batch}  # one partition per step
+        key = self._partition_of(batch)  # one partition per step
         seen_before = self.learner.samples_seen
         pred, h, hits = self.learner.statistics_step(images, labels)
         self.own[key].add(h, labels, hits)

@@ -17,6 +17,7 @@ import logging
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, replace
@@ -214,10 +215,15 @@ class ServiceState:
         """Forget the pending records and every claim: the loop reads them again from ``offsets``."""
         self.book.reread()
 
-    @property
-    def pending(self) -> list[Pending]:
-        """The records waiting for a mini-batch, in the order they were read."""
-        return self.book.pending
+    def waiting(self) -> Counter[str]:
+        """Records waiting for a mini-batch, per partition (the loop sizes its polls and its lag by them)."""
+        return Counter(p.key for p in self.book.pending)
+
+    def _partition_of(self, batch: list[Sample]) -> str:
+        """The one partition a mini-batch of a learner in a group comes from."""
+        in_batch = {id(s) for s in batch}
+        (key,) = {p.key for p in self.book.pending if id(p.sample) in in_batch}
+        return key
 
     @property
     def offsets(self) -> dict[str, int]:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
@@ -199,14 +198,14 @@ class LearnerLoop(ConsumerThread):
             if self._paused.is_set():
                 self.stop_event.wait(0.2)
                 continue
-            pending, limit = len(self.state.pending), self.state.batch_limit
+            pending, limit = sum(self.state.waiting().values()), self.state.batch_limit
             due = pending >= limit  # a whole mini-batch is waiting: learn it while the next poll decodes
             polled = self.consumer.poll(timeout_ms=0 if due else 500, max_records=limit if due else limit - pending)
             self._check_rebalance()  # before a record of a partition whose state is not restored is accepted
             self._probe()
             records = sorted((r for rs in polled.values() for r in rs), key=lambda r: (r.partition, r.offset))
             self.accept(records, meanwhile=self.state.learn_pending if due or (pending and not records) else None)
-            if not records and not self.state.pending:
+            if not records and not self.state.waiting():
                 self.state.on_idle()
                 self.persist()
             self._finish_write(block=False)
@@ -289,7 +288,7 @@ class LearnerLoop(ConsumerThread):
         """Records not yet learned per partition: those behind the high watermark and those read but waiting in
         the mini-batch."""
         assert self.consumer is not None
-        waiting = Counter(p.key for p in self.state.pending)
+        waiting = self.state.waiting()
         for tp in self.consumer.assignment():
             high = self.consumer.highwater(tp)
             if high is not None:

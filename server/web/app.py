@@ -1,4 +1,5 @@
-"""The FastAPI application: routers, a lifespan that starts the service it is given, and the settings dependency
+"""The FastAPI application: routers, a lifespan that starts the service it is given (and, with ``--grpc_port``, the
+Open Inference Protocol over gRPC beside it: ``server.grpc_service``), and the settings dependency
 (``server.web.dependencies.get_settings``) that tests override.
 
 The web layer knows no role: the entry point (``server.serve``) composes, handing ``create_app`` the function that
@@ -28,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mepo_stream import __version__
 from server.config import ServeConfig
+from server.grpc_service import serve_grpc
 from server.metrics import ServerMetrics
 from server.serving import Starter
 from server.web.dependencies import error_response
@@ -53,7 +55,10 @@ def create_app(settings: ServeConfig, start: Starter | None = None) -> FastAPI:
         except ValueError as e:  # a configuration or a saved state this version refuses: one clear line
             log.error("refused to start: %s", e)
             raise
+        grpc = None if settings.grpc_port is None else serve_grpc(service, settings)
         yield
+        if grpc is not None:
+            grpc.stop(grace=2).wait()
         service.stop()
 
     # FastAPIOffline: /docs and /redoc serve their assets from the installed fastapi-offline package, no CDN

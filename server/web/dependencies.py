@@ -17,8 +17,8 @@ from server.serving import ServingModel
 class ApiError(HTTPException):
     """An HTTP error with a short machine-readable reason, rendered as {"error": ..., "reason": ...}."""
 
-    def __init__(self, status: int, message: str, reason: str):
-        super().__init__(status, message)
+    def __init__(self, status: int, message: str, reason: str, headers: dict[str, str] | None = None):
+        super().__init__(status, message, headers)
         self.reason = reason
 
 
@@ -31,7 +31,7 @@ class ErrorBody(BaseModel):
 
 ERROR_DESCRIPTIONS = {400: "Bad request", 401: "Missing bearer token", 403: "Forbidden", 404: "Not found",
                       413: "Request body or image too large", 415: "Unsupported media type",
-                      422: "Invalid request", 503: "Not ready"}
+                      422: "Invalid request", 503: "Not ready, or too many request bytes in flight (Retry-After)"}
 
 
 def errors(*statuses: int) -> dict[int | str, dict]:  # pragma: no mutate block (OpenAPI: the fuzzer test)

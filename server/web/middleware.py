@@ -1,8 +1,9 @@
-"""Pure ASGI middleware around every route: the request-body limit and the prediction-request counter.
+"""Pure ASGI middleware around every route: the request-body limits and the prediction-request counter.
 
 Both sit below the routers so that they hold on every path: a limit checked in a route runs after FastAPI has
 already read (and, for JSON, parsed) the body, and a counter in a route misses the requests refused before it
-runs (body too large, invalid JSON).
+runs (body too large, invalid JSON). The limits bound each body and all the bodies in flight together, so that
+sixteen large requests at once cannot take the server's memory (``--max_inflight_bytes``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.config import ServeConfig
 from server.metrics import ServerMetrics
+from server.oip import raw_request_limit
 from server.web.dependencies import ApiError, error_response
 
 JSON_OVERHEAD = 64 * 1024
@@ -22,48 +24,82 @@ JSON_OVERHEAD = 64 * 1024
 PREDICT_ROUTES = {"v1": re.compile(r"/v1/predict/?"), "v2": re.compile(r"/v2/models/[^/]+/infer/?")}
 
 
-def body_limit(settings: ServeConfig, content_type: str) -> int:
+def body_limit(settings: ServeConfig, headers: Headers) -> int:
     """The most bytes a request body may have: one image for a raw image body, ``max_files`` images for a
-    multipart upload, and as many base64-encoded images (4/3 of their size) plus some JSON for anything else."""
-    image = settings.limits.max_bytes
+    multipart upload or a binary-extension inference request (each with a 4-byte length), and as many
+    base64-encoded images (4/3 of their size) plus some JSON for anything else."""
+    image, content_type = settings.limits.max_bytes, headers.get("content-type", "")
     if content_type.startswith("image/"):
         return image
     if content_type.startswith("multipart/form-data"):
         return settings.max_files * (image + JSON_OVERHEAD)
+    if "inference-header-content-length" in headers:
+        return raw_request_limit(settings, JSON_OVERHEAD)
     return settings.max_files * math.ceil(image * 4 / 3) + JSON_OVERHEAD
 
 
 class BodyLimit:
     """Refuses a body over ``body_limit`` with 413: at once from its Content-Length, else as soon as the running
     byte count of what arrives passes the limit (a chunked upload has no Content-Length), before the route has
-    parsed or buffered more than the limit."""
+    parsed or buffered more than the limit.
+
+    It also keeps the bytes every request in flight holds (a declared length is reserved whole, a chunked body
+    counted as it arrives) until its answer is sent. A request that would take the total past
+    ``max_inflight_bytes`` while others are in flight gets 503 with Retry-After: a client waits a second, the
+    server keeps its memory. Every count runs on the event loop, so no lock is needed."""
+
+    RETRY_AFTER_S = 1
 
     def __init__(self, app: ASGIApp, settings: ServeConfig) -> None:
         self.app = app
         self.settings = settings
+        self.inflight = 0  # body bytes held by the requests in flight
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        limit = body_limit(self.settings, headers.get("content-type", ""))
-        declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
+        limit = body_limit(self.settings, headers)
+        declared = int(headers["content-length"]) if headers.get("content-length", "").isdigit() else None
+        if declared is not None and declared > limit:
             await error_response(413, f"request body of {declared} bytes exceeds the limit of {limit}",
                                  "too_large")(scope, receive, send)
             return
+        if declared is not None and not self._room(declared):
+            await error_response(*self._busy(), headers={"Retry-After": str(self.RETRY_AFTER_S)})(
+                scope, receive, send)
+            return
+        held = declared or 0
+        self.inflight += held
         received = 0
 
         async def counted() -> Message:
-            nonlocal received
+            nonlocal received, held
             message = await receive()
             received += len(message.get("body", b""))
             if received > limit:  # raised inside the route's read: the app's error handler renders it
                 raise ApiError(413, f"request body exceeds the limit of {limit} bytes", "too_large")
+            if received > held:  # a chunked body (or one longer than declared): count what arrived
+                if not self._room(received - held, holding=held):
+                    raise ApiError(*self._busy(), headers={"Retry-After": str(self.RETRY_AFTER_S)})
+                self.inflight += received - held
+                held = received
             return message
 
-        await self.app(scope, counted, send)
+        try:
+            await self.app(scope, counted, send)
+        finally:
+            self.inflight -= held
+
+    def _room(self, more: int, holding: int = 0) -> bool:
+        """Whether ``more`` bytes fit beside the others in flight (a request alone always fits: its limit holds)."""
+        others = self.inflight - holding
+        return others == 0 or self.inflight + more <= self.settings.max_inflight_bytes
+
+    def _busy(self) -> tuple[int, str, str]:
+        return (503, f"the server holds {self.inflight} bytes of requests in flight (limit "
+                     f"{self.settings.max_inflight_bytes}): retry shortly", "overloaded")
 
 
 class PredictCounter:  # pragma: no mutate block (metrics: tests/test_http_api.py)

@@ -219,11 +219,18 @@ class RepositoryModel(BaseModel):
     reason: str
 
 
+class RawSize(BaseModel):
+    binary_data_size: int = Field(description="Bytes of this output in the raw data after the JSON header")
+
+
 class InferOutput(BaseModel):
+    """An output in JSON (``data``, row-major), or raw after the JSON header (``parameters.binary_data_size``)."""
+
     name: str
     datatype: Literal["INT64", "FP32"]
     shape: list[int]
-    data: list[int] | list[float]
+    data: list[int] | list[float] | None = None
+    parameters: RawSize | None = None
 
 
 class InferParametersOut(BaseModel):

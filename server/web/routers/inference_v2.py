@@ -1,22 +1,29 @@
 """The Open Inference Protocol (KServe v2) REST routes, for KServe/Triton-style clients.
 
-Images travel as one ``BYTES`` input of shape ``[N]`` whose ``data`` holds base64-encoded JPEG/PNG files. The
-response has two outputs per request: ``label`` (INT64 ``[N, k]``) and ``probability`` (FP32 ``[N, k]``),
-plus ``parameters.names`` with the class names.
+Images travel as one ``BYTES`` input of shape ``[N]``: in JSON, ``data`` holds base64-encoded JPEG/PNG files; in
+Triton's binary tensor data extension (what ``tritonclient.http`` sends by default), the JSON header of
+``Inference-Header-Content-Length`` bytes gives the input ``parameters.binary_data_size`` and the raw files follow
+it (``server.oip``). The answer has two outputs: ``label`` (INT64 ``[N, k]``) and ``probability`` (FP32 ``[N, k]``),
+plus ``parameters.names`` with the class names; an output asked for with ``binary_data`` (or every output, with
+``parameters.binary_data_output``) comes back raw after a JSON header in the same way.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import json
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Path
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import APIRouter, Depends, Path, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from mepo_stream import __version__
 from server.config import ServeConfig
+from server.oip import INPUT_NAME, OUTPUTS, TRITON_TYPES, TensorError, deserialize_bytes, model_metadata, output_arrays
 from server.serving import ServingModel
 from server.web.dependencies import ApiError, errors, get_service, get_settings
 from server.web.prediction import predict_uploads
@@ -34,36 +41,74 @@ from server.web.schemas import (
 )
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"], strict_content_type=False)
-INPUT_NAME = "image"
 MAX_TOP_K = 100
+HEADER_LENGTH = "inference-header-content-length"
 ModelName = Annotated[str, Path(description="The served model's name (`--model_name`)", examples=["mepo"])]
 
 
+class TensorParameters(BaseModel):
+    """A tensor's parameters: ``binary_data_size`` (an input's raw bytes after the JSON header) and
+    ``binary_data`` (an output wanted raw); others are ignored."""
+
+    model_config = ConfigDict(extra="allow")
+    binary_data_size: int | None = Field(default=None, ge=0, strict=True)
+    binary_data: bool | None = Field(default=None, strict=True)
+
+
 class InferInput(BaseModel):
-    """The images: a ``BYTES`` tensor of shape ``[N]``, one base64 string per encoded image (the schema says all
-    it can; ``shape`` matching ``data`` and the strings decoding to images are checked by the route: 400, 422)."""
+    """The images: a ``BYTES`` tensor of shape ``[N]``, one base64 string per encoded image in ``data``, or its
+    raw form after the JSON header (``parameters.binary_data_size``). The schema says all it can; ``shape``
+    matching the data and the data decoding to images are checked by the route: 400, 422."""
 
     name: str
     shape: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, max_length=1)
     datatype: Literal["BYTES"]
-    parameters: dict[str, Any] | None = None
-    data: list[str]
+    parameters: TensorParameters | None = None
+    data: list[str] | None = None
+
+
+class RequestedOutput(BaseModel):
+    """An output the answer should hold (all of them when none is named), raw with ``parameters.binary_data``."""
+
+    name: Literal["label", "probability"]
+    parameters: TensorParameters | None = None
 
 
 class InferParameters(BaseModel):
-    """Request parameters: ``top_k``, strictly a JSON integer (never a string, float or bool to coerce); other
-    parameters clients send (Triton's ``binary_data_output``) are ignored."""
+    """Request parameters: ``top_k``, strictly a JSON integer (never a string, float or bool to coerce), and
+    ``binary_data_output`` (every output raw); other parameters clients send are ignored."""
 
     model_config = ConfigDict(extra="allow")
     top_k: int = Field(default=None, ge=1, le=MAX_TOP_K, strict=True,  # type: ignore[assignment]
                        description="labels per image; default the server's --top_k")
+    binary_data_output: bool = Field(default=False, strict=True)
 
 
 class InferRequest(BaseModel):
     id: str | None = None
     parameters: InferParameters | None = None
-    inputs: list[InferInput] = Field(min_length=1)
-    outputs: list[dict[str, Any]] | None = None
+    inputs: list[InferInput] = Field(min_length=1, max_length=1)
+    outputs: list[RequestedOutput] | None = None
+
+
+def inline_schema(model: type[BaseModel]) -> dict:
+    """``model``'s JSON schema with every ``$ref`` replaced by its definition (an OpenAPI ``requestBody`` written
+    by hand cannot point into pydantic's ``$defs``)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "").removeprefix("#/$defs/")
+            return resolve(defs[ref]) if ref else {k: resolve(v) for k, v in node.items()}
+        return [resolve(v) for v in node] if isinstance(node, list) else node
+
+    return resolve(schema)
+
+
+INFER_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": inline_schema(
+    InferRequest)}}}}
+"""The infer route reads its body itself (a binary-extension body is not JSON), so the schema is declared here."""
 
 
 def _model(name: str, settings: ServeConfig) -> None:
@@ -113,14 +158,9 @@ def all_statistics(service: Annotated[ServingModel, Depends(get_service)],
 
 
 @router.get("/models/{name}", summary="Model metadata", responses=errors(404, 422))
-def model_metadata(name: ModelName, settings: Annotated[ServeConfig, Depends(get_settings)]) -> ModelMetadata:
+def model_metadata_route(name: ModelName, settings: Annotated[ServeConfig, Depends(get_settings)]) -> ModelMetadata:
     _model(name, settings)
-    return ModelMetadata(
-        name=name, versions=[], platform="pytorch",
-        inputs=[{"name": INPUT_NAME, "datatype": "BYTES", "shape": [-1]}],
-        outputs=[{"name": "label", "datatype": "INT64", "shape": [-1, -1]},
-                 {"name": "probability", "datatype": "FP32", "shape": [-1, -1]}],
-    )
+    return ModelMetadata(**model_metadata(name))
 
 
 @router.get("/models/{name}/ready", summary="Model readiness", responses=errors(404, 422, 503))
@@ -136,9 +176,8 @@ def model_config(name: ModelName, settings: Annotated[ServeConfig, Depends(get_s
     _model(name, settings)
     return ModelConfiguration(
         name=name, platform="pytorch", backend="mepo-stream", max_batch_size=0,
-        input=[{"name": INPUT_NAME, "data_type": "TYPE_STRING", "dims": [-1]}],
-        output=[{"name": "label", "data_type": "TYPE_INT64", "dims": [-1, -1]},
-                {"name": "probability", "data_type": "TYPE_FP32", "dims": [-1, -1]}],
+        input=[{"name": INPUT_NAME, "data_type": TRITON_TYPES["BYTES"], "dims": [-1]}],
+        output=[{"name": out, "data_type": TRITON_TYPES[kind], "dims": [-1, -1]} for out, kind in OUTPUTS.items()],
         parameters={"top_k": {"string_value": str(settings.top_k)},
                     "max_images": {"string_value": str(settings.max_files)}},
     )
@@ -169,24 +208,68 @@ def _decode_b64(item: str, index: int) -> bytes:
         raise ApiError(400, f"inputs[0].data[{index}] is not valid base64", "invalid_request") from e
 
 
-@router.post("/models/{name}/infer", summary="Inference", responses=errors(400, 404, 413, 422, 503))
-async def infer(name: ModelName, request: InferRequest, service: Annotated[ServingModel, Depends(get_service)],
-                settings: Annotated[ServeConfig, Depends(get_settings)]) -> InferResponse:
+def parse_infer(body: bytes, header_length: str | None) -> tuple[InferRequest, list[bytes]]:
+    """The request and its images' bytes, from a JSON body or a binary-extension one (``header_length`` bytes of
+    JSON, then the raw input): 422 for a request the schema refuses, 400 for parts that disagree."""
+    if header_length is not None and not (header_length.isdigit() and int(header_length) <= len(body)):
+        raise ApiError(400, f"Inference-Header-Content-Length {header_length!r} is not a length within the "
+                            f"{len(body)}-byte body", "invalid_request")
+    split = len(body) if header_length is None else int(header_length)
+    try:
+        request = InferRequest.model_validate_json(body[:split])
+    except ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from e
+    tensor, raw = request.inputs[0], memoryview(body)[split:]
+    size = tensor.parameters.binary_data_size if tensor.parameters else None
+    if (size is None) == (tensor.data is None):
+        raise ApiError(400, "inputs[0] needs either data or parameters.binary_data_size", "invalid_request")
+    if size is None:
+        items = [_decode_b64(d, i) for i, d in enumerate(tensor.data)]
+    elif size != len(raw):
+        raise ApiError(400, f"inputs[0] says {size} binary bytes but {len(raw)} follow the JSON header",
+                       "invalid_request")
+    else:
+        try:
+            items = deserialize_bytes(raw, tensor.shape[0])
+        except TensorError as e:
+            raise ApiError(400, f"inputs[0]: {e}", "invalid_request") from e
+    if tensor.shape != [len(items)]:
+        raise ApiError(400, f"shape {tensor.shape} does not match {len(items)} data items", "invalid_request")
+    return request, items
+
+
+def infer_answer(name: str, request: InferRequest, meta: dict, rows: list[list[dict]]) -> InferResponse | Response:
+    """The outputs asked for (all by default), in JSON, or with the raw ones after a JSON header."""
+    arrays, default_raw = output_arrays(rows), bool(request.parameters and request.parameters.binary_data_output)
+    asked = request.outputs or [RequestedOutput(name=out) for out in OUTPUTS]
+    outputs, raw = [], []
+    for out in asked:
+        array = arrays[out.name]  # [N, k]
+        wants_raw = out.parameters.binary_data if out.parameters and out.parameters.binary_data is not None \
+            else default_raw
+        tensor = {"name": out.name, "datatype": OUTPUTS[out.name], "shape": list(array.shape)}
+        if wants_raw:
+            raw.append(array.tobytes())
+            outputs.append({**tensor, "parameters": {"binary_data_size": len(raw[-1])}})
+        else:
+            outputs.append({**tensor, "data": array.ravel().tolist()})
+    answer = InferResponse(model_name=name, model_version=str(meta["model_version"]), id=request.id,
+                           parameters={"samples_seen": meta["samples_seen"],
+                                       "names": [[c["name"] for c in r] for r in rows]}, outputs=outputs)
+    if not raw:
+        return answer
+    header = json.dumps(answer.model_dump(exclude_none=True)).encode()
+    return Response(header + b"".join(raw), media_type="application/octet-stream",
+                    headers={"Inference-Header-Content-Length": str(len(header))})
+
+
+@router.post("/models/{name}/infer", summary="Inference", response_model=InferResponse, openapi_extra=INFER_BODY,
+             response_model_exclude_none=True, responses=errors(400, 404, 413, 422, 503))
+async def infer(name: ModelName, raw: Request, service: Annotated[ServingModel, Depends(get_service)],
+                settings: Annotated[ServeConfig, Depends(get_settings)]) -> Any:
     _model(name, settings)
+    request, items = parse_infer(await raw.body(), raw.headers.get(HEADER_LENGTH))
     top_k = (request.parameters and request.parameters.top_k) or settings.top_k
-    tensor = request.inputs[0]
-    if tensor.shape != [len(tensor.data)]:
-        raise ApiError(400, f"shape {tensor.shape} does not match {len(tensor.data)} data items", "invalid_request")
-    items = [(f"{tensor.name}[{i}]", _decode_b64(d, i)) for i, d in enumerate(tensor.data)]
-    meta, rows = await run_in_threadpool(predict_uploads, service, items, settings, top_k)
-    k = len(rows[0])
-    return InferResponse(
-        model_name=name, model_version=str(meta["model_version"]), id=request.id,
-        parameters={"samples_seen": meta["samples_seen"], "names": [[c["name"] for c in r] for r in rows]},
-        outputs=[
-            {"name": "label", "datatype": "INT64", "shape": [len(rows), k],
-             "data": [c["label"] for r in rows for c in r]},
-            {"name": "probability", "datatype": "FP32", "shape": [len(rows), k],
-             "data": [c["probability"] for r in rows for c in r]},
-        ],
-    )
+    named = [(f"{request.inputs[0].name}[{i}]", data) for i, data in enumerate(items)]
+    meta, rows = await run_in_threadpool(predict_uploads, service, named, settings, top_k)
+    return infer_answer(name, request, meta, rows)

@@ -1,0 +1,77 @@
+"""The Open Inference Protocol as this server speaks it, whatever the transport: its one input and two outputs, the
+raw (binary) tensor layout, and the errors' meanings, shared by the HTTP routes (``server.web.routers.inference_v2``,
+with Triton's binary tensor data extension) and the gRPC service (``server.grpc_service``).
+
+The input is one ``BYTES`` tensor ``image`` of shape ``[N]``: N encoded JPEG/PNG files. In its raw form (the binary
+extension's data, gRPC's ``raw_input_contents``) each element is a 4-byte little-endian length and then its bytes.
+The outputs are ``label`` (INT64 ``[N, k]``) and ``probability`` (FP32 ``[N, k]``), raw as little-endian arrays.
+
+Example:
+    >>> raw = serialize_bytes([b"ab", b""])
+    >>> raw, deserialize_bytes(raw, 2)
+    (b'\\x02\\x00\\x00\\x00ab\\x00\\x00\\x00\\x00', [b'ab', b''])
+    >>> deserialize_bytes(raw[:5], 1)
+    Traceback (most recent call last):
+    ...
+    server.oip.TensorError: BYTES element 0 says 2 bytes but 1 remain
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from server.config import ServeConfig
+
+INPUT_NAME = "image"
+OUTPUTS = {"label": "INT64", "probability": "FP32"}
+"""Each output's OIP datatype."""
+NUMPY = {"INT64": np.dtype("<i8"), "FP32": np.dtype("<f4")}
+TRITON_TYPES = {"BYTES": "TYPE_STRING", "INT64": "TYPE_INT64", "FP32": "TYPE_FP32"}
+"""The datatype names of Triton's model-configuration extension."""
+
+
+class TensorError(ValueError):
+    """A tensor whose parts disagree (its shape, its data, its raw bytes): the request is invalid (HTTP 400,
+    gRPC INVALID_ARGUMENT)."""
+
+
+def serialize_bytes(items: list[bytes]) -> bytes:
+    """A ``BYTES`` tensor's raw form: each element as a 4-byte little-endian length and its bytes."""
+    return b"".join(struct.pack("<I", len(item)) + item for item in items)
+
+
+def deserialize_bytes(raw: bytes | memoryview, count: int) -> list[bytes]:
+    """The ``count`` elements of a raw ``BYTES`` tensor; ``TensorError`` if the bytes do not hold exactly them."""
+    view, items, at = memoryview(raw), [], 0
+    for i in range(count):
+        if at + 4 > len(view):
+            raise TensorError(f"BYTES element {i} is missing: the raw data ends after {len(items)} of {count}")
+        (size,) = struct.unpack_from("<I", view, at)
+        if at + 4 + size > len(view):
+            raise TensorError(f"BYTES element {i} says {size} bytes but {len(view) - at - 4} remain")
+        items.append(bytes(view[at + 4:at + 4 + size]))
+        at += 4 + size
+    if at != len(view):
+        raise TensorError(f"{len(view) - at} bytes follow the {count} BYTES elements of shape [{count}]")
+    return items
+
+
+def raw_request_limit(settings: ServeConfig, json_bytes: int = 64 * 1024) -> int:
+    """The most bytes a request with its images in raw form may have: ``max_files`` images, each with its 4-byte
+    length, and ``json_bytes`` of anything else (the binary extension's JSON header, a gRPC message's fields)."""
+    return settings.max_files * (settings.limits.max_bytes + 4) + json_bytes
+
+
+def output_arrays(rows: list[list[dict]]) -> dict[str, np.ndarray]:
+    """The two outputs of a prediction's top-k rows: ``label`` [N, k] int64 and ``probability`` [N, k] float32."""
+    return {"label": np.array([[c["label"] for c in row] for row in rows], dtype=NUMPY["INT64"]),
+            "probability": np.array([[c["probability"] for c in row] for row in rows], dtype=NUMPY["FP32"])}
+
+
+def model_metadata(name: str) -> dict:
+    """What ``GET /v2/models/{name}`` and gRPC's ``ModelMetadata`` answer."""
+    return {"name": name, "versions": [], "platform": "pytorch",
+            "inputs": [{"name": INPUT_NAME, "datatype": "BYTES", "shape": [-1]}],
+            "outputs": [{"name": out, "datatype": kind, "shape": [-1, -1]} for out, kind in OUTPUTS.items()]}

@@ -1,0 +1,257 @@
+"""The Open Inference Protocol as standard clients speak it with their defaults, against a learner and a replica:
+``tritonclient.http`` with the binary tensor data extension on (its default) and off, and ``tritonclient.grpc``;
+hostile gRPC messages; and the bound on the request bytes all HTTP requests in flight may hold together."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as triton_grpc
+import tritonclient.http as triton_http
+from PIL import Image
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc as pbg
+
+from mepo_stream.images import ImageLimits
+from mepo_stream.sampler import SiBlurryConfig
+from producers.siblurry import ReplayConfig, produce
+from server.broker import free_port
+from server.config import ServeConfig
+from server.oip import raw_request_limit, serialize_bytes
+from tests.helpers import DATA, LiveServer, http_client, serve_process, settings, wait_for
+
+LEARNED = 32
+TOP_K = 3
+LIMITS = ImageLimits(size=32, max_bytes=64 * 1024)  # small images: an oversize gRPC message stays small
+
+
+def jpeg(color: str) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), color).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def servers(broker, tmp_path_factory) -> Iterator[dict[str, tuple[ServeConfig, httpx.Client]]]:
+    """A learner that has learned a few classes and a replica of it, each with HTTP and gRPC."""
+    tmp = tmp_path_factory.mktemp("oip")
+    learner = settings(broker, tmp / "learner", grpc_port=free_port(), limits=LIMITS)
+    learner = replace(learner, kafka=replace(learner.kafka, snapshot_topic=f"snapshots-{learner.kafka.group_id}"))
+    replica = replace(learner, role="replica", grpc_port=free_port(), checkpoint_dir=tmp / "replica")
+    with LiveServer(learner) as learner_http, LiveServer(replica) as replica_http:
+        produce(DATA, SiBlurryConfig(seed=1), learner.kafka, ReplayConfig(limit=LEARNED))
+        wait_for(lambda: learner_http.get("/v1/status").json()["samples_seen"] >= LEARNED, what="learning")
+        version = learner_http.get("/v1/status").json()["model_version"]
+        wait_for(lambda: replica_http.get("/v1/status").json()["model_version"] == version, what="the replica")
+        yield {"learner": (learner, learner_http), "replica": (replica, replica_http)}
+
+
+def v1_top_k(http: httpx.Client, image: bytes) -> list[dict]:
+    answer = http.post("/v1/predict", params={"top_k": TOP_K}, content=image, headers={"content-type": "image/jpeg"})
+    return answer.json()["predictions"][0]["top_k"]
+
+
+def assert_same_answer(labels: np.ndarray, probabilities: np.ndarray, v1: list[dict]) -> None:
+    assert labels.tolist() == [c["label"] for c in v1]
+    np.testing.assert_allclose(probabilities, [c["probability"] for c in v1], atol=1e-5)
+
+
+@pytest.mark.parametrize("role", ["learner", "replica"])
+@pytest.mark.parametrize("binary_outputs", [None, True, False])
+def test_tritonclient_http_with_binary_inputs_gets_the_v1_answer(servers, role, binary_outputs):
+    """The call every Triton example makes: ``set_data_from_numpy`` with its default ``binary_data=True``; the
+    outputs left to the default (all raw), or asked for raw or in JSON."""
+    cfg, http = servers[role]
+    client = triton_http.InferenceServerClient(str(http.base_url).removeprefix("http://"))
+    images = [jpeg("red"), jpeg("blue")]
+    tensor = triton_http.InferInput("image", [2], "BYTES")
+    tensor.set_data_from_numpy(np.array(images, dtype=np.object_))
+    outputs = None if binary_outputs is None else [triton_http.InferRequestedOutput(name, binary_data=binary_outputs)
+                                                   for name in ("label", "probability")]
+    result = client.infer(cfg.model_name, [tensor], outputs=outputs, parameters={"top_k": TOP_K})
+    for row, image in enumerate(images):
+        assert_same_answer(result.as_numpy("label")[row], result.as_numpy("probability")[row], v1_top_k(http, image))
+
+
+@pytest.mark.parametrize("role", ["learner", "replica"])
+def test_tritonclient_http_without_binary_data_and_one_output_asked(servers, role):
+    cfg, http = servers[role]
+    client = triton_http.InferenceServerClient(str(http.base_url).removeprefix("http://"))
+    tensor = triton_http.InferInput("image", [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([base64.b64encode(jpeg("green"))], dtype=np.object_), binary_data=False)
+    result = client.infer(cfg.model_name, [tensor], outputs=[triton_http.InferRequestedOutput("label", False)],
+                          parameters={"top_k": TOP_K})
+    assert result.as_numpy("probability") is None
+    assert result.as_numpy("label")[0].tolist() == [c["label"] for c in v1_top_k(http, jpeg("green"))]
+
+
+@pytest.mark.parametrize("role", ["learner", "replica"])
+def test_tritonclient_grpc_gets_the_v1_answer(servers, role):
+    cfg, http = servers[role]
+    client = triton_grpc.InferenceServerClient(f"127.0.0.1:{cfg.grpc_port}")
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(cfg.model_name)
+    metadata = client.get_model_metadata(cfg.model_name, as_json=True)
+    assert metadata["inputs"][0] == {"name": "image", "datatype": "BYTES", "shape": ["-1"]}
+    assert client.get_server_metadata(as_json=True)["name"] == "mepo-stream"
+    tensor = triton_grpc.InferInput("image", [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([jpeg("red")], dtype=np.object_))
+    result = client.infer(cfg.model_name, [tensor], parameters={"top_k": TOP_K})
+    assert_same_answer(result.as_numpy("label")[0], result.as_numpy("probability")[0], v1_top_k(http, jpeg("red")))
+
+
+def infer_request(cfg: ServeConfig, items: list[bytes], datatype: str = "BYTES", shape: list[int] | None = None,
+                  model: str | None = None) -> pb.ModelInferRequest:
+    tensor = pb.ModelInferRequest.InferInputTensor(name="image", datatype=datatype,
+                                                   shape=[len(items)] if shape is None else shape)
+    return pb.ModelInferRequest(model_name=model or cfg.model_name, inputs=[tensor],
+                                raw_input_contents=[serialize_bytes(items)])
+
+
+def test_hostile_grpc_messages_get_clear_statuses_and_the_server_goes_on(servers):
+    cfg, http = servers["learner"]
+    stub = pbg.GRPCInferenceServiceStub(grpc.insecure_channel(
+        f"127.0.0.1:{cfg.grpc_port}", options=[("grpc.max_send_message_length", -1)]))
+    too_big = b"\xff" * (raw_request_limit(cfg) + 1)
+    hostile = {
+        "oversize": (infer_request(cfg, [too_big]), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        "wrong datatype": (infer_request(cfg, [jpeg("red")], datatype="FP32"), grpc.StatusCode.INVALID_ARGUMENT),
+        "shape against data": (infer_request(cfg, [jpeg("red")], shape=[2]), grpc.StatusCode.INVALID_ARGUMENT),
+        "not an image": (infer_request(cfg, [b"plain text"]), grpc.StatusCode.INVALID_ARGUMENT),
+        "raw bytes cut short": (pb.ModelInferRequest(
+            model_name=cfg.model_name, inputs=[pb.ModelInferRequest.InferInputTensor(
+                name="image", datatype="BYTES", shape=[1])], raw_input_contents=[b"\x09\x00\x00\x00ab"]),
+            grpc.StatusCode.INVALID_ARGUMENT),
+        "another model": (infer_request(cfg, [jpeg("red")], model="nope"), grpc.StatusCode.NOT_FOUND),
+    }
+    for name, (request, code) in hostile.items():
+        with pytest.raises(grpc.RpcError) as error:
+            stub.ModelInfer(request, timeout=30)
+        assert error.value.code() == code, (name, error.value.code(), error.value.details())
+        assert error.value.details(), name
+    answer = stub.ModelInfer(infer_request(cfg, [jpeg("red")]), timeout=30)  # it still serves
+    assert [o.name for o in answer.outputs] == ["label", "probability"] and answer.raw_output_contents
+    counted = re.findall(r'mepo_predict_requests_total\{protocol="grpc",status="(\d+)"\} (\S+)',
+                         http.get("/metrics").text)
+    assert {status for status, n in counted if float(n) > 0} >= {"200", "400", "404"}
+
+
+def test_grpc_answers_unavailable_before_the_first_class(broker, tmp_path):
+    cfg = settings(broker, tmp_path, grpc_port=free_port())
+    with LiveServer(cfg):
+        stub = pbg.GRPCInferenceServiceStub(grpc.insecure_channel(f"127.0.0.1:{cfg.grpc_port}"))
+        with pytest.raises(grpc.RpcError) as error:
+            stub.ModelInfer(infer_request(cfg, [jpeg("red")]), timeout=30)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert not stub.ModelReady(pb.ModelReadyRequest(name=cfg.model_name), timeout=30).ready
+
+
+# --- bounded memory of the request bodies in flight -------------------------------------------------------------
+def rss_bytes(pid: int) -> int:
+    text = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+) kB", text).group(1)) * 1024
+
+
+def test_bodies_in_flight_stay_under_their_bound_and_the_rest_get_503_with_retry_after(broker, tmp_path):
+    """Sixteen chunked /v2 JSON bodies of about 19 MB at once, against a 20 MB limit per request and 40 MB for
+    all in flight: the server refuses what does not fit with 503 and Retry-After, answers the rest (422: random
+    bytes are no image), and its resident memory grows by less than the bound stated here, where the 16 bodies
+    buffered together would take over 300 MB."""
+    cfg = settings(broker, tmp_path, max_files=2, max_inflight_bytes=40 * 2**20,
+                   limits=replace(LIMITS, max_bytes=int(7.4 * 2**20)))
+    body = b'{"inputs": [{"name": "image", "shape": [2], "datatype": "BYTES", "data": ["' + \
+        base64.b64encode(np.random.default_rng(0).bytes(int(7.2 * 2**20))) + b'", "' + \
+        base64.b64encode(b"x" * int(7.2 * 2**20)) + b'"]}]}'
+    assert 19 * 2**20 < len(body) < 20 * 2**20
+    process = serve_process(cfg, tmp_path / "serve.log")
+    try:
+        http = http_client(cfg)
+
+        def ready() -> bool:
+            try:
+                return process.running() and http.get("/readyz").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(ready, 120, "the server")
+        before, peak, done = rss_bytes(process.pid), [0], threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], rss_bytes(process.pid))
+                time.sleep(0.01)
+
+        def post(_: int) -> httpx.Response:
+            chunks = (body[i:i + 2**20] for i in range(0, len(body), 2**20))  # chunked: no Content-Length
+            return httpx.post(f"http://127.0.0.1:{cfg.port}/v2/models/{cfg.model_name}/infer", content=chunks,
+                              timeout=120)
+
+        watcher = threading.Thread(target=sample)
+        watcher.start()
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(post, range(16)))
+        done.set()
+        watcher.join()
+    finally:
+        process.terminate()
+        process.wait(30)
+    statuses = sorted(a.status_code for a in answers)
+    assert set(statuses) <= {422, 503} and 503 in statuses and 422 in statuses, statuses
+    assert all(a.headers.get("retry-after") == "1" and a.json()["reason"] == "overloaded"
+               for a in answers if a.status_code == 503)
+    growth = peak[0] - before
+    assert growth < 200 * 2**20, f"resident memory grew by {growth / 2**20:.0f} MB"
+
+
+KSERVE_CLIENT = """
+import asyncio, json, sys
+import numpy as np
+from kserve import InferenceGRPCClient, InferenceRESTClient, InferInput, InferRequest, RESTConfig
+
+transport, address, model, image, top_k = *sys.argv[1:4], open(sys.argv[4], "rb").read(), int(sys.argv[5])
+tensor = InferInput("image", [1], "BYTES")
+tensor.set_data_from_numpy(np.array([image], dtype=np.object_))
+request = InferRequest(model_name=model, infer_inputs=[tensor], parameters={"top_k": top_k})
+
+
+async def infer():
+    if transport == "grpc":
+        return await InferenceGRPCClient(address).infer(request)
+    client = InferenceRESTClient(RESTConfig(protocol="v2"))
+    try:
+        return await client.infer("http://" + address, request, model_name=model)
+    finally:
+        await client.close()
+
+print(json.dumps({out.name: out.as_numpy().tolist() for out in asyncio.run(infer()).outputs}))
+"""
+"""KServe's SDK in a process of its own: its proto and tritonclient's define the same ``inference`` messages, and
+one process's protobuf descriptor pool holds only one of them."""
+
+
+@pytest.mark.parametrize("role", ["learner", "replica"])
+@pytest.mark.parametrize("transport", ["rest", "grpc"])
+def test_the_kserve_sdk_clients_get_the_v1_answer(servers, role, transport, tmp_path):
+    """KServe's own clients, with their defaults (binary tensor data over REST)."""
+    cfg, http = servers[role]
+    (tmp_path / "blue.jpg").write_bytes(jpeg("blue"))
+    address = f"127.0.0.1:{cfg.grpc_port}" if transport == "grpc" else str(http.base_url).removeprefix("http://")
+    out = subprocess.run([sys.executable, "-c", KSERVE_CLIENT, transport, address.rstrip("/"), cfg.model_name,
+                          str(tmp_path / "blue.jpg"), str(TOP_K)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    answer = json.loads(out.stdout.splitlines()[-1])
+    assert_same_answer(np.array(answer["label"][0]), np.array(answer["probability"][0]), v1_top_k(http, jpeg("blue")))
