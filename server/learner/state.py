@@ -105,8 +105,9 @@ class ServiceState:
         self.learner = build_learner(cfg, self.n_classes)  # seeded: the augmentation's draws follow from the seed
         self.checkpoint_path = cfg.checkpoint_dir / CHECKPOINT
         names = tuple(self.class_names[label] for label in range(self.n_classes))
-        self.origin = Origin(cfg.model_name, model_config(cfg).to_json(), names, self.learner.method.backbone_sha256,
-                             model_config(cfg).mepo.sha256())
+        model = model_config(cfg)
+        self.origin = Origin(cfg.model_name, model.to_json(), names, self.learner.method.backbone_sha256,
+                             model.mepo.sha256())
         """What this learner's snapshots and partition states share, and what a reader must match to use them."""
         self.on_learned: Callable[[], None] | None = None  # told of every new version (the publisher)
         self.monitor = StreamMonitor(cfg.monitor)
