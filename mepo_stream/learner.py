@@ -15,7 +15,7 @@ classes seen so far; evaluation uses no mask (MISA/MePo) or the seen-class mask 
    besides the linear head (``frozen``, ``linear_probe``) then takes no gradient step at all.
 
 ``LearnerConfig()`` is the configuration that learns best in our measurements (docs/results.md, "Learning quality");
-``PAPER_RECIPE`` is the reference's MISA + MePo setting.
+``PAPER_RECIPE`` is the reference's MISA + MePo setting; ``PAPER_LDA_RECIPE`` trains as it does and predicts by LDA.
 
 Example:
     >>> from mepo_stream.model import ModelConfig, create_model
@@ -90,6 +90,13 @@ class LearnerConfig:
 
 PAPER_RECIPE = LearnerConfig(classifier="linear", train_mask="batch", eval_mask="none", standardize=False)
 """The reference's MISA + MePo setting: SGD-trained linear head, batch-present mask, no mask at evaluation."""
+
+PAPER_LDA_RECIPE = LearnerConfig(classifier="slda", train_mask="batch", eval_mask="seen", standardize=False,
+                                 train_encoder=True, lr=1e-3)
+"""``PAPER_RECIPE``'s training step (MISA's prompts, keys and linear head trained by the same aligned Adam updates)
+at a smaller step, predicting by streaming LDA on the aligned feature over the classes seen: it does not collapse
+where ``PAPER_RECIPE`` does (docs/fidelity.md, "What keeps the recipe from collapsing"). The smaller step keeps the
+LDA's statistics of earlier prompts' features from going stale."""
 
 
 class OnlineLearner:
