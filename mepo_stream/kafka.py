@@ -36,6 +36,12 @@ class KafkaConfig:
     """Topic of the labelled image stream."""
     dead_letter_topic: str = "mepo.images.dlq"
     """Topic that receives records that cannot be learned, with the reason in their headers."""
+    labels_topic: str | None = None
+    """Topic of labels that come later (records with headers ``id`` and ``label``): set, images may come without a
+    label but with an id; the learner predicts them at arrival (to --kafka.predictions_topic), keeps their features
+    and learns each when its label is joined (docs "Labels that come later"). Null: every image carries its label."""
+    predictions_topic: str = "mepo.predictions"
+    """Where the learner writes its prediction of every image that came without a label (JSON, keyed by id)."""
     group_id: str = "mepo-learner"
     """Consumer group of the learner."""
     snapshot_topic: str | None = "mepo.snapshots"
@@ -81,6 +87,13 @@ class ReplayConfig:
     """Stop after this many records (null: the whole stream)."""
     partitions: int = 1
     """Partitions of the topic if it has to be created."""
+    label_delay: int | None = None
+    """Send each image without its label, and the label to --kafka.labels_topic this many records later (null:
+    labels attached to their images)."""
+    label_delay_max: int | None = None
+    """With --replay.label_delay: each label's delay is drawn uniformly from label_delay..label_delay_max records."""
+    label_loss: float = 0.0
+    """With --replay.label_delay: the share of labels that never come (drawn with the stream's seed)."""
     partition_by: Literal["stream", "position", "label"] = "stream"
     """How records spread over the topic's partitions: ``stream`` keys every record by the stream id (the whole
     stream on one partition, in order); ``position`` deals them round-robin by stream position (record i to

@@ -194,6 +194,24 @@ class OnlineLearner:
         self.samples_seen += len(labels)
         return loss
 
+    @property
+    def learns_from_features(self) -> bool:
+        """It takes no gradient step, so a batch's eval-mode features are all it needs to learn: labels that come
+        later can be joined to the features kept since the images came (``observe_features``)."""
+        return not self.trains_by_gradient and self.method.classifier is not None
+
+    def observe_features(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        """Learn a mini-batch from its images' eval-mode features [B, D] (``encode(images).feature``, kept while
+        the labels [B] were on their way): the same model as ``observe`` on the images, for a learner that
+        ``learns_from_features``."""
+        if not self.learns_from_features:
+            raise ValueError("this learner trains by gradient: it needs the images, not their features")
+        self._register(labels)
+        target = torch.tensor([self._index[y] for y in labels.tolist()], device=self.device)  # [B]
+        encoded = Encoded(features.to(self.device, torch.float32), torch.zeros((), device=self.device))
+        self._update_statistics(None, target, encoded)
+        self.samples_seen += len(labels)
+
     def test_then_train(self, images: torch.Tensor, labels: torch.Tensor, align_mode: AlignMode = "running"
                         ) -> torch.Tensor | None:
         """Predict the batch's original labels [B] (None before any class is known), then learn it.

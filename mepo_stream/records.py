@@ -2,11 +2,16 @@
 
 One record per image: the value is the encoded image (JPEG/PNG bytes); headers (ASCII values) carry
 
-* ``label``: the class index (int) in the dataset's label space;
+* ``label``: the class index (int) in the dataset's label space; absent on an image whose label comes later, on
+  the labels topic (issue 35: ``mepo_stream.label_join``);
+* ``id``: the image's id, which its later label names (required on an image without a label);
 * ``sample_index``: the image's index in its dataset split (what "learned exactly once" is counted by);
 * ``stream_position``: its position in the Si-Blurry order;
 * ``stream_id``: which replay of which stream it belongs to (dataset, sampler settings, seed);
 * ``dataset`` and ``content-type``, for people reading the topic.
+
+A label that comes later is a record of its own on the labels topic: an empty value and the headers ``id`` and
+``label`` (``label_headers``, read back by ``parse_label``).
 
 Records are keyed by ``stream_id`` (``mepo_stream.kafka.record_key``), so a stream lands on one partition and
 is read in order; how to reach the cluster and create the topics is ``mepo_stream.kafka`` too.
@@ -15,6 +20,11 @@ Example:
     >>> rec = parse_headers(record_headers(3, 10, 7, "cifar10/5-50-10/seed1", "cifar10"), n_classes=10)
     >>> rec.label, rec.sample_index, rec.stream_id
     (3, 10, 'cifar10/5-50-10/seed1')
+    >>> later = parse_headers(record_headers(None, 11, 8, "s", "cifar10", id="s/11"), n_classes=10, ids=True)
+    >>> later.label, later.id
+    (None, 's/11')
+    >>> parse_label(label_headers("s/11", 4), n_classes=10)
+    ('s/11', 4)
 """
 
 from __future__ import annotations
@@ -22,6 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SCHEMA = "mepo-image/1"
+LABEL_SCHEMA = "mepo-label/1"
+MAX_ID = 256
+"""Longest id, in characters (ids are kept in memory and in the checkpoint until their label comes)."""
 
 
 class RecordError(ValueError):
@@ -34,17 +47,46 @@ class RecordError(ValueError):
 
 @dataclass(frozen=True)
 class RecordMeta:
-    label: int
+    label: int | None
+    """None: the label comes later, on the labels topic."""
     sample_index: int
     stream_position: int
     stream_id: str
+    id: str | None = None
+    """The id a later label names (None on a labelled record without one)."""
 
 
-def record_headers(label: int, sample_index: int, position: int, stream_id: str, dataset: str,
-                   content_type: str = "image/jpeg") -> list[tuple[str, bytes]]:
-    values = {"schema": SCHEMA, "label": label, "sample_index": sample_index, "stream_position": position,
+def record_headers(label: int | None, sample_index: int, position: int, stream_id: str, dataset: str,
+                   content_type: str = "image/jpeg", id: str | None = None) -> list[tuple[str, bytes]]:
+    """An image record's headers; ``label`` None (with an ``id``) for an image whose label comes later."""
+    values = {"schema": SCHEMA, "label": label, "id": id, "sample_index": sample_index, "stream_position": position,
               "stream_id": stream_id, "dataset": dataset, "content-type": content_type}
-    return [(k, str(v).encode()) for k, v in values.items()]
+    return [(k, str(v).encode()) for k, v in values.items() if v is not None]
+
+
+def label_headers(id: str, label: int) -> list[tuple[str, bytes]]:
+    """A later label's headers (its record on the labels topic has an empty value)."""
+    return [("schema", LABEL_SCHEMA.encode()), ("id", id.encode()), ("label", str(label).encode())]
+
+
+def _id(headers: dict[str, bytes]) -> str | None:
+    raw = headers.get("id")
+    if raw is None:
+        return None
+    try:
+        value = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RecordError("bad_id", f"header 'id' is not UTF-8: {raw[:32]!r}") from e
+    if not value or len(value) > MAX_ID:
+        raise RecordError("bad_id", f"header 'id' must be 1 to {MAX_ID} characters, got {len(value)}")
+    return value
+
+
+def _label(headers: dict[str, bytes], n_classes: int) -> int:
+    label = _int(headers, "label")
+    if not 0 <= label < n_classes:
+        raise RecordError("label_out_of_range", f"label {label} is outside 0..{n_classes - 1}")
+    return label
 
 
 def _int(headers: dict[str, bytes], name: str) -> int:
@@ -56,15 +98,33 @@ def _int(headers: dict[str, bytes], name: str) -> int:
         raise RecordError(f"bad_{name}", f"header {name!r} is not an integer: {headers[name][:32]!r}") from e
 
 
-def parse_headers(headers: list[tuple[str, bytes]] | None, n_classes: int) -> RecordMeta:
-    """Validate a record's headers against the label space ``0..n_classes-1``."""
-    h = {k: v for k, v in headers or [] if isinstance(v, bytes | bytearray)}
-    label = _int(h, "label")
-    if not 0 <= label < n_classes:
-        raise RecordError("label_out_of_range", f"label {label} is outside 0..{n_classes - 1}")
-    index = _int(h, "sample_index")
-    if index < 0:
+def _table(headers: list[tuple[str, bytes]] | None) -> dict[str, bytes]:
+    return {k: bytes(v) for k, v in headers or [] if isinstance(v, bytes | bytearray)}
+
+
+def parse_headers(headers: list[tuple[str, bytes]] | None, n_classes: int, ids: bool = False) -> RecordMeta:
+    """Validate an image record's headers against the label space ``0..n_classes-1``. With ``ids`` (labels may
+    come later) a record without a label must carry an ``id`` (else ``missing_id``); without, it needs a label."""
+    h = _table(headers)
+    record_id = _id(h)
+    if ids and "label" not in h:
+        if record_id is None:
+            raise RecordError("missing_id", "an image without a label needs an 'id' header for its later label")
+        label = None
+    else:
+        label = _label(h, n_classes)
+    index = -1 if label is None and "sample_index" not in h else _int(h, "sample_index")  # an id names it
+    if index < 0 and label is not None:
         raise RecordError("bad_sample_index", f"sample_index {index} is negative")
     position = _int(h, "stream_position") if "stream_position" in h else -1
     stream_id = h.get("stream_id", b"").decode("utf-8", "replace") or "unknown"
-    return RecordMeta(label, index, position, stream_id)
+    return RecordMeta(label, index, position, stream_id, record_id)
+
+
+def parse_label(headers: list[tuple[str, bytes]] | None, n_classes: int) -> tuple[str, int]:
+    """A labels-topic record's (id, label), validated like an image record's."""
+    h = _table(headers)
+    record_id = _id(h)
+    if record_id is None:
+        raise RecordError("missing_id", "a label record needs an 'id' header naming its image")
+    return record_id, _label(h, n_classes)

@@ -8,12 +8,17 @@ position`` deals the stream round-robin over the topic's partitions (for learner
 ``label`` keys records by label; each partition keeps its records in stream order. With the idempotent producer
 (``acks=all``) retries cannot reorder or duplicate records.
 
+``--replay.label_delay D`` replays the stream as images now and labels later: each image goes without its label but
+with an id (``<stream id>/<sample index>``), and its label goes to ``--kafka.labels_topic`` D records later (or
+drawn up to ``--replay.label_delay_max``; a share ``--replay.label_loss`` never comes: ``mepo_stream.label_delay``).
+
 On SIGINT or SIGTERM it flushes the records sent so far, logs how many, and exits with 130 or 143 (the stream is
 incomplete: a script must not go on as if it were whole).
 
 Example:
     mepo produce --data.dataset cifar10 --data.train_per_class 100 --stream.seed 1
     mepo produce --replay.partitions 4 --replay.partition_by position
+    mepo produce --kafka.labels_topic mepo.labels --replay.label_delay 50 --replay.label_delay_max 200
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ import time
 from tqdm import tqdm
 
 from mepo_stream.data import DataConfig, list_files
+from mepo_stream.errors import ConfigError
 from mepo_stream.kafka import KafkaConfig, ReplayConfig, ensure_topics, open_producer, record_key
-from mepo_stream.records import record_headers
+from mepo_stream.label_delay import label_schedule
+from mepo_stream.records import label_headers, record_headers
 from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
 from mepo_stream.shutdown import Stopped
 
@@ -56,21 +63,30 @@ def produce(
     order = si_blurry_stream(listing.targets, stream.n_tasks, stream.n, stream.m, stream.seed).order
     order = order[: replay.limit] if replay.limit is not None else order
     sid = stream_id(data, stream)
+    labels_later = _labels_later(kafka, replay, len(order), stream.seed)
     ensure_topics(kafka, kafka.topic, partitions=replay.partitions)
+    if labels_later is not None:
+        ensure_topics(kafka, kafka.labels_topic)
     producer = open_producer(kafka, linger_ms=10, batch_size=262_144, max_request_size=4 * 1024 * 1024)
     n_partitions = len(producer.partitions_for(kafka.topic))
     start, sent = time.monotonic(), 0
     try:
         for position, index in enumerate(tqdm(order, desc=f"produce {sid}", unit="img")):
             path, label = listing.files[index], listing.targets[index]
-            headers = record_headers(label, index, position, sid, data.dataset,
-                                     CONTENT_TYPES.get(path.suffix.lower(), "application/octet-stream"))
+            content_type = CONTENT_TYPES.get(path.suffix.lower(), "application/octet-stream")
+            headers = record_headers(label, index, position, sid, data.dataset, content_type) if labels_later is None \
+                else record_headers(None, index, position, sid, data.dataset, content_type, id=f"{sid}/{index}")
             producer.send(kafka.topic, value=path.read_bytes(), headers=headers,
                           key=record_key(sid, label if replay.partition_by == "label" else None),
                           partition=position % n_partitions if replay.partition_by == "position" else None)
             sent += 1
+            if labels_later is not None:
+                _send_labels(producer, kafka, sid, [(order[p], listing.targets[order[p]])
+                                                    for p in labels_later.pop(position, [])])
             if replay.rate:
                 time.sleep(max(0.0, start + sent / replay.rate - time.monotonic()))
+        for due in sorted(labels_later or {}):  # labels due after the last image
+            _send_labels(producer, kafka, sid, [(order[p], listing.targets[order[p]]) for p in labels_later[due]])
         producer.flush()
     except Stopped as stop:  # SIGINT or SIGTERM (mepo_stream.shutdown): what was sent reaches the broker first
         producer.flush()
@@ -82,3 +98,26 @@ def produce(
     log.info("sent %d records of stream %s to %s in %.1f s", sent, sid, kafka.topic, time.monotonic() - start)
     print(f"sent {sent} records of stream {sid} to topic {kafka.topic}")
     return sent
+
+
+def _labels_later(kafka: KafkaConfig, replay: ReplayConfig, n: int, seed: int) -> dict[int, list[int]] | None:
+    """With --replay.label_delay: ``{stream position: [positions of the images whose labels are sent after it]}``
+    (a label that never comes is in no list); None: labels attached to their images."""
+    if replay.label_delay is None:
+        return None
+    if kafka.labels_topic is None:
+        raise ConfigError("--replay.label_delay sends the labels to their own topic: set --kafka.labels_topic "
+                          "(the learner needs the same)")
+    due: dict[int, list[int]] = {}
+    for position, at in enumerate(label_schedule(n, replay.label_delay, replay.label_delay_max, replay.label_loss,
+                                                 seed)):
+        if at is not None:
+            due.setdefault(at, []).append(position)
+    return due
+
+
+def _send_labels(producer, kafka: KafkaConfig, sid: str, labelled: list[tuple[int, int]]) -> None:
+    """Send the labels of these (sample index, label) pairs to the labels topic, each keyed by its image's id."""
+    for index, label in labelled:
+        producer.send(kafka.labels_topic, value=b"", key=f"{sid}/{index}".encode(),
+                      headers=label_headers(f"{sid}/{index}", label))

@@ -16,6 +16,7 @@ from mepo_stream.backbone import BackboneConfig
 from mepo_stream.data import DataConfig
 from mepo_stream.images import ImageLimits
 from mepo_stream.kafka import KafkaConfig, ReplayConfig
+from mepo_stream.label_join import JoinConfig
 from mepo_stream.learner import LearnerConfig
 from mepo_stream.methods import MethodsConfig
 from mepo_stream.model import BundleParts, ModelConfig
@@ -71,6 +72,9 @@ class ServeConfig:
     """Prequential accuracy and drift detection."""
     protocol: ProtocolConfig = ProtocolConfig()
     """Any-time evaluation on the seen classes' test images (the schedule and scoring of mepo evaluate)."""
+    join: JoinConfig = JoinConfig()
+    """Labels that come later (with --kafka.labels_topic): how many images and labels may wait for each other, and
+    for how long (in record time)."""
     checkpoint_dir: Path = Path("runs/serve")
     """Where the learner checkpoint lives (it holds the Kafka offsets, so it is the source of truth)."""
     checkpoint_every: int = 512

@@ -65,6 +65,7 @@ class ServerMetrics:
         self.lag = Gauge("mepo_kafka_consumer_lag_records",
                          "Records not yet learned: behind the high watermark or waiting in a mini-batch",
                          ["partition"], registry=lr)
+        self._joining(lr)
         self.last_learned = Gauge("mepo_last_learned_timestamp_seconds", "Time the last mini-batch was learned",
                                   registry=lr)
         self.checkpoint_seconds = Histogram("mepo_checkpoint_duration_seconds", "Checkpoint write time",
@@ -78,6 +79,20 @@ class ServerMetrics:
         self._publishing(lr)
         self._following(r if role == "replica" else None)
         self._grouping(lr)
+
+    def _joining(self, r: CollectorRegistry | None) -> None:
+        """Labels that come later (``--kafka.labels_topic``); the join's counts survive restarts (checkpointed),
+        so they are gauges set from it."""
+        self.predictions_published = Counter("mepo_predictions_published", "Predictions of images without a label "
+                                             "sent to the predictions topic", registry=r)
+        self.delayed_accuracy = Gauge("mepo_delayed_accuracy_ratio", "Accuracy of the predictions made when images "
+                                      "arrived, scored when their labels were joined", registry=r)
+        self.label_delay = Gauge("mepo_label_delay_seconds", "Time from an image's arrival to its label's, over the "
+                                 "recent joins", ["quantile"], registry=r)
+        self.join_images = Gauge("mepo_label_join_images", "Images that came without a label, by what became of "
+                                 "them (joined, in_flight, waiting, expired)", ["state"], registry=r)
+        self.join_labels = Gauge("mepo_label_join_labels", "Labels waiting for their image, and labels refused",
+                                 ["state"], registry=r)
 
     def _publishing(self, r: CollectorRegistry | None) -> None:
         """The learner's snapshot publisher (``server.learner.publisher``)."""

@@ -22,6 +22,8 @@ from fastapi import FastAPI
 from mepo_stream.cli import config_options
 from mepo_stream.data import list_files
 from mepo_stream.kafka import ensure_topics
+from mepo_stream.label_delay import label_schedule
+from mepo_stream.sampler import SiBlurryConfig
 from mepo_stream.shutdown import Stopped, child_process
 from server.allocator import keep_freed_memory
 from server.broker import EmbeddedBroker
@@ -34,6 +36,8 @@ from server.serving import ServingModel
 from server.web.app import create_app
 
 log = logging.getLogger(__name__)
+DEMO_LABELS_TOPIC = "mepo.labels"
+"""The demo's labels topic when ``--replay.label_delay`` is given without ``--kafka.labels_topic``."""
 
 
 def start_role(settings: ServeConfig, metrics: ServerMetrics) -> ServingModel:
@@ -65,7 +69,20 @@ def _producer_command(cfg: DemoConfig) -> list[str]:
     produce = [sys.executable, "-m", "mepo_stream.cli", "produce", "--data.dataset", str(cfg.data.dataset),
                "--data.train_per_class", str(cfg.data.train_per_class),
                "--kafka.bootstrap_servers", cfg.kafka.bootstrap_servers, "--kafka.topic", cfg.kafka.topic]
+    if cfg.kafka.labels_topic is not None:
+        produce += ["--kafka.labels_topic", cfg.kafka.labels_topic]
     return produce + config_options(cfg.replay, "--replay.")
+
+
+def _expected_samples(cfg: DemoConfig) -> int:
+    """The samples the demo's stream teaches: every image, or, with labels that come later, those whose label
+    comes (``mepo_stream.label_delay``, drawn as the producer draws it)."""
+    n = min(len(list_files(cfg.data, "train").files), cfg.replay.limit or math.inf)
+    if cfg.replay.label_delay is None:
+        return n
+    schedule = label_schedule(n, cfg.replay.label_delay, cfg.replay.label_delay_max, cfg.replay.label_loss,
+                              SiBlurryConfig().seed)  # the producer's stream seed (the demo passes none)
+    return sum(due is not None for due in schedule)
 
 
 def _run_until_stopped(server: uvicorn.Server) -> None:
@@ -89,6 +106,8 @@ def _summary(app: FastAPI, wall_time: float) -> None:
 def demo(cfg: DemoConfig = DemoConfig()) -> None:
     """Start a local broker, replay a Si-Blurry stream of bundled data into it, and serve the learner (the
     options are ``DemoConfig``'s: every ``mepo serve`` option plus --replay.*, --until_done, --embedded_broker)."""
+    if cfg.replay.label_delay is not None and cfg.kafka.labels_topic is None:  # one flag shows labels coming later
+        cfg = replace(cfg, kafka=replace(cfg.kafka, labels_topic=DEMO_LABELS_TOPIC))
     cfg.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     (cfg.checkpoint_dir / CHECKPOINT).unlink(missing_ok=True)  # the in-memory broker starts empty too
     broker = EmbeddedBroker(log_path=cfg.checkpoint_dir.parent / "broker.log") if cfg.embedded_broker \
@@ -109,7 +128,7 @@ def _serve_demo(cfg: DemoConfig, producer: subprocess.Popen) -> tuple[FastAPI, f
     app = create_app(cfg, start_role)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning"))
     if cfg.until_done:
-        expected = min(len(list_files(cfg.data, "train").files), cfg.replay.limit or math.inf)
+        expected = _expected_samples(cfg)
         threading.Thread(target=_stop_when_learned, args=(app, server, producer, expected), daemon=True).start()
     url = f"http://127.0.0.1:{cfg.port}"
     print(f"live page: {url}/", flush=True)

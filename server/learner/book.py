@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 import torch
 
+from mepo_stream.label_join import Joined
 from mepo_stream.records import RecordMeta
 
 
@@ -49,15 +50,24 @@ def tp_key(tp) -> str:
 
 @dataclass
 class Sample:
-    """A decoded, validated record waiting to be learned."""
+    """A decoded, validated record waiting to be learned: its image, or, where labels may come later and the
+    learner learns from features, the feature its image had when it arrived."""
 
-    image: torch.Tensor  # uint8 [3, S, S]
+    image: torch.Tensor | None  # uint8 [3, S, S]; None when ``feature`` is given
     meta: RecordMeta
+    feature: torch.Tensor | None = None  # [D], ``OnlineLearner.observe_features``'s input
+    prediction: int | None = None  # made when the image arrived (labels that come later; None: none was made)
+    joined: Joined | None = None  # its label came later: the join to confirm once it is learned
 
     @property
     def id(self) -> tuple[str, int]:
-        """What "learned exactly once" counts: (stream id, sample index)."""
+        """What "learned exactly once" counts for a labelled record: (stream id, sample index); a joined sample is
+        counted by its id in the ``LabelJoin``."""
         return self.meta.stream_id, self.meta.sample_index
+
+    @property
+    def label(self) -> int:
+        return self.joined.label if self.joined is not None else self.meta.label
 
 
 class Pending(NamedTuple):
@@ -129,7 +139,7 @@ class StreamBook:
         first one still pending (records added during the learning step stay pending)."""
         learned = {id(s) for s in batch}
         with self._lock:
-            for stream_id, index in (s.id for s in batch):
+            for stream_id, index in (s.id for s in batch if s.joined is None):
                 self._in_flight.get(stream_id, set()).discard(index)
                 self._learned.setdefault(stream_id, set()).add(index)
             if self.by_partition:

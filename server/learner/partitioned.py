@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from kafka.errors import KafkaError
 
+from mepo_stream.errors import ConfigError
 from mepo_stream.label_statistics import LabelStatistics
 from server.config import ServeConfig
 from server.learner.book import Pending, Sample
@@ -80,6 +81,10 @@ class PartitionedState(ServiceState):
     reporter_class = PartitionedReporter
 
     def __init__(self, cfg: ServeConfig, metrics: ServerMetrics, model_thread: ModelThread | None = None):
+        if cfg.kafka.labels_topic is not None:
+            raise ConfigError("--kafka.labels_topic with --kafka.state_topic: a label must reach the learner that "
+                              "holds its image, which a group's partitioning does not promise yet; learn labels "
+                              "that come later with one learner")
         self.changelog = Changelog(cfg.kafka)
         self.learner_id = f"{socket.gethostname()}:{cfg.port}"
         self.own: dict[str, LabelStatistics] = {}

@@ -61,6 +61,30 @@ class StateReporter:
             m.class_accuracy.labels(s.class_names.get(c, str(c))).set(acc)
         if not math.isnan(s.last_learned_time):
             m.last_learned.set(s.last_learned_time)
+        if (join := self.label_join()) is not None:
+            if join["delayed_accuracy"] is not None:
+                m.delayed_accuracy.set(join["delayed_accuracy"])
+            for q in ("p50", "p99"):
+                if join[f"delay_{q}_s"] is not None:
+                    m.label_delay.labels(f"0.{q[1:]}").set(join[f"delay_{q}_s"])
+            for state in ("joined", "in_flight", "waiting", "expired"):
+                m.join_images.labels(state).set(join["images"][state])
+            for state in ("waiting", "refused"):
+                m.join_labels.labels(state).set(join["labels"][state])
+
+    def label_join(self) -> dict | None:
+        """Labels that come later: delayed accuracy, label delay and what became of every image and label (None:
+        labels come with their images)."""
+        join = self.state.join
+        if join is None:
+            return None
+        counts = join.counts()
+        return {"delayed_accuracy": join.delayed_accuracy, "scored": join.scored,
+                "delay_p50_s": join.delay_quantile(0.5), "delay_p99_s": join.delay_quantile(0.99),
+                "images": {"received": counts["images"], "joined": counts["joined"],
+                           "in_flight": counts["in_flight"], "waiting": counts["waiting_images"],
+                           "expired": counts["expired_images"]},
+                "labels": {"waiting": counts["waiting_labels"], "refused": counts["refused_labels"]}}
 
     def status(self) -> dict:  # pragma: no mutate block (reporting: tests/test_streaming.py, test_page.py)
         s, curve = self.state, self.curve
@@ -83,6 +107,7 @@ class StateReporter:
             else round(time.time() - s.last_checkpoint_time, 1),
             "idle_seconds": None if math.isnan(s.last_learned_time) else round(time.time() - s.last_learned_time, 1),
             "class_accuracy": {s.class_names.get(c, str(c)): acc for c, acc in sorted(s.class_accuracy.items())},
+            "label_join": self.label_join(),
         }
 
 

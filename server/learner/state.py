@@ -8,6 +8,12 @@ order as pending, a skipped replay or a dead letter (the loop sends those to the
 optimizer, seen classes, running alignment statistics, monitor state, any-time history, the learned sample ids
 per stream, and the next offset per partition, so model and offsets roll back together. Status and metrics are
 read by the state's ``reporter`` (``server.learner.reporter``).
+
+Labels that come later (``--kafka.labels_topic``): the loop also reads the labels topic. Every image of a poll is
+predicted as it arrives (``server.learner.arrival``); one without a label waits in the ``LabelJoin`` with its
+feature (or its image) and its prediction, which goes to the predictions topic; a label waits there for its
+image. The record that completes a join stays pending until the join is learned, and the join's state is in the
+checkpoint with the model and both topics' offsets, so a crash neither learns a label twice nor drops one.
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ from mepo_stream.backbone import device
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.data import list_files, load_split
 from mepo_stream.images import ImageError, decode_image
+from mepo_stream.label_join import Joined, LabelJoin, Refused
 from mepo_stream.learner import OnlineLearner
 from mepo_stream.model import create_model
-from mepo_stream.records import RecordError, RecordMeta, parse_headers
+from mepo_stream.records import RecordError, RecordMeta, parse_headers, parse_label
 from server.config import ServeConfig, model_config
+from server.learner.arrival import Arrival, Prediction, arrive, kept_label
 from server.learner.book import Pending, Sample, StreamBook, tp_key
 from server.learner.monitor import StreamMonitor
 from server.learner.reporter import StateReporter
@@ -69,12 +77,24 @@ class DeadLetter:
     message: str
 
 
+Outgoing = DeadLetter | Prediction
+"""What ``accept`` hands back for the loop to send: dead letters, and predictions of images without a label."""
+
+
 @dataclass
 class _Claimed:
-    """A record whose sample id is claimed and whose image is being decoded."""
+    """A record whose sample id is claimed (an image without a label: none) and whose image is being decoded."""
 
     meta: RecordMeta
     image: Future  # of a uint8 [3, S, S] tensor, or an ImageError (the claim is then given back)
+
+
+@dataclass(frozen=True)
+class _Label:
+    """A record of the labels topic, validated."""
+
+    id: str
+    label: int
 
 
 def build_learner(cfg: ServeConfig, n_classes: int) -> OnlineLearner:
@@ -112,6 +132,9 @@ class ServiceState:
         self.on_learned: Callable[[], None] | None = None  # told of every new version (the publisher)
         self.monitor = StreamMonitor(cfg.monitor)
         self.book = StreamBook(learn_replays=cfg.learn_replays, by_partition=self.scales_out)  # written here only
+        self.join = LabelJoin(cfg.join) if cfg.kafka.labels_topic is not None else None
+        """Images waiting for labels that come later and labels waiting for images (None: labels come attached)."""
+        self.stream_time = 0.0  # the newest record timestamp read (s): the join's clock
         self.version = 0
         self.last_checkpoint_time = math.nan
         self.last_learned_time = math.nan  # wall time of the last learned mini-batch (not checkpointed)
@@ -147,10 +170,10 @@ class ServiceState:
 
     # --- a record's life: claim, decode, book ---------------------------------------------------------------
     def accept(self, records: list, decoder: Executor, meanwhile: Callable[[], None] | None = None
-               ) -> list[DeadLetter]:
+               ) -> list[Outgoing]:
         """Claim the records' sample ids in offset order, decode their images in ``decoder``, book the outcomes in
-        offset order (pending, a skipped replay, or a dead letter); returns the dead letters, for the loop to send
-        before its next checkpoint.
+        offset order (pending, a skipped replay, or a dead letter); returns the dead letters (and, where labels
+        come later, the predictions of images without one), for the loop to send before its next checkpoint.
 
         ``meanwhile`` (learning the pending mini-batch) runs while the pool decodes: the images of the next
         mini-batch are ready when the step ends. It learns only samples booked before these records, so the order,
@@ -162,22 +185,30 @@ class ServiceState:
             claimed = [self._claim(record, decoder, decoding) for record in records]
             if meanwhile is not None:
                 meanwhile()
-            booked = (self._book(record, outcome) for record, outcome in zip(records, claimed, strict=True))
-            return [dead for dead in booked if dead is not None]
+            arrivals = self._arrive(claimed) if self.join is not None else {}
+            booked = [self._book(record, outcome, arrivals.get(i))
+                      for i, (record, outcome) in enumerate(zip(records, claimed, strict=True))]
+            return [out for out in booked if out is not None] + self._expire()
         finally:
             wait(decoding.values())
 
-    def _claim(self, record, decoder: Executor, decoding: dict[tuple[str, int], Future]
-               ) -> _Claimed | RecordError | None:
-        """Parse the headers and claim the sample id before decoding (None: a replay).
+    def _claim(self, record, decoder: Executor, decoding: dict[tuple[str, int | str], Future]
+               ) -> _Claimed | _Label | RecordError | None:
+        """Parse the headers and claim the sample id before decoding (None: a replay); a label record is only
+        parsed, and an image without a label claims nothing (the join refuses a second image of its id).
 
         An earlier copy of the same sample among the records is waited for first: if its image is bad it has
         given the claim back by then, and this copy is learned, as when records are decoded one at a time.
         """
         try:
-            meta = parse_headers(record.headers, self.n_classes)
+            if self.join is not None and record.topic == self.cfg.kafka.labels_topic:
+                return _Label(*parse_label(record.headers, self.n_classes))
+            meta = parse_headers(record.headers, self.n_classes, ids=self.join is not None)
         except RecordError as e:
             return e
+        if meta.label is None:
+            decoding[(meta.stream_id, meta.id)] = decoder.submit(self._decode, record, meta)
+            return _Claimed(meta, decoding[(meta.stream_id, meta.id)])
         sample_id = (meta.stream_id, meta.sample_index)
         if sample_id in decoding:
             wait([decoding[sample_id]])
@@ -191,17 +222,23 @@ class ServiceState:
         try:
             return decode_image(record.value or b"", self.cfg.limits)
         except ImageError:
-            self.book.release(meta.stream_id, meta.sample_index)
+            if meta.label is not None:
+                self.book.release(meta.stream_id, meta.sample_index)
             raise
 
-    def _book(self, record, outcome: _Claimed | RecordError | None) -> DeadLetter | None:
-        """Book one record, in offset order: pending, a skipped replay, or a dead letter with its reason."""
+    def _book(self, record, outcome: _Claimed | _Label | RecordError | None, arrival: Arrival | None
+              ) -> Outgoing | None:
+        """Book one record, in offset order: pending, a skipped replay, or a dead letter with its reason; where
+        labels come later, a label or an image without one goes to the join (``_book_join``)."""
         key = tp_key(record)
         self.metrics.records_consumed.inc()
         if outcome is None:
             self.metrics.replays_skipped.inc()
             self.book.skip(key, record.offset)
             return None
+        if isinstance(outcome, _Label):
+            source = (record.topic, record.partition, record.offset)
+            return self._book_join(record, self.join.add_label(outcome.id, outcome.label, self._clock(record), source))
         try:
             if isinstance(outcome, RecordError):
                 raise outcome
@@ -209,12 +246,75 @@ class ServiceState:
         except (RecordError, ImageError) as e:
             self.book.skip(key, record.offset, dead_letter=True)
             return DeadLetter(record, e.reason, e.message)
-        self.book.add_pending(key, record.offset, Sample(image, outcome.meta))
+        meta = outcome.meta
+        if arrival is None:
+            self.book.add_pending(key, record.offset, Sample(image, meta))
+            return None
+        if meta.label is not None:  # labelled: learned as it comes, from what its arrival kept
+            self.book.add_pending(key, record.offset, self._kept(arrival.item, meta, arrival.prediction))
+            return None
+        joined = self.join.add_image(meta.id, arrival.item, arrival.prediction, self._clock(record))
+        return self._book_join(record, joined) or Prediction(meta.id, arrival.top_k, self.version, time.time())
+
+    def _book_join(self, record, joined: Joined | Refused | None) -> DeadLetter | None:
+        """Book a record the join took: refused (a dead letter), waiting in the join (handled: the join's state
+        is checkpointed), or completing a join (pending until the join is learned)."""
+        key = tp_key(record)
+        if isinstance(joined, Refused):
+            self.book.skip(key, record.offset, dead_letter=True)
+            return DeadLetter(record, joined.reason, joined.message)
+        if joined is None:
+            self.book.skip(key, record.offset)
+            return None
+        meta = RecordMeta(joined.label, -1, -1, "", joined.id)
+        self.book.add_pending(key, record.offset, replace(self._kept(joined.item, meta, joined.prediction),
+                                                          joined=joined))
         return None
 
+    def _kept(self, item: torch.Tensor, meta: RecordMeta, prediction: int | None) -> Sample:
+        """A sample from what its image's arrival kept: its feature, or the image of a learner that needs it."""
+        if self.learner.learns_from_features:
+            return Sample(None, meta, feature=item, prediction=prediction)
+        return Sample(item, meta, prediction=prediction)
+
+    def _arrive(self, claimed: list) -> dict[int, Arrival]:
+        """Labels may come later: predict the poll's good images as they arrive (one forward, in the model
+        thread), by their index among the records."""
+        good = {i: c.image.result() for i, c in enumerate(claimed)
+                if isinstance(c, _Claimed) and c.image.exception() is None}
+        if not good:
+            return {}
+        arrivals = self.model_thread.run(self._predict_arrivals, torch.stack(list(good.values())))
+        return dict(zip(good, arrivals, strict=True))
+
+    def _predict_arrivals(self, images: torch.Tensor) -> list[Arrival]:
+        with self.lock:
+            return arrive(self.learner, images, self.cfg.top_k, self.class_names, self.cfg.alignment.inference_mode)
+
+    def _clock(self, record) -> float:
+        """A record's time in seconds (its Kafka timestamp; now, for a record without one), which moves the
+        join's clock: waits are measured in stream time, so a replay of the topics joins and expires alike."""
+        stamp = getattr(record, "timestamp", None)
+        at = stamp / 1000 if isinstance(stamp, int) and stamp > 0 else time.time()
+        self.stream_time = max(self.stream_time, at)
+        return at
+
+    def _expire(self) -> list[DeadLetter]:
+        """Let go of what waited too long in the join: expired images are counted, labels refused as
+        ``unknown_id`` become dead letters (rebuilt from where they came from)."""
+        if self.join is None:
+            return []
+        expired, refused = self.join.expire(self.stream_time)
+        if expired:
+            log.info("%d images expired without their labels (%s ...)", len(expired), expired[0])
+        return [DeadLetter(kept_label(r), r.reason, r.message) for r in refused]
+
     def reread(self) -> None:
-        """Forget the pending records and every claim: the loop reads them again from ``offsets``."""
+        """Forget the pending records and every claim, and put the joins they completed back: the loop reads them
+        again from ``offsets``."""
         self.book.reread()
+        if self.join is not None:
+            self.join.rollback()
 
     def waiting(self) -> Counter[str]:
         """Records waiting for a mini-batch, per partition (the loop sizes its polls and its lag by them)."""
@@ -284,12 +384,18 @@ class ServiceState:
         self.model_thread.run(self._learn, batch)
 
     def _learn(self, batch: list[Sample]) -> None:
-        images = stack_images([s.image for s in batch], self.learner.device)  # [B, 3, S, S] uint8, pinned on CUDA
-        labels = torch.tensor([s.meta.label for s in batch])
+        labels = torch.tensor([s.label for s in batch])
+        features = batch[0].feature is not None  # kept at arrival (labels that come later): all or none are
+        images = None if features else stack_images([s.image for s in batch], self.learner.device)  # [B, 3, S, S]
         with self.lock:
             start = time.perf_counter()
-            self._step(images, labels, batch)
+            if features:
+                self._learn_features(batch, labels)
+            else:
+                self._step(images, labels, batch)
             self.book.mark_learned(batch)
+            if self.join is not None:
+                self.join.confirm([s.joined for s in batch if s.joined is not None])
             self._since_checkpoint += len(batch)
             self.metrics.step_seconds.observe(time.perf_counter() - start)
             self._changed()
@@ -323,6 +429,14 @@ class ServiceState:
             return
         self._monitor(labels, self.learner.test_then_train(images, labels, self.cfg.alignment.inference_mode),
                       seen_before)
+
+    def _learn_features(self, batch: list[Sample], labels: torch.Tensor) -> None:
+        """Learn the features kept at arrival; the drift monitor gets the predictions made then."""
+        seen_before = self.learner.samples_seen
+        self.learner.observe_features(torch.stack([s.feature for s in batch]), labels)  # [B, D]
+        scored = [(s.label, s.prediction) for s in batch if s.prediction is not None]
+        if scored and self.cfg.prequential:
+            self._monitor(*torch.tensor(scored).T, seen_before)
 
     def _monitor(self, labels: torch.Tensor, pred: torch.Tensor | None, seen_before: int) -> None:
         """Feed the test-then-train predictions (None before any class is known) to the drift monitor."""
@@ -368,6 +482,7 @@ class ServiceState:
                 "monitor": self.monitor.state_dict(), "version": self.version,
                 **self.book.state_dict(), "time": time.time(),
                 "anytime": None if self.evaluation is None else self.evaluation.state_dict(),
+                "join": None if self.join is None else self.join.state_dict(), "stream_time": self.stream_time,
                 "rng": torch.get_rng_state(),  # the augmentation draws continue as if nothing had happened
             })
             self.book.mark_saved(state["offsets"])
@@ -391,6 +506,9 @@ class ServiceState:
         self.monitor.load_state_dict(state["monitor"])
         self.version, self.samples_seen = int(state["version"]), self.learner.samples_seen
         self.book.load_state_dict(state)
+        if self.join is not None and state.get("join") is not None:
+            self.join.load_state_dict(state["join"])
+            self.stream_time = float(state["stream_time"])
         if self.evaluation is not None and state["anytime"] is not None:
             self.evaluation.load_state_dict(state["anytime"])
             curve = self.evaluation.curves[self.cfg.alignment.inference_mode]

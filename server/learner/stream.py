@@ -19,6 +19,9 @@ decode, book, learn, checkpoint capture), sends the dead letters it returns, and
   inline one. ``ServiceState.learn`` stacks the batch into pinned memory on a CUDA learner
   (``server.learner.staging``) for an asynchronous copy to the device; predictions are micro-batched
   (``server.batching``) into one forward on the snapshot's device.
+* Labels that come later (``--kafka.labels_topic``): the loop reads the labels topic too, and sends the
+  predictions the state makes of images without a label to ``--kafka.predictions_topic`` (keyed by id, JSON;
+  a crash may send one again, with the same id).
 * The broker being unreachable makes the loop wait and retry (``mepo_learner_up`` 0, not ready) without
   losing anything.
 * The API steers the loop through ``pause``, ``resume`` and ``request_checkpoint`` and reads ``health``.
@@ -40,6 +43,7 @@ from kafka.structs import OffsetAndMetadata
 
 from mepo_stream.kafka import ensure_topics, open_producer
 from server.consumer import PROBE_EVERY_S, ConsumerThread, broker_answers
+from server.learner.arrival import Prediction
 from server.learner.book import tp_key
 from server.learner.state import DeadLetter, ServiceState
 
@@ -121,13 +125,16 @@ class LearnerLoop(ConsumerThread):
         k = self.cfg.kafka
         self.state.reread()  # records read but not learned are read, and claimed, again from the book's offsets
         ensure_topics(k)
+        if k.labels_topic is not None:
+            ensure_topics(k, k.labels_topic, k.predictions_topic)
         self.producer = open_producer(k, linger_ms=5)
         self.consumer = KafkaConsumer(
             **k.client_options(), group_id=k.group_id, enable_auto_commit=False, auto_offset_reset="earliest",
             session_timeout_ms=6000, heartbeat_interval_ms=2000, max_poll_interval_ms=600_000,
             max_poll_records=self.cfg.learner.batch_size, fetch_max_bytes=16 * 1024 * 1024,
         )
-        self.consumer.subscribe([k.topic], listener=_SeekToHandled(self))
+        topics = [k.topic] if k.labels_topic is None else [k.topic, k.labels_topic]
+        self.consumer.subscribe(topics, listener=_SeekToHandled(self))
 
     def _close(self) -> None:
         for client in (self.consumer, self.producer):
@@ -152,7 +159,8 @@ class LearnerLoop(ConsumerThread):
             self._broken = e
         if self.refusal is None and not self.state.scales_out and self.consumer is not None:
             everything = self.consumer.partitions_for_topic(self.cfg.kafka.topic)  # None: not known yet
-            if everything and {tp.partition for tp in assigned} != everything:
+            images = {tp.partition for tp in assigned if tp.topic != self.cfg.kafka.labels_topic}
+            if everything and images != everything:
                 self.refusal = (f"another learner joined consumer group {self.cfg.kafka.group_id!r} and took some "
                                 f"of {self.cfg.kafka.topic}'s partitions: each would learn a part of the stream "
                                 f"into a model of its own. Learning in several processes needs "
@@ -203,7 +211,8 @@ class LearnerLoop(ConsumerThread):
             polled = self.consumer.poll(timeout_ms=0 if due else 500, max_records=limit if due else limit - pending)
             self._check_rebalance()  # before a record of a partition whose state is not restored is accepted
             self._probe()
-            records = sorted((r for rs in polled.values() for r in rs), key=lambda r: (r.partition, r.offset))
+            records = sorted((r for rs in polled.values() for r in rs),  # images first, then labels
+                             key=lambda r: (r.topic == self.cfg.kafka.labels_topic, r.partition, r.offset))
             self.accept(records, meanwhile=self.state.learn_pending if due or (pending and not records) else None)
             if not records and not self.state.waiting():
                 self.state.on_idle()
@@ -230,9 +239,18 @@ class LearnerLoop(ConsumerThread):
 
     def accept(self, records: list, meanwhile: Callable[[], None] | None = None) -> None:
         """Hand one poll's records (in offset order) to the state, which claims, decodes and books them while
-        ``meanwhile`` learns; send the dead letters it returns."""
-        for dead in self.state.accept(records, self.decoder, meanwhile):
-            self._dead_letter(dead)
+        ``meanwhile`` learns; send the dead letters and predictions it returns."""
+        for out in self.state.accept(records, self.decoder, meanwhile):
+            if isinstance(out, Prediction):
+                self._predicted(out)
+            else:
+                self._dead_letter(out)
+
+    def _predicted(self, prediction: Prediction) -> None:
+        """Send the prediction of an image that came without its label to the predictions topic."""
+        assert self.producer is not None
+        self.producer.send(self.cfg.kafka.predictions_topic, value=prediction.value(), key=prediction.id.encode())
+        self.state.metrics.predictions_published.inc()
 
     def _dead_letter(self, dead: DeadLetter) -> None:
         """Send a record that cannot be learned to the dead-letter topic, with its reason and where it came from."""
@@ -290,6 +308,8 @@ class LearnerLoop(ConsumerThread):
         assert self.consumer is not None
         waiting = self.state.waiting()
         for tp in self.consumer.assignment():
+            if tp.topic == self.cfg.kafka.labels_topic:  # its lag is the join's backlog, not learning's
+                continue
             high = self.consumer.highwater(tp)
             if high is not None:
                 try:

@@ -63,6 +63,35 @@ class DriftEvent(BaseModel):
     rolling_accuracy: float
 
 
+class JoinImages(BaseModel):
+    """What became of the images that came without a label: received = joined + in_flight + waiting + expired."""
+
+    received: int
+    joined: int = Field(description="Learned with their label")
+    in_flight: int = Field(description="Joined, waiting for their mini-batch")
+    waiting: int = Field(description="Kept (feature or image) until their label comes")
+    expired: int = Field(description="Let go unlearned: their label did not come within --join.image_ttl_s, or "
+                                     "--join.max_images newer images waited")
+
+
+class JoinLabels(BaseModel):
+    waiting: int = Field(description="Labels waiting for their image")
+    refused: int = Field(description="Labels sent to the dead-letter topic: duplicate, or no image within "
+                                     "--join.label_ttl_s")
+
+
+class LabelJoinStatus(BaseModel):
+    """Labels that come later (``--kafka.labels_topic``): each prediction made when an image arrived, scored when
+    its label came, and the join's backlog."""
+
+    delayed_accuracy: float | None = Field(description="Accuracy of the arrival predictions, scored at the join")
+    scored: int = Field(description="Joined images that had a prediction (none before the first class is known)")
+    delay_p50_s: float | None = Field(description="Median seconds from an image to its label (recent joins)")
+    delay_p99_s: float | None
+    images: JoinImages
+    labels: JoinLabels
+
+
 class GroupLearner(BaseModel):
     """A learner of a group (``--kafka.state_topic``): its partitions, learning rate and lag."""
 
@@ -101,6 +130,7 @@ class Status(BaseModel):
     checkpoint_age_seconds: float | None = None
     idle_seconds: float | None = None
     class_accuracy: dict[str, float] | None = None
+    label_join: LabelJoinStatus | None = None
     learner_id: str | None = None
     learners: dict[str, GroupLearner] | None = None
     partition_samples: dict[str, int] | None = None

@@ -1,0 +1,207 @@
+"""Labels that come later, end to end (issue 35): images without labels on the image topic, labels on their own
+topic, predictions on the predictions topic, and the join's state checkpointed with the model and both offsets.
+
+Against a real broker: the same records teach the same model whether the labels come attached or 50–200 records
+later; every refused label and id-less image reaches the dead-letter topic with its reason and the counts add up;
+kill -9 at random moments neither learns a label twice nor loses one. Without one: a learner that trains through
+the backbone keeps the image, and a reconnect in the middle of a join joins it again, once."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import time
+import uuid
+from collections import Counter
+from dataclasses import replace
+
+import torch
+from kafka import KafkaConsumer, KafkaProducer
+
+from mepo_stream.anytime import ProtocolConfig
+from mepo_stream.data import list_files, load_split
+from mepo_stream.kafka import ReplayConfig
+from mepo_stream.label_delay import label_schedule
+from mepo_stream.label_join import JoinConfig
+from mepo_stream.records import label_headers, record_headers
+from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
+from producers.siblurry import produce, stream_id
+from server.config import ServeConfig
+from server.learner.state import build_learner
+from tests.fakes import FakeRecord, jpeg, service
+from tests.helpers import DATA, NO_BROKER, LiveServer, checkpoint, http_client, serve_process, settings, wait_for
+
+STREAM = SiBlurryConfig(n_tasks=5, n=50, m=10, seed=1)
+LATE = ReplayConfig(label_delay=50, label_delay_max=200)
+
+
+def later(cfg: ServeConfig, **join) -> ServeConfig:
+    """``cfg`` with labels that come later, on fresh labels and predictions topics."""
+    name = uuid.uuid4().hex[:8]
+    kafka = replace(cfg.kafka, labels_topic=f"labels-{name}", predictions_topic=f"predictions-{name}")
+    return replace(cfg, kafka=kafka, join=JoinConfig(**join))
+
+
+def label_counts(state: dict) -> dict[int, int]:
+    """Samples learned per label, from a checkpoint's streaming-LDA counts (each learned sample adds one)."""
+    counts = state["learner"]["method"]["classifier.counts"]
+    return {y: int(counts[i]) for i, y in enumerate(state["learner"]["exposed"]) if counts[i] > 0}
+
+
+def coming_labels(replay: ReplayConfig) -> Counter:
+    """The labels of the stream's images whose label comes (as the producer draws them), counted per label."""
+    listing = list_files(DATA, "train")
+    order = si_blurry_stream(listing.targets, STREAM.n_tasks, STREAM.n, STREAM.m, STREAM.seed).order
+    due = label_schedule(len(order), replay.label_delay, replay.label_delay_max, replay.label_loss, STREAM.seed)
+    return Counter(listing.targets[i] for i, at in zip(order, due, strict=True) if at is not None)
+
+
+def read_topic(cfg: ServeConfig, topic: str, expected: int) -> list:
+    consumer = KafkaConsumer(topic, **cfg.kafka.client_options(), group_id=None, auto_offset_reset="earliest",
+                             enable_auto_commit=False)
+    out: list = []
+    try:
+        wait_for(lambda: out.extend(r for rs in consumer.poll(timeout_ms=500).values() for r in rs)
+                 or len(out) >= expected, 30, f"{expected} records on {topic}")
+    finally:
+        consumer.close()
+    return out
+
+
+def test_labels_delayed_by_50_to_200_records_teach_the_model_that_labels_attached_teach(broker, tmp_path):
+    """The order-invariant default (frozen + streaming LDA) ends with the same test predictions; every image is
+    predicted at arrival onto the predictions topic, and the delayed accuracy is reported next to the immediate."""
+    attached = settings(broker, tmp_path / "attached", protocol=ProtocolConfig(eval_period=0))
+    delayed = later(settings(broker, tmp_path / "delayed", protocol=ProtocolConfig(eval_period=0)))
+    status, n = {}, len(list_files(DATA, "train").files)
+    for name, cfg, replay in (("attached", attached, ReplayConfig()), ("delayed", delayed, LATE)):
+        with LiveServer(cfg) as http:  # records sent while it reads: a label really comes after its image
+            wait_for(lambda: http.get("/v1/status").json()["consumer_lag"], what="the learner reading its topics")
+            assert produce(DATA, STREAM, cfg.kafka, replace(replay, rate=200)) == n
+            status[name] = wait_for(lambda: (s := http.get("/v1/status").json())["samples_seen"] >= n and s,
+                                    what=f"the {name} stream")
+            metrics = http.get("/metrics").text
+    join = status["delayed"]["label_join"]
+    assert status["attached"]["label_join"] is None and status["delayed"]["samples_seen"] == n
+    assert join["images"] == {"received": n, "joined": n, "in_flight": 0, "waiting": 0, "expired": 0}
+    assert join["labels"] == {"waiting": 0, "refused": 0}
+    assert 0 < join["scored"] < status["attached"]["prequential_accuracy"]["samples"]  # no class known 50+ records
+    assert 0 <= join["delayed_accuracy"] <= 1 and 0.2 < join["delay_p50_s"] <= join["delay_p99_s"]  # 250-1000 ms
+    assert status["delayed"]["prequential_accuracy"]["samples"] == join["scored"]  # scored at arrival
+    assert 'mepo_label_join_images{state="joined"} 200.0' in metrics and "mepo_delayed_accuracy_ratio" in metrics
+    print(f"\nprequential accuracy, labels attached: {status['attached']['prequential_accuracy']['cumulative']:.3f}; "
+          f"delayed (arrival predictions scored at the join): {join['delayed_accuracy']:.3f}")
+
+    test = load_split(replace(DATA, load_size=32), "test")
+    predictions = {}
+    for name, cfg in (("attached", attached), ("delayed", delayed)):
+        learner = build_learner(cfg, 10)
+        learner.load_state_dict(checkpoint(cfg)["learner"])
+        predictions[name] = learner.predict(test.images)["running"]
+    assert torch.equal(predictions["attached"], predictions["delayed"])
+    assert label_counts(checkpoint(delayed)) == label_counts(checkpoint(attached)) == coming_labels(LATE)
+
+    predicted = read_topic(delayed, delayed.kafka.predictions_topic, n)
+    values = [json.loads(r.value) for r in predicted]
+    assert sorted(v["id"] for v in values) == sorted(r.key.decode() for r in predicted)
+    assert len({v["id"] for v in values}) == n and sum(bool(v["top_k"]) for v in values) == join["scored"]
+
+
+def send(cfg: ServeConfig, topic: str, headers: list, value: bytes = b"") -> None:
+    producer = KafkaProducer(**cfg.kafka.client_options(), acks="all")
+    producer.send(topic, value=value, headers=headers)
+    producer.flush()
+    producer.close()
+
+
+def test_refused_labels_and_id_less_images_are_dead_lettered_with_a_reason_and_the_counts_add_up(broker, tmp_path):
+    cfg = later(settings(broker, tmp_path, protocol=ProtocolConfig(eval_period=0)), label_ttl_s=1.0, image_ttl_s=2.0)
+    k = cfg.kafka
+    lost = ReplayConfig(limit=64, label_delay=5, label_delay_max=20, label_loss=0.25)
+    n = produce(DATA, STREAM, k, lost)
+    with LiveServer(cfg) as http:
+        due = label_schedule(n, 5, 20, 0.25, STREAM.seed)
+        learnable = sum(at is not None for at in due)
+        wait_for(lambda: http.get("/v1/status").json()["samples_seen"] >= learnable, what="the labels that come")
+        sid = stream_id(DATA, STREAM)
+        order = si_blurry_stream(list_files(DATA, "train").targets, 5, 50, 10, 1).order
+        labelled = next(f"{sid}/{i}" for i, at in zip(order, due, strict=False) if at is not None)
+        send(cfg, k.labels_topic, label_headers(labelled, 0))  # its label was learned already
+        send(cfg, k.labels_topic, label_headers("never-sent", 3))  # no image will come
+        send(cfg, k.labels_topic, label_headers("x", 99))  # outside the label space
+        send(cfg, k.labels_topic, [("label", b"1")])  # no id
+        send(cfg, k.topic, [h for h in record_headers(None, 0, 0, sid, "cifar10") if h[0] != "id"], jpeg("red"))
+        time.sleep(2.5)  # past both TTLs in record time; the next records move the join's clock there
+        send(cfg, k.topic, record_headers(None, 0, 0, sid, "cifar10", id="late-image"), jpeg("blue"))
+        send(cfg, k.labels_topic, label_headers("late-label", 1))
+        time.sleep(2.5)
+        send(cfg, k.topic, record_headers(None, 0, 0, sid, "cifar10", id="clock"), jpeg("green"))
+
+        def settled() -> dict | None:
+            join = http.get("/v1/status").json()["label_join"]
+            return join if join["labels"]["refused"] >= 3 and join["images"]["expired"] >= n - learnable + 1 \
+                else None
+
+        join = wait_for(settled, 60, "the refusals and expiries")
+        status = http.get("/v1/status").json()
+    reasons = Counter(dict(r.headers)["error"].decode() for r in read_topic(cfg, k.dead_letter_topic, 6))
+    assert reasons == {"duplicate_label": 1, "unknown_id": 2, "label_out_of_range": 1, "missing_id": 2}
+    images = join["images"]
+    assert status["samples_seen"] == images["joined"] == learnable
+    assert images["received"] == images["joined"] + images["in_flight"] + images["waiting"] + images["expired"]
+    assert images["received"] == n + 2 and images["waiting"] == 1  # "clock" waits; the unlabelled rest expired
+    assert join["labels"] == {"waiting": 0, "refused": 3}  # duplicate, and two unknown ids past their TTL
+
+
+def test_a_learner_that_trains_through_the_backbone_keeps_the_image_and_a_reconnect_mid_join_joins_once(tmp_path):
+    """The paper's recipe needs the image for its gradient steps; a reconnect forgets the pending record that
+    completed a join, and reading it again must join it again (not refuse it as a duplicate, nor learn it twice)."""
+    cfg = later(settings(NO_BROKER, tmp_path))
+    state, loop, _ = service(tmp_path, method="misa", kafka=cfg.kafka)
+    images = [FakeRecord(cfg.kafka.topic, 0, i, record_headers(None, 0, i, "s", "cifar10", id=f"i{i}"),
+                         jpeg("red"), None) for i in range(4)]
+    labels = [FakeRecord(cfg.kafka.labels_topic, 0, i, label_headers(f"i{i}", i % 2), b"", None) for i in range(4)]
+    out = loop.state.accept(images, loop.decoder)
+    assert len(out) == 4 and state.join.images["i0"].item.dtype == torch.uint8  # the image, [3, S, S]
+    loop.state.accept(labels[:2], loop.decoder)
+    assert [p.sample.joined.id for p in state.book.pending] == ["i0", "i1"]
+    state.reread()  # a reconnect: the two label records are read again from the book's offsets
+    assert state.offsets == {f"{cfg.kafka.topic}:0": 4} and state.join.counts()["waiting_images"] == 4
+    assert loop.state.accept(labels, loop.decoder) == []
+    state.learn_pending()
+    assert state.learner.samples_seen == 4 and state.join.counts()["joined"] == 4
+    assert state.offsets == {f"{cfg.kafka.topic}:0": 4, f"{cfg.kafka.labels_topic}:0": 4}
+
+
+def test_kill_9_across_the_join_five_times_learns_every_label_once(broker, tmp_path):
+    """Five SIGKILLs at random moments while images wait for labels 50–200 records behind: after the last
+    restart, every label that came is learned exactly once (the counts per label are the stream's), and nothing
+    waits or was refused."""
+    cfg = later(settings(broker, tmp_path, protocol=ProtocolConfig(eval_period=0), checkpoint_every=16))
+    n = produce(DATA, STREAM, cfg.kafka, LATE)
+    rng, log = random.Random(35), tmp_path / "serve.log"
+    http, learner = http_client(cfg), serve_process(cfg, log)
+    try:
+        for target in sorted(rng.sample(range(16, n - 16, 8), 5)):
+            def due() -> bool:
+                state = checkpoint(cfg)
+                return learner.running() and state is not None and state["learner"]["samples_seen"] >= target
+
+            wait_for(due, what=f"a checkpoint past {target}")
+            time.sleep(rng.uniform(0, 0.3))  # mid-join, mid-batch, mid-checkpoint
+            learner.send_signal(signal.SIGKILL)
+            learner.wait()
+            learner = serve_process(cfg, log)
+        wait_for(lambda: learner.running() and http.get("/v1/status").json()["samples_seen"] >= n, 300,
+                 "every label learned after the last restart", ignore=(Exception,))
+    finally:
+        http.close()
+        learner.send_signal(signal.SIGTERM)
+        learner.wait(60)
+    final = checkpoint(cfg)
+    assert int(final["learner"]["samples_seen"]) == n, "a label was learned twice, or lost"
+    assert label_counts(final) == coming_labels(LATE)
+    join = final["join"]
+    assert join["image_ids"] == [] and join["label_ids"] == [] and len(join["joined_ids"]) == n
+    assert join["counters"][2:] == [n, 0, 0]  # joined, expired, refused
