@@ -33,7 +33,8 @@ from mepo_stream.cli import config_options
 
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 BENCHMARKS = ("model_arithmetic", "learning_quality", "learner_throughput", "predict_latency", "predict_throughput",
-              "protocol_latency", "replica_latency", "alignment_cost", "refine_throughput", "scale_out")
+              "protocol_latency", "replica_latency", "alignment_cost", "refine_throughput", "scale_out",
+              "label_join_memory")
 GPU_BENCHMARKS = ("gpu_learner_fp32", "gpu_learner_bf16", "gpu_predict_latency", "gpu_vit_b16")
 ALL = (*BENCHMARKS, *GPU_BENCHMARKS)
 GPU_LEARNER_CONFIGS = ("prequential", "paper_recipe")
@@ -107,6 +108,10 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path) -> tuple[str, lis
                                                             "--steps", n(2, 10), "--rounds", n(1, 3)]),
         "scale_out": lambda: ("scale_out", [*stream(replace(spec, mepo=None), 200, 200), "--bare_batches", n(2, 20),
                                             "--test_per_class", n(5, 100)]),
+        "label_join_memory": lambda: ("label_join_memory", [
+            "--feature_model", spec.model, "--img_size", str(spec.img_size), "--n", n(200, 5000),
+            "--max_images", n(50, 2000), "--sample_every", n(50, 1000), "--delay_min", n(10, 50),
+            "--delay_max", n(40, 200)]),
         "gpu_learner_fp32": lambda: learner(pinned("fp32"), *GPU_LEARNER_CONFIGS),
         "gpu_learner_bf16": lambda: learner(pinned("bf16"), *GPU_LEARNER_CONFIGS),
         "gpu_predict_latency": latency,
@@ -261,11 +266,21 @@ def _scale_out_rows(r: dict) -> list[Row]:
              _fmt(bare["2"], "/s"), _fmt(bare["1"], "/s") + " (1 loop)", r["bare_ratio"], "–", None)]
 
 
+def _join_rows(r: dict) -> list[Row]:
+    long, short = r["long"], r["short"]
+    return [(f"Labels that come later: learner memory (RSS) at {short['images']:,} → {long['images']:,} images, "
+             f"30% of labels never coming", f"{_fmt(r['rss_bytes_at_n'], 'MB')} → {_fmt(r['rss_bytes_at_end'], 'MB')}",
+             "–", r["rss_growth_after_n"], "growth < 0.05", r["rss_growth_after_n"] < 0.05),
+            ("Labels that come later: most images the join held (its bound: --join.max_images)",
+             f"{long['store_max']:,}", f"{r['max_images']:,} (the bound)", None, "≤ the bound", r["store_bounded"])]
+
+
 ROWS: dict[str, Callable[[dict], list[Row]]] = {
     "model_arithmetic": _arithmetic_rows, "learning_quality": _quality_rows, "learner_throughput": _learner_rows,
     "predict_latency": _latency_rows, "protocol_latency": _protocol_rows,
     "predict_throughput": _throughput_rows, "replica_latency": _replica_rows,
     "alignment_cost": _alignment_rows, "refine_throughput": _refine_rows, "scale_out": _scale_out_rows,
+    "label_join_memory": _join_rows,
     "gpu_learner_fp32": _learner_rows,
     "gpu_learner_bf16": _learner_rows, "gpu_predict_latency": _latency_rows, "gpu_vit_b16": _bare_learner_rows,
 }

@@ -54,6 +54,8 @@ class RecordMeta:
     stream_id: str
     id: str | None = None
     """The id a later label names (None on a labelled record without one)."""
+    prediction: int | None = None
+    """The prediction an HTTP upload was answered with (``upload_headers``): the one its later label scores."""
 
 
 def record_headers(label: int | None, sample_index: int, position: int, stream_id: str, dataset: str,
@@ -62,6 +64,13 @@ def record_headers(label: int | None, sample_index: int, position: int, stream_i
     values = {"schema": SCHEMA, "label": label, "id": id, "sample_index": sample_index, "stream_position": position,
               "stream_id": stream_id, "dataset": dataset, "content-type": content_type}
     return [(k, str(v).encode()) for k, v in values.items() if v is not None]
+
+
+def upload_headers(id: str, prediction: int | None, content_type: str) -> list[tuple[str, bytes]]:
+    """An HTTP upload's headers on the image topic (``server.uploads``): an image without a label, with its ``id``
+    and the ``prediction`` its answer gave (what its later label scores)."""
+    headers = record_headers(None, 0, -1, "http", "upload", content_type, id=id)
+    return headers + ([("prediction", str(prediction).encode())] if prediction is not None else [])
 
 
 def label_headers(id: str, label: int) -> list[tuple[str, bytes]]:
@@ -118,7 +127,8 @@ def parse_headers(headers: list[tuple[str, bytes]] | None, n_classes: int, ids: 
         raise RecordError("bad_sample_index", f"sample_index {index} is negative")
     position = _int(h, "stream_position") if "stream_position" in h else -1
     stream_id = h.get("stream_id", b"").decode("utf-8", "replace") or "unknown"
-    return RecordMeta(label, index, position, stream_id, record_id)
+    prediction = _int(h, "prediction") if "prediction" in h else None
+    return RecordMeta(label, index, position, stream_id, record_id, prediction)
 
 
 def parse_label(headers: list[tuple[str, bytes]] | None, n_classes: int) -> tuple[str, int]:

@@ -99,8 +99,11 @@ def _summary(app: FastAPI, wall_time: float) -> None:
     if service is not None:
         status = service.reporter.status()
         keys = ("samples_seen", "classes_seen", "a_last", "dead_lettered")
-        print(json.dumps({k: status[k] for k in keys} | {"a_auc": status["anytime_accuracy"]["a_auc"],
-                                                          "wall_time_s": round(wall_time, 1)}))
+        join = status.get("label_join")
+        later = {} if join is None else {"delayed_accuracy": join["delayed_accuracy"],
+                                         "images_waiting": join["images"]["waiting"]}
+        print(json.dumps({k: status[k] for k in keys} | later | {"a_auc": status["anytime_accuracy"]["a_auc"],
+                                                                  "wall_time_s": round(wall_time, 1)}))
 
 
 def demo(cfg: DemoConfig = DemoConfig()) -> None:

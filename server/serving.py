@@ -9,6 +9,7 @@ implement it without importing the web layer, and the web layer reads it without
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -19,6 +20,7 @@ from server.config import ServeConfig
 from server.consumer import ConsumerThread
 from server.metrics import ServerMetrics
 from server.snapshot import Snapshot
+from server.uploads import UploadForwarder
 
 
 class NotALearner(RuntimeError):
@@ -49,11 +51,16 @@ class ServingModel(Protocol):
 
     def request_checkpoint(self) -> None: ...
 
+    def keep_for_label(self, id: str, image: bytes, content_type: str, prediction: int | None) -> None: ...
+
     def stop(self) -> None: ...
 
 
 Starter = Callable[[ServeConfig, ServerMetrics], ServingModel]
 """What the entry point hands the web app: load the model and start a role's service (``server.serve``)."""
+
+
+_UPLOADS_LOCK = threading.Lock()
 
 
 class Serving:
@@ -99,3 +106,15 @@ class Serving:
 
     def request_checkpoint(self) -> None:
         self.loop.request_checkpoint()
+
+    def keep_for_label(self, id: str, image: bytes, content_type: str, prediction: int | None) -> None:
+        """Write an upload answered with ``prediction`` to the image topic, where its label, when it comes on the
+        labels topic, teaches the learner with it (``server.uploads``)."""
+        with _UPLOADS_LOCK:
+            if getattr(self, "_uploads", None) is None:
+                self._uploads = UploadForwarder(self.state.cfg.kafka)
+        self._uploads.send(id, image, content_type, prediction)
+
+    def _close_uploads(self) -> None:
+        if getattr(self, "_uploads", None) is not None:
+            self._uploads.close()

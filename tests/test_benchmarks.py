@@ -70,6 +70,9 @@ def test_run_all_smoke_writes_every_result_and_the_performance_table(tmp_path):
     assert max(exact["relative_difference"].values()) <= 1e-9 and all(exact["identical_predictions_per_shrinkage"])
     bare = scale_out["bare_samples_per_s"]
     assert scale_out["bare_ratio"] == pytest.approx(bare["2"] / bare["1"])
+    join = results["label_join_memory"]  # the bound holds, and every image is joined, expired or waiting
+    assert join["store_bounded"] and join["long"]["images"] == 10 * join["short"]["images"]
+    assert join["long"]["counts"]["expired_images"] > 0 and join["long"]["counts"]["joined"] > 0
     auto = str(resolve_precision("auto", torch.device("cpu"))).removeprefix("torch.")  # bf16 where the CPU has it
     assert all(r["machine"]["device"] == "cpu" and r["machine"]["dtype"] in {"float32", auto}
                and r["machine"]["device_name"] and "cuda" in r["machine"] and r["machine"]["torch_threads"] > 0

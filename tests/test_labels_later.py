@@ -205,3 +205,32 @@ def test_kill_9_across_the_join_five_times_learns_every_label_once(broker, tmp_p
     join = final["join"]
     assert join["image_ids"] == [] and join["label_ids"] == [] and len(join["joined_ids"]) == n
     assert join["counters"][2:] == [n, 0, 0]  # joined, expired, refused
+
+
+def test_an_upload_with_an_id_is_answered_then_taught_by_its_later_label(broker, tmp_path):
+    """``POST /v1/predict?id=`` answers at once and goes to the image topic; the label with its id teaches the
+    model with it and scores the answer it was given."""
+    cfg = later(settings(broker, tmp_path, protocol=ProtocolConfig(eval_period=0)))
+    n = produce(DATA, STREAM, cfg.kafka, ReplayConfig(limit=48))  # labels attached: classes to answer with
+    with LiveServer(cfg) as http:
+        wait_for(lambda: http.get("/v1/status").json()["samples_seen"] >= n, what="the labelled stream")
+        answer = http.post("/v1/predict", params={"id": "upload-1"}, content=jpeg("red"),
+                           headers={"content-type": "image/jpeg"})
+        assert answer.status_code == 200, answer.text
+        two = [("files", (f"{i}.jpg", jpeg("red"), "image/jpeg")) for i in range(2)]
+        assert http.post("/v1/predict", params={"id": "x"}, files=two).json()["reason"] == "one_image_per_id"
+        wait_for(lambda: http.get("/v1/status").json()["label_join"]["images"]["waiting"] == 1, what="the upload")
+        answered = answer.json()["predictions"][0]["top_k"][0]["label"]
+        send(cfg, cfg.kafka.labels_topic, label_headers("upload-1", answered))
+        join = wait_for(lambda: (j := http.get("/v1/status").json()["label_join"])["images"]["joined"] and j,
+                        what="the upload joined")
+        assert join["delayed_accuracy"] == 1.0 and join["scored"] == 1  # its answer was right, by this label
+        assert http.get("/v1/status").json()["samples_seen"] == n + 1
+    assert read_topic(cfg, cfg.kafka.predictions_topic, 0) == []  # the answer went over HTTP, not to the topic
+    without = settings(broker, tmp_path / "attached", protocol=ProtocolConfig(eval_period=0))
+    produce(DATA, STREAM, without.kafka, ReplayConfig(limit=16))
+    with LiveServer(without) as http:
+        wait_for(lambda: http.get("/v1/status").json()["samples_seen"] >= 16, what="a class to answer with")
+        refused = http.post("/v1/predict", params={"id": "u"}, content=jpeg("red"),
+                            headers={"content-type": "image/jpeg"})
+        assert refused.status_code == 409 and refused.json()["reason"] == "labels_not_later"

@@ -156,6 +156,23 @@ def test_a_learner_in_a_group_shows_each_learners_partitions_rate_and_lag(browse
         assert not browser.find_element(By.ID, "replicas-panel").is_displayed() and script_errors(browser) == []
 
 
+def test_labels_that_come_later_show_the_delayed_accuracy_delay_and_backlog(browser):
+    join = {"delayed_accuracy": 0.625, "scored": 8, "delay_p50_s": 12.0, "delay_p99_s": 95.5,
+            "images": {"received": 20, "joined": 8, "in_flight": 0, "waiting": 9, "expired": 3},
+            "labels": {"waiting": 2, "refused": 1}}
+    status = {**EMPTY_STATUS, "label_join": join}
+    with serve_app(stub_app(status)) as url:
+        browser.get(url)
+        wait_until(browser, lambda d: d.find_element(By.ID, "labels-panel").is_displayed(), "the labels panel")
+        shown = {i: text(browser, i) for i in ("delayed-accuracy", "delay-p50", "delay-p99", "images-waiting",
+                                               "labels-waiting", "images-expired", "labels-refused")}
+        assert shown == {"delayed-accuracy": "0.625", "delay-p50": "12.0", "delay-p99": "95.5", "images-waiting": "9",
+                         "labels-waiting": "2", "images-expired": "3", "labels-refused": "1"}
+        assert script_errors(browser) == []
+        status["label_join"] = None
+        wait_until(browser, lambda d: not d.find_element(By.ID, "labels-panel").is_displayed(), "no labels panel")
+
+
 def test_the_pill_says_idle_when_nothing_is_learned_and_live_when_learning(browser):
     status = {**EMPTY_STATUS, "kafka_connected": True, "samples_seen": 64, "idle_seconds": 30.0}
     with serve_app(stub_app(status)) as url:

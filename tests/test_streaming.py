@@ -8,18 +8,21 @@ check that every sample is learned exactly once.
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import subprocess
 import sys
 from dataclasses import replace
 
+import pytest
 import torch
 from kafka import KafkaConsumer, KafkaProducer
 from PIL import Image
 
 from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.data import list_files
+from mepo_stream.label_delay import label_schedule
 from mepo_stream.records import record_headers
 from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce
@@ -193,15 +196,20 @@ def test_kill_9_mid_stream_then_a_restart_ends_exactly_as_an_uninterrupted_run(b
     assert_same_learner_state(crashed, reference)
 
 
-def test_demo_runs_the_whole_pipeline_and_exits_when_done(tmp_path):
-    """`mepo demo --until_done`: embedded broker, producer process, service; prints a summary and stops."""
+@pytest.mark.parametrize("later", [[], ["--replay.label_delay", "5", "--replay.label_loss", "0.25"]],
+                         ids=["labels attached", "labels later"])
+def test_demo_runs_the_whole_pipeline_and_exits_when_done(tmp_path, later):
+    """`mepo demo --until_done`: embedded broker, producer process, service; prints a summary and stops. One flag
+    shows labels that come later: the images whose label never comes wait, the rest are learned."""
     out = subprocess.run(
         [sys.executable, "-m", "mepo_stream.cli", "demo", "--data.train_per_class", "2", "--data.test_per_class", "1",
          "--backbone.img_size", "28", "--until_done", "true", "--port", str(free_port()),
-         "--checkpoint_dir", str(tmp_path / "checkpoint")],
+         "--checkpoint_dir", str(tmp_path / "checkpoint"), *later],
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-2000:]
-    summary = [line for line in out.stdout.splitlines() if line.startswith("{")][-1]
-    assert '"samples_seen": 20' in summary and '"classes_seen": 10' in summary
+    summary = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+    never = sum(at is None for at in label_schedule(20, 5, None, 0.25, seed=1)) if later else 0
+    assert summary["samples_seen"] == 20 - never and summary["classes_seen"] >= 10 - never
+    assert summary.get("images_waiting", 0) == never and ("delayed_accuracy" in summary) == bool(later)
     assert "Kafka 127.0.0.1:" in out.stdout  # the embedded broker
     assert (tmp_path / "broker.log").is_file() and (tmp_path / "checkpoint" / CHECKPOINT).is_file()

@@ -59,6 +59,7 @@ class Service(Serving):
         if self.publisher is not None:
             self.publisher.stop()
         self.state.model_thread.shutdown()
+        self._close_uploads()
 
     @property
     def reporter(self) -> StateReporter:

@@ -253,6 +253,9 @@ class ServiceState:
         if meta.label is not None:  # labelled: learned as it comes, from what its arrival kept
             self.book.add_pending(key, record.offset, self._kept(arrival.item, meta, arrival.prediction))
             return None
+        if meta.prediction is not None:  # an HTTP upload (``server.uploads``): its answer is the one to score
+            return self._book_join(record, self.join.add_image(meta.id, arrival.item, meta.prediction,
+                                                               self._clock(record)))
         joined = self.join.add_image(meta.id, arrival.item, arrival.prediction, self._clock(record))
         return self._book_join(record, joined) or Prediction(meta.id, arrival.top_k, self.version, time.time())
 

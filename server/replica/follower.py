@@ -316,6 +316,7 @@ class ReplicaService(Serving):
     def stop(self) -> None:
         self.loop.stop()
         self.state.model_thread.shutdown()
+        self._close_uploads()
 
     def readiness(self) -> dict:
         """Ready once a snapshot is loaded (it keeps serving it while the learner or the broker is down)."""

@@ -30,7 +30,8 @@ class ErrorBody(BaseModel):
 
 
 ERROR_DESCRIPTIONS = {400: "Bad request", 401: "Missing bearer token", 403: "Forbidden", 404: "Not found",
-                      413: "Request body or image too large", 415: "Unsupported media type",
+                      409: "Not possible in this service's configuration", 413: "Request body or image too large",
+                      415: "Unsupported media type",
                       422: "Invalid request", 503: "Not ready, or too many request bytes in flight (Retry-After)"}
 
 

@@ -5,16 +5,31 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
+from kafka.errors import KafkaError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
+from mepo_stream.records import MAX_ID
 from server.config import ServeConfig
 from server.serving import ServingModel
+from server.uploads import LabelsOff
 from server.web.dependencies import ApiError, errors, get_service, get_settings
 from server.web.prediction import predict_uploads
 from server.web.schemas import PredictResponse
 
 router = APIRouter(tags=["predict"])
+
+
+def keep_for_label(service: ServingModel, id: str, image: bytes, content_type: str, prediction: int) -> None:
+    """Hand an answered upload to the image topic for its later label; 409 where labels do not come later, 503
+    when the broker cannot take it."""
+    try:
+        service.keep_for_label(id, image, content_type, prediction)
+    except LabelsOff as e:
+        raise ApiError(409, str(e), "labels_not_later") from e
+    except KafkaError as e:
+        raise ApiError(503, f"the broker did not take the upload for its later label: {e}", "kafka_unavailable",
+                       headers={"Retry-After": "1"}) from e
 UPLOAD_SCHEMA = {
     "requestBody": {
         "content": {
@@ -49,15 +64,23 @@ async def read_uploads(request: Request, settings: ServeConfig) -> list[tuple[st
 
 
 @router.post("/v1/predict", openapi_extra=UPLOAD_SCHEMA, summary="Predict the classes of images",
-             responses=errors(400, 413, 415, 422, 503))
+             responses=errors(400, 409, 413, 415, 422, 503))
 async def predict(
     request: Request,
     service: Annotated[ServingModel, Depends(get_service)],
     settings: Annotated[ServeConfig, Depends(get_settings)],
     top_k: Annotated[int | None, Query(ge=1, le=100, description="labels per image")] = None,
+    id: Annotated[str | None, Query(min_length=1, max_length=MAX_ID, description=(
+        "Keep this one image for a label that comes later: a label with this id on the labels topic teaches the "
+        "model with it, and scores this answer (needs the learner's --kafka.labels_topic)"))] = None,
 ) -> PredictResponse:
     """Top-k labels (with names and probabilities) over the classes seen so far, from the current model."""
     items = await read_uploads(request, settings)
+    if id is not None and len(items) != 1:
+        raise ApiError(422, f"an id names one image; this request has {len(items)}", "one_image_per_id")
     meta, rows = await run_in_threadpool(predict_uploads, service, items, settings, top_k or settings.top_k)
+    if id is not None:
+        content_type = request.headers["content-type"] if items[0][0] == "body" else "application/octet-stream"
+        await run_in_threadpool(keep_for_label, service, id, items[0][1], content_type, rows[0][0]["label"])
     return PredictResponse(**meta, predictions=[{"filename": name, "top_k": row}
                                                 for (name, _), row in zip(items, rows, strict=True)])

@@ -149,6 +149,20 @@ function renderTable(id, name, entries) {
   $(id).replaceChildren(rows.length ? el("table", {}, [header, ...body]) : el("p", { class: "note" }, "none"));
 }
 
+/** Labels that come later (null: they come with their images): the accuracy of the predictions made on arrival,
+ *  the label delay and the join's backlog. */
+function renderLabels(join) {
+  $("labels-panel").hidden = !join;
+  if (!join) return;
+  $("delayed-accuracy").textContent = fmt(join.delayed_accuracy, 3);
+  $("delay-p50").textContent = fmt(join.delay_p50_s, 1);
+  $("delay-p99").textContent = fmt(join.delay_p99_s, 1);
+  $("images-waiting").textContent = fmt(join.images.waiting);
+  $("labels-waiting").textContent = fmt(join.labels.waiting);
+  $("images-expired").textContent = fmt(join.images.expired);
+  $("labels-refused").textContent = fmt(join.labels.refused);
+}
+
 /** The header pill: live, idle (nothing learned for IDLE_AFTER_S), paused, disconnected from Kafka, or the
  *  learner's error. */
 function renderConnection(s) {
@@ -175,6 +189,7 @@ async function poll() {
     renderDrift(s.drift_events);
     renderTable("replicas", "replica", s.replicas);
     renderTable("learners", "learner", s.learners);
+    renderLabels(s.label_join);
     renderConnection(s);
   } catch (err) {
     $("connection").className = "pill bad";
