@@ -102,8 +102,8 @@ def _summary(app: FastAPI, wall_time: float) -> None:
         join = status.get("label_join")
         later = {} if join is None else {"delayed_accuracy": join["delayed_accuracy"],
                                          "images_waiting": join["images"]["waiting"]}
-        print(json.dumps({k: status[k] for k in keys} | later | {"a_auc": status["anytime_accuracy"]["a_auc"],
-                                                                  "wall_time_s": round(wall_time, 1)}))
+        print(json.dumps({k: status[k] for k in keys} | {"prequential": status["prequential_accuracy"]["cumulative"]}
+                         | later | {"a_auc": status["anytime_accuracy"]["a_auc"], "wall_time_s": round(wall_time, 1)}))
 
 
 def demo(cfg: DemoConfig = DemoConfig()) -> None:
