@@ -16,11 +16,13 @@ import uuid
 from collections import Counter
 from dataclasses import replace
 
+import pytest
 import torch
 from kafka import KafkaConsumer, KafkaProducer
 
 from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.data import list_files, load_split
+from mepo_stream.errors import ConfigError
 from mepo_stream.kafka import ReplayConfig
 from mepo_stream.label_delay import label_schedule
 from mepo_stream.label_join import JoinConfig
@@ -28,7 +30,9 @@ from mepo_stream.records import label_headers, record_headers
 from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
 from producers.siblurry import produce, stream_id
 from server.config import ServeConfig
+from server.learner.partitioned import PartitionedState
 from server.learner.state import build_learner
+from server.metrics import ServerMetrics
 from tests.fakes import FakeRecord, jpeg, service
 from tests.helpers import DATA, NO_BROKER, LiveServer, checkpoint, http_client, serve_process, settings, wait_for
 
@@ -234,3 +238,10 @@ def test_an_upload_with_an_id_is_answered_then_taught_by_its_later_label(broker,
         refused = http.post("/v1/predict", params={"id": "u"}, content=jpeg("red"),
                             headers={"content-type": "image/jpeg"})
         assert refused.status_code == 409 and refused.json()["reason"] == "labels_not_later"
+
+
+def test_a_group_of_learners_refuses_labels_that_come_later_with_why(tmp_path):
+    cfg = later(settings(NO_BROKER, tmp_path))
+    cfg = replace(cfg, kafka=replace(cfg.kafka, state_topic="state"))
+    with pytest.raises(ConfigError, match="a label must reach the learner that holds its image"):
+        PartitionedState(cfg, ServerMetrics())
