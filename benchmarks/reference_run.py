@@ -22,8 +22,9 @@ patched at run time, the patches listed in the JSON):
 - the accuracy count of its ``online_evaluate`` (``_interpret_pred`` is in that ``.pyc`` too): per-class hits.
 
 Usage:
-    python -m benchmarks.reference_run --reference /tmp/ref/MePo \\
-        --mepo_cov benchmarks/results/work/sigma_pre_vit_small_patch14_dinov2_84
+    python -m benchmarks.reference_run --reference /tmp/ref/MePo --seed 1-3 \\
+        --mepo_cov benchmarks/results/work/sigma_pre_vit_small_patch14_dinov2_84 \\
+        --train_per_class 100 --test_per_class 50 --eval_period 250
 Writes ``benchmarks/results/reference_run.json``.
 """
 
@@ -171,7 +172,7 @@ def run_seed(reference: Path, sigma_pre: torch.Tensor, seed: int, data: DataConf
 
 def main(reference: Path, mepo_cov: Path, seed: str = "1", train_per_class: int = 30, test_per_class: int = 20,
          img_size: int = 84, eval_period: int = 100, alpha: float = 0.7, lr: float = 5e-3, batch_size: int = 32,
-         online_iter: int = 3, autoaugment: str | None = "imagenet",
+         online_iter: int = 3, autoaugment: str | None = "imagenet", commit: str | None = None,
          out: Path = Path("benchmarks/results/reference_run.json")) -> dict:
     """Run the reference's MISA + MePo on our CIFAR-10 stream; write each seed's any-time curve and A_last.
 
@@ -188,6 +189,8 @@ def main(reference: Path, mepo_cov: Path, seed: str = "1", train_per_class: int 
         batch_size: Stream mini-batch size.
         online_iter: Adam steps a mini-batch.
         autoaugment: AutoAugment policy of the training augmentation.
+        commit: The reference's commit, recorded in the result; by default read from ``reference`` when it is a git
+            work tree (a tree checked out with ``git --work-tree`` is not).
         out: JSON result path.
     """
     data = DataConfig("cifar10", train_per_class=train_per_class, test_per_class=test_per_class)
@@ -196,7 +199,8 @@ def main(reference: Path, mepo_cov: Path, seed: str = "1", train_per_class: int 
                      autoaugment) for s in parse_seeds(seed)]
     a_last, shape = [r["A_last"] for r in runs], SiBlurryConfig()
     result = {
-        "benchmark": "reference_run", "reference": str(reference), "reference_commit": reference_commit(reference),
+        "benchmark": "reference_run", "reference": str(reference),
+        "reference_commit": commit or reference_commit(reference),
         "stream": {"dataset": "cifar10", "train_per_class": train_per_class, "test_per_class": test_per_class,
                    "samples": runs[0]["samples"], "seeds": [r["seed"] for r in runs], "tasks": shape.n_tasks,
                    "n": shape.n, "m": shape.m, "eval_period": eval_period},
