@@ -268,8 +268,9 @@ def _scale_out_rows(r: dict) -> list[Row]:
 
 def _join_rows(r: dict) -> list[Row]:
     long, short = r["long"], r["short"]
+    rss = f"{_fmt(r['rss_bytes_at_n'], 'MB')} → {_fmt(r['rss_bytes_at_end'], 'MB')}"
     return [(f"Labels that come later: learner memory (RSS) at {short['images']:,} → {long['images']:,} images, "
-             f"30% of labels never coming ({r['feature_dim']}-d features kept)", f"{_fmt(r['rss_bytes_at_n'], 'MB')} → {_fmt(r['rss_bytes_at_end'], 'MB')}",
+             f"30% of labels never coming ({r['feature_dim']}-d features kept)", rss,
              "–", r["rss_growth_after_n"], "growth < 0.05", r["rss_growth_after_n"] < 0.05),
             ("Labels that come later: most images the join held (its bound: --join.max_images)",
              f"{long['store_max']:,}", f"{r['max_images']:,} (the bound)", None, "≤ the bound", r["store_bounded"])]
