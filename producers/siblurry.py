@@ -63,7 +63,7 @@ def produce(
     order = si_blurry_stream(listing.targets, stream.n_tasks, stream.n, stream.m, stream.seed).order
     order = order[: replay.limit] if replay.limit is not None else order
     sid = stream_id(data, stream)
-    labels_later = _labels_later(kafka, replay, len(order), stream.seed)
+    labels_later = _labels_later(kafka, replay, [(i, listing.targets[i]) for i in order], stream.seed)
     ensure_topics(kafka, kafka.topic, partitions=replay.partitions)
     if labels_later is not None:
         ensure_topics(kafka, kafka.labels_topic)
@@ -81,12 +81,11 @@ def produce(
                           partition=position % n_partitions if replay.partition_by == "position" else None)
             sent += 1
             if labels_later is not None:
-                _send_labels(producer, kafka, sid, [(order[p], listing.targets[order[p]])
-                                                    for p in labels_later.pop(position, [])])
+                _send_labels(producer, kafka, sid, labels_later.pop(position, []))
             if replay.rate:
                 time.sleep(max(0.0, start + sent / replay.rate - time.monotonic()))
         for due in sorted(labels_later or {}):  # labels due after the last image
-            _send_labels(producer, kafka, sid, [(order[p], listing.targets[order[p]]) for p in labels_later[due]])
+            _send_labels(producer, kafka, sid, labels_later[due])
         producer.flush()
     except Stopped as stop:  # SIGINT or SIGTERM (mepo_stream.shutdown): what was sent reaches the broker first
         producer.flush()
@@ -100,19 +99,21 @@ def produce(
     return sent
 
 
-def _labels_later(kafka: KafkaConfig, replay: ReplayConfig, n: int, seed: int) -> dict[int, list[int]] | None:
-    """With --replay.label_delay: ``{stream position: [positions of the images whose labels are sent after it]}``
-    (a label that never comes is in no list); None: labels attached to their images."""
+def _labels_later(kafka: KafkaConfig, replay: ReplayConfig, stream: list[tuple[int, int]], seed: int
+                  ) -> dict[int, list[tuple[int, int]]] | None:
+    """With --replay.label_delay: ``{stream position: [(sample index, label) of the images whose labels are sent
+    after it]}`` for the stream's (sample index, label) in order (a label that never comes is in no list); None:
+    labels attached to their images."""
     if replay.label_delay is None:
         return None
     if kafka.labels_topic is None:
         raise ConfigError("--replay.label_delay sends the labels to their own topic: set --kafka.labels_topic "
                           "(the learner needs the same)")
-    due: dict[int, list[int]] = {}
-    for position, at in enumerate(label_schedule(n, replay.label_delay, replay.label_delay_max, replay.label_loss,
-                                                 seed)):
+    due: dict[int, list[tuple[int, int]]] = {}
+    schedule = label_schedule(len(stream), replay.label_delay, replay.label_delay_max, replay.label_loss, seed)
+    for labelled, at in zip(stream, schedule, strict=True):
         if at is not None:
-            due.setdefault(at, []).append(position)
+            due.setdefault(at, []).append(labelled)
     return due
 
 

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,9 +50,21 @@ class Snapshot:
 
     def top_k(self, probs: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
         """Top-k (original label, probability) pairs per row of ``probabilities``' output."""
-        values, index = probs.topk(min(k, probs.shape[1]), dim=1)
-        return [[(self.exposed[i], p) for i, p in zip(row_i.tolist(), row_p.tolist(), strict=True)]
-                for row_i, row_p in zip(index, values, strict=True)]
+        return top_k(probs, self.exposed, k)
+
+
+def top_k(probs: torch.Tensor, exposed: Sequence[int], k: int) -> list[list[tuple[int, float]]]:
+    """Top-k (original label, probability) pairs per row of probabilities [B, n_seen] in ``exposed`` order."""
+    values, index = probs.topk(min(k, probs.shape[1]), dim=1)
+    return [[(exposed[i], p) for i, p in zip(row_i.tolist(), row_p.tolist(), strict=True)]
+            for row_i, row_p in zip(index, values, strict=True)]
+
+
+def ranked(pairs: list[list[tuple[int, float]]], names: dict[int, str]) -> list[list[dict]]:
+    """``top_k``'s pairs as the answers give them: ``{"label", "name", "probability"}`` per class, most probable
+    first (``/v1/predict`` and the predictions topic alike)."""
+    return [[{"label": label, "name": names.get(label, str(label)), "probability": round(p, 6)} for label, p in row]
+            for row in pairs]
 
 
 def take_snapshot(learner: OnlineLearner, version: int, align_mode: AlignMode = "running") -> Snapshot:

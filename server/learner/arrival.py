@@ -20,6 +20,8 @@ import torch
 
 from mepo_stream.label_join import Refused
 from mepo_stream.learner import OnlineLearner
+from server.snapshot import ranked
+from server.snapshot import top_k as best
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class Arrival:
     prediction: int | None
     """Top-1 label (None before any class is known)."""
     top_k: list[dict]
-    """``[{"label", "class_name", "probability"}]``, most probable first."""
+    """``[{"label", "name", "probability"}]``, most probable first (as ``/v1/predict`` answers)."""
 
 
 @torch.no_grad()
@@ -41,18 +43,12 @@ def arrive(learner: OnlineLearner, images: torch.Tensor, top_k: int, class_names
     must not hold the batch's storage alive while it waits) or, for a learner that needs it, its image."""
     encoded = learner.encode(images)
     n_seen = len(learner.exposed)
+    rows = [[] for _ in range(len(images))]
     if n_seen:
         probs = learner.logits(encoded, (align_mode,))[align_mode][:, :n_seen].softmax(1).cpu()  # [B, n_seen]
-        p, index = probs.topk(min(top_k, n_seen), dim=1)  # [B, k]
-        labels = learner.to_labels(index)  # [B, k]
+        rows = ranked(best(probs, learner.exposed, top_k), class_names)
     keep = encoded.feature.cpu() if learner.learns_from_features else images.cpu()  # [B, D] or [B, 3, S, S]
-    arrivals = []
-    for i in range(len(images)):
-        ranked = [] if not n_seen else [
-            {"label": int(y), "class_name": class_names.get(int(y), str(int(y))), "probability": float(q)}
-            for y, q in zip(labels[i], p[i], strict=True)]
-        arrivals.append(Arrival(keep[i].clone(), ranked[0]["label"] if ranked else None, ranked))
-    return arrivals
+    return [Arrival(keep[i].clone(), row[0]["label"] if row else None, row) for i, row in enumerate(rows)]
 
 
 @dataclass(frozen=True)

@@ -253,11 +253,12 @@ class ServiceState:
         if meta.label is not None:  # labelled: learned as it comes, from what its arrival kept
             self.book.add_pending(key, record.offset, self._kept(arrival.item, meta, arrival.prediction))
             return None
-        if meta.prediction is not None:  # an HTTP upload (``server.uploads``): its answer is the one to score
-            return self._book_join(record, self.join.add_image(meta.id, arrival.item, meta.prediction,
-                                                               self._clock(record)))
-        joined = self.join.add_image(meta.id, arrival.item, arrival.prediction, self._clock(record))
-        return self._book_join(record, joined) or Prediction(meta.id, arrival.top_k, self.version, time.time())
+        answered = meta.prediction is not None  # an HTTP upload (``server.uploads``): its answer is the one to score
+        prediction = meta.prediction if answered else arrival.prediction
+        dead = self._book_join(record, self.join.add_image(meta.id, arrival.item, prediction, self._clock(record)))
+        if dead is not None or answered:
+            return dead
+        return Prediction(meta.id, arrival.top_k, self.version, time.time())
 
     def _book_join(self, record, joined: Joined | Refused | None) -> DeadLetter | None:
         """Book a record the join took: refused (a dead letter), waiting in the join (handled: the join's state

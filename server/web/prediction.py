@@ -9,6 +9,7 @@ import torch
 from mepo_stream.images import ImageError, decode_image
 from server.config import ServeConfig
 from server.serving import ServingModel
+from server.snapshot import ranked
 from server.web.dependencies import ApiError
 
 STATUS_BY_REASON = {"too_large": 413, "too_many_pixels": 413}
@@ -47,7 +48,5 @@ def predict_images(service: ServingModel, images: list[torch.Tensor], top_k: int
         raise ApiError(503, str(e), "no_classes_yet") from e
     finally:
         service.metrics.predict_seconds.observe(time.perf_counter() - start)
-    names = service.class_names
-    rows = [[{"label": lbl, "name": names.get(lbl, str(lbl)), "probability": round(p, 6)} for lbl, p in row]
-            for row in snapshot.top_k(probs, top_k)]
+    rows = ranked(snapshot.top_k(probs, top_k), service.class_names)
     return {"model_version": snapshot.version, "samples_seen": snapshot.samples_seen}, rows
