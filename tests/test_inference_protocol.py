@@ -89,6 +89,26 @@ def test_tritonclient_http_with_binary_inputs_gets_the_v1_answer(servers, role, 
 
 
 @pytest.mark.parametrize("role", ["learner", "replica"])
+def test_tritonclient_reads_the_extensions_and_each_one_answers(servers, role):
+    """``GET /v2`` lists what the server implements, and each listed extension answers Triton's client."""
+    cfg, http = servers[role]
+    client = triton_http.InferenceServerClient(str(http.base_url).removeprefix("http://"))
+    extensions = client.get_server_metadata()["extensions"]
+    assert {"binary_tensor_data", "model_configuration", "statistics"} <= set(extensions)
+    calls = {"model_configuration": lambda: client.get_model_config(cfg.model_name)["name"] == cfg.model_name,
+             "statistics": lambda: client.get_inference_statistics(cfg.model_name)["model_stats"][0]["name"]
+             == cfg.model_name,
+             "binary_tensor_data": lambda: client.infer(cfg.model_name, [binary_image()]).as_numpy("label") is not None}
+    assert {name: calls[name]() for name in extensions} == dict.fromkeys(extensions, True)
+
+
+def binary_image() -> triton_http.InferInput:
+    tensor = triton_http.InferInput("image", [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([jpeg("red")], dtype=np.object_), binary_data=True)
+    return tensor
+
+
+@pytest.mark.parametrize("role", ["learner", "replica"])
 def test_tritonclient_http_without_binary_data_and_one_output_asked(servers, role):
     cfg, http = servers[role]
     client = triton_http.InferenceServerClient(str(http.base_url).removeprefix("http://"))

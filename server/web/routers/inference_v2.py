@@ -44,6 +44,9 @@ router = APIRouter(prefix="/v2", tags=["open inference protocol"], strict_conten
 MAX_TOP_K = 100
 HEADER_LENGTH = "inference-header-content-length"
 ModelName = Annotated[str, Path(description="The served model's name (`--model_name`)", examples=["mepo"])]
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
+"""The extensions of the protocol these routes implement, by the names Triton gives them: clients read them from
+``GET /v2`` to know what they may call (the model-repository extension is left out: only its index is here)."""
 
 
 class TensorParameters(BaseModel):
@@ -119,7 +122,7 @@ def _model(name: str, settings: ServeConfig) -> None:
 
 @router.get("", summary="Server metadata")
 def server_metadata() -> ServerMetadata:
-    return ServerMetadata(name="mepo-stream", version=__version__, extensions=[])
+    return ServerMetadata(name="mepo-stream", version=__version__, extensions=EXTENSIONS)
 
 
 @router.get("/health/live", summary="Server liveness")
