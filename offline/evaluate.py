@@ -214,8 +214,15 @@ def write_tables(runs: list[dict], out: Path, title: str, mode: AlignMode = "bat
 
 
 def plot_curves(runs: list[dict], path: Path, title: str) -> None:
-    """Any-time accuracy vs samples seen: mean over seeds with a ±1 std band, per method, variant and mode."""
-    import matplotlib
+    """Any-time accuracy vs samples seen: mean over seeds with a ±1 std band, per method, variant and mode.
+
+    matplotlib is the ``plots`` extra: without it the tables are still written, and the log says how to get the plot.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        log.warning("no %s: matplotlib is not installed (pip install 'mepo-stream[plots]')", path.name)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

