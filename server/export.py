@@ -1,0 +1,151 @@
+"""``mepo export``: the current model, from a running learner's snapshot or its checkpoint, as ONNX or as a Triton
+model repository (``mepo_stream.export``: uint8 images in, probabilities over the classes seen out).
+
+Two sources, as a replica and a restarted learner have them:
+
+* ``--source snapshot`` (default): the newest snapshot on ``--kafka.snapshot_topic`` for ``--model_name``, built as
+  a replica builds it (``server.replica.follower.ReplicaModel``: the learner's configuration from the snapshot,
+  the backbone weights and bundle on this disk, their sha256 checked against the learner's);
+* ``--source checkpoint``: ``--checkpoint_dir``'s learner checkpoint, in the model ``mepo serve``'s options define
+  (give the same ones the learner ran with), class names from ``--data``.
+
+Example:
+    mepo export --format triton --kafka.bootstrap_servers k1:9092 --mepo runs/refined --out runs/triton
+    tritonserver --model-repository runs/triton
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from kafka import KafkaConsumer, TopicPartition
+
+from mepo_stream.backbone import device
+from mepo_stream.data import list_files
+from mepo_stream.errors import ConfigError
+from mepo_stream.export import (
+    ProbabilityGraph,
+    labels_metadata,
+    onnx_model,
+    write_onnx,
+    write_triton_repository,
+)
+from mepo_stream.model import create_model
+from server.config import ServeConfig, model_config
+from server.learner.state import CHECKPOINT, read_checkpoint
+from server.replica.follower import ReplicaModel, Refused
+from server.snapshot import Snapshot
+from server.snapshot_topic import Assembler, SnapshotMessage, decode
+
+log = logging.getLogger(__name__)
+IDLE_POLL_MS = 1000
+"""A poll this long that brings nothing, once a snapshot is whole: the topic is read to its end."""
+
+
+@dataclass(frozen=True)
+class ExportConfig(ServeConfig):
+    """Export the current model as ONNX or a Triton model repository; every ``mepo serve`` option says where the
+    model comes from and how it is built.
+
+    Example: ``mepo export --format onnx --source checkpoint --checkpoint_dir runs/serve --out model.onnx``.
+    """
+
+    format: Literal["onnx", "triton"] = "onnx"
+    """``onnx``: one .onnx file at --out. ``triton``: a model repository at --out (``<model_name>/config.pbtxt``,
+    ``1/model.onnx``, ``labels.txt``), for ``tritonserver --model-repository <out>``."""
+    source: Literal["snapshot", "checkpoint"] = "snapshot"
+    """``snapshot``: the newest snapshot a learner published to --kafka.snapshot_topic (--model_name's).
+    ``checkpoint``: the learner checkpoint in --checkpoint_dir."""
+    out: Path = Path("runs/export")
+    """Where to write: the .onnx file (--format onnx) or the repository folder (--format triton), replaced whole."""
+    wait_s: float = 30.0
+    """Longest wait for a whole snapshot on the snapshot topic."""
+    max_batch_size: int = 64
+    """Triton's max_batch_size (its dynamic batcher's largest batch)."""
+
+
+def read_snapshot(cfg: ServeConfig, wait_s: float) -> SnapshotMessage:
+    """The newest whole snapshot of ``cfg.model_name`` on the snapshot topic, read from its beginning."""
+    topic = cfg.kafka.snapshot_topic
+    if topic is None:
+        raise ConfigError("--source snapshot needs --kafka.snapshot_topic (the topic the learner publishes to)")
+    consumer = KafkaConsumer(**cfg.kafka.client_options(), group_id=None, enable_auto_commit=False,
+                             auto_offset_reset="earliest", max_partition_fetch_bytes=4 * cfg.kafka.snapshot_chunk_bytes)
+    try:
+        partitions = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        consumer.assign(partitions)
+        blob = _newest_blob(consumer, Assembler(cfg.model_name), time.monotonic() + wait_s)
+    finally:
+        consumer.close()
+    if blob is None:
+        raise ConfigError(f"no whole snapshot of model {cfg.model_name!r} on {topic} at {cfg.kafka.bootstrap_servers} "
+                          f"within {wait_s:.0f} s: is a learner publishing there (--kafka.snapshot_topic, "
+                          f"--model_name)? Or export its checkpoint: --source checkpoint")
+    return decode(blob)
+
+
+def _newest_blob(consumer: KafkaConsumer, assembler: Assembler, deadline: float) -> bytes | None:
+    """Poll until the topic is read to its end (a poll that brings nothing once a snapshot is whole), or the
+    deadline; the newest snapshot put back together, if any."""
+    newest = None
+    while time.monotonic() < deadline:
+        polled = consumer.poll(timeout_ms=IDLE_POLL_MS)
+        if not polled and newest is not None:
+            break
+        for record in sorted((r for rs in polled.values() for r in rs), key=lambda r: (r.partition, r.offset)):
+            newest = assembler.add(record.key, record.value, record.headers) or newest
+    return newest
+
+
+def from_snapshot(cfg: ExportConfig) -> tuple[Snapshot, list[str]]:
+    """The learner's newest snapshot, built as a replica builds it, and its class names (original label order)."""
+    message = read_snapshot(cfg, cfg.wait_s)
+    try:
+        snapshot = ReplicaModel(cfg).snapshot(message)
+    except Refused as e:
+        raise ConfigError(f"cannot build the snapshot's model here: {e}") from e
+    return snapshot, list(message.origin.class_names)
+
+
+def from_checkpoint(cfg: ExportConfig) -> tuple[Snapshot, list[str]]:
+    """The model in ``--checkpoint_dir``'s learner checkpoint, built from the options, and the data's class names."""
+    path = cfg.checkpoint_dir / CHECKPOINT
+    if not path.is_file():
+        raise ConfigError(f"no learner checkpoint at {path}: pass the learner's --checkpoint_dir")
+    state = read_checkpoint(path)
+    learned = state["learner"]
+    names = list_files(cfg.data, "train").class_names
+    model = create_model(model_config(cfg), len(names), device())
+    try:
+        model.load_trainable_state_dict(learned["method"])
+    except ValueError as e:
+        raise ConfigError(f"{path} was written by another model than these options build (give the learner's "
+                          f"--method, --backbone.*, --mepo, --learner.* options): {e}") from e
+    exposed = tuple(int(y) for y in learned["exposed"])
+    return Snapshot(model.inference_copy(), exposed, int(state["version"]), int(learned["samples_seen"]),
+                    cfg.alignment.inference_mode), names
+
+
+def export(cfg: ExportConfig) -> Path:
+    """Write the current model as ``--format`` says, from ``--source``; returns what was written."""
+    snapshot, names = (from_snapshot if cfg.source == "snapshot" else from_checkpoint)(cfg)
+    if not snapshot.exposed:
+        raise ConfigError("the model has not learned any class yet: nothing to export")
+    graph = ProbabilityGraph(snapshot.model, len(snapshot.exposed), snapshot.align_mode)
+    labels = [names[y] for y in snapshot.exposed]
+    model = onnx_model(graph, labels_metadata(labels, list(snapshot.exposed), snapshot.version,
+                                              snapshot.samples_seen))
+    if cfg.format == "onnx":
+        written = write_onnx(model, cfg.out)
+    else:
+        written = write_triton_repository(cfg.out, cfg.model_name, model, labels, graph.image_size,
+                                          cfg.max_batch_size)
+    print(json.dumps({"format": cfg.format, "out": str(written), "source": cfg.source,
+                      "model_version": snapshot.version, "samples_seen": snapshot.samples_seen,
+                      "classes": len(labels), "image_size": graph.image_size}))
+    return written
