@@ -39,8 +39,8 @@ import io
 import json
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import onnx
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,9 +50,22 @@ from mepo_stream.files import atomic_path
 from mepo_stream.heads import StreamingLDA
 from mepo_stream.methods.base import ContinualMethod, Encoded
 
+if TYPE_CHECKING:
+    import onnx
+
 INPUT, OUTPUT = "image", "probability"
 LABELS_FILE = "labels.txt"
 OPSET = 18
+
+
+def onnx_package():
+    """The ``onnx`` package, the ``export`` extra (a bare install serves without it)."""
+    try:
+        import onnx
+    except ImportError as e:
+        raise ImportError("mepo export writes its model with the onnx package, which is not installed: "
+                          "pip install 'mepo-stream[export]'") from e
+    return onnx
 
 
 class SolvedLDA(nn.Module):
@@ -115,6 +128,7 @@ def onnx_model(graph: ProbabilityGraph, metadata: dict[str, str]) -> onnx.ModelP
         warnings.simplefilter("ignore")  # the tracer's notes on those Python branches
         torch.onnx.export(graph, (example,), buffer, input_names=[INPUT], output_names=[OUTPUT], opset_version=OPSET,
                           dynamic_axes={INPUT: {0: "batch"}, OUTPUT: {0: "batch"}}, dynamo=False)
+    onnx = onnx_package()
     model = onnx.load_from_string(buffer.getvalue())
     onnx.helper.set_model_props(model, metadata)
     onnx.checker.check_model(model)
@@ -125,7 +139,7 @@ def write_onnx(model: onnx.ModelProto, path: Path) -> Path:
     """Write ``model`` to ``path`` atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
-        onnx.save(model, tmp)
+        onnx_package().save(model, tmp)
     return path
 
 
@@ -150,7 +164,7 @@ def write_triton_repository(out: Path, name: str, model: onnx.ModelProto, labels
     with atomic_path(out) as tmp:
         folder = tmp / name
         (folder / "1").mkdir(parents=True)
-        onnx.save(model, folder / "1" / "model.onnx")
+        onnx_package().save(model, folder / "1" / "model.onnx")
         (folder / LABELS_FILE).write_text("".join(f"{label}\n" for label in labels))
         (folder / "config.pbtxt").write_text(triton_config(name, image_size, len(labels), max_batch_size))
     return out
