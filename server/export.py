@@ -76,10 +76,12 @@ def read_snapshot(cfg: ServeConfig, wait_s: float) -> SnapshotMessage:
         raise ConfigError("--source snapshot needs --kafka.snapshot_topic (the topic the learner publishes to)")
     consumer = KafkaConsumer(**cfg.kafka.client_options(), group_id=None, enable_auto_commit=False,
                              auto_offset_reset="earliest", max_partition_fetch_bytes=4 * cfg.kafka.snapshot_chunk_bytes)
+    deadline = time.monotonic() + wait_s
     try:
-        partitions = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
-        consumer.assign(partitions)
-        blob = _newest_blob(consumer, Assembler(cfg.model_name), time.monotonic() + wait_s)
+        while not (partitions := consumer.partitions_for_topic(topic)) and time.monotonic() < deadline:
+            time.sleep(0.5)  # the topic is made by the learner's publisher: it may not be there yet
+        consumer.assign([TopicPartition(topic, p) for p in sorted(partitions or ())])
+        blob = _newest_blob(consumer, Assembler(cfg.model_name), deadline) if partitions else None
     finally:
         consumer.close()
     if blob is None:

@@ -3,6 +3,7 @@ polled waits, and the learner checkpoint. Tests import from here; ``conftest.py`
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import shlex
@@ -47,6 +48,13 @@ TINY = BackboneConfig(name="test_vit", weights=None, img_size=32)
 DATA = DataConfig(dataset="cifar10", train_per_class=20, test_per_class=5)  # a 200-image stream
 NO_BROKER = SimpleNamespace(bootstrap="127.0.0.1:9")
 """A broker address nothing answers at, for ``settings`` of a state built without Kafka."""
+
+
+def png_bytes(image: torch.Tensor) -> bytes:
+    """A uint8 image [3, H, W] as a PNG file: lossless, so a server decodes exactly these pixels."""
+    buf = io.BytesIO()
+    Image.fromarray(image.permute(1, 2, 0).numpy()).save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def color_images(labels: torch.Tensor, size: int = 32, noise: int = 40, seed: int | None = None) -> torch.Tensor:

@@ -1,6 +1,7 @@
 import hashlib
 import json
 import pickle
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,9 @@ from mepo_stream.backbone import (
     read_state_dict,
 )
 from mepo_stream.errors import ConfigError
-from tests.helpers import TINY, fill_hub_cache
+from mepo_stream.model import weights_sha256
+from server.export import read_snapshot
+from tests.helpers import TINY, ServeProcess, fill_hub_cache, settings
 
 
 def trained_state(img_size: int = 32) -> dict[str, torch.Tensor]:
@@ -159,3 +162,24 @@ def test_hub_weights_of_another_architecture_name_it(offline_hub):
 def test_timm_weights_of_a_model_without_a_hub_tag_are_refused():
     with pytest.raises(ConfigError, match="timm has no pretrained weights on the Hugging Face Hub for 'nope'"):
         hub_repo("nope", "timm")
+
+
+@pytest.mark.parametrize("weights", ["timm", "hf-hub:someone/test-vit"])
+def test_mepo_serve_builds_hub_weights_from_a_filled_cache_with_the_hub_off(broker, tmp_path, monkeypatch, weights):
+    """``mepo serve --backbone.name test_vit --backbone.weights timm`` (or ``hf-hub:``) as its own process, with
+    ``HF_HUB_OFFLINE=1`` and a cache filled here: the backbone it publishes (its snapshots' sha256 of the weights as
+    built) is the cached state dict's."""
+    state = trained_state()
+    repo = "timm/test_vit.r160_in1k" if weights == "timm" else weights.removeprefix("hf-hub:")
+    fill_hub_cache(tmp_path / "hf" / "hub", repo, {"model.safetensors": save(state), "config.json": HUB_CONFIG.encode()})
+    save_file(state, str(tmp_path / "local.safetensors"))
+    expected = weights_sha256(create_backbone(BackboneConfig("test_vit", str(tmp_path / "local.safetensors"), 32)))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = settings(broker, tmp_path, backbone=BackboneConfig("test_vit", weights, 32))
+    cfg = replace(cfg, kafka=replace(cfg.kafka, snapshot_topic=f"snapshots-{cfg.kafka.group_id}"))
+    with ServeProcess(cfg, tmp_path / "serve.log") as process:
+        try:
+            assert read_snapshot(cfg, wait_s=120).origin.backbone_sha256 == expected
+        finally:
+            process.terminate()
