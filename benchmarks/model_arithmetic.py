@@ -12,9 +12,9 @@ the bf16 ones only where the hardware multiplies bf16 natively; and two candidat
 says where they pay and what they cost; int8 is an option of the learner, compile is not):
 
 * ``bf16_weights_compiled``: ``bf16_weights`` through ``torch.compile`` (Inductor; compile time excluded);
-* ``int8_dynamic``: the Linear layers' weights quantised to int8, activations quantised per batch
-  (``mepo_stream.precision.quantize_int8``, ``--learner.precision int8``; AMX/VNNI int8 matrix units where the
-  CPU has them), CPU only.
+* ``int8_dynamic``: the Linear layers' weights quantised to int8 per output channel, activations per row (per
+  token) on every call, integer products summed in int32 (``mepo_stream.precision.quantize_int8``,
+  ``--learner.precision int8``; ``torch._int_mm``, VNNI/AMX int8 units where the CPU has them), CPU only.
 
 Each variant's CLS features of real test images are compared with fp32's (``feature_cosine_min``). FLOPs are
 counted by ``torch.utils.flop_counter`` (a multiply-add is 2 FLOPs); achieved FLOP/s = FLOPs per image x images

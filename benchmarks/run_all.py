@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -34,7 +35,7 @@ from mepo_stream.cli import config_options
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 BENCHMARKS = ("model_arithmetic", "learning_quality", "learner_throughput", "predict_latency", "predict_throughput",
               "protocol_latency", "replica_latency", "alignment_cost", "refine_throughput", "scale_out",
-              "label_join_memory")
+              "label_join_memory", "batch_invariance")
 GPU_BENCHMARKS = ("gpu_learner_fp32", "gpu_learner_bf16", "gpu_predict_latency", "gpu_vit_b16")
 ALL = (*BENCHMARKS, *GPU_BENCHMARKS)
 GPU_LEARNER_CONFIGS = ("prequential", "paper_recipe")
@@ -106,12 +107,14 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path) -> tuple[str, lis
                                                       "--repeats", n(2, 10)]),
         "refine_throughput": lambda: ("refine_throughput", ["--model", spec.model, "--img_size", str(spec.img_size),
                                                             "--steps", n(2, 10), "--rounds", n(1, 3)]),
-        "scale_out": lambda: ("scale_out", [*stream(replace(spec, mepo=None), 200, 200), "--bare_batches", n(2, 20),
+        "scale_out": lambda: ("scale_out", [*stream(replace(spec, mepo=None), 200, 100), "--min_seconds", n(1, 30),
                                             "--test_per_class", n(5, 100)]),
         "label_join_memory": lambda: ("label_join_memory", [
             "--feature_model", spec.model, "--img_size", str(spec.img_size), "--n", n(200, 5000),
             "--max_images", n(50, 2000), "--sample_every", n(50, 1000), "--delay_min", n(10, 50),
             "--delay_max", n(40, 200)]),
+        "batch_invariance": lambda: ("batch_invariance", [*config_options(spec, "--spec."), "--batches", n(1, 10),
+                                                          "--rounds", n(1, 5), "--repeats", n(3, 30)]),
         "gpu_learner_fp32": lambda: learner(pinned("fp32"), *GPU_LEARNER_CONFIGS),
         "gpu_learner_bf16": lambda: learner(pinned("bf16"), *GPU_LEARNER_CONFIGS),
         "gpu_predict_latency": latency,
@@ -259,11 +262,37 @@ def _arithmetic_rows(r: dict) -> list[Row]:
 def _scale_out_rows(r: dict) -> list[Row]:
     one, two = r["one"], r["two"]
     bare = r["bare_samples_per_s"]
-    return [("Learning scaled out: 2 learners (1 thread, 1 core each) on 4 partitions, ÷ 1 learner (samples/s)",
-             _fmt(two["samples_per_s"], "/s"), _fmt(one["samples_per_s"], "/s") + " (1 learner)", r["ratio"],
-             "≥ 1.80", r["ratio"] >= 1.8),
+    return [("Learning scaled out: 2 learners (1 thread, 1 core each) on 4 partitions, ÷ 1 learner (samples/s), "
+             f"over the machine's 2 ÷ 1 limit (runs ≥ {r['min_seconds']:.0f} s)", _fmt(two["samples_per_s"], "/s"),
+             _fmt(one["samples_per_s"], "/s") + " (1 learner)", r["of_limit"], "≥ 0.95",
+             r["of_limit"] >= 0.95 and r["long_enough"]),
             ("The machine's limit: 2 bare learner loops at once (1 thread, 1 core each), ÷ 1 (samples/s)",
              _fmt(bare["2"], "/s"), _fmt(bare["1"], "/s") + " (1 loop)", r["bare_ratio"], "–", None)]
+
+
+def _invariance_rows(r: dict) -> list[Row]:
+    learner, predict = r["learner"], r["predict"]
+    b, part = learner["batch_size"], learner["partial_images"]
+    rows: list[Row] = [
+        (f"One image, one feature: the learner with every forward in its fixed shape ({b} images) ÷ free shapes, "
+         f"full mini-batches, side by side (samples/s)", _fmt(statistics.median(learner["full"]["b_samples_per_s"]),
+                                                             "/s"),
+         _fmt(statistics.median(learner["full"]["a_samples_per_s"]), "/s") + " (free shapes)",
+         learner["full"]["ratio"], "≥ 0.97", learner["full"]["ratio"] >= 0.97),
+        (f"The same on a partial mini-batch of {part} images (padded to {b})",
+         _fmt(statistics.median(learner["partial"]["b_samples_per_s"]), "/s"),
+         _fmt(statistics.median(learner["partial"]["a_samples_per_s"]), "/s") + " (free shapes)",
+         learner["partial"]["ratio"], "–", None)]
+    for name, what in (("free", "as it comes (the default)"), ("invariant", "--learner.invariant_predictions")):
+        rows.append((f"Predict p50, one image, {what} (bare: the backbone's own forward)",
+                     f"{predict[f'{name}_ms']:.1f} ms", f"{predict['backbone_ms']:.1f} ms",
+                     predict[f"{name}_x_backbone"], "–", None))
+    if int8 := r.get("int8"):
+        rows.append(("int8 learner, activations per row (exact, invariant) ÷ per batch (before), side by side "
+                     "(samples/s)", _fmt(statistics.median(int8["b_samples_per_s"]), "/s"),
+                     _fmt(statistics.median(int8["a_samples_per_s"]), "/s") + " (per batch)", int8["ratio"], "–",
+                     None))
+    return rows
 
 
 def _join_rows(r: dict) -> list[Row]:
@@ -281,7 +310,7 @@ ROWS: dict[str, Callable[[dict], list[Row]]] = {
     "predict_latency": _latency_rows, "protocol_latency": _protocol_rows,
     "predict_throughput": _throughput_rows, "replica_latency": _replica_rows,
     "alignment_cost": _alignment_rows, "refine_throughput": _refine_rows, "scale_out": _scale_out_rows,
-    "label_join_memory": _join_rows,
+    "label_join_memory": _join_rows, "batch_invariance": _invariance_rows,
     "gpu_learner_fp32": _learner_rows,
     "gpu_learner_bf16": _learner_rows, "gpu_predict_latency": _latency_rows, "gpu_vit_b16": _bare_learner_rows,
 }

@@ -9,7 +9,12 @@ poll that finds the whole stream learned.
 
 The reference is the machine's own limit: the bare learner loop (``benchmarks.learner_throughput``'s, the same
 model and test-then-train on decoded batches) in one process against two at once, one core and one thread each.
-On a VM two vCPUs need not scale 2x even for bare PyTorch (shared caches, memory bandwidth, the host's SMT).
+On a VM two vCPUs need not scale 2x even for bare PyTorch (shared caches, memory bandwidth, the host's SMT), so the
+result is the learners' ratio next to that limit (``of_limit``: 2 ÷ 1 learners over 2 ÷ 1 bare loops).
+
+Sized to the machine: every timed run lasts at least ``--min_seconds`` (30 s by default). The bare loops run first,
+that long each; the stream is then sized from their rate so that the pair learns that long after its group has
+settled (and the single learner, about twice as long). A fixed stream measured start-up on a fast machine.
 
 Also checked on the real model: the two groups' merged sums (read from their state topics) against each other,
 the shrinkage each chose from its summed prequential hits, and the A_last of each at both choices.
@@ -21,11 +26,12 @@ and D dimensions (``on_paper``) from the per-element cost of adding sums, measur
 rate.
 
 Usage:
-    python -m benchmarks.scale_out --spec.train_per_class 100 --out benchmarks/results/scale_out.json
+    python -m benchmarks.scale_out --out benchmarks/results/scale_out.json
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import re
@@ -49,6 +55,8 @@ from server.learner.changelog import Changelog
 
 PARTITIONS = 4
 """Partitions of the benchmark's topic, as in the scale-out recipe (two per learner of the pair)."""
+BARE_BATCHES = 20
+"""Mini-batches a bare loop cycles through (decoded once, before the clock starts)."""
 SHAPES = [(n, classes, dim) for n in (2, 10, 100) for classes, dim in ((10, 384), (100, 384), (1000, 768))]
 
 
@@ -143,33 +151,44 @@ def run_group(spec: ServiceSpec, bootstrap: str, learners: int, n: int, work: Pa
             "state_bytes_per_learner_per_s": [_metric(t, "mepo_state_written_bytes_total") / wall for t in texts]}
 
 
-def _bare_worker(spec: ServiceSpec, core: int, batches: int, barrier, results) -> None:
-    """The bare learner (``benchmarks.learner_throughput``'s) on one core with one thread, timed after all workers
-    have warmed up (the barrier), so their timed loops overlap."""
+def _bare_worker(spec: ServiceSpec, core: int, seconds: float, barrier, results) -> None:
+    """The bare learner (``benchmarks.learner_throughput``'s) on one core with one thread, timed for ``seconds``
+    after all workers have warmed up (the barrier), so their timed loops overlap."""
     os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
     learner = bare_learner(spec, len(list_files(spec.data, "train").classes))
-    warm_up, *timed = stream_batches(spec, batches + 1, learner.device)
+    warm_up, *timed = stream_batches(spec, BARE_BATCHES + 1, learner.device)
     learn(learner, *warm_up, True)
     barrier.wait()
-    start = time.perf_counter()
-    for images, labels in timed:
-        learn(learner, images, labels, True)
-    results.put(batches * spec.learner.batch_size / (time.perf_counter() - start))
+    start, done = time.perf_counter(), 0
+    while (elapsed := time.perf_counter() - start) < seconds:
+        learn(learner, *timed[done % len(timed)], True)
+        done += 1
+    results.put(done * spec.learner.batch_size / elapsed)
 
 
-def bare_scaling(spec: ServiceSpec, workers: int, batches: int) -> float:
-    """Aggregate samples/s of ``workers`` bare learners at once, one core and one thread each: what the machine
-    gives two processes, the limit of two learners on it."""
+def bare_scaling(spec: ServiceSpec, workers: int, seconds: float) -> float:
+    """Aggregate samples/s of ``workers`` bare learners at once for ``seconds``, one core and one thread each:
+    what the machine gives two processes, the limit of two learners on it."""
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(workers), ctx.Queue()
-    procs = [ctx.Process(target=_bare_worker, args=(spec, core, batches, barrier, results)) for core in range(workers)]
+    procs = [ctx.Process(target=_bare_worker, args=(spec, core, seconds, barrier, results))
+             for core in range(workers)]
     for proc in procs:
         proc.start()
     rates = [results.get(timeout=1800) for _ in procs]
     for proc in procs:
         proc.join()
     return sum(rates)
+
+
+def stream_size(spec: ServiceSpec, pair_rate: float, seconds: float) -> int:
+    """Images per class for the pair of learners to learn ``seconds`` after its group settles, at ``pair_rate``
+    (the two bare loops' samples/s): half again as many, for the samples the first learner learns alone while the
+    second joins; at least ``spec.train_per_class``, at most what the dataset has."""
+    classes = len(list_files(spec.data, "train").classes)
+    wanted = max(spec.train_per_class, math.ceil(1.5 * pair_rate * seconds / classes))
+    return len(list_files(replace(spec.data, train_per_class=wanted), "train").files) // classes
 
 
 def same_model(spec: ServiceSpec, one: LabelStatistics, two: LabelStatistics, test_per_class: int) -> dict:
@@ -231,15 +250,17 @@ def on_paper(per_element: float, rate: float, every: int = 512) -> list[dict]:
     return rows
 
 
-def main(spec: ServiceSpec = ServiceSpec(train_per_class=100), bare_batches: int = 20, test_per_class: int = 100,
+def main(spec: ServiceSpec = ServiceSpec(), min_seconds: float = 30.0, test_per_class: int = 100,
          out: Path = Path("benchmarks/results/scale_out.json"),
          work: Path = Path("benchmarks/results/work/scale_out")) -> dict:
     """Two learners (one thread, one core each) against one, on the same stream; the same for the bare learner
-    loop (the machine's own limit for two processes); and the costs on paper.
+    loop (the machine's own limit for two processes); and the costs on paper. Every timed run lasts at least
+    ``min_seconds`` on the machine at hand: the bare loops run that long, and the stream is sized from their rate.
 
     Args:
-        spec: Stream and model (the default learner: frozen backbone, streaming LDA; no bundle).
-        bare_batches: Timed mini-batches of each bare learner.
+        spec: Model and stream (the default learner: frozen backbone, streaming LDA; no bundle). Its
+            ``train_per_class`` is the stream's least size; more where ``min_seconds`` needs it.
+        min_seconds: The shortest timed run.
         test_per_class: Test images per class for the A_last of each group's model.
         out: JSON result.
         work: Logs and checkpoints.
@@ -247,16 +268,20 @@ def main(spec: ServiceSpec = ServiceSpec(train_per_class=100), bare_batches: int
     spec = replace(spec, mepo=None)  # Meta Cov's running statistics cannot be merged: the default head without it
     work.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
+    bare = {str(k): bare_scaling(spec, k, min_seconds) for k in (1, 2)}
+    spec = replace(spec, train_per_class=stream_size(spec, bare["2"], min_seconds))
     n = len(list_files(spec.data, "train").files)
     with EmbeddedBroker(log_path=work / "broker.log") as broker:
         one = run_group(spec, broker.bootstrap, 1, n, work)
         two = run_group(spec, broker.bootstrap, 2, n, work)
     exact = same_model(spec, one.pop("merged"), two.pop("merged"), test_per_class)
-    bare = {str(k): bare_scaling(spec, k, bare_batches) for k in (1, 2)}
     per_element = add_cost_per_element()
-    result = {"spec": spec.as_json(), "one": one, "two": two, "ratio": two["samples_per_s"] / one["samples_per_s"],
-              "bare_samples_per_s": bare, "bare_ratio": bare["2"] / bare["1"], "same_model": exact,
-              "add_s_per_element": per_element, "on_paper": on_paper(per_element, one["samples_per_s"])}
+    ratio, bare_ratio = two["samples_per_s"] / one["samples_per_s"], bare["2"] / bare["1"]
+    result = {"spec": spec.as_json(), "stream_samples": n, "min_seconds": min_seconds,
+              "long_enough": min(one["seconds"], two["seconds"]) >= min_seconds, "one": one, "two": two,
+              "ratio": ratio, "bare_samples_per_s": bare, "bare_ratio": bare_ratio, "of_limit": ratio / bare_ratio,
+              "same_model": exact, "add_s_per_element": per_element,
+              "on_paper": on_paper(per_element, one["samples_per_s"])}
     return write_result(result, out, *spec.placement())
 
 

@@ -75,7 +75,12 @@ class LearnerConfig:
     lr: float = 5e-3
     """Adam learning rate (constant)."""
     batch_size: int = 32
-    """Stream mini-batch size (the reference: batchsize 64 // 2)."""
+    """Stream mini-batch size (the reference: batchsize 64 // 2). Every eval-mode forward of the learning path runs
+    on exactly this many images, a partial batch padded: an image's feature does not depend on its mini-batch."""
+    invariant_predictions: bool = False
+    """Predictions (HTTP, gRPC, replicas) also run in that fixed shape: an answer never depends on what else was
+    asked at the same moment, and equals the learning path's to the bit. The cost is a full mini-batch forward for
+    every request batch, heavy on a CPU and small on a GPU (docs/performance.md, "Batch-invariant features")."""
     online_iter: int = 3
     """Gradient steps taken on each stream mini-batch."""
     train_mask: Literal["batch", "seen", "none"] = "batch"

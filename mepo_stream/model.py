@@ -168,8 +168,8 @@ def make_classifier(cfg: LearnerConfig, dim: int, n_classes: int, alignment: Fea
 def readout(cfg: LearnerConfig, backbone: VisionTransformer, n_classes: int, alignment: FeatureAlignment | None,
             device: torch.device) -> Readout:
     """How the model reads its input and its feature: the eval transform at the backbone's resolution, the
-    statistics classifier and standardisation ``cfg`` asks for, the precision on ``device``, the logit mask, and
-    the sha256 of the backbone as built (before any cast: a replica in another precision checks the same
+    statistics classifier and standardisation ``cfg`` asks for, the precision on ``device``, the logit mask, the
+    fixed forward shape (the mini-batch size: ``ContinualMethod.encode_images``), and the sha256 of the backbone as built (before any cast: a replica in another precision checks the same
     weights)."""
     dim = backbone.num_features
     return Readout(
@@ -177,7 +177,8 @@ def readout(cfg: LearnerConfig, backbone: VisionTransformer, n_classes: int, ali
         standardize=RunningStandardize(dim) if cfg.standardize else None,
         transform=test_transform(backbone.patch_embed.img_size[0], *normalization(backbone)),
         dtype=resolve_precision(cfg.precision, device), eval_mask=cfg.eval_mask,
-        backbone_sha256=weights_sha256(backbone))
+        backbone_sha256=weights_sha256(backbone), forward_batch=cfg.batch_size,
+        invariant_predictions=cfg.invariant_predictions)
 
 
 def plain_frozen_backbone(method: ContinualMethod) -> bool:

@@ -2,8 +2,8 @@
 
 Statistics, the alignment and the LDA stay in fp32/fp64 whatever is chosen here; only the backbone and the
 prompts run under autocast (and a frozen plain backbone may store its weights in bf16, ``mepo_stream.model``).
-``int8`` (never chosen by ``auto``) quantises a frozen plain backbone's Linear layers on the CPU and runs the rest
-in fp32 (``quantize_int8``).
+``int8`` (never chosen by ``auto``) quantises a frozen plain backbone's Linear layers on the CPU, activations per
+token, and runs the rest in fp32 (``quantize_int8``).
 
 Example:
     >>> resolve_precision("fp32", torch.device("cpu"))
@@ -16,7 +16,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import warnings
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Literal
@@ -55,23 +54,62 @@ def resolve_precision(precision: Precision, device: torch.device) -> torch.dtype
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}[precision]
 
 
-def quantize_int8(module: torch.nn.Module) -> torch.nn.Module:
-    """``module`` with its Linear layers' weights in int8 and their activations quantised per batch (dynamic
-    quantisation, in place; CPU only, for inference: nothing trains through it).
+_ROUND = 1.5 * 2**23
+"""Added to and taken from an fp32 of magnitude below 2**22, it rounds it to the nearest integer, half to even, as
+``torch.round`` does, in two vectorised in-place passes (``torch.round`` took twice as long as both on the CPU)."""
 
-    Why ``torch.ao.quantization.quantize_dynamic``, which torch deprecates in favour of torchao: on the CPU it runs
-    fbgemm's int8 kernels in eager mode, and torchao's eager replacement (``Int8DynamicActivationInt8WeightConfig``)
-    ran DINOv2 ViT-S/14 no faster than bf16 weights (160 against 262 images/s on a 2-core AMD EPYC;
-    docs/performance.md). The pinned torch still ships it; its deprecation warnings are silenced here only.
+
+class Int8Linear(torch.nn.Module):
+    """A frozen ``nn.Linear`` in int8: weights quantised once per output channel, activations per row (per token)
+    on every call, their products summed exactly in int32 (``torch._int_mm``), then scaled back to fp32.
+
+    Why per row and not per batch: a scale shared by the whole batch (``torch.ao``'s dynamic quantisation) makes an
+    image's feature depend on the other images of its mini-batch, by up to 7 % on DINOv2 ViT-S/14. Here a row's
+    output depends on that row alone, bit for bit, whatever the batch and whatever kernel sums it (integer sums are
+    exact), which is what lets a group of learners build one learner's model in int8 (docs/scale-out.md).
 
     Example:
-        >>> quantize_int8(torch.nn.Sequential(torch.nn.Linear(4, 2)))[0]._get_name()
-        'DynamicQuantizedLinear'
+        >>> layer = Int8Linear(torch.nn.Linear(4, 2))
+        >>> x = torch.randn(3, 4)
+        >>> torch.equal(layer(x)[:1], layer(x[:1]))  # one row alone: the same bits
+        True
     """
-    with warnings.catch_warnings():  # the API's and its quantized tensors' deprecation notices, here only
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions", category=UserWarning)
-        return torch.ao.quantization.quantize_dynamic(module, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().float()  # [N, K]
+        scale = w.abs().amax(1).clamp_min(1e-12) / 127  # [N]
+        self.register_buffer("weight_t", (w / scale[:, None]).round().to(torch.int8).t().contiguous())  # [K, N]
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()  # [M, K]
+        peak = rows.abs().amax(1, keepdim=True).clamp_min_(1e-12)  # [M, 1] (aminmax, vector_norm: 15-20x slower)
+        q = (rows * (127 / peak)).add_(_ROUND).sub_(_ROUND).to(torch.int8)  # round half to even, |q| <= 127
+        y = torch._int_mm(q, self.weight_t).float().mul_(peak / 127)  # [M, N]
+        y = y.mul_(self.weight_scale) if self.bias is None else y.mul_(self.weight_scale).add_(self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def quantize_int8(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with every Linear layer replaced by an ``Int8Linear``, in place (CPU, for inference: nothing
+    trains through it).
+
+    Example:
+        >>> quantize_int8(torch.nn.Sequential(torch.nn.Linear(4, 2)))[0]
+        Int8Linear(in_features=4, out_features=2, bias=True)
+    """
+    for name, child in module.named_children():
+        if isinstance(child, torch.nn.Linear):
+            setattr(module, name, Int8Linear(child))
+        else:
+            quantize_int8(child)
+    return module
 
 
 def autocast(device: torch.device, dtype: torch.dtype) -> AbstractContextManager:

@@ -145,7 +145,7 @@ def test_int8_backbone_learns_like_fp32_and_checkpoints_without_it():
     for learner in learners.values():
         colour_stream(learner)
     int8 = learners["int8"]
-    assert int8.method.backbone.blocks[0].mlp.fc1._get_name() == "DynamicQuantizedLinear"
+    assert int8.method.backbone.blocks[0].mlp.fc1._get_name() == "Int8Linear"
     assert int8.dtype == torch.float32 and int8.method.classifier.sums.dtype == torch.float64
     test = torch.arange(4).repeat(8)
     assert accuracy(int8, test) >= accuracy(learners["fp32"], test) - 0.1

@@ -56,6 +56,11 @@ class Readout:
     """Prediction logit mask: none (MISA/MePo) or the seen classes only (MVP/FlyGCL)."""
     backbone_sha256: str | None = None
     """``mepo_stream.model.weights_sha256`` of the backbone as built, before any cast."""
+    forward_batch: int | None = None
+    """Every eval-mode forward of the learning path runs on exactly this many images (None: as many as given):
+    ``encode_images``."""
+    invariant_predictions: bool = False
+    """Predictions (``predict_proba``) run in the learning path's fixed shape too."""
 
 
 class ContinualMethod(nn.Module):
@@ -81,6 +86,7 @@ class ContinualMethod(nn.Module):
         self.classifier, self.standardize = readout.classifier, readout.standardize
         self.transform, self.dtype, self.eval_mask = readout.transform, readout.dtype, readout.eval_mask
         self.backbone_sha256 = readout.backbone_sha256
+        self.forward_batch, self.invariant_predictions = readout.forward_batch, readout.invariant_predictions
 
     @property
     def n_classes(self) -> int:
@@ -157,14 +163,42 @@ class ContinualMethod(nn.Module):
 
     # --- the one prediction path: the any-time evaluation, test-then-train, serving and replicas ---------------
     @torch.inference_mode()
-    def encode_images(self, images: torch.Tensor) -> Encoded:
-        """The eval-mode encoding of uint8 images [B, 3, H, W] as predictions see them (feature in fp32)."""
+    def encode_images(self, images: torch.Tensor, fixed_shape: bool = True) -> Encoded:
+        """The eval-mode encoding of uint8 images [B, 3, H, W] as predictions see them (feature in fp32).
+
+        Why a fixed shape: the math libraries pick kernels by shape (oneDNN's bf16 attention on AMX packs its
+        operands only for larger batches; cuBLAS picks tiles and split-K by the matrix sizes), and at bf16 another
+        kernel rounds differently: an image's feature then depended on how many images shared its forward, by up
+        to 7e-3 relative. So every forward here runs on exactly ``forward_batch`` images: a batch is cut into
+        such chunks and the last is padded with black images whose outputs are dropped. An image's feature is
+        then the same bits in every mini-batch, which a group of learners needs to build one learner's model
+        (docs/scale-out.md). ``fixed_shape=False`` runs the batch as it is (``predict_proba`` unless
+        ``invariant_predictions``).
+
+        Example (one image alone, or among others: the same feature):
+            >>> from mepo_stream.model import ModelConfig, create_model
+            >>> from mepo_stream.backbone import BackboneConfig
+            >>> model = create_model(ModelConfig(backbone=BackboneConfig(name="test_vit", weights=None, img_size=32)), 5)
+            >>> images = torch.randint(0, 256, (5, 3, 32, 32), dtype=torch.uint8)
+            >>> torch.equal(model.encode_images(images[2:3]).feature, model.encode_images(images).feature[2:3])
+            True
+        """
         if self.training:  # a snapshot's copy is in eval mode already: no walk over every module per request
             self.eval()
+        size = self.forward_batch if fixed_shape else None
+        if size is None:
+            return self._encode(images)
+        parts = [self._encode(_pad(chunk, size), len(chunk)) for chunk in images.split(size)]
+        scales = [p.logit_scale for p in parts]
+        return Encoded(torch.cat([p.feature for p in parts]), parts[0].aux_loss,
+                       None if scales[0] is None else torch.cat(scales))
+
+    def _encode(self, images: torch.Tensor, keep: int | None = None) -> Encoded:
+        """One forward of uint8 images [B, 3, H, W]; the encoding of the first ``keep`` (all when None)."""
         with autocast(self.device, self.dtype):
             encoded = self.encode(self.transform(images.to(self.device, non_blocking=True)))
-        encoded.feature = encoded.feature.float()
-        return encoded
+        scale = encoded.logit_scale
+        return Encoded(encoded.feature[:keep].float(), encoded.aux_loss, None if scale is None else scale[:keep])
 
     @torch.inference_mode()
     def predict_logits(self, encoded: Encoded, n_seen: int, align_mode: AlignMode = "running") -> torch.Tensor:
@@ -178,7 +212,8 @@ class ContinualMethod(nn.Module):
     @torch.inference_mode()
     def predict_proba(self, images: torch.Tensor, n_seen: int, align_mode: AlignMode = "running") -> torch.Tensor:
         """Probabilities [B, n_seen] over the classes seen so far (head order) for uint8 images, on the CPU."""
-        logits = self.predict_logits(self.encode_images(images), n_seen, align_mode)[:, :n_seen]
+        encoded = self.encode_images(images, fixed_shape=self.invariant_predictions)
+        logits = self.predict_logits(encoded, n_seen, align_mode)[:, :n_seen]
         return logits.softmax(dim=1).cpu()
 
     def inference_copy(self) -> ContinualMethod:
@@ -197,3 +232,9 @@ class ContinualMethod(nn.Module):
         super().train(mode)
         self.backbone.eval()  # the frozen backbone never runs in training mode (no dropout, drop-path)
         return self
+
+
+def _pad(images: torch.Tensor, size: int) -> torch.Tensor:
+    """uint8 images [B, 3, H, W], B <= size, padded with black images to [size, 3, H, W]."""
+    missing = size - len(images)
+    return images if missing == 0 else torch.cat([images, images.new_zeros(missing, *images.shape[1:])])
