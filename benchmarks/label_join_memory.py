@@ -1,7 +1,7 @@
 """Memory of labels that come later: the join's store stays within its bound, and the learner's resident memory
 stays flat over a stream ten times longer, where 30 % of the labels never come.
 
-The learner's own state (``server.learner.state.ServiceState``, the default frozen host + streaming LDA, with
+The learner's own state (``server.learner.state.LearnerState``, the default frozen host + streaming LDA, with
 ``--kafka.labels_topic``) takes the records in polls of a mini-batch, as the loop hands them over (no broker: the
 broker's memory is not the learner's): each image without its label, and its label 50-200 records later on the
 labels topic, or never (30 %). The images are small JPEGs at the benchmark resolution, drawn once and reused (decoding
@@ -37,7 +37,7 @@ from mepo_stream.label_join import JoinConfig
 from mepo_stream.records import label_headers, record_headers
 from server.allocator import keep_freed_memory
 from server.config import ServeConfig
-from server.learner.state import ServiceState
+from server.learner.state import open_learner
 from server.learner.stream import InlineExecutor
 from server.metrics import ServerMetrics
 
@@ -93,21 +93,21 @@ def stream(n: int, size: int, delay: tuple[int, int], loss: float, n_classes: in
 
 def run(cfg: ServeConfig, n: int, sample_every: int, delay: tuple[int, int], loss: float) -> dict:
     """Stream ``n`` images through a fresh learner state; resident memory and store size along the way."""
-    state = ServiceState(cfg, ServerMetrics())
+    state = open_learner(cfg, ServerMetrics())
     decoder, poll, trace = InlineExecutor(), [], []
     start, images = time.perf_counter(), 0
     for record in stream(n, cfg.limits.size, delay, loss, state.n_classes):
         poll.append(record)
         images += record.topic == IMAGES
         if len(poll) == cfg.learner.batch_size:
-            state.accept(poll, decoder, meanwhile=state.learn_pending)
+            state.intake.accept(poll, decoder, meanwhile=state.learn_pending)
             poll = []
             if images % sample_every < cfg.learner.batch_size:
-                trace.append({"images": images, "rss_bytes": rss_bytes(), "store": len(state.join.images),
-                              "labels_waiting": len(state.join.labels)})
-    state.accept(poll, decoder)
+                trace.append({"images": images, "rss_bytes": rss_bytes(), "store": len(state.intake.join.images),
+                              "labels_waiting": len(state.intake.join.labels)})
+    state.intake.accept(poll, decoder)
     state.learn_pending()
-    counts = state.join.counts()
+    counts = state.intake.join.counts()
     assert counts["images"] == n and counts["joined"] == state.learner.samples_seen  # nothing lost, none twice
     return {"images": n, "seconds": round(time.perf_counter() - start, 1), "counts": counts,
             "feature_dim": state.learner.method.backbone.num_features,

@@ -1,6 +1,6 @@
 """Fake Kafka clients and scripted records for driving the learner loop without a broker.
 
-A real ``ServiceState`` (tiny test ViT) learns; ``FakeConsumer`` serves scripted records to the loop's own
+A real ``LearnerState`` (tiny test ViT) learns; ``FakeConsumer`` serves scripted records to the loop's own
 ``_consume`` and both fakes append what the loop does to them (sends, flushes, commits) to a shared event log,
 so a test can assert the order in which the loop's side effects happen. Nothing waits or sleeps.
 """
@@ -18,7 +18,7 @@ from PIL import Image
 import server.learner.stream as stream
 from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.records import record_headers
-from server.learner.state import ServiceState
+from server.learner.state import LearnerState, open_learner
 from server.learner.stream import LearnerLoop
 from server.metrics import ServerMetrics
 from tests.helpers import settings
@@ -139,11 +139,11 @@ class FakeConsumer:
         pass
 
 
-def service(tmp_path, **kw) -> tuple[ServiceState, LearnerLoop, list[tuple[str, int]]]:
-    """A real ServiceState (batch size 16) and its loop with a fake producer; also every sample id it learns."""
+def service(tmp_path, **kw) -> tuple[LearnerState, LearnerLoop, list[tuple[str, int]]]:
+    """A real LearnerState (batch size 16) and its loop with a fake producer; also every sample id it learns."""
     kw.setdefault("protocol", ProtocolConfig(eval_period=0))
     cfg = settings(SimpleNamespace(bootstrap="127.0.0.1:9"), tmp_path, **kw)  # no broker is used
-    state = ServiceState(cfg, ServerMetrics())
+    state = open_learner(cfg, ServerMetrics())
     learned: list[tuple[str, int]] = []
     learn = state.learn
 

@@ -19,7 +19,7 @@ from mepo_stream.sampler import si_blurry_stream
 from offline.evaluate import evaluate
 from server.config import ServeConfig
 from server.learner.book import Sample
-from server.learner.state import ServiceState
+from server.learner.state import open_learner
 from server.metrics import ServerMetrics
 from tests.helpers import TINY, learner_of
 
@@ -130,7 +130,7 @@ def test_service_and_evaluate_report_the_same_anytime_accuracy(tmp_path):
     offline = result["runs"][0]["curves"]["batch"]  # without Meta Cov both modes are one model; evaluate keeps one
     cfg = ServeConfig(data=data, backbone=TINY, protocol=ProtocolConfig(eval_period=period),
                       checkpoint_dir=tmp_path / "ckpt")
-    state, train = ServiceState(cfg, ServerMetrics()), load_split(data, "train")
+    state, train = open_learner(cfg, ServerMetrics()), load_split(data, "train")
     for task in si_blurry_stream(train.targets.tolist(), seed=1).tasks:  # evaluate's batches: never across tasks
         while task:  # the service's rule: at most batch_limit samples, so a batch ends at each scheduled evaluation
             batch, task = task[: state.batch_limit], task[state.batch_limit :]

@@ -1,6 +1,6 @@
 """Decoding a poll's images in a thread pool changes nothing but speed: same samples, order, dead letters, offsets.
 
-The learner loop of ``tests/test_exactly_once.py`` (a real ``ServiceState``, fake Kafka clients) runs one stream
+The learner loop of ``tests/test_exactly_once.py`` (a real ``LearnerState``, fake Kafka clients) runs one stream
 of good images, corrupt images, bad headers and replays with ``decode_workers`` 0 (inline) and 4 (a pool).
 """
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-import server.learner.state as learner_state
+import server.learner.intake as intake
 import server.learner.stream as stream
 from mepo_stream.records import record_headers
 from server.learner.staging import stack_images
@@ -67,9 +67,10 @@ def run_stream(tmp_path, monkeypatch, workers: int) -> dict:
     loop._run()
     assert loop.error is None
     letters = [(dict(m["headers"])["error"], dict(m["headers"])["source_offset"]) for m in producer.sent]
-    return {"learned": learned, "images": torch.stack(images), "letters": letters, "consumed": state.book.offsets,
-            "committed": consumer.committed, "skipped": state.book.replays_skipped,
-            "dead": state.book.dead_lettered, "seen": state.learner.samples_seen}
+    book = state.intake.book
+    return {"learned": learned, "images": torch.stack(images), "letters": letters, "consumed": book.offsets,
+            "committed": consumer.committed, "skipped": book.replays_skipped, "dead": book.dead_lettered,
+            "seen": state.learner.samples_seen}
 
 
 def test_the_pool_decides_exactly_as_inline_decoding(tmp_path, monkeypatch):
@@ -90,7 +91,7 @@ def test_a_decode_error_in_the_pool_dead_letters_that_record_and_gives_back_its_
     copy's claim waits for the bad one's decode, so it is learned, not skipped as a replay."""
     state, loop, _ = service(tmp_path, decode_workers=workers)
     threads: set[str] = set()
-    decode, slow = learner_state.decode_image, TRUNCATED + b"slow"
+    decode, slow = intake.decode_image, TRUNCATED + b"slow"
 
     def decode_and_note_thread(data, limits):
         threads.add(threading.current_thread().name)
@@ -98,15 +99,16 @@ def test_a_decode_error_in_the_pool_dead_letters_that_record_and_gives_back_its_
             time.sleep(0.2)  # fails only after the next record's claim, unless that claim waits for it
         return decode(data, limits)
 
-    monkeypatch.setattr(learner_state, "decode_image", decode_and_note_thread)
+    monkeypatch.setattr(intake, "decode_image", decode_and_note_thread)
     poll = [sample(0, 0), sample(1, 1), sample(2, 2, TRUNCATED), sample(3, 3), sample(4, 4, slow), sample(5, 4)]
     loop.accept(poll)
-    assert [(o, s.meta.sample_index) for _, o, s in state.book.pending] == [(0, 0), (1, 1), (3, 3), (5, 4)]
+    assert [(o, s.meta.sample_index) for _, o, s in state.intake.book.pending] == [(0, 0), (1, 1), (3, 3), (5, 4)]
     assert [dict(m["headers"])[k] for m in loop.producer.sent for k in ("error", "source_offset")] == \
         [b"corrupt_image", b"2", b"corrupt_image", b"4"]
-    assert state.book.offsets == {}  # nothing is handled before the pending record at offset 0
-    assert state.book.dead_lettered == 2 and state.book.replays_skipped == 0
-    assert state.book.claim(STREAM_ID, 2) and not state.book.claim(STREAM_ID, 4)  # 2 given back, 4 in flight
+    assert state.intake.book.offsets == {}  # nothing is handled before the pending record at offset 0
+    assert state.intake.book.dead_lettered == 2 and state.intake.book.replays_skipped == 0
+    book = state.intake.book
+    assert book.claim(STREAM_ID, 2) and not book.claim(STREAM_ID, 4)  # 2 given back, 4 in flight
     decoded_by = {name.rsplit("_", 1)[0] for name in threads}  # a pool names its threads PREFIX_i
     assert decoded_by == ({"mepo-decode"} if workers else {threading.current_thread().name})
     loop.decoder.shutdown()
@@ -126,7 +128,7 @@ def test_a_batch_for_a_cuda_learner_is_pinned():
 
 
 def test_learn_stacks_through_stack_images(tmp_path, monkeypatch):
-    """``ServiceState.learn`` stages its batch with the learner's device (pinned there when it is CUDA)."""
+    """``LearnerState.learn`` stages its batch with the learner's device (pinned there when it is CUDA)."""
     state, loop, learned = service(tmp_path)
     devices: list[torch.device] = []
 

@@ -1,6 +1,6 @@
 """Exactly once, with the interleavings forced: the learner loop driven by fake Kafka records, no broker.
 
-A real ``ServiceState`` (tiny test ViT) learns; a fake consumer serves scripted records through the loop's own
+A real ``LearnerState`` (tiny test ViT) learns; a fake consumer serves scripted records through the loop's own
 ``_consume``, or the tests call ``accept`` / ``learn_pending`` themselves, so a replay arrives exactly while
 its original is still pending in a partial mini-batch, or inside the learning step. Nothing waits or sleeps.
 """
@@ -17,16 +17,16 @@ import server.learner.stream as stream
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.records import RecordMeta
 from server.learner.book import Sample, StreamBook
-from server.learner.state import CHECKPOINT, ServiceState
+from server.learner.state import CHECKPOINT, LearnerState, open_learner
 from tests.fakes import STREAM_ID, FakeProducer, jpeg, record, records, run_loop, service
 
 
-def assert_each_learned_once(state: ServiceState, learned: list[tuple[str, int]], indices: range) -> None:
+def assert_each_learned_once(state: LearnerState, learned: list[tuple[str, int]], indices: range) -> None:
     counts = Counter(learned)
     assert not [i for i, n in counts.items() if n > 1], "learned twice"
     assert sorted(i for _, i in learned) == list(indices)
     assert state.learner.samples_seen == len(indices)
-    assert sorted(state.book.state_dict()["learned"][STREAM_ID].tolist()) == list(indices)
+    assert sorted(state.intake.book.state_dict()["learned"][STREAM_ID].tolist()) == list(indices)
 
 
 # --- the race: replays of samples still pending in a partial mini-batch ---------------------------------------
@@ -41,25 +41,25 @@ def test_replays_of_samples_still_in_a_partial_batch_are_skipped_through_the_loo
     log = records(list(range(100)) + list(range(200)))
     consumer = run_loop(monkeypatch, loop, log)
     assert_each_learned_once(state, learned, range(200))
-    assert state.book.replays_skipped == 100
+    assert state.intake.book.replays_skipped == 100
     assert state.metrics.registry.get_sample_value("mepo_replayed_samples_skipped_total") == 100
-    assert state.book.offsets == {"images:0": 300} and consumer.committed == {"images:0": 300}
-    assert state.book.state_dict()["offsets"] == {"images:0": 300}
+    assert state.intake.book.offsets == {"images:0": 300} and consumer.committed == {"images:0": 300}
+    assert state.intake.book.state_dict()["offsets"] == {"images:0": 300}
 
 
 def test_a_replay_of_a_pending_sample_is_skipped(tmp_path):
     state, loop, learned = service(tmp_path)
     for r in records(list(range(20))):
         loop.accept([r])
-        if len(state.book.pending) == 16:
+        if len(state.intake.book.pending) == 16:
             loop.state.learn_pending()
-    assert [s.meta.sample_index for _, _, s in state.book.pending] == [16, 17, 18, 19]
+    assert [s.meta.sample_index for _, _, s in state.intake.book.pending] == [16, 17, 18, 19]
     for r in records([16, 17, 18, 19, 3], start=20):  # replays: four pending, one learned
         loop.accept([r])
-    assert len(state.book.pending) == 4 and state.book.replays_skipped == 5
+    assert len(state.intake.book.pending) == 4 and state.intake.book.replays_skipped == 5
     loop.state.learn_pending()
     assert_each_learned_once(state, learned, range(20))
-    assert state.book.offsets == {"images:0": 25}
+    assert state.intake.book.offsets == {"images:0": 25}
 
 
 def test_a_replay_while_its_original_is_in_the_learning_step_is_skipped(tmp_path):
@@ -73,17 +73,17 @@ def test_a_replay_while_its_original_is_in_the_learning_step_is_skipped(tmp_path
         if not seen_in_step:
             loop.accept([record(4, 0)])  # a replay of sample 0, which is in this very step
             loop.accept([record(5, 4)])  # a new sample
-            seen_in_step.update(consumed=dict(state.book.offsets), skipped=state.book.replays_skipped)
+            seen_in_step.update(consumed=dict(state.intake.book.offsets), skipped=state.intake.book.replays_skipped)
         observe(images, labels, *rest)
 
     state.learner.observe = observe_and_accept
     loop.state.learn_pending()
     assert seen_in_step == {"consumed": {}, "skipped": 1}  # no offset moved past the records in the step
-    assert [s.meta.sample_index for _, _, s in state.book.pending] == [4]
-    assert state.book.offsets == {"images:0": 5}  # up to the new sample, which is still pending
+    assert [s.meta.sample_index for _, _, s in state.intake.book.pending] == [4]
+    assert state.intake.book.offsets == {"images:0": 5}  # up to the new sample, which is still pending
     loop.state.learn_pending()
     assert_each_learned_once(state, learned, range(5))
-    assert state.book.offsets == {"images:0": 6} and state.book.replays_skipped == 1
+    assert state.intake.book.offsets == {"images:0": 6} and state.intake.book.replays_skipped == 1
 
 
 def test_learn_replays_learns_a_replayed_sample_again(tmp_path):
@@ -92,7 +92,7 @@ def test_learn_replays_learns_a_replayed_sample_again(tmp_path):
         loop.accept([r])
     loop.state.learn_pending()
     assert sorted(learned) == [(STREAM_ID, 0), (STREAM_ID, 0), (STREAM_ID, 1), (STREAM_ID, 1)]
-    assert state.book.replays_skipped == 0
+    assert state.intake.book.replays_skipped == 0
 
 
 # --- claims across a reconnect and a restart --------------------------------------------------------------------
@@ -104,10 +104,10 @@ def test_a_reconnect_drops_pending_records_and_their_claims_so_they_are_learned_
     monkeypatch.setattr(stream, "open_producer", lambda kafka, **_: FakeProducer())
     monkeypatch.setattr(stream, "KafkaConsumer", lambda **_: SimpleNamespace(subscribe=lambda *a, **k: None))
     loop._connect()  # the broker went away: the pending records are read again from the book's offsets
-    assert state.book.pending == [] and state.book.offsets == {}
+    assert state.intake.book.pending == [] and state.intake.book.offsets == {}
     for r in records([0, 1, 2]):
         loop.accept([r])
-    assert state.book.replays_skipped == 0
+    assert state.intake.book.replays_skipped == 0
     loop.state.learn_pending()
     assert_each_learned_once(state, learned, range(3))
 
@@ -118,16 +118,16 @@ def test_a_restart_restores_learned_ids_and_nothing_in_flight(tmp_path, monkeypa
     log = records(list(range(20)))
     for r in log:
         loop.accept([r])
-        if len(state.book.pending) == 16:
+        if len(state.intake.book.pending) == 16:
             loop.state.learn_pending()
     loop.persist()  # 0..15 learned, 16..19 in flight
-    saved = state.book.state_dict()
+    saved = state.intake.book.state_dict()
     assert saved["offsets"] == {"images:0": 16} and saved["learned"][STREAM_ID].tolist() == list(range(16))
     restarted, loop2, learned = service(tmp_path)
-    assert restarted.learner.samples_seen == 16 and restarted.book.offsets == {"images:0": 16}
+    assert restarted.learner.samples_seen == 16 and restarted.intake.book.offsets == {"images:0": 16}
     consumer = run_loop(monkeypatch, loop2, log + records([0, 19], start=20))  # read again from offset 16
     assert sorted(i for _, i in learned) == [16, 17, 18, 19] and restarted.learner.samples_seen == 20
-    assert restarted.book.replays_skipped == 2 and consumer.committed == {"images:0": 22}
+    assert restarted.intake.book.replays_skipped == 2 and consumer.committed == {"images:0": 22}
 
 
 # --- offsets: stored only past records with nothing pending before them -----------------------------------------
@@ -136,13 +136,13 @@ def test_offsets_do_not_move_past_a_pending_record_but_do_past_handled_ones(tmp_
     loop.accept([record(0, 0)])  # pending
     loop.accept([record(1, 1, value=b"NOTANIMG")])  # dead-lettered, behind a pending record
     loop.accept([record(2, 0)])  # a skipped replay, behind a pending record
-    assert state.book.offsets == {}
+    assert state.intake.book.offsets == {}
     loop.accept([record(0, 7, partition=1, value=b"")])  # dead-lettered on a partition with nothing pending
     loop.accept([record(1, 0, partition=1)])  # a replay there
-    assert state.book.offsets == {"images:1": 2}
+    assert state.intake.book.offsets == {"images:1": 2}
     loop.state.learn_pending()
-    assert state.book.offsets == {"images:0": 3, "images:1": 2} and state.book.pending == []
-    assert state.book.dead_lettered == 2 and state.book.replays_skipped == 2
+    assert state.intake.book.offsets == {"images:0": 3, "images:1": 2} and state.intake.book.pending == []
+    assert state.intake.book.dead_lettered == 2 and state.intake.book.replays_skipped == 2
     letters = loop.producer.sent
     assert [dict(m["headers"])["error"] for m in letters] == [b"not_an_image", b"empty"]
     assert [dict(m["headers"])["source_offset"] for m in letters] == [b"1", b"0"]
@@ -153,18 +153,18 @@ def test_pending_records_on_several_partitions_all_count_as_handled_once_learned
     loop.accept([record(5, 0, partition=0)])
     loop.accept([record(9, 1, partition=1)])
     loop.accept([record(10, 1, partition=1)])  # a replay behind a pending record
-    assert state.book.offsets == {}
+    assert state.intake.book.offsets == {}
     loop.state.learn_pending()
-    assert state.book.offsets == {"images:0": 6, "images:1": 11}
+    assert state.intake.book.offsets == {"images:0": 6, "images:1": 11}
 
 
 def test_a_bad_copy_of_a_sample_gives_its_claim_back(tmp_path):
     state, loop, learned = service(tmp_path)
     loop.accept([record(0, 5, value=jpeg("red")[:60])])  # a valid header, a truncated image
     loop.accept([record(1, 5)])  # a good copy of the same sample is learned, not skipped as a replay
-    assert state.book.dead_lettered == 1 and state.book.replays_skipped == 0
+    assert state.intake.book.dead_lettered == 1 and state.intake.book.replays_skipped == 0
     loop.state.learn_pending()
-    assert learned == [(STREAM_ID, 5)] and state.book.offsets == {"images:0": 2}
+    assert learned == [(STREAM_ID, 5)] and state.intake.book.offsets == {"images:0": 2}
 
 
 # --- the book on its own --------------------------------------------------------------------------------------
@@ -224,7 +224,7 @@ def test_a_checkpoint_stores_the_offsets_before_the_pending_records_and_only_whe
     path = state.cfg.checkpoint_dir / CHECKPOINT
     for r in records(list(range(20))):
         loop.accept([r])
-        if len(state.book.pending) == 16:
+        if len(state.intake.book.pending) == 16:
             loop.state.learn_pending()
     loop.persist()  # 0..15 learned, 16..19 pending
     saved = load_checkpoint(path)
@@ -232,7 +232,7 @@ def test_a_checkpoint_stores_the_offsets_before_the_pending_records_and_only_whe
     assert saved["learner"]["samples_seen"] == 16 and saved["replays_skipped"] == 0
     loop.state.learn_pending()
     loop.accept([record(20, 3)])  # a replay: handled, nothing learned
-    assert state.book.offsets == {"images:0": 21} and state.book.unsaved_keys()
+    assert state.intake.book.offsets == {"images:0": 21} and state.intake.book.unsaved_keys()
     loop.persist()
     saved = load_checkpoint(path)
     assert saved["offsets"] == {"images:0": 21} and saved["learner"]["samples_seen"] == 20

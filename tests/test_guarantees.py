@@ -31,7 +31,7 @@ from mepo_stream.images import ImageLimits
 from mepo_stream.model import BundleParts
 from mepo_stream.records import RecordError, parse_headers, record_headers
 from server.config import ServeConfig, model_config
-from server.learner.state import CHECKPOINT, ServiceState, build_learner
+from server.learner.state import CHECKPOINT, build_learner, open_learner
 from server.metrics import ServerMetrics
 from server.replica.follower import Refused, ReplicaModel
 from server.snapshot import take_snapshot
@@ -109,7 +109,7 @@ def test_a_failed_checkpoint_commits_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr("server.learner.stream.KafkaConsumer", lambda **_: consumer)
     loop._run()
     assert loop.error == "OSError: disk full"  # the loop stops, reports, and keeps serving
-    assert consumer.committed == load_checkpoint(state.checkpoint_path)["offsets"] == {f"{TOPIC}:0": 16}
+    assert consumer.committed == load_checkpoint(state.cfg.checkpoint_dir / CHECKPOINT)["offsets"] == {f"{TOPIC}:0": 16}
 
 
 def test_a_failed_offset_commit_is_only_logged(tmp_path, monkeypatch, caplog):
@@ -126,7 +126,7 @@ def test_a_failed_offset_commit_is_only_logged(tmp_path, monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="server.learner.stream"):
         consumer = run_loop(monkeypatch, loop, records(list(range(40))))
     assert len(learned) == 40 and consumer.committed == {}
-    assert load_checkpoint(state.checkpoint_path)["offsets"] == {f"{TOPIC}:0": 40}
+    assert load_checkpoint(state.cfg.checkpoint_dir / CHECKPOINT)["offsets"] == {f"{TOPIC}:0": 40}
     failures = [r for r in caplog.records if "offset commit failed" in r.getMessage()]
     assert len(failures) >= 2  # at least one asynchronous commit during the stream and the final one
 
@@ -178,7 +178,7 @@ def test_dead_letter_records_carry_every_header_and_the_original_record(tmp_path
         assert (h["source_topic"], h["source_partition"], h["source_offset"]) == (
             TOPIC.encode(), b"0", str(original.offset).encode())
         assert headers[5:] == original.headers and sent["value"] == original.value and sent["key"] == original.key
-    assert state.book.dead_lettered == 2 and state.book.offsets == {f"{TOPIC}:0": 9}
+    assert state.intake.book.dead_lettered == 2 and state.intake.book.offsets == {f"{TOPIC}:0": 9}
 
 
 def test_a_partial_batch_is_learned_as_soon_as_the_topic_goes_idle(tmp_path, monkeypatch):
@@ -411,8 +411,8 @@ def test_per_class_accuracy_of_the_latest_evaluation_is_exported(tmp_path, monke
 def test_a_restart_continues_from_the_checkpoint_model_offsets_and_curve(tmp_path, monkeypatch):
     state, loop, _ = service(tmp_path, protocol=ProtocolConfig(eval_period=10))
     run_loop(monkeypatch, loop, records(list(range(35))))
-    again = ServiceState(state.cfg, ServerMetrics())  # a new process on the same checkpoint folder
+    again = open_learner(state.cfg, ServerMetrics())  # a new process on the same checkpoint folder
     assert again.version == state.version == 4 and again.learner.samples_seen == 35  # 10, 10, 10, 5
-    assert again.book.offsets == state.book.offsets == {f"{TOPIC}:0": 35}
+    assert again.intake.book.offsets == state.intake.book.offsets == {f"{TOPIC}:0": 35}
     assert again.reporter.curve == state.reporter.curve and again.reporter.curve.samples == [10, 20, 30]
     assert again.snapshot.version == 4 and again.learner.exposed == state.learner.exposed

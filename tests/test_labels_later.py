@@ -30,7 +30,7 @@ from mepo_stream.records import label_headers, record_headers
 from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
 from producers.siblurry import produce, stream_id
 from server.config import ServeConfig
-from server.learner.partitioned import PartitionedState
+from server.learner.partitioned import open_group_learner
 from server.learner.state import build_learner
 from server.metrics import ServerMetrics
 from tests.fakes import FakeRecord, jpeg, service
@@ -171,15 +171,15 @@ def test_a_learner_that_trains_through_the_backbone_keeps_the_image_and_a_reconn
     images = [FakeRecord(cfg.kafka.topic, 0, i, record_headers(None, 0, i, "s", "cifar10", id=f"i{i}"),
                          jpeg("red"), None) for i in range(4)]
     labels = [FakeRecord(cfg.kafka.labels_topic, 0, i, label_headers(f"i{i}", i % 2), b"", None) for i in range(4)]
-    out = loop.state.accept(images, loop.decoder)
-    assert len(out) == 4 and state.join.images["i0"].item.dtype == torch.uint8  # the image, [3, S, S]
-    loop.state.accept(labels[:2], loop.decoder)
-    assert [p.sample.joined.id for p in state.book.pending] == ["i0", "i1"]
-    state.reread()  # a reconnect: the two label records are read again from the book's offsets
-    assert state.offsets == {f"{cfg.kafka.topic}:0": 4} and state.join.counts()["waiting_images"] == 4
-    assert loop.state.accept(labels, loop.decoder) == []
+    out = loop.state.intake.accept(images, loop.decoder)
+    assert len(out) == 4 and state.intake.join.images["i0"].item.dtype == torch.uint8  # the image, [3, S, S]
+    loop.state.intake.accept(labels[:2], loop.decoder)
+    assert [p.sample.joined.id for p in state.intake.book.pending] == ["i0", "i1"]
+    state.intake.reread()  # a reconnect: the two label records are read again from the book's offsets
+    assert state.offsets == {f"{cfg.kafka.topic}:0": 4} and state.intake.join.counts()["waiting_images"] == 4
+    assert loop.state.intake.accept(labels, loop.decoder) == []
     state.learn_pending()
-    assert state.learner.samples_seen == 4 and state.join.counts()["joined"] == 4
+    assert state.learner.samples_seen == 4 and state.intake.join.counts()["joined"] == 4
     assert state.offsets == {f"{cfg.kafka.topic}:0": 4, f"{cfg.kafka.labels_topic}:0": 4}
 
 
@@ -249,4 +249,4 @@ def test_a_group_of_learners_refuses_labels_that_come_later_with_why(tmp_path):
     cfg = later(settings(NO_BROKER, tmp_path))
     cfg = replace(cfg, kafka=replace(cfg.kafka, state_topic="state"))
     with pytest.raises(ConfigError, match="a label must reach the learner that holds its image"):
-        PartitionedState(cfg, ServerMetrics())
+        open_group_learner(cfg, ServerMetrics())

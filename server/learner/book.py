@@ -2,7 +2,7 @@
 
 ``StreamBook`` is the one place that decides whether a record is a replay and where the offsets stand. It knows
 no Kafka: a partition is a ``"topic:partition"`` key (``tp_key``) and an offset an int. Its one owner is
-``ServiceState`` (``server.learner.state``), which books every record the loop hands it, and saves and restores the
+``Intake`` (``server.learner.intake``), which books every record the loop hands it, and saves and restores the
 book with the model:
 
 * ``claim`` its sample id (stream id, sample index) before decoding the image; False means a replay: the sample

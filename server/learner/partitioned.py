@@ -17,6 +17,9 @@ so every learner serves exactly the model one learner would have built from the 
   consumer seeks to its offset.
 * **Merging.** A follower thread tails the state topic; every other partition's newer state replaces its sums in
   the model. The any-time evaluations take place at global sample counts (the sum over partitions).
+The group is a strategy the state is handed (``InGroup``, a ``Membership`` of ``server.learner.state``), not a
+kind of state: the step, the intake and the evaluation are the same as a learner alone's.
+
 * **Refusals.** A model whose state depends on the order of the stream (gradient-trained hosts, EMA alignment)
   is refused at start; so is a state of another model (configuration, backbone or bundle) on the topic, or of
   another format. A single learner's checkpoint in ``--checkpoint_dir`` becomes its partition's state
@@ -38,8 +41,8 @@ from mepo_stream.label_statistics import LabelStatistics
 from server.config import ServeConfig
 from server.learner.book import Pending, Sample
 from server.learner.changelog import Changelog
-from server.learner.reporter import PartitionedReporter
-from server.learner.state import ServiceState, read_checkpoint
+from server.learner.state import CHECKPOINT, LearnerState, open_learner, read_checkpoint
+from server.learner.view import GroupView
 from server.metrics import ServerMetrics
 from server.model_thread import ModelThread
 from server.snapshot_topic import Origin
@@ -73,20 +76,14 @@ def migrated_state(path: Path, origin: Origin, learner_id: str, shape: tuple[int
                           0.0, 0)
 
 
-class PartitionedState(ServiceState):
-    """``ServiceState`` with per-partition sums: owned partitions in ``own``, the others' newest states in
-    ``remote``; the learner's classifier always holds their total."""
+class InGroup:
+    """A learner in a group: sums per owned partition in ``own``, the others' newest states in ``remote``; the
+    learner's classifier always holds their total."""
 
     scales_out = True
-    reporter_class = PartitionedReporter
 
-    def __init__(self, cfg: ServeConfig, metrics: ServerMetrics, model_thread: ModelThread | None = None):
-        if cfg.kafka.labels_topic is not None:
-            raise ConfigError("--kafka.labels_topic with --kafka.state_topic: a label must reach the learner that "
-                              "holds its image, which a group's partitioning does not promise yet; learn labels "
-                              "that come later with one learner")
-        self.changelog = Changelog(cfg.kafka)
-        self.learner_id = f"{socket.gethostname()}:{cfg.port}"
+    def __init__(self, changelog: Changelog, learner_id: str, checkpoint_path: Path):
+        self.changelog, self.learner_id, self.checkpoint_path = changelog, learner_id, checkpoint_path
         self.own: dict[str, LabelStatistics] = {}
         self.remote: dict[str, PartitionState] = {}
         self.written: dict[str, PartitionState] = {}  # the last state this learner wrote, per partition
@@ -96,17 +93,21 @@ class PartitionedState(ServiceState):
         self._migration: PartitionState | None = None
         self.rate_mark = (time.monotonic(), 0)  # (when, learned_here) at the last persist
         self.learned_here = 0  # samples this learner learned (not merged from others)
-        super().__init__(cfg, metrics, model_thread)
+        self.state: LearnerState | None = None
+
+    def bind(self, state: LearnerState) -> None:
+        self.state = state
 
     # --- start ------------------------------------------------------------------------------------------------
-    def _restore(self) -> None:
+    def restore(self) -> None:
         """Refuse what cannot be merged, prepare a migration, and load every partition's newest state."""
-        if (why := self.learner.not_mergeable) is not None:
+        s = self.state
+        if (why := s.learner.not_mergeable) is not None:
             raise ValueError(f"--kafka.state_topic: learners in a group add their partitions' sums into one model, "
-                             f"but --method {self.cfg.method} with --learner.classifier "
-                             f"{self.cfg.learner.classifier} cannot be merged: {why}")
-        self._empty = self.learner.statistics()  # zeros of this model's shape
-        self._migration = migrated_state(self.checkpoint_path, self.origin, self.learner_id, self._empty.shape)
+                             f"but --method {s.cfg.method} with --learner.classifier "
+                             f"{s.cfg.learner.classifier} cannot be merged: {why}")
+        self._empty = s.learner.statistics()  # zeros of this model's shape
+        self._migration = migrated_state(self.checkpoint_path, s.origin, self.learner_id, self._empty.shape)
         try:
             states = self.changelog.read_all()
         except KafkaError as e:  # the follower and the assignment read the topic once the broker is back
@@ -117,22 +118,23 @@ class PartitionedState(ServiceState):
             self.remote[state.key] = state
         self._remote_total = None
         self._load_total()
-        self.version = self.samples_seen = self.learner.samples_seen
+        s.version = s.samples_seen = s.learner.samples_seen
 
     def _check(self, state: PartitionState) -> None:
         """Refuse a partition state of another model: its sums mean something else."""
-        if state.origin != self.origin:
-            theirs, mine = state.origin, self.origin
+        mine = self.state.origin
+        if state.origin != mine:
+            theirs = state.origin
             what = [name for name in ("model", "model_config", "class_names", "backbone_sha256", "bundle_sha256")
                     if getattr(theirs, name) != getattr(mine, name)]
-            raise ValueError(f"the state topic {self.cfg.kafka.state_topic} holds {state.key}'s state written by "
-                             f"{state.learner} for another model (its {', '.join(what)} differ from this "
+            raise ValueError(f"the state topic {self.state.cfg.kafka.state_topic} holds {state.key}'s state written "
+                             f"by {state.learner} for another model (its {', '.join(what)} differ from this "
                              f"learner's): every learner of a group needs the same options, backbone and bundle. "
                              f"Start this one with the group's options, or use another --kafka.state_topic and "
                              f"--kafka.group_id")
 
     # --- partitions come and go -------------------------------------------------------------------------------
-    def assign_partitions(self, keys: list[str]) -> None:
+    def assign(self, keys: list[str]) -> None:
         """Restore each assigned partition from its newest state (or a migrated checkpoint, or nothing)."""
         states = self.changelog.read_all()
         for state in states.values():
@@ -142,67 +144,70 @@ class PartitionedState(ServiceState):
             self.changelog.write([migrated])
             self.checkpoint_path.rename(self.checkpoint_path.with_name(self.checkpoint_path.name + MIGRATED))
             log.info("migrated %s into %s's state on %s", self.checkpoint_path, migrated.key,
-                     self.cfg.kafka.state_topic)
+                     self.state.cfg.kafka.state_topic)
             states[migrated.key], self._migration = migrated, None
-        self.model_thread.run(self._assign_partitions, keys, states)
+        self.state.model_thread.run(self._assign, keys, states)
 
-    def _assign_partitions(self, keys: list[str], states: dict[str, PartitionState]) -> None:
-        with self.lock:
+    def _assign(self, keys: list[str], states: dict[str, PartitionState]) -> None:
+        s = self.state
+        with s.lock:
             for key, state in states.items():
                 if key not in keys:
                     self._newer_remote(state)
             for key in keys:
                 state = states.get(key)
                 self.own[key] = self._empty.clone() if state is None else state.stats.clone()
-                self._adopt_partition(key, *((0, {}) if state is None else (state.offset, state.learned)))
+                s.intake.book.adopt(key, *((0, {}) if state is None else (state.offset, state.learned)))
                 self.remote.pop(key, None)
                 if state is not None:
                     self.written[key] = state
             self._remote_total = None
             self._load_total()
-            self._changed()
-        self.metrics.partitions_owned.set(len(self.own))
-        log.info("learning partitions %s from offsets %s", sorted(self.own), self.offsets)
-        self._announce(0)
+            s.changed()
+        s.metrics.partitions_owned.set(len(self.own))
+        log.info("learning partitions %s from offsets %s", sorted(self.own), s.offsets)
+        s.announce(0)
 
-    def revoke_partitions(self, keys: list[str]) -> None:
+    def revoke(self, keys: list[str]) -> None:
         """Let revoked partitions go (persisted just before): their sums stay in the model as their last state."""
-        self.model_thread.run(self._revoke_partitions, keys)
+        self.state.model_thread.run(self._revoke, keys)
 
-    def _revoke_partitions(self, keys: list[str]) -> None:
-        with self.lock:
+    def _revoke(self, keys: list[str]) -> None:
+        s = self.state
+        with s.lock:
             for key in keys:
-                self._drop_partition(key)
+                s.intake.book.drop(key)
                 self.own.pop(key, None)
                 if key in self.written:
                     self.remote[key] = self.written[key]
             self._remote_total = None
             self._load_total()
-        self.metrics.partitions_owned.set(len(self.own))
-        self.reporter.export()
+        s.metrics.partitions_owned.set(len(self.own))
+        s.reporter.export()
 
     def merge_remote(self, state: PartitionState) -> None:
         """Another learner's newer state of a partition (the follower thread): its sums replace the old ones."""
-        self.model_thread.run(self._merge_remote, state)
+        self.state.model_thread.run(self._merge_remote, state)
 
     def _merge_remote(self, state: PartitionState) -> None:
+        s = self.state
         try:
             self._check(state)
         except ValueError as e:
             self.refuse(str(e))
             return
-        with self.lock:
+        with s.lock:
             if not self._newer_remote(state):
                 return
             self._load_total()
-            self._changed()
-        self.metrics.state_merges.inc()
-        self._announce(0)
+            s.changed()
+        s.metrics.state_merges.inc()
+        s.announce(0)
 
     def refuse(self, why: str) -> None:
         """Stop learning (the loop raises it at its next turn): a state on the topic this learner cannot use."""
         log.error("refused: %s", why)
-        self.refusal = why
+        self.state.refusal = why
 
     def _newer_remote(self, state: PartitionState) -> bool:
         """Keep ``state`` as a partition's remote sums if it is not owned here and is newer than the kept one (the
@@ -227,59 +232,80 @@ class PartitionedState(ServiceState):
         if self._remote_total is None:
             self._remote_total = LabelStatistics.total([s.stats for s in self.remote.values()], like=self._empty)
             self._replaced = 0
-        self.learner.load_statistics(LabelStatistics.total([self._remote_total, *self.own.values()]))
-        self.metrics.merge_seconds.observe(time.perf_counter() - start)
+        self.state.learner.load_statistics(LabelStatistics.total([self._remote_total, *self.own.values()]))
+        self.state.metrics.merge_seconds.observe(time.perf_counter() - start)
 
     # --- learning ---------------------------------------------------------------------------------------------
-    def _groups(self, pending: list[Pending]) -> list[list[Pending]]:
+    def groups(self, pending: list[Pending]) -> list[list[Pending]]:
         """One group per partition, in the order partitions first appear: a step learns one partition."""
         out: dict[str, list[Pending]] = {}
         for p in pending:
             out.setdefault(p.key, []).append(p)
         return list(out.values())
 
-    def _step(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample]) -> None:
+    def step(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample]) -> torch.Tensor | None:
         """Predict with the merged model, add the batch to its partition's sums, load the new total."""
-        key = self._partition_of(batch)  # one partition per step
-        seen_before = self.learner.samples_seen
-        pred, h, hits = self.learner.statistics_step(images, labels)
+        in_batch = {id(s) for s in batch}
+        (key,) = {p.key for p in self.state.intake.book.pending if id(p.sample) in in_batch}  # one partition a step
+        pred, h, hits = self.state.learner.statistics_step(images, labels)
         self.own[key].add(h, labels, hits)
         self._load_total()
         self.learned_here += len(labels)
-        if self.cfg.prequential:
-            self._monitor(labels, pred, seen_before)
+        return pred
 
-    def _next_version(self) -> int:
+    def next_version(self) -> int:
         """The merged model's sample count: the same on every learner once they have the same states."""
-        return self.learner.samples_seen
+        return self.state.learner.samples_seen
 
     # --- persisting: the state topic instead of a checkpoint file --------------------------------------------
-    def _capture(self) -> dict:
-        now = time.time()
-        with self.lock:
-            rate = self._rate()
-            states = [PartitionState(key, self.own[key].clone(), offset, learned, self.origin, self.learner_id, now,
-                                     rate, int(self.lag.get(key, 0)))
-                      for key, offset, learned in self._moved_partitions()]
-            self._since_checkpoint = 0
+    def capture(self) -> dict:
+        """The state of every partition whose offset moved since the last capture; they count as saved here."""
+        now, book = time.time(), self.state.intake.book
+        (then, learned), rate_mark = self.rate_mark, (time.monotonic(), self.learned_here)
+        rate, self.rate_mark = (self.learned_here - learned) / max(rate_mark[0] - then, 1e-3), rate_mark
+        moved = [(key, *book.partition(key)) for key in book.unsaved_keys()]
+        book.mark_saved(book.offsets)
+        states = [PartitionState(key, self.own[key].clone(), offset, learned, self.state.origin, self.learner_id,
+                                 now, rate, int(self.lag.get(key, 0))) for key, offset, learned in moved]
         return {"states": states, "offsets": {s.key: s.offset for s in states}, "time": now}
 
-    def _rate(self) -> float:
-        """Samples per second this learner learned since the last capture."""
-        (then, learned), now = self.rate_mark, time.monotonic()
-        self.rate_mark = (now, self.learned_here)
-        return (self.learned_here - learned) / max(now - then, 1e-3)
-
-    def write(self, state: dict) -> dict[str, int]:
+    def write(self, captured: dict) -> dict[str, int]:
         """Write the captured partition states to the state topic, acknowledged; returns their offsets."""
-        start = time.perf_counter()
-        written = self.changelog.write(state["states"]) if state["states"] else 0
-        with self.lock:
-            self.written.update({s.key: s for s in state["states"]})
-        self.last_checkpoint_time = state["time"]
-        m = self.metrics
-        m.checkpoint_seconds.observe(time.perf_counter() - start)
-        m.last_checkpoint.set(self.last_checkpoint_time)
-        m.state_writes.inc(len(state["states"]))
-        m.state_bytes.inc(written)
-        return state["offsets"]
+        written = self.changelog.write(captured["states"]) if captured["states"] else 0
+        with self.state.lock:
+            self.written.update({s.key: s for s in captured["states"]})
+        self.state.metrics.state_writes.inc(len(captured["states"]))
+        self.state.metrics.state_bytes.inc(written)
+        return captured["offsets"]
+
+    def group_view(self) -> GroupView:
+        """Each learner's partitions, rate and lag, and what the model holds of each partition."""
+        with self.state.lock:
+            samples = {k: st.stats.samples for k, st in self.remote.items()} | {
+                k: st.samples for k, st in self.own.items()}
+            then, learned = self.rate_mark
+            rate = round((self.learned_here - learned) / max(time.monotonic() - then, 1e-3), 1)  # since the persist
+            learners = {self.learner_id: {"partitions": sorted(self.own), "samples_per_second": rate,
+                                          "lag": {k: int(self.lag.get(k, 0)) for k in sorted(self.own)}}}
+            for key, state in sorted(self.remote.items()):
+                entry = learners.setdefault(state.learner, {"partitions": [], "samples_per_second": state.rate,
+                                                            "lag": {}})
+                entry["partitions"].append(key)
+                entry["lag"][key] = state.lag
+        return GroupView(self.learner_id, learners, samples)
+
+
+def open_group_learner(cfg: ServeConfig, metrics: ServerMetrics, model_thread: ModelThread | None = None
+                       ) -> LearnerState:
+    """The factory of a learner in a group: the state of ``open_learner`` with an ``InGroup`` membership, which
+    reads every partition's newest state from the state topic."""
+    if cfg.kafka.labels_topic is not None:
+        raise ConfigError("--kafka.labels_topic with --kafka.state_topic: a label must reach the learner that "
+                          "holds its image, which a group's partitioning does not promise yet; learn labels "
+                          "that come later with one learner")
+    membership = InGroup(Changelog(cfg.kafka), f"{socket.gethostname()}:{cfg.port}", cfg.checkpoint_dir / CHECKPOINT)
+    return open_learner(cfg, metrics, model_thread, membership)
+
+
+PartitionedState = open_group_learner
+"""The name ``tests/test_scale_out.py`` opens a learner in a group by."""

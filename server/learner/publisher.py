@@ -1,7 +1,7 @@
 """The learner's snapshot publisher: its newest snapshot to the compacted snapshot topic, from its own thread.
 
 ``notify`` is all a learning step does (it sets a flag and wakes the thread), so publishing never blocks
-learning. The thread then asks the learner for a snapshot of its newest version (``ServiceState.snapshot``,
+learning. The thread then asks the learner for a snapshot of its newest version (``LearnerState.snapshot``,
 made then, between two steps: never one per step), encodes it (``server.snapshot_topic``), sends its parts and
 waits for the broker's acknowledgement, then rests ``publish_interval_s``; versions learned meanwhile are
 skipped, the newest one is always published (at shutdown too, once). A broker that cannot be reached is retried
@@ -21,7 +21,7 @@ from kafka import KafkaProducer
 from kafka.errors import KafkaError
 
 from server.config import ServeConfig
-from server.learner.state import ServiceState
+from server.learner.state import LearnerState
 from server.metrics import ServerMetrics
 from server.snapshot import Snapshot
 from server.snapshot_topic import (
@@ -53,7 +53,7 @@ class SnapshotPublisher:
         self.thread = threading.Thread(target=self._run, name="mepo-publisher", daemon=True)
 
     @classmethod
-    def create(cls, state: ServiceState) -> SnapshotPublisher | None:
+    def create(cls, state: LearnerState) -> SnapshotPublisher | None:
         """The publisher of a learner's snapshots, or None when no snapshot topic is configured."""
         if state.cfg.kafka.snapshot_topic is None:
             return None

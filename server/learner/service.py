@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from server.batching import MicroBatcher
 from server.config import ServeConfig
 from server.learner.changelog import ChangelogFollower
-from server.learner.partitioned import PartitionedState
+from server.learner.partitioned import InGroup, open_group_learner
 from server.learner.publisher import SnapshotPublisher
 from server.learner.reporter import StateReporter
-from server.learner.state import ServiceState
+from server.learner.state import LearnerState, open_learner
 from server.learner.stream import LearnerLoop
 from server.metrics import ServerMetrics
 from server.model_thread import ModelThread
@@ -26,7 +26,7 @@ from server.serving import Serving
 class Service(Serving):
     """The learner: its ``ServingModel`` for the routers is ``Serving``'s, over its state, loop and batcher."""
 
-    state: ServiceState
+    state: LearnerState
     loop: LearnerLoop
     batcher: MicroBatcher
     publisher: SnapshotPublisher | None = None
@@ -37,12 +37,12 @@ class Service(Serving):
         """Load the model (or restore its checkpoint; in a group, every partition's state), start publishing its
         snapshots, and start learning from Kafka in the loop's thread."""
         model_thread = ModelThread()
-        kind = PartitionedState if settings.kafka.state_topic is not None else ServiceState
-        state = model_thread.run(kind, settings, metrics, model_thread)
+        opened = open_group_learner if settings.kafka.state_topic is not None else open_learner
+        state = model_thread.run(opened, settings, metrics, model_thread)
         service = cls(state, LearnerLoop(state), MicroBatcher(run=model_thread.run), SnapshotPublisher.create(state))
-        if isinstance(state, PartitionedState):
-            state.lag = service.loop.lag  # read when its partitions' states are written
-            service.follower = ChangelogFollower(settings.kafka, state.merge_remote, state.refuse)
+        if isinstance(group := state.membership, InGroup):
+            group.lag = service.loop.lag  # read when its partitions' states are written
+            service.follower = ChangelogFollower(settings.kafka, group.merge_remote, group.refuse)
             service.follower.start()
         if service.publisher is not None:
             state.on_learned = service.publisher.notify
@@ -55,7 +55,7 @@ class Service(Serving):
         self.loop.stop()
         if self.follower is not None:
             self.follower.stop()
-            self.state.changelog.close()
+            self.state.membership.changelog.close()
         if self.publisher is not None:
             self.publisher.stop()
         self.state.model_thread.shutdown()

@@ -1,7 +1,7 @@
 """The learner loop: consume the labelled image topic in one pass, learn in stream order, checkpoint, commit.
 
-The loop speaks Kafka: it hands each poll to ``ServiceState.accept``, the one owner of a record's life (claim,
-decode, book, learn, checkpoint capture), sends the dead letters it returns, and persists.
+The loop speaks Kafka: it hands each poll to the state's intake (``server.learner.intake``: claim, decode, book),
+learns through the state (``server.learner.state``), sends the dead letters the intake returns, and persists.
 
 * One consumer in a group, ``enable_auto_commit=False``. On partition assignment the consumer seeks to the
   book's offsets (after a restart, those of the learner checkpoint, the source of truth). Offsets reach Kafka
@@ -13,10 +13,10 @@ decode, book, learn, checkpoint capture), sends the dead letters it returns, and
   moves on. A replayed sample (already learned, or still waiting in a mini-batch) is skipped and counted
   (unless ``learn_replays``): every sample id is claimed in the book before its image is decoded.
 * Mini-batches are assembled in offset order, cut short where an any-time evaluation is scheduled
-  (``ServiceState.batch_limit``); a partial batch is learned when the topic goes idle.
+  (``LearnerState.batch_limit``); a partial batch is learned when the topic goes idle.
 * Keeping the GPU fed: the images of one poll are decoded and validated in a thread pool
   (``decode_workers``), between claims made and results applied in offset order, so the outcome is the
-  inline one. ``ServiceState.learn`` stacks the batch into pinned memory on a CUDA learner
+  inline one. ``LearnerState.learn`` stacks the batch into pinned memory on a CUDA learner
   (``server.learner.staging``) for an asynchronous copy to the device; predictions are micro-batched
   (``server.batching``) into one forward on the snapshot's device.
 * Labels that come later (``--kafka.labels_topic``): the loop reads the labels topic too, and sends the
@@ -45,7 +45,8 @@ from mepo_stream.kafka import ensure_topics, open_producer
 from server.consumer import PROBE_EVERY_S, ConsumerThread, broker_answers
 from server.learner.arrival import Prediction
 from server.learner.book import tp_key
-from server.learner.state import DeadLetter, ServiceState
+from server.learner.intake import DeadLetter
+from server.learner.state import LearnerState
 
 log = logging.getLogger(__name__)
 
@@ -93,19 +94,19 @@ class _SeekToHandled(ConsumerRebalanceListener):
         go; no commit here, a blocking consumer call would stall the very thread that serves it."""
         self.loop.state.learn_pending()
         self.loop.persist(commit=False)
-        self.loop.state.revoke_partitions([tp_key(tp) for tp in revoked])
+        self.loop.state.membership.revoke([tp_key(tp) for tp in revoked])
 
     def on_partitions_assigned(self, assigned):
         self.loop.take_over(assigned)
 
 
 class LearnerLoop(ConsumerThread):
-    """Runs in a thread next to the HTTP server; it reads Kafka, hands every poll to ``ServiceState`` (which books
-    it) and learns through it. Stopping learns the records in hand, checkpoints, commits and closes."""
+    """Runs in a thread next to the HTTP server; it reads Kafka, hands every poll to the state's intake (which
+    books it) and learns through the state. Stopping learns the records in hand, checkpoints, commits and closes."""
 
     stop_timeout = 60.0
 
-    def __init__(self, state: ServiceState):
+    def __init__(self, state: LearnerState):
         self.state, self.cfg = state, state.cfg
         self._checkpoint_request = threading.Event()
         self.consumer: KafkaConsumer | None = None
@@ -123,7 +124,7 @@ class LearnerLoop(ConsumerThread):
 
     def _connect(self) -> None:
         k = self.cfg.kafka
-        self.state.reread()  # records read but not learned are read, and claimed, again from the book's offsets
+        self.state.intake.reread()  # records read but not learned are read, and claimed, again from the book's offsets
         ensure_topics(k)
         if k.labels_topic is not None:
             ensure_topics(k, k.labels_topic, k.predictions_topic)
@@ -152,12 +153,12 @@ class LearnerLoop(ConsumerThread):
         the whole topic (one learning alone: a second one in its group would split the stream between two models
         that nothing adds up), then seek."""
         try:
-            self.state.assign_partitions([tp_key(tp) for tp in assigned])
+            self.state.membership.assign([tp_key(tp) for tp in assigned])
         except ValueError as e:
             self.refusal = str(e)
         except KafkaError as e:  # the partitions' states could not be read: reconnect, and be assigned again
             self._broken = e
-        if self.refusal is None and not self.state.scales_out and self.consumer is not None:
+        if self.refusal is None and not self.state.membership.scales_out and self.consumer is not None:
             everything = self.consumer.partitions_for_topic(self.cfg.kafka.topic)  # None: not known yet
             images = {tp.partition for tp in assigned if tp.topic != self.cfg.kafka.labels_topic}
             if everything and images != everything:
@@ -206,7 +207,7 @@ class LearnerLoop(ConsumerThread):
             if self._paused.is_set():
                 self.stop_event.wait(0.2)
                 continue
-            pending, limit = sum(self.state.waiting().values()), self.state.batch_limit
+            pending, limit = sum(self.state.intake.waiting().values()), self.state.batch_limit
             due = pending >= limit  # a whole mini-batch is waiting: learn it while the next poll decodes
             polled = self.consumer.poll(timeout_ms=0 if due else 500, max_records=limit if due else limit - pending)
             self._check_rebalance()  # before a record of a partition whose state is not restored is accepted
@@ -214,7 +215,7 @@ class LearnerLoop(ConsumerThread):
             records = sorted((r for rs in polled.values() for r in rs),  # images first, then labels
                              key=lambda r: (r.topic == self.cfg.kafka.labels_topic, r.partition, r.offset))
             self.accept(records, meanwhile=self.state.learn_pending if due or (pending and not records) else None)
-            if not records and not self.state.waiting():
+            if not records and not self.state.intake.waiting():
                 self.state.on_idle()
                 self.persist()
             self._finish_write(block=False)
@@ -238,9 +239,9 @@ class LearnerLoop(ConsumerThread):
             self.state.metrics.learner_up.set(int(self.connected))
 
     def accept(self, records: list, meanwhile: Callable[[], None] | None = None) -> None:
-        """Hand one poll's records (in offset order) to the state, which claims, decodes and books them while
+        """Hand one poll's records (in offset order) to the intake, which claims, decodes and books them while
         ``meanwhile`` learns; send the dead letters and predictions it returns."""
-        for out in self.state.accept(records, self.decoder, meanwhile):
+        for out in self.state.intake.accept(records, self.decoder, meanwhile):
             if isinstance(out, Prediction):
                 self._predicted(out)
             else:
@@ -306,7 +307,7 @@ class LearnerLoop(ConsumerThread):
         """Records not yet learned per partition: those behind the high watermark and those read but waiting in
         the mini-batch."""
         assert self.consumer is not None
-        waiting = self.state.waiting()
+        waiting = self.state.intake.waiting()
         for tp in self.consumer.assignment():
             if tp.topic == self.cfg.kafka.labels_topic:  # its lag is the join's backlog, not learning's
                 continue

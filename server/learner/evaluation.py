@@ -1,0 +1,55 @@
+"""The learner's any-time evaluation, served: ``mepo evaluate``'s schedule, scoring and curve
+(``mepo_stream.anytime``) run inside the stream, plus the accuracy measured when the stream goes idle.
+
+The learning step asks ``room`` how many samples its next mini-batch may hold, so that an evaluation runs exactly
+at its scheduled sample count, and calls ``after_batch`` once the step is whole. Without a test set
+(``--protocol.eval_period 0``) every method is a no-op and the curve stays empty.
+"""
+
+from __future__ import annotations
+
+from mepo_stream.anytime import AnytimeCurve, AnytimeEvaluation
+from mepo_stream.learner import OnlineLearner
+
+
+class Evaluator:
+    """The any-time curve of one learner and the latest per-class accuracy; read through ``LearnerView``."""
+
+    def __init__(self, evaluation: AnytimeEvaluation | None, mode: str):
+        self.evaluation, self.mode = evaluation, mode
+        self.class_accuracy: dict[int, float] = {}  # per class id, of the latest evaluation
+        self.idle_evaluated_at = -1  # samples seen at the last evaluation where the stream went idle
+
+    @property
+    def curve(self) -> AnytimeCurve:
+        """The any-time accuracy curve of the stream so far (empty without a test set)."""
+        return AnytimeCurve() if self.evaluation is None else self.evaluation.curves[self.mode]
+
+    def room(self, learner: OnlineLearner, batch_size: int) -> int:
+        """The most samples the next mini-batch may hold: ``batch_size``, cut at the next scheduled evaluation."""
+        return batch_size if self.evaluation is None else self.evaluation.room(learner, batch_size)
+
+    def after_batch(self, learner: OnlineLearner) -> int:
+        """Run the evaluations now due; returns how many ran."""
+        ran = 0
+        while self.evaluation is not None and (results := self.evaluation.after_batch(learner)):
+            self.class_accuracy, ran = results[self.mode][1], ran + 1
+        return ran
+
+    def idle_due(self, learner: OnlineLearner) -> bool:
+        """The stream went idle after new learning: measure the accuracy there (A_last of the stream so far)."""
+        return self.evaluation is not None and bool(learner.exposed) and self.idle_evaluated_at != learner.samples_seen
+
+    def evaluate_idle(self, learner: OnlineLearner) -> None:
+        """Measure the accuracy of the stream so far, as at the end of a task."""
+        self.class_accuracy = self.evaluation.end_of_task(learner)[self.mode][1]
+        self.idle_evaluated_at = learner.samples_seen
+
+    def state_dict(self) -> dict | None:
+        return None if self.evaluation is None else self.evaluation.state_dict()
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Back to a checkpoint's curve; the per-class accuracy is its last end-of-task one."""
+        if self.evaluation is not None and state is not None:
+            self.evaluation.load_state_dict(state)
+            self.class_accuracy = dict(next(reversed(self.curve.task_class_accuracy), {}))

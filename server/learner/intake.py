@@ -1,0 +1,255 @@
+"""A record's intake: claim its sample id, decode its image, book it; and the label join, where labels come later.
+
+No Kafka here, and no learning: ``server.learner.stream`` polls the records and hands each poll to ``accept``,
+which claims each sample id in the ``StreamBook`` (``server.learner.book``) before its image is decoded, and books
+each record in offset order as pending, a skipped replay or a dead letter (the loop sends those to the
+dead-letter topic). The learning step (``server.learner.state``) learns what is pending.
+
+Labels that come later (``--kafka.labels_topic``): the loop also reads the labels topic. Every image of a poll is
+predicted as it arrives (``server.learner.arrival``); one without a label waits in the ``LabelJoin`` with its
+feature (or its image) and its prediction, which goes to the predictions topic; a label waits there for its
+image. The record that completes a join stays pending until the join is learned, and the join's state is in the
+checkpoint with the model and both topics' offsets, so a crash neither learns a label twice nor drops one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, wait
+from dataclasses import dataclass, replace
+
+import torch
+
+from mepo_stream.images import ImageError, decode_image
+from mepo_stream.label_join import Joined, LabelJoin, Refused
+from mepo_stream.learner import OnlineLearner
+from mepo_stream.records import RecordError, RecordMeta, parse_headers, parse_label
+from server.config import ServeConfig
+from server.learner.arrival import Arrival, Prediction, arrive, kept_label
+from server.learner.book import Sample, StreamBook, tp_key
+from server.metrics import ServerMetrics
+from server.model_thread import ModelThread
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DeadLetter:
+    """A record that cannot be learned, with the reason the dead-letter topic records."""
+
+    record: object  # a kafka-python ConsumerRecord
+    reason: str
+    message: str
+
+
+Outgoing = DeadLetter | Prediction
+"""What ``accept`` hands back for the loop to send: dead letters, and predictions of images without a label."""
+
+
+@dataclass
+class _Claimed:
+    """A record whose sample id is claimed (an image without a label: none) and whose image is being decoded."""
+
+    meta: RecordMeta
+    image: Future  # of a uint8 [3, S, S] tensor, or an ImageError (the claim is then given back)
+
+
+@dataclass(frozen=True)
+class _Label:
+    """A record of the labels topic, validated."""
+
+    id: str
+    label: int
+
+
+class Intake:
+    """Claims, decodes and books the records of each poll; the one owner of the ``StreamBook`` and the label join.
+
+    ``version`` tells the model version a prediction of an arriving image is made with; ``lock`` is the one the
+    learning step holds while it changes the model (an arrival's forward reads it)."""
+
+    def __init__(self, cfg: ServeConfig, learner: OnlineLearner, class_names: dict[int, str], metrics: ServerMetrics,
+                 model_thread: ModelThread, lock: threading.Lock, version: Callable[[], int], by_partition: bool):
+        self.cfg, self.learner, self.class_names, self.metrics = cfg, learner, class_names, metrics
+        self.model_thread, self.lock, self.version = model_thread, lock, version
+        self.book = StreamBook(learn_replays=cfg.learn_replays, by_partition=by_partition)
+        self.join = LabelJoin(cfg.join) if cfg.kafka.labels_topic is not None else None
+        """Images waiting for labels that come later and labels waiting for images (None: labels come attached)."""
+        self.stream_time = 0.0  # the newest record timestamp read (s): the join's clock
+
+    def accept(self, records: list, decoder: Executor, meanwhile: Callable[[], None] | None = None
+               ) -> list[Outgoing]:
+        """Claim the records' sample ids in offset order, decode their images in ``decoder``, book the outcomes in
+        offset order (pending, a skipped replay, or a dead letter); returns the dead letters (and, where labels
+        come later, the predictions of images without one), for the loop to send before its next checkpoint.
+
+        ``meanwhile`` (learning the pending mini-batch) runs while the pool decodes: the images of the next
+        mini-batch are ready when the step ends. It learns only samples booked before these records, so the order,
+        the claims and the offsets are those of decoding first and learning after. Every decode has finished
+        before this returns, even on an error, so no late claim release can race a reconnect's ``reread``.
+        """
+        decoding: dict[tuple[str, int], Future] = {}
+        try:
+            claimed = [self._claim(record, decoder, decoding) for record in records]
+            if meanwhile is not None:
+                meanwhile()
+            arrivals = self._arrive(claimed) if self.join is not None else {}
+            booked = [self._book(record, outcome, arrivals.get(i))
+                      for i, (record, outcome) in enumerate(zip(records, claimed, strict=True))]
+            return [out for out in booked if out is not None] + self._expire()
+        finally:
+            wait(decoding.values())
+
+    def _claim(self, record, decoder: Executor, decoding: dict[tuple[str, int | str], Future]
+               ) -> _Claimed | _Label | RecordError | None:
+        """Parse the headers and claim the sample id before decoding (None: a replay); a label record is only
+        parsed, and an image without a label claims nothing (the join refuses a second image of its id).
+
+        An earlier copy of the same sample among the records is waited for first: if its image is bad it has
+        given the claim back by then, and this copy is learned, as when records are decoded one at a time.
+        """
+        n_classes = len(self.class_names)
+        try:
+            if self.join is not None and record.topic == self.cfg.kafka.labels_topic:
+                return _Label(*parse_label(record.headers, n_classes))
+            meta = parse_headers(record.headers, n_classes, ids=self.join is not None)
+        except RecordError as e:
+            return e
+        if meta.label is None:
+            decoding[(meta.stream_id, meta.id)] = decoder.submit(self._decode, record, meta)
+            return _Claimed(meta, decoding[(meta.stream_id, meta.id)])
+        sample_id = (meta.stream_id, meta.sample_index)
+        if sample_id in decoding:
+            wait([decoding[sample_id]])
+        if not self.book.claim(*sample_id):  # learned or in flight: a replay
+            return None
+        decoding[sample_id] = decoder.submit(self._decode, record, meta)
+        return _Claimed(meta, decoding[sample_id])
+
+    def _decode(self, record, meta: RecordMeta) -> torch.Tensor:
+        """The record's image; a bad one gives its claim back, so a good copy of the sample is still learned."""
+        try:
+            return decode_image(record.value or b"", self.cfg.limits)
+        except ImageError:
+            if meta.label is not None:
+                self.book.release(meta.stream_id, meta.sample_index)
+            raise
+
+    def _book(self, record, outcome: _Claimed | _Label | RecordError | None, arrival: Arrival | None
+              ) -> Outgoing | None:
+        """Book one record, in offset order: pending, a skipped replay, or a dead letter with its reason; where
+        labels come later, a label or an image without one goes to the join (``_book_join``)."""
+        key = tp_key(record)
+        self.metrics.records_consumed.inc()
+        if outcome is None:
+            self.metrics.replays_skipped.inc()
+            self.book.skip(key, record.offset)
+            return None
+        if isinstance(outcome, _Label):
+            source = (record.topic, record.partition, record.offset)
+            return self._book_join(record, self.join.add_label(outcome.id, outcome.label, self._clock(record), source))
+        try:
+            if isinstance(outcome, RecordError):
+                raise outcome
+            image = outcome.image.result()
+        except (RecordError, ImageError) as e:
+            self.book.skip(key, record.offset, dead_letter=True)
+            return DeadLetter(record, e.reason, e.message)
+        meta = outcome.meta
+        if arrival is None:
+            self.book.add_pending(key, record.offset, Sample(image, meta))
+            return None
+        if meta.label is not None:  # labelled: learned as it comes, from what its arrival kept
+            self.book.add_pending(key, record.offset, self._kept(arrival.item, meta, arrival.prediction))
+            return None
+        answered = meta.prediction is not None  # an HTTP upload (``server.uploads``): its answer is the one to score
+        prediction = meta.prediction if answered else arrival.prediction
+        dead = self._book_join(record, self.join.add_image(meta.id, arrival.item, prediction, self._clock(record)))
+        if dead is not None or answered:
+            return dead
+        return Prediction(meta.id, arrival.top_k, self.version(), time.time())
+
+    def _book_join(self, record, joined: Joined | Refused | None) -> DeadLetter | None:
+        """Book a record the join took: refused (a dead letter), waiting in the join (handled: the join's state
+        is checkpointed), or completing a join (pending until the join is learned)."""
+        key = tp_key(record)
+        if isinstance(joined, Refused):
+            self.book.skip(key, record.offset, dead_letter=True)
+            return DeadLetter(record, joined.reason, joined.message)
+        if joined is None:
+            self.book.skip(key, record.offset)
+            return None
+        meta = RecordMeta(joined.label, -1, -1, "", joined.id)
+        self.book.add_pending(key, record.offset, replace(self._kept(joined.item, meta, joined.prediction),
+                                                          joined=joined))
+        return None
+
+    def _kept(self, item: torch.Tensor, meta: RecordMeta, prediction: int | None) -> Sample:
+        """A sample from what its image's arrival kept: its feature, or the image of a learner that needs it."""
+        if self.learner.learns_from_features:
+            return Sample(None, meta, feature=item, prediction=prediction)
+        return Sample(item, meta, prediction=prediction)
+
+    def _arrive(self, claimed: list) -> dict[int, Arrival]:
+        """Labels may come later: predict the poll's good images as they arrive (one forward, in the model
+        thread), by their index among the records."""
+        good = {i: c.image.result() for i, c in enumerate(claimed)
+                if isinstance(c, _Claimed) and c.image.exception() is None}
+        if not good:
+            return {}
+        arrivals = self.model_thread.run(self._predict_arrivals, torch.stack(list(good.values())))
+        return dict(zip(good, arrivals, strict=True))
+
+    def _predict_arrivals(self, images: torch.Tensor) -> list[Arrival]:
+        with self.lock:
+            return arrive(self.learner, images, self.cfg.top_k, self.class_names, self.cfg.alignment.inference_mode)
+
+    def _clock(self, record) -> float:
+        """A record's time in seconds (its Kafka timestamp; now, for a record without one), which moves the
+        join's clock: waits are measured in stream time, so a replay of the topics joins and expires alike."""
+        stamp = getattr(record, "timestamp", None)
+        at = stamp / 1000 if isinstance(stamp, int) and stamp > 0 else time.time()
+        self.stream_time = max(self.stream_time, at)
+        return at
+
+    def _expire(self) -> list[DeadLetter]:
+        """Let go of what waited too long in the join: expired images are counted, labels refused as
+        ``unknown_id`` become dead letters (rebuilt from where they came from)."""
+        if self.join is None:
+            return []
+        expired, refused = self.join.expire(self.stream_time)
+        if expired:
+            log.info("%d images expired without their labels (%s ...)", len(expired), expired[0])
+        return [DeadLetter(kept_label(r), r.reason, r.message) for r in refused]
+
+    def learned(self, batch: list[Sample]) -> None:
+        """A mini-batch was learned: its samples are learned in the book, and the joins it completed confirmed."""
+        self.book.mark_learned(batch)
+        if self.join is not None:
+            self.join.confirm([s.joined for s in batch if s.joined is not None])
+
+    def reread(self) -> None:
+        """Forget the pending records and every claim, and put the joins they completed back: the loop reads them
+        again from the book's offsets."""
+        self.book.reread()
+        if self.join is not None:
+            self.join.rollback()
+
+    def waiting(self) -> Counter[str]:
+        """Records waiting for a mini-batch, per partition (the loop sizes its polls and its lag by them)."""
+        return Counter(p.key for p in self.book.pending)
+
+    def state_dict(self) -> dict:
+        """The checkpoint's bookkeeping: the book's keys, the join's state and its clock."""
+        return {**self.book.state_dict(), "join": None if self.join is None else self.join.state_dict(),
+                "stream_time": self.stream_time}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.book.load_state_dict(state)
+        if self.join is not None and state.get("join") is not None:
+            self.join.load_state_dict(state["join"])
+            self.stream_time = float(state["stream_time"])
