@@ -1,0 +1,101 @@
+"""The README's headline numbers are the results files' (``benchmarks/results/*.json``): each line of the section
+is written here again from the files, and every number in the section must come from one of these lines. The
+``make demo`` summary the README shows is the one the other pages quote."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+
+import pytest
+
+from tests.helpers import ROOT
+
+RESULTS = ROOT / "benchmarks" / "results"
+NUMBER = re.compile(r"(?<![\w.\-/])\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?(?![\w/])")
+
+
+def result(name: str) -> dict:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def section(text: str, title: str) -> str:
+    """The section under ``## title``, without code spans and link targets (names and paths, not numbers)."""
+    body = text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+    return re.sub(r"`[^`]*`|\]\([^)]*\)", "", body)
+
+
+def pct(mean: float, std: float) -> str:
+    return f"{100 * mean:.2f} ± {100 * std:.2f} %"
+
+
+def quality_row(stream: str, r: dict) -> str:
+    return (f"| {stream}, {r['stream_samples']:,} samples | {pct(r['a_last'], r['a_last_std'])} | "
+            f"{pct(r['a_auc'], r['a_auc_std'])} | {100 * r['ceiling']:.2f} % | {r['ratio']:.2f} |")
+
+
+def seeds(values: list[int]) -> str:
+    return f"{values[0]}–{values[-1]}" if values == list(range(values[0], values[-1] + 1)) else ", ".join(
+        map(str, values))
+
+
+def headline_claims() -> list[str]:
+    """Every phrase of the README's headline section that holds a number, written from the results files."""
+    cifar, tiny = result("learning_quality"), result("learning_quality_tinyimagenet")
+    assert cifar["spec"]["img_size"] == tiny["spec"]["img_size"] and cifar["seeds"] == tiny["seeds"]
+    assert cifar["machine"]["dtype"] == tiny["machine"]["dtype"]
+    reference, equivalence = result("reference_run"), result("reference_equivalence")
+    verdicts = Counter(row["verdict"] for row in equivalence["rows"])
+    assert equivalence["all_passed"] and sum(verdicts.values()) == len(equivalence["rows"])
+    learner, scale = result("learner_throughput"), result("scale_out")
+    return [
+        f"Measured on {learner['machine']['cpus']}-core CPUs without a GPU",
+        f"at {cifar['spec']['img_size']} px, {cifar['machine']['dtype'].replace('bfloat16', 'bf16')}, "
+        f"seeds {seeds(cifar['seeds'])}",
+        quality_row("CIFAR-10", cifar),
+        quality_row("Tiny-ImageNet downstream", tiny),
+        f"on the same CIFAR-10 streams: {pct(reference['A_last_mean'], reference['A_last_std'])} over seeds "
+        f"{seeds(reference['stream']['seeds'])}",
+        f"all {len(equivalence['rows'])} compared tensors pass: {verdicts['yes']} within "
+        f"{equivalence['tolerance']:.0e} as they are, {verdicts['fp32 noise']} within our own fp32 noise floor, "
+        f"{verdicts['fp32 resolution']} within fp32 resolution and {verdicts['documented']} the documented "
+        f"index-bug fix",
+        f"the service learns at {learner['learn_only']['ratio']:.2f}× its bare loop, "
+        f"{learner['prequential']['ratio']:.2f}× with prequential scoring",
+        f"Two learners in a group on {scale['machine']['cpus']} cores learn {scale['ratio']:.2f}× as fast as one",
+        f"two bare loops reach {scale['bare_ratio']:.2f}×",
+    ]
+
+
+def disagreements(readme: str) -> tuple[list[str], list[str]]:
+    """The results' phrases the headline section lacks, and its numbers no results file gives."""
+    flat = " ".join(section(readme, "Headline numbers").split())
+    claims = headline_claims()
+    traced = Counter(n for claim in claims for n in NUMBER.findall(claim))
+    return [claim for claim in claims if claim not in flat], sorted(Counter(NUMBER.findall(flat)) - traced)
+
+
+def test_every_headline_number_is_read_from_a_results_file():
+    missing, untraced = disagreements((ROOT / "README.md").read_text())
+    assert not missing, f"the README's headline section does not say (from benchmarks/results): {missing}"
+    assert not untraced, f"numbers in the headline section that no results file gives: {untraced}"
+
+
+def test_a_stale_or_unsourced_number_is_caught():
+    readme = (ROOT / "README.md").read_text()
+    row = headline_claims()[2]  # the CIFAR-10 row
+    stale = readme.replace(row, row.replace(row.split(" | ")[1], "66.93 ± 0.92 %"))
+    missing, untraced = disagreements(stale)
+    assert missing == [row] and untraced == ["0.92", "66.93"]
+    assert disagreements(readme.replace("## Documentation", "Up to 3× faster.\n\n## Documentation"))[1] == ["3"]
+    assert NUMBER.findall("bf16 at 84 px, ViT-S/14, CIFAR-10, 1e-04, 1,000") == ["84", "1e-04", "1,000"]
+
+
+@pytest.mark.parametrize("page,pattern", [
+    ("docs/getting-started.md", "A_last {a_last}, A_AUC {a_auc}**, prequential {prequential}"),
+    ("docs/results.md", "A_last **{a_last}**,\nA_AUC {a_auc}, prequential {prequential}"),
+])
+def test_the_demo_summary_is_the_same_on_every_page(page, pattern):
+    summary = json.loads(re.search(r'^(\{"samples_seen".*\})$', (ROOT / "README.md").read_text(), re.M).group(1))
+    assert pattern.format(**summary) in (ROOT / page).read_text()
