@@ -33,9 +33,9 @@ from benchmarks.service import ROOT, ServiceSpec, paper_recipe
 from mepo_stream.cli import config_options
 
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
-BENCHMARKS = ("model_arithmetic", "learning_quality", "learning_quality_tinyimagenet", "learner_throughput", "predict_latency", "predict_throughput",
-              "protocol_latency", "replica_latency", "alignment_cost", "refine_throughput", "scale_out",
-              "label_join_memory", "batch_invariance")
+BENCHMARKS = ("model_arithmetic", "learning_quality", "learning_quality_tinyimagenet", "learner_throughput",
+              "predict_latency", "predict_throughput", "protocol_latency", "replica_latency", "alignment_cost",
+              "refine_throughput", "scale_out", "label_join_memory", "batch_invariance")
 GPU_BENCHMARKS = ("gpu_learner_fp32", "gpu_learner_bf16", "gpu_predict_latency", "gpu_vit_b16")
 ALL = (*BENCHMARKS, *GPU_BENCHMARKS)
 GPU_LEARNER_CONFIGS = ("prequential", "paper_recipe")

@@ -17,7 +17,7 @@ import server.learner.stream as stream
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.records import RecordMeta
 from server.learner.book import Sample, StreamBook
-from server.learner.state import CHECKPOINT, LearnerState, open_learner
+from server.learner.state import CHECKPOINT, LearnerState
 from tests.fakes import STREAM_ID, FakeProducer, jpeg, record, records, run_loop, service
 
 
