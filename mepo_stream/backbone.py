@@ -27,7 +27,8 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import timm
@@ -46,6 +47,8 @@ from mepo_stream.errors import ConfigError
 from mepo_stream.files import sha256_file
 
 HEAD_PREFIXES = ("head.", "fc.", "head_dist.")
+DEFAULT_IMG_SIZE = 112
+"""The resolution when neither ``--backbone.img_size`` nor a bundle gives one."""
 TIMM = "timm"
 """``--backbone.weights timm``: timm's pretrained weights for the model name, through the Hugging Face cache."""
 HF_HUB = "hf-hub:"
@@ -63,12 +66,41 @@ class BackboneConfig:
     as ``timm.create_model(name, pretrained=True)`` loads them, through the Hugging Face cache; offline with
     ``HF_HUB_OFFLINE=1`` from a populated cache), ``hf-hub:org/name`` (a timm model on the Hub, the same way), a
     ``.safetensors``/``.pth``/``.npz`` path or bundle folder, or null for random init."""
-    img_size: int = 112
-    """Input resolution in pixels. The paper uses 224; 112 keeps the DINOv2 accuracy on 32-64 px data at about
-    5x the speed on CPU (docs/getting-started.md, "Data and weights")."""
+    img_size: int | None = None
+    """Input resolution in pixels. Default: the one the command's bundle (--mepo, --mepo_rep, --mepo_cov) was made at,
+    else 112 (84 for mepo demo). The paper uses 224; 112 keeps the DINOv2 accuracy on 32-64 px data at about 5x the
+    speed on CPU (docs/getting-started.md, "Data and weights")."""
     allow_resample: bool = False
     """Build a bundle's refined backbone at another resolution than the one it was refined at (its position
     table is resampled); without it, such a bundle is refused."""
+
+
+def bundle_img_size(bundle: Path) -> int | None:
+    """The resolution a bundle was made at (``mepo refine``, ``covariance`` and ``isa`` record it), or None: a MePo
+    release ``.npy``, or an imported checkpoint (which records its architecture's size, not a refine's)."""
+    if Path(bundle).suffix == ".npy":
+        return None
+    manifest = read_manifest(bundle)
+    return None if manifest.get("kind") == "imported" else manifest.get("backbone", {}).get("img_size")
+
+
+def sized(cfg: BackboneConfig, bundles: Iterable[Path] = (), default: int = DEFAULT_IMG_SIZE) -> BackboneConfig:
+    """``cfg`` at a resolution: the one given; else that of the first of the command's ``bundles`` (``--mepo``,
+    ``--mepo_rep``, ...), or of the bundle its weights are, that records one; else ``default``.
+
+    Why: a bundle records the resolution it was made at, and a refined backbone is refused at another one (unless
+    ``--backbone.allow_resample``); repeating it by hand next to every ``--mepo`` added nothing but a way to err.
+
+    Example:
+        >>> sized(BackboneConfig(img_size=None)).img_size, sized(BackboneConfig(img_size=84)).img_size
+        (112, 84)
+    """
+    if cfg.img_size is not None:
+        return cfg
+    own = [] if from_hub(cfg.weights) or cfg.weights in (None, "dinov2") else [Path(cfg.weights)]
+    candidates = [*bundles, *(p for p in own if p.is_dir())]
+    size = next((s for b in candidates if (s := bundle_img_size(b)) is not None), default)
+    return replace(cfg, img_size=size)
 
 
 def device() -> torch.device:
@@ -185,15 +217,17 @@ def load_weights(model: VisionTransformer, path: Path) -> None:
 
 
 def create_backbone(cfg: BackboneConfig) -> VisionTransformer:
-    """Build the timm ViT of ``cfg`` without a classifier (``num_classes=0``) and load its weights.
+    """Build the timm ViT of ``cfg`` without a classifier (``num_classes=0``) and load its weights (at the
+    resolution ``sized`` gives: that of the bundle its weights are, when ``cfg`` gives none).
 
     Without weights the backbone is drawn with seed 0, whatever the global RNG: like pretrained weights, it is then
     the same for every run and seed (and so is its ceiling), and building it leaves the global RNG as it was.
     """
+    path = None if from_hub(cfg.weights) else weights_path(cfg.weights)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = build_vit(cfg.name, cfg.img_size, cfg.weights)
-    if not from_hub(cfg.weights) and (path := weights_path(cfg.weights)) is not None:
+        model = build_vit(cfg.name, sized(cfg).img_size, cfg.weights)
+    if path is not None:
         load_weights(model, path)
     return model
 

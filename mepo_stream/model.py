@@ -40,7 +40,7 @@ from mepo_stream.artifacts import (
     load_sigma_pre,
     read_manifest,
 )
-from mepo_stream.backbone import BackboneConfig, create_backbone, normalization
+from mepo_stream.backbone import BackboneConfig, create_backbone, normalization, sized
 from mepo_stream.errors import ConfigError
 from mepo_stream.files import sha256_file
 from mepo_stream.heads import NearestClassMean, RunningStandardize, StreamingLDA
@@ -119,9 +119,9 @@ def check_bundle(bundle: Path, backbone: BackboneConfig, needs: dict[str, str] |
                           f"{made['name']}")
     refined = manifest.get("kind") != "imported"  # an imported checkpoint has its architecture's size, not a refine's
     if refined and made.get("img_size") not in (None, backbone.img_size) and not backbone.allow_resample:
-        raise ConfigError(f"{bundle} was refined at {made['img_size']} px, not {backbone.img_size} px: pass "
-                          f"--backbone.img_size {made['img_size']}, or --backbone.allow_resample true to resample "
-                          f"its position table")
+        raise ConfigError(f"{bundle} was refined at {made['img_size']} px, not {backbone.img_size} px: leave "
+                          f"--backbone.img_size out (a bundle's resolution is the default), or pass "
+                          f"--backbone.allow_resample true to resample its position table")
 
 
 def check_parts(parts: BundleParts, backbone: BackboneConfig) -> None:
@@ -266,10 +266,11 @@ class ModelConfig:
 def create_model(cfg: ModelConfig, n_classes: int, device: torch.device | None = None) -> ContinualMethod:
     """The finished model for ``n_classes`` classes: every bundle checked first, then seeded and built with the
     parts ``cfg.mepo`` names, on ``device`` (the CPU by default)."""
-    check_parts(cfg.mepo, cfg.backbone)
+    backbone_cfg = sized(cfg.backbone, cfg.mepo.bundles)
+    check_parts(cfg.mepo, backbone_cfg)
     device = device or torch.device("cpu")
     torch.manual_seed(cfg.seed)
-    backbone = create_backbone(backbone_config(cfg.backbone, cfg.mepo))
+    backbone = create_backbone(backbone_config(backbone_cfg, cfg.mepo))
     alignment = meta_cov(cfg.mepo, backbone, cfg.alignment)
     method = create_method(cfg.method, backbone, n_classes, alignment, cfg.method_config,
                            readout(cfg.learner, backbone, n_classes, alignment, device))

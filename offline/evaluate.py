@@ -32,7 +32,7 @@ from tqdm import tqdm
 from mepo_stream.alignment import AlignmentConfig, AlignMode
 from mepo_stream.anytime import AnytimeEvaluation, ProtocolConfig
 from mepo_stream.artifacts import BACKBONE, PROMPTS, SIGMA_PRE
-from mepo_stream.backbone import BackboneConfig, create_backbone, device, provenance
+from mepo_stream.backbone import BackboneConfig, create_backbone, device, provenance, sized
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.learner import LearnerConfig, OnlineLearner
 from mepo_stream.methods import METHODS, MethodsConfig
@@ -409,6 +409,7 @@ def evaluate(
         protocol: Evaluation protocol settings.
         probe: The offline probe that gives each table's ceiling.
     """
+    backbone = sized(backbone, [b for b in (mepo, mepo_rep, mepo_prompts, mepo_cov) if b is not None])
     check_bundles(mepo, mepo_rep, mepo_cov, mepo_prompts, backbone)
     names = parse_methods(method)
     jobs = plan_jobs(names, parse_seeds(seed), mepo is not None, mepo_rep is not None, mepo_cov is not None,

@@ -42,7 +42,7 @@ from torchvision.transforms import v2
 from tqdm import tqdm
 
 from mepo_stream.artifacts import PROMPTS, BundleError, library_versions, load_part, read_manifest, write_bundle
-from mepo_stream.backbone import BackboneConfig, device, normalization, provenance
+from mepo_stream.backbone import BackboneConfig, device, normalization, provenance, sized
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.fam import FAM
 from mepo_stream.learner import LearnerConfig
@@ -346,5 +346,6 @@ def isa(
     target = out or mepo
     if target is None:
         raise ValueError("pass --mepo (a bundle to add the prompts to) or --out (for a new bundle), or both")
+    backbone = sized(backbone, [mepo] if mepo is not None else [])
     images = load_split(data, "train")
     return add_prompts(Path(target), mepo, backbone, data, images, method, adapt, method_config)

@@ -55,7 +55,15 @@ from torch import nn
 from tqdm import tqdm
 
 from mepo_stream.artifacts import BACKBONE, SIGMA_PRE, library_versions, write_bundle
-from mepo_stream.backbone import BackboneConfig, cls_feature, create_backbone, device, normalization, provenance
+from mepo_stream.backbone import (
+    BackboneConfig,
+    cls_feature,
+    create_backbone,
+    device,
+    normalization,
+    provenance,
+    sized,
+)
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.errors import ConfigError
@@ -345,6 +353,7 @@ def refine(
     if loop.precision == "int8":
         raise ConfigError("--loop.precision int8: the refine trains the backbone, and int8 layers cannot be "
                           "trained; use auto, bf16 or fp32 (int8 serves a frozen backbone: --learner.precision)")
+    backbone = sized(backbone)
     ddp = Distributed.init()
     start = time.time()
     torch.manual_seed(loop.seed)

@@ -1,18 +1,19 @@
 """Typed configuration of ``mepo serve`` and ``mepo demo`` (their CLI options and the FastAPI settings dependency).
 
 The option groups are the ones ``mepo evaluate`` has (``--backbone.*``, ``--learner.*``, ``--method_config.*``,
-``--alignment.*``, ``--protocol.*``, ``--data.*``, ``--mepo``), so a flag learned on one command works on the other.
+``--alignment.*``, ``--protocol.*``, ``--data.*``, ``--mepo``, ``--mepo_rep``, ``--mepo_cov``), so a flag learned on one
+command works on the other.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from mepo_stream.alignment import AlignmentConfig
 from mepo_stream.anytime import ProtocolConfig
-from mepo_stream.backbone import BackboneConfig
+from mepo_stream.backbone import DEFAULT_IMG_SIZE, BackboneConfig, sized
 from mepo_stream.data import DataConfig
 from mepo_stream.images import ImageLimits
 from mepo_stream.kafka import KafkaConfig, ReplayConfig
@@ -41,6 +42,9 @@ class ServeConfig:
     Example: ``mepo serve --kafka.bootstrap_servers k1:9092 --mepo runs/refined --port 8000``.
     """
 
+    default_img_size: ClassVar[int] = DEFAULT_IMG_SIZE
+    """The resolution when neither --backbone.img_size nor a bundle gives one (not an option: the command's)."""
+
     kafka: KafkaConfig = KafkaConfig()
     """Broker, topics and consumer group."""
     role: Literal["learner", "replica"] = "learner"
@@ -58,6 +62,11 @@ class ServeConfig:
     """Pretrained backbone (replaced by the bundle's when --mepo is given)."""
     mepo: Path | None = None
     """MePo bundle (mepo refine / covariance / isa): its backbone, Sigma_pre and ISA prompts, where it has them."""
+    mepo_rep: Path | None = None
+    """Meta Rep from this bundle: its backbone replaces --backbone.weights (and --mepo's), as in mepo evaluate."""
+    mepo_cov: Path | None = None
+    """Meta Cov from this bundle: its Sigma_pre (or a MePo release cov_*.npy) replaces --mepo's, as in mepo
+    evaluate."""
     method: str = "frozen"
     """Host method: ``frozen`` (the backbone's feature, no prompts; with the default streaming-LDA classifier
     this is what learns best here), or a prompt-based host (misa, ...). The paper's recipe:
@@ -121,10 +130,12 @@ class DemoConfig(ServeConfig):
 
     data: DataConfig = DataConfig(dataset="cifar10", train_per_class=50, test_per_class=20)
     """Bundled dataset to stream (cifar10, tinyimagenet-downstream) or an ImageFolder root, and its test split."""
-    backbone: BackboneConfig = BackboneConfig(img_size=84)
-    """Pretrained backbone (84 px: fast on a CPU)."""
-    protocol: ProtocolConfig = ProtocolConfig(eval_period=250)
-    """Any-time evaluation every 250 samples."""
+    default_img_size: ClassVar[int] = 84
+    """Without a bundle the demo runs at 84 px: fast on a CPU."""
+
+    protocol: ProtocolConfig = ProtocolConfig(eval_period=50)
+    """Any-time evaluation every 50 samples: 10 points on the 500-sample stream's curve (the test images'
+    features are computed once, so each evaluation costs the classifier alone)."""
     checkpoint_dir: Path = Path("runs/demo/checkpoint")
     """The demo's checkpoint (removed at start: the embedded broker starts empty too); the broker log goes beside."""
     checkpoint_every: int = 256
@@ -137,8 +148,22 @@ class DemoConfig(ServeConfig):
     """Start a local broker; false streams through the cluster at --kafka.bootstrap_servers instead."""
 
 
+def bundle_parts(cfg: ServeConfig) -> BundleParts:
+    """The MePo parts of the model: every part --mepo has, Meta Rep from --mepo_rep and Meta Cov from --mepo_cov
+    where they are given (a bundle that lacks its part is refused when the model is built).
+
+    Example:
+        >>> bundle_parts(ServeConfig(mepo_cov=Path("cov_vit.npy")))
+        BundleParts(rep=None, cov=PosixPath('cov_vit.npy'), prompts=None)
+    """
+    parts = BundleParts.of(cfg.mepo)
+    return replace(parts, rep=cfg.mepo_rep or parts.rep, cov=cfg.mepo_cov or parts.cov)
+
+
 def model_config(cfg: ServeConfig) -> ModelConfig:
-    """What of a service's configuration defines its model (``mepo_stream.model.create_model``); a replica gets
-    it from the learner's snapshots. (A function, not a method: the CLI would take a method for a subcommand.)"""
-    return ModelConfig(cfg.method, cfg.method_config, cfg.backbone, BundleParts.of(cfg.mepo), cfg.alignment,
-                       cfg.learner, cfg.seed)
+    """What of a service's configuration defines its model (``mepo_stream.model.create_model``), at a resolution
+    (``--backbone.img_size``, else its bundle's, else the command's ``default_img_size``); a replica gets it from the
+    learner's snapshots. (A function, not a method: the CLI would take a method for a subcommand.)"""
+    parts = bundle_parts(cfg)
+    backbone = sized(cfg.backbone, parts.bundles, cfg.default_img_size)
+    return ModelConfig(cfg.method, cfg.method_config, backbone, parts, cfg.alignment, cfg.learner, cfg.seed)

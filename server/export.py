@@ -17,7 +17,6 @@ Example:
 from __future__ import annotations
 
 import json
-import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,11 +37,10 @@ from mepo_stream.export import (
 from mepo_stream.model import create_model
 from server.config import ServeConfig, model_config
 from server.learner.state import CHECKPOINT, read_checkpoint
-from server.replica.follower import ReplicaModel, Refused
+from server.replica.follower import Refused, ReplicaModel
 from server.snapshot import Snapshot
 from server.snapshot_topic import Assembler, SnapshotMessage, decode
 
-log = logging.getLogger(__name__)
 IDLE_POLL_MS = 1000
 """A poll this long that brings nothing, once a snapshot is whole: the topic is read to its end."""
 

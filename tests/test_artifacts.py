@@ -1,6 +1,7 @@
 import json
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,9 +9,10 @@ import torch
 
 from mepo_stream.artifacts import BACKBONE, BundleError, load_part, load_sigma_pre, read_manifest, write_bundle
 from mepo_stream.backbone import create_backbone
-from mepo_stream.cli import main
+from mepo_stream.cli import main, parse
 from mepo_stream.errors import ConfigError
 from mepo_stream.model import BundleParts, ModelConfig, create_model
+from server.config import ServeConfig, model_config
 from tests.helpers import TINY
 
 
@@ -101,10 +103,12 @@ def test_evaluate_refuses_a_bundle_without_sigma_pre_before_any_work(tmp_path, c
 
 def test_a_bundle_refined_at_another_size_is_refused_unless_resampling_is_asked(tmp_path):
     cfg = ModelConfig(backbone=replace(TINY, img_size=48), mepo=BundleParts.of(backbone_bundle(tmp_path, img_size=32)))
-    with pytest.raises(ConfigError, match="refined at 32 px, not 48 px: pass --backbone.img_size 32"):
+    with pytest.raises(ConfigError, match="refined at 32 px, not 48 px: leave --backbone.img_size out"):
         create_model(cfg, 4)
     model = create_model(replace(cfg, backbone=replace(cfg.backbone, allow_resample=True)), 4)
     assert model.backbone.patch_embed.img_size[0] == 48
+    unsized = create_model(replace(cfg, backbone=replace(cfg.backbone, img_size=None)), 4)
+    assert unsized.backbone.patch_embed.img_size[0] == 32  # the bundle's own resolution, not repeated by hand
 
 
 def test_refine_offers_the_learners_precisions_and_refuses_int8_before_any_work(tmp_path, capsys):
@@ -117,3 +121,24 @@ def test_refine_offers_the_learners_precisions_and_refuses_int8_before_any_work(
     err = capsys.readouterr().err
     assert "mepo: error: --loop.precision int8: the refine trains the backbone" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["serve", "demo", "export", "evaluate"])
+def test_every_command_that_takes_a_bundle_takes_the_same_three_options(command):
+    ns = parse([command, "--mepo", "a", "--mepo_rep", "b", "--mepo_cov", "c.npy"])
+    assert (ns[command].mepo, ns[command].mepo_rep, ns[command].mepo_cov) == (Path("a"), Path("b"), Path("c.npy"))
+
+
+def test_serve_takes_meta_rep_and_meta_cov_from_their_own_bundles_at_the_bundles_resolution(tmp_path):
+    """``--mepo_rep`` and ``--mepo_cov`` mean what they mean to ``mepo evaluate``: each part from its own bundle
+    (over --mepo's), and the resolution is the refined bundle's, not repeated by hand."""
+    rep = backbone_bundle(tmp_path, img_size=48)
+    np.save(tmp_path / "cov.npy", np.eye(64))
+    base = ServeConfig(backbone=replace(TINY, img_size=None), mepo_rep=rep, mepo_cov=tmp_path / "cov.npy")
+    model = model_config(base)
+    assert (model.mepo.rep, model.mepo.cov, model.backbone.img_size) == (rep, tmp_path / "cov.npy", 48)
+    built = create_model(model, 4)
+    assert built.backbone.patch_embed.img_size[0] == 48 and built.alignment is not None
+    with pytest.raises(ConfigError, match="refined at 48 px, not 32 px: leave --backbone.img_size out"):
+        create_model(model_config(replace(base, backbone=TINY)), 4)
+    assert model_config(replace(base, mepo_rep=None)).backbone.img_size == ServeConfig.default_img_size

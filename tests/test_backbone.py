@@ -155,7 +155,7 @@ def test_hub_weights_missing_from_the_cache_offline_say_what_to_do(offline_hub, 
 def test_hub_weights_of_another_architecture_name_it(offline_hub):
     fill_hub_cache(offline_hub, "someone/test-vit", {"model.safetensors": save(trained_state()),
                                                       "config.json": HUB_CONFIG.encode()})
-    with pytest.raises(ConfigError, match="holds a test_vit, not a vit_tiny_patch16_224: pass --backbone.name test_vit"):
+    with pytest.raises(ConfigError, match="holds a test_vit, not a vit_tiny_patch16_224: pass --backbone.name test_"):
         create_backbone(BackboneConfig("vit_tiny_patch16_224", "hf-hub:someone/test-vit", 32))
 
 
@@ -171,7 +171,8 @@ def test_mepo_serve_builds_hub_weights_from_a_filled_cache_with_the_hub_off(brok
     built) is the cached state dict's."""
     state = trained_state()
     repo = "timm/test_vit.r160_in1k" if weights == "timm" else weights.removeprefix("hf-hub:")
-    fill_hub_cache(tmp_path / "hf" / "hub", repo, {"model.safetensors": save(state), "config.json": HUB_CONFIG.encode()})
+    fill_hub_cache(tmp_path / "hf" / "hub", repo,
+                   {"model.safetensors": save(state), "config.json": HUB_CONFIG.encode()})
     save_file(state, str(tmp_path / "local.safetensors"))
     expected = weights_sha256(create_backbone(BackboneConfig("test_vit", str(tmp_path / "local.safetensors"), 32)))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
