@@ -78,9 +78,9 @@ def test_labels_delayed_by_50_to_200_records_teach_the_model_that_labels_attache
     predictions; every image is predicted at arrival onto the predictions topic, and the delayed accuracy is
     reported next to the immediate."""
     # The model is order-invariant given its shrinkage; the default picks the shrinkage by test-then-train hits,
-    # which depend on the order labels come in, so one is pinned. fp32: bf16 features of the same image differ by
-    # ~1e-3 between batch sizes (the poll at arrival, the mini-batch when attached).
-    learner = replace(settings(broker, tmp_path).learner, slda_shrinkage=(0.2,), precision="fp32")
+    # which depend on the order labels come in, so one is pinned. The default precision: an image's feature is the
+    # same in the poll at arrival and in the mini-batch when attached (tests/test_batch_invariance.py).
+    learner = replace(settings(broker, tmp_path).learner, slda_shrinkage=(0.2,))
     attached = settings(broker, tmp_path / "attached", protocol=ProtocolConfig(eval_period=0), learner=learner)
     delayed = later(settings(broker, tmp_path / "delayed", protocol=ProtocolConfig(eval_period=0), learner=learner))
     status, n = {}, len(list_files(DATA, "train").files)
