@@ -74,7 +74,7 @@ def _producer_command(cfg: DemoConfig) -> list[str]:
     return produce + config_options(cfg.replay, "--replay.")
 
 
-def _expected_samples(cfg: DemoConfig) -> int:
+def expected_samples(cfg: DemoConfig) -> int:
     """The samples the demo's stream teaches: every image, or, with labels that come later, those whose label
     comes (``mepo_stream.label_delay``, drawn as the producer draws it)."""
     n = min(len(list_files(cfg.data, "train").files), cfg.replay.limit or math.inf)
@@ -103,7 +103,9 @@ def _summary(app: FastAPI, wall_time: float) -> None:
         later = {} if join is None else {"delayed_accuracy": join["delayed_accuracy"],
                                          "images_waiting": join["images"]["waiting"]}
         print(json.dumps({k: status[k] for k in keys} | {"prequential": status["prequential_accuracy"]["cumulative"]}
-                         | later | {"a_auc": status["anytime_accuracy"]["a_auc"], "wall_time_s": round(wall_time, 1)}))
+                         | later | {"a_auc": status["anytime_accuracy"]["a_auc"],
+                                    "evaluations": status["anytime_accuracy"]["evaluations"],
+                                    "wall_time_s": round(wall_time, 1)}))
 
 
 def demo(cfg: DemoConfig = DemoConfig()) -> None:
@@ -131,7 +133,7 @@ def _serve_demo(cfg: DemoConfig, producer: subprocess.Popen) -> tuple[FastAPI, f
     app = create_app(cfg, start_role)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning"))
     if cfg.until_done:
-        expected = _expected_samples(cfg)
+        expected = expected_samples(cfg)
         threading.Thread(target=_stop_when_learned, args=(app, server, producer, expected), daemon=True).start()
     url = f"http://127.0.0.1:{cfg.port}"
     print(f"live page: {url}/", flush=True)

@@ -27,8 +27,9 @@ from mepo_stream.records import record_headers
 from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce
 from server.broker import free_port
-from server.config import ServeConfig
+from server.config import DemoConfig, ServeConfig
 from server.learner.state import CHECKPOINT
+from server.serve import expected_samples
 from server.web.dependencies import get_settings
 from tests.helpers import (
     DATA,
@@ -196,6 +197,12 @@ def test_kill_9_mid_stream_then_a_restart_ends_exactly_as_an_uninterrupted_run(b
     assert_same_learner_state(crashed, reference)
 
 
+def test_the_demos_default_stream_draws_its_any_time_curve_with_at_least_10_evaluations():
+    period = DemoConfig().protocol.eval_period
+    assert expected_samples(DemoConfig()) // period >= 10
+    assert period % DemoConfig().learner.batch_size == 0  # no mini-batch cut short: a short one costs a whole forward
+
+
 @pytest.mark.parametrize("later", [[], ["--replay.label_delay", "5", "--replay.label_loss", "0.25"]],
                          ids=["labels attached", "labels later"])
 def test_demo_runs_the_whole_pipeline_and_exits_when_done(tmp_path, later):
@@ -203,7 +210,7 @@ def test_demo_runs_the_whole_pipeline_and_exits_when_done(tmp_path, later):
     shows labels that come later: the images whose label never comes wait, the rest are learned."""
     out = subprocess.run(
         [sys.executable, "-m", "mepo_stream.cli", "demo", "--data.train_per_class", "2", "--data.test_per_class", "1",
-         "--backbone.img_size", "28", "--until_done", "true", "--port", str(free_port()),
+         "--backbone.img_size", "28", "--protocol.eval_period", "5", "--until_done", "true", "--port", str(free_port()),
          "--checkpoint_dir", str(tmp_path / "checkpoint"), *later],
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-2000:]
@@ -211,5 +218,6 @@ def test_demo_runs_the_whole_pipeline_and_exits_when_done(tmp_path, later):
     never = sum(at is None for at in label_schedule(20, 5, None, 0.25, seed=1)) if later else 0
     assert summary["samples_seen"] == 20 - never and summary["classes_seen"] >= 10 - never
     assert summary.get("images_waiting", 0) == never and ("delayed_accuracy" in summary) == bool(later)
+    assert summary["evaluations"] == summary["samples_seen"] // 5  # the any-time curve's points, one every 5
     assert "Kafka 127.0.0.1:" in out.stdout  # the embedded broker
     assert (tmp_path / "broker.log").is_file() and (tmp_path / "checkpoint" / CHECKPOINT).is_file()
