@@ -28,7 +28,17 @@ from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce
 from server.config import ServeConfig
 from server.export import ExportConfig, export
-from tests.helpers import DATA, ROOT, TINY, LiveServer, checkpoint_samples, png_bytes, settings, wait_for
+from tests.helpers import (
+    DATA,
+    ROOT,
+    TINY,
+    LiveServer,
+    checkpoint_samples,
+    code_blocks,
+    png_bytes,
+    settings,
+    wait_for,
+)
 
 LEARNED = 64  # two checkpoints' worth (--checkpoint_every 32): the checkpoint then holds the served model
 TOLERANCE = 1e-4
@@ -90,6 +100,9 @@ def test_onnx_from_the_running_learners_snapshot_answers_as_the_server(learner, 
     model = onnx.load(tmp_path / "model.onnx")
     assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"  # a dynamic batch dimension
     assert_onnx_answers_as_the_server(tmp_path / "model.onnx", http, test_images)
+    [example] = [b for b in code_blocks((ROOT / "docs" / "operations.md").read_text(), "python") if "onnxruntime" in b]
+    ran = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert ran.returncode == 0 and ran.stdout.strip().startswith("["), ran.stderr[-2000:]  # the docs' example runs
 
 
 def test_triton_repository_from_the_checkpoint_is_what_triton_reads(learner, test_images, tmp_path):
