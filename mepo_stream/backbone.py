@@ -233,7 +233,9 @@ def create_backbone(cfg: BackboneConfig) -> VisionTransformer:
 
 
 def provenance(cfg: BackboneConfig) -> dict:
-    """What an artifact records about the backbone it came from: config, weights path and sha256."""
+    """What an artifact records about the backbone it came from: config (at its resolution: ``sized``), weights path
+    and sha256."""
+    cfg = sized(cfg)
     path = weights_path(cfg.weights, cfg.name)
     digest = None
     if path is not None and path.is_file():

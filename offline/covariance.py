@@ -19,15 +19,7 @@ import torch
 from tqdm import tqdm
 
 from mepo_stream.artifacts import SIGMA_PRE, library_versions, write_bundle
-from mepo_stream.backbone import (
-    BackboneConfig,
-    cls_feature,
-    create_backbone,
-    device,
-    normalization,
-    provenance,
-    sized,
-)
+from mepo_stream.backbone import BackboneConfig, cls_feature, create_backbone, device, normalization, provenance
 from mepo_stream.class_means import ClassMeans
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.transforms import test_transform, train_transform
@@ -75,7 +67,6 @@ def covariance(out: Path, backbone: BackboneConfig = BackboneConfig(), cov: Cova
         cov: Reference set and estimation settings.
     """
     start = time.time()
-    backbone = sized(backbone)
     model = create_backbone(backbone).to(device())
     images = load_split(cov.data, "train")
     sigma = sigma_pre(model, images, cov)

@@ -55,15 +55,7 @@ from torch import nn
 from tqdm import tqdm
 
 from mepo_stream.artifacts import BACKBONE, SIGMA_PRE, library_versions, write_bundle
-from mepo_stream.backbone import (
-    BackboneConfig,
-    cls_feature,
-    create_backbone,
-    device,
-    normalization,
-    provenance,
-    sized,
-)
+from mepo_stream.backbone import BackboneConfig, cls_feature, create_backbone, device, normalization, provenance
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.errors import ConfigError
@@ -208,7 +200,7 @@ class Trainer:
         log.info("frozen: %d tensors under %s", len(frozen), list(cfg.freeze) or "nothing")
         net = nn.parallel.DistributedDataParallel(model) if ddp.world > 1 else model
         optimizer = torch.optim.SGD(param_groups(model, cfg), momentum=cfg.momentum)
-        img, (mean, std) = backbone.img_size, normalization(model.backbone)
+        img, (mean, std) = model.backbone.patch_embed.img_size[0], normalization(model.backbone)
         base = {k: v.detach().cpu().clone() for k, v in model.backbone.state_dict().items()}
         return cls(model, net, optimizer, images, cfg, ddp, train_transform(img, mean, std, None),
                    test_transform(img, mean, std), base)
@@ -353,7 +345,6 @@ def refine(
     if loop.precision == "int8":
         raise ConfigError("--loop.precision int8: the refine trains the backbone, and int8 layers cannot be "
                           "trained; use auto, bf16 or fp32 (int8 serves a frozen backbone: --learner.precision)")
-    backbone = sized(backbone)
     ddp = Distributed.init()
     start = time.time()
     torch.manual_seed(loop.seed)
