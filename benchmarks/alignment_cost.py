@@ -19,21 +19,15 @@ Writes ``benchmarks/results/alignment_cost.json``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from benchmarks.learner_throughput import stream_batches
-from benchmarks.service import ServiceSpec, bare_learner, paper_recipe, seconds, write_result
+from benchmarks.service import ServiceSpec, bare_learner, paper_recipe, timed, write_result
 from mepo_stream.data import list_files
-
-
-def _timed(fn: Callable[[], object], repeats: int, dev: torch.device) -> float:
-    """Median seconds of ``fn`` over ``repeats`` calls, after one warm-up call."""
-    fn()
-    return sorted(seconds(fn, dev) for _ in range(repeats))[repeats // 2]
 
 
 def main(spec: ServiceSpec = paper_recipe(ServiceSpec()), repeats: int = 10,
@@ -61,10 +55,10 @@ def main(spec: ServiceSpec = paper_recipe(ServiceSpec()), repeats: int = 10,
         h = feature.clone().requires_grad_()
         method.alignment(h, mode="batch").sum().backward()
 
-    t_align = _timed(align_only, repeats * 5, dev)
-    t_step = _timed(lambda: learner.observe(images, labels), repeats, dev)
+    t_align = statistics.median(timed(align_only, repeats * 5, dev))
+    t_step = statistics.median(timed(lambda: learner.observe(images, labels), repeats, dev))
     alignment, method.alignment = method.alignment, None
-    t_host = _timed(lambda: learner.observe(images, labels), repeats, dev)
+    t_host = statistics.median(timed(lambda: learner.observe(images, labels), repeats, dev))
     method.alignment = alignment
     return write_result({
         "benchmark": "alignment_cost", "spec": spec.as_json(), "batch_size": spec.learner.batch_size,

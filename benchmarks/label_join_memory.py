@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 from PIL import Image
 
-from benchmarks.service import write_result
+from benchmarks.service import rss_bytes, write_result
 from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.backbone import BackboneConfig
 from mepo_stream.data import DataConfig
@@ -54,11 +54,6 @@ class Record(NamedTuple):
     key: bytes
     value: bytes
     headers: list[tuple[str, bytes]]
-
-
-def rss_bytes() -> int:
-    """This process's resident memory (Linux)."""
-    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
 
 
 def jpegs(size: int, count: int = 16) -> list[bytes]:
@@ -96,7 +91,7 @@ def run(cfg: ServeConfig, n: int, sample_every: int, delay: tuple[int, int], los
     state = open_learner(cfg, ServerMetrics())
     decoder, poll, trace = InlineExecutor(), [], []
     start, images = time.perf_counter(), 0
-    for record in stream(n, cfg.limits.size, delay, loss, state.n_classes):
+    for record in stream(n, cfg.limits.size, delay, loss, len(state.class_names)):
         poll.append(record)
         images += record.topic == IMAGES
         if len(poll) == cfg.learner.batch_size:

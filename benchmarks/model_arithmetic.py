@@ -38,14 +38,13 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.service import ServiceSpec, write_result
+from benchmarks.service import ServiceSpec, timed, write_result
 from mepo_stream.backbone import BackboneConfig, create_backbone, device, normalization
 from mepo_stream.data import load_split
 from mepo_stream.precision import autocast, native_bf16, quantize_int8
@@ -61,19 +60,6 @@ def flops_per_image(model: torch.nn.Module, img_size: int) -> int:
     with FlopCounterMode(display=False) as counter, torch.inference_mode():
         model(torch.zeros(1, 3, img_size, img_size, device=next(model.parameters()).device))
     return counter.get_total_flops()
-
-
-def timed(fn, repeats: int) -> list[float]:
-    """Seconds of each of ``repeats`` calls, after one warm-up call (CUDA work waited for)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def variants(model: torch.nn.Module, dev: torch.device) -> dict[str, tuple[torch.nn.Module, torch.dtype]]:
@@ -110,7 +96,7 @@ def matmul_flops(dev: torch.device, dtype: torch.dtype, n: int = MATMUL_SIZE, re
     taken in a slow spell of a drifting machine has come out below the forward measured a minute later."""
     a, b = (torch.randn(n, n, device=dev, dtype=dtype) for _ in range(2))  # [n, n] each
     with torch.inference_mode():
-        return 2 * n**3 / min(timed(lambda: a @ b, repeats))
+        return 2 * n**3 / min(timed(lambda: a @ b, repeats, dev))
 
 
 def measure(model: torch.nn.Module, dtype: torch.dtype, dev: torch.device, img_size: int, batch: int,
@@ -121,8 +107,8 @@ def measure(model: torch.nn.Module, dtype: torch.dtype, dev: torch.device, img_s
         return lambda: model(images[n])
 
     with torch.inference_mode(), autocast(dev, dtype):
-        batch_s = statistics.median(timed(forward(batch), repeats))
-        single = timed(forward(1), repeats * 5)
+        batch_s = statistics.median(timed(forward(batch), repeats, dev))
+        single = timed(forward(1), repeats * 5, dev)
     rate = batch / batch_s
     achieved, peak = flops * rate, peak_flops(dev, dtype)
     return {"batch_images_per_s": rate, "single_image_p50_s": statistics.median(single),

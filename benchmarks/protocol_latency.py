@@ -21,7 +21,6 @@ from __future__ import annotations
 import base64
 import http.client
 import json
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -37,7 +36,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pbg
 
 from benchmarks.predict_latency import backbone_forward, sample_jpeg
-from benchmarks.service import ServiceSpec, quantiles, running_service, write_result
+from benchmarks.service import ServiceSpec, quantiles, rss_bytes, running_service, write_result
 from mepo_stream.data import list_files
 from mepo_stream.images import decode_image
 from server.broker import free_port
@@ -108,11 +107,6 @@ def take_turns(calls: dict[str, Callable[[], float]], requests: int, block: int 
         for name, call in calls.items():
             times[name] += [call() for _ in range(min(block, requests - len(times[name])))]
     return times
-
-
-def rss_bytes(pid: int) -> int:
-    text = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"VmRSS:\s+(\d+) kB", text).group(1)) * 1024
 
 
 def large_body(limit: int, images: int, chunk: int = 1 << 20) -> Iterator[bytes]:

@@ -112,11 +112,8 @@ class ServiceUnderTest:
         return self.http.get("/v1/status").json()
 
     def rss_bytes(self) -> int:
-        """Resident set size of the service process (Linux /proc)."""
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise RuntimeError("VmRSS not found")
+        """Resident set size of the service process."""
+        return rss_bytes(self.process.pid)
 
     def wait_learned(self, n: int, timeout: float = 3600, poll: float = 0.25) -> dict:
         """Poll until ``n`` samples are learned, recording (time, samples, RSS) in ``trace``."""
@@ -212,6 +209,20 @@ def seconds(fn: Callable[[], object], dev: torch.device) -> float:
     fn()
     synchronize(dev)
     return time.perf_counter() - start
+
+
+def timed(fn: Callable[[], object], repeats: int, dev: torch.device) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn`` (each timed by ``seconds``), after one warm-up call."""
+    fn()
+    return [seconds(fn, dev) for _ in range(repeats)]
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    """Resident set size of a process, this one by default (Linux /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("VmRSS not found")
 
 
 def quantiles(values: list[float]) -> dict[str, float]:

@@ -10,18 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.reference_equivalence import (
-    Perturbation,
-    Settings,
-    compare,
-    compare_index,
-    compare_updates,
-    main,
-    markdown_table,
-    patched_refine_source,
-    run,
-    with_noise_floor,
-)
+from benchmarks.equivalence.comparison import compare, compare_index, compare_updates, markdown_table, with_noise_floor
+from benchmarks.equivalence.reference import patched_refine_source
+from benchmarks.equivalence.settings import Perturbation, Settings
+from benchmarks.reference_equivalence import main, run
 
 TINY = Settings(backbone="test_vit", img_size=32, batch_size=8, batch_classes=3, data="synthetic",
                 refine_classes=2, refine_tasks=2, refine_train_per_class=1, refine_query_per_class=1)

@@ -1,0 +1,1 @@
+"""The reference-equivalence harness by concern; ``benchmarks.reference_equivalence`` runs it."""
