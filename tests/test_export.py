@@ -1,6 +1,7 @@
 """``mepo export`` against a running learner: ONNX Runtime's answers on a test set equal the server's own
 (``/v1/predict``: probabilities within 1e-4, the same top-1), exported from the learner's snapshot and from its
-checkpoint, and the Triton repository is what Triton reads (its config parsed by Triton's own protobuf schema)."""
+checkpoint, and the Triton repository is what Triton reads (its config parsed by Triton's own protobuf schema); other
+hosts and heads (prompts, NCM, the linear head, Meta Cov) export as the model predicts."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ from tritonclient.grpc import model_config_pb2
 from mepo_stream.cli import config_options
 from mepo_stream.data import load_split
 from mepo_stream.errors import ConfigError
-from mepo_stream.export import ProbabilityGraph, onnx_package
-from mepo_stream.model import ModelConfig, create_model
+from mepo_stream.export import ProbabilityGraph, onnx_model, onnx_package
+from mepo_stream.learner import LearnerConfig, OnlineLearner
+from mepo_stream.model import BundleParts, ModelConfig, create_model
 from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce
 from server.config import ServeConfig
@@ -35,6 +37,7 @@ from tests.helpers import (
     LiveServer,
     checkpoint_samples,
     code_blocks,
+    color_images,
     png_bytes,
     settings,
     wait_for,
@@ -145,3 +148,24 @@ def test_without_onnx_export_says_which_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "onnx", None)  # import onnx raises ImportError
     with pytest.raises(ImportError, match=r"pip install 'mepo-stream\[export\]'"):
         onnx_package()
+
+
+@pytest.mark.parametrize(("method", "classifier", "meta_cov"), [
+    ("frozen", "ncm", True), ("misa", "linear", True), ("coda_p", "lda", False)])
+def test_the_graph_is_the_models_prediction_path_for_other_hosts_and_heads(tmp_path, method, classifier, meta_cov):
+    """Prompt hosts, NCM, the linear head and Meta Cov's running alignment export as the model predicts."""
+    np.save(tmp_path / "cov.npy", np.eye(64) + 0.1)
+    cfg = LearnerConfig(autoaugment=None, precision="fp32", classifier=classifier)
+    model = create_model(ModelConfig(method=method, backbone=TINY, learner=cfg,
+                                     mepo=BundleParts(cov=tmp_path / "cov.npy" if meta_cov else None)), 5)
+    learner = OnlineLearner(model, cfg)
+    for seed in range(3):
+        images = color_images(torch.tensor([0, 1, 2, 3] * 4), seed=seed)  # [16, 3, 32, 32]
+        learner.observe(images, torch.tensor([0, 1, 2, 3] * 4))
+    served = model.inference_copy()
+    graph = ProbabilityGraph(served, len(learner.exposed))
+    session = ort.InferenceSession(onnx_model(graph, {}).SerializeToString(), providers=["CPUExecutionProvider"])
+    test = color_images(torch.tensor([3, 2, 1, 0, 1]), seed=9)
+    probs = session.run(["probability"], {"image": test.numpy()})[0]
+    expected = served.predict_proba(test, len(learner.exposed)).numpy()
+    assert np.abs(probs - expected).max() <= TOLERANCE and (probs.argmax(1) == expected.argmax(1)).all()
