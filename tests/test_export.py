@@ -96,9 +96,10 @@ def assert_onnx_answers_as_the_server(path: Path, http: httpx.Client, images: to
     assert [exposed[k] for k in probs.argmax(1)] == [max(row, key=row.get) for row in served]  # top-1
 
 
-def test_onnx_from_the_running_learners_snapshot_answers_as_the_server(learner, test_images, tmp_path):
+@pytest.mark.parametrize("source", ["snapshot", "checkpoint"])
+def test_onnx_answers_as_the_server(learner, test_images, tmp_path, source):
     cfg, http = learner
-    summary = run_export(cfg, format="onnx", source="snapshot", out=tmp_path / "model.onnx")
+    summary = run_export(cfg, format="onnx", source=source, out=tmp_path / "model.onnx")
     assert summary["model_version"] == http.get("/v1/status").json()["model_version"]
     model = onnx.load(tmp_path / "model.onnx")
     assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"  # a dynamic batch dimension
@@ -108,9 +109,10 @@ def test_onnx_from_the_running_learners_snapshot_answers_as_the_server(learner, 
     assert ran.returncode == 0 and ran.stdout.strip().startswith("["), ran.stderr[-2000:]  # the docs' example runs
 
 
-def test_triton_repository_from_the_checkpoint_is_what_triton_reads(learner, test_images, tmp_path):
+@pytest.mark.parametrize("source", ["snapshot", "checkpoint"])
+def test_triton_repository_is_what_triton_reads_and_answers_as_the_server(learner, test_images, tmp_path, source):
     cfg, http = learner
-    summary = run_export(cfg, format="triton", source="checkpoint", out=tmp_path / "repository")
+    summary = run_export(cfg, format="triton", source=source, out=tmp_path / "repository")
     folder = tmp_path / "repository" / cfg.model_name
     assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == [
         "1", "1/model.onnx", "config.pbtxt", "labels.txt"]
