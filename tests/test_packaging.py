@@ -40,10 +40,10 @@ def requirements(extras: set[str]) -> list[Requirement]:
     return reqs
 
 
-def closure(extras: set[str]) -> set[str]:
-    """Every distribution installing the project with ``extras`` brings, read from the installed metadata."""
+def distributions(reqs: list[Requirement]) -> set[str]:
+    """Every distribution ``reqs`` bring, their extras and markers followed, read from the installed metadata."""
     found: set[str] = set()
-    todo = [(req, "") for req in requirements(extras)]
+    todo = [(req, "") for req in reqs]
     while todo:
         req, extra = todo.pop()
         name = canonicalize_name(req.name)
@@ -55,6 +55,11 @@ def closure(extras: set[str]) -> set[str]:
         for sub in req.extras | ({""} if first else set()):
             todo += [(Requirement(r), sub) for r in dist.requires or []]
     return found
+
+
+def closure(extras: set[str]) -> set[str]:
+    """Every distribution installing the project with ``extras`` brings."""
+    return distributions(requirements(extras))
 
 
 def pins() -> dict[str, str]:
@@ -100,22 +105,11 @@ def test_without_matplotlib_evaluate_skips_its_plot_and_says_which_extra(monkeyp
 def link_torch(into: Path) -> None:
     """Symlink the installed torch and torchvision and what they need (their files and dist-info) into ``into``,
     so that a fresh environment reuses them through a ``.pth`` file instead of unpacking 5 GB again."""
-    todo, done = ["torch", "torchvision"], set()
-    while todo:
-        name = todo.pop()
-        if name in done:
-            continue
-        done.add(name)
-        try:
-            dist = md.distribution(name)
-        except md.PackageNotFoundError:  # a requirement of another platform
-            continue
+    for name in distributions([Requirement("torch"), Requirement("torchvision")]):
+        dist = md.distribution(name)
         for top in {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}:
-            target = into / top
-            if not target.exists():
-                target.symlink_to(Path(str(dist.locate_file(top))))
-        reqs = [Requirement(r) for r in dist.requires or []]
-        todo += [r.name for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})]
+            if not (into / top).exists():
+                (into / top).symlink_to(Path(str(dist.locate_file(top))))
 
 
 @pytest.mark.install
