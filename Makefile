@@ -32,7 +32,7 @@ demo: setup $(DEMO_OUT)/refined/manifest.json
 		--mepo $(DEMO_OUT)/refined --checkpoint_dir $(DEMO_OUT)/checkpoint
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 bench: setup
 	$(BIN)/python -m benchmarks.run_all
