@@ -92,8 +92,10 @@ class ProbabilityGraph(nn.Module):
             raise ValueError("the model has not learned any class yet: nothing to export")
         if any(not p.dtype.is_floating_point for p in model.backbone.state_dict().values()):
             raise ValueError("an int8 backbone (--learner.precision int8) cannot be exported: export in fp32 or bf16")
-        self.model = copy.deepcopy(model).eval()
-        self.model.backbone.float()  # a frozen backbone stored in bf16 (cast_frozen_backbone): fp32 in the graph
+        on_cpu = copy.deepcopy(model).cpu()  # traced on the CPU, whatever device the model served on
+        on_cpu.load_state_dict(on_cpu.state_dict())  # drops the caches made on that device (a solved LDA, ...)
+        on_cpu.backbone.float()  # a frozen backbone stored in bf16 (cast_frozen_backbone): fp32 in the graph
+        self.model = on_cpu.inference_copy()  # solved and factorised again, here: constants, not traced steps
         lda = self.model.classifier if isinstance(self.model.classifier, StreamingLDA) else None
         self.solved = None if lda is None or not lda.seen else SolvedLDA(lda)
         self.n_seen, self.align_mode = n_seen, align_mode
