@@ -5,7 +5,7 @@
     .venv/bin/python -m benchmarks.profile_summary runs/profile.txt
 
 Only the learner's stacks count: its loop's thread (``LearnerLoop._consume``: Kafka, claims, bookkeeping) and the
-model thread's work for it (``ServiceState``'s steps, snapshots and evaluations, ``server.model_thread``); the HTTP
+model thread's work for it (``LearnerState``'s steps, snapshots and evaluations, ``server.model_thread``); the HTTP
 server, the broker client's threads and start-up are left out. Shares are inclusive (a function's own time and its
 callees').
 """

@@ -40,8 +40,8 @@ from server.broker import free_port
 from server.config import ServeConfig, model_config
 from server.learner.book import Sample
 from server.learner.changelog import Changelog
-from server.learner.partitioned import PartitionedState, migrated_state
-from server.learner.state import CHECKPOINT, ServiceState
+from server.learner.partitioned import migrated_state, open_group_learner
+from server.learner.state import CHECKPOINT, open_learner
 from server.metrics import ServerMetrics
 from server.snapshot_topic import Origin
 from server.state_topic import FORMAT, PartitionState, StateFormatError, decode, encode
@@ -104,13 +104,13 @@ def test_a_model_that_depends_on_the_order_is_refused_in_a_group(tmp_path, metho
                                                                        classifier=classifier))
     cfg = replace(cfg, kafka=replace(cfg.kafka, state_topic="state"))
     with pytest.raises(ValueError, match=f"--kafka.state_topic.*--method {method}.*{reason}"):
-        PartitionedState(cfg, ServerMetrics())
+        open_group_learner(cfg, ServerMetrics())
 
 
 def single_checkpoint(tmp_path: Path, offsets: dict[str, int], fmt: str | None = None) -> ServeConfig:
     """A single learner's checkpoint (its state after 12 samples) at ``offsets``, in ``fmt`` (None: version 1)."""
     cfg = settings(NO_BROKER, tmp_path)
-    state = ServiceState(cfg, ServerMetrics())
+    state = open_learner(cfg, ServerMetrics())
     labels = torch.tensor([2, 7, 2, 7, 4, 4, 2, 7, 4, 2, 2, 7])
     images = color_images(labels % 8)
     state.learn([Sample(image, RecordMeta(int(y), i, i, "s")) for i, (image, y) in enumerate(zip(images, labels))])
@@ -126,15 +126,15 @@ def single_checkpoint(tmp_path: Path, offsets: dict[str, int], fmt: str | None =
 
 def test_checkpoint_formats_are_read_or_refused_whole(tmp_path):
     v1 = single_checkpoint(tmp_path / "v1", {"images:0": 12})  # written before checkpoints had a format
-    assert ServiceState(v1, ServerMetrics()).learner.samples_seen == 12
+    assert open_learner(v1, ServerMetrics()).learner.samples_seen == 12
     future = single_checkpoint(tmp_path / "v9", {"images:0": 12}, "mepo-checkpoint/9")
     with pytest.raises(ValueError, match="format 'mepo-checkpoint/9'.*move it away"):
-        ServiceState(future, ServerMetrics())
+        open_learner(future, ServerMetrics())
 
 
 def test_a_single_learners_checkpoint_becomes_its_partitions_state_or_is_refused(tmp_path):
     one = single_checkpoint(tmp_path / "one", {"images:0": 12})
-    state = ServiceState(one, ServerMetrics())
+    state = open_learner(one, ServerMetrics())
     migrated = migrated_state(one.checkpoint_dir / CHECKPOINT, state.origin, "me", state.learner.statistics().shape)
     assert (migrated.key, migrated.offset, migrated.learned) == ("images:0", 12, {"s": list(range(12))})
     assert torch.equal(migrated.stats.counts, state.learner.statistics().counts)
@@ -158,7 +158,7 @@ def test_a_state_of_another_model_is_never_merged(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Changelog, "read_all", broker_down)  # the start goes on; states come later
     cfg = settings(NO_BROKER, tmp_path)
-    state = PartitionedState(replace(cfg, kafka=replace(cfg.kafka, state_topic="state")), ServerMetrics())
+    state = open_group_learner(replace(cfg, kafka=replace(cfg.kafka, state_topic="state")), ServerMetrics())
     foreign = replace(state.origin, backbone_sha256="0" * 64)
     stats = LabelStatistics.zeros(*state.learner.statistics().shape)
     stats.add(torch.ones(3, stats.shape[1]), torch.tensor([1, 1, 2]), torch.zeros(stats.shape[2]))
@@ -175,7 +175,7 @@ def test_newer_states_replace_their_partitions_part_of_the_model(tmp_path, monke
     each partition's newest state, whether the remote total is updated by replacement or summed afresh."""
     monkeypatch.setattr(Changelog, "read_all", lambda self, timeout_s=60.0: {})
     cfg = settings(NO_BROKER, tmp_path)
-    state = PartitionedState(replace(cfg, kafka=replace(cfg.kafka, state_topic="state")), ServerMetrics())
+    state = open_group_learner(replace(cfg, kafka=replace(cfg.kafka, state_topic="state")), ServerMetrics())
     rng, newest = torch.Generator().manual_seed(0), {}
     shape = state.learner.statistics().shape
     for offset in (5, 9, 7, 20, 30, 25, 41):
@@ -277,7 +277,7 @@ def test_two_learners_on_four_partitions_build_the_single_learners_model(broker,
         assert len({s.learner for s in alone.values()}) == 1
         assert_same_model(total(alone), total(split), single, next(iter(alone.values())).origin)
         with pytest.raises(ValueError, match="another model \\(its model_config differ"):  # another seed
-            PartitionedState(replace(pair[0], seed=1), ServerMetrics())
+            open_group_learner(replace(pair[0], seed=1), ServerMetrics())
         answers = []
         for cfg in [*pair, replica]:  # each serves the merged model; the learners say who learns what
             with http_client(cfg) as http:

@@ -305,7 +305,3 @@ def open_group_learner(cfg: ServeConfig, metrics: ServerMetrics, model_thread: M
                           "that come later with one learner")
     membership = InGroup(Changelog(cfg.kafka), f"{socket.gethostname()}:{cfg.port}", cfg.checkpoint_dir / CHECKPOINT)
     return open_learner(cfg, metrics, model_thread, membership)
-
-
-PartitionedState = open_group_learner
-"""The name ``tests/test_scale_out.py`` opens a learner in a group by."""

@@ -362,7 +362,3 @@ def open_learner(cfg: ServeConfig, metrics: ServerMetrics, model_thread: ModelTh
                        "n_classes": str(len(class_names))})
     state.reporter.export()
     return state
-
-
-ServiceState = open_learner
-"""The name ``tests/test_scale_out.py`` opens a learner alone by."""
