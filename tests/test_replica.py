@@ -186,7 +186,7 @@ def test_a_replica_of_an_int8_learner_quantises_its_backbone_and_answers_as_the_
     send(cfg, to_records(blob, cfg.model_name, 1, cfg.kafka.snapshot_chunk_bytes))
     wait_for(lambda: follower.state.snapshot.version == 1, 60, "the int8 snapshot")
     served = follower.state.snapshot.model.backbone.blocks[0].mlp.fc1
-    assert served._get_name() == "DynamicQuantizedLinear"
+    assert served._get_name() == "Int8Linear"
     images = color_images(torch.tensor([0, 1, 2, 3, 5]))
     assert torch.equal(follower.state.snapshot.probabilities(images), snapshot.probabilities(images))
 
