@@ -9,6 +9,9 @@ Two sources, as a replica and a restarted learner have them:
 * ``--source checkpoint``: ``--checkpoint_dir``'s learner checkpoint, in the model ``mepo serve``'s options define
   (give the same ones the learner ran with), class names from ``--data``.
 
+Either way the model is built at ``--learner.precision fp32`` (``in_fp32``): a bf16 or int8 learner keeps its
+backbone cast, and the graph holds the weights as loaded.
+
 Example:
     mepo export --format triton --kafka.bootstrap_servers k1:9092 --mepo runs/refined --out runs/triton
     tritonserver --model-repository runs/triton
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -34,7 +37,7 @@ from mepo_stream.export import (
     write_onnx,
     write_triton_repository,
 )
-from mepo_stream.model import create_model
+from mepo_stream.model import ModelConfig, create_model
 from server.config import ServeConfig, model_config
 from server.learner.state import CHECKPOINT, read_checkpoint
 from server.replica.follower import Refused, ReplicaModel
@@ -102,9 +105,18 @@ def _newest_blob(consumer: KafkaConsumer, assembler: Assembler, deadline: float)
     return newest
 
 
+def in_fp32(config: ModelConfig) -> ModelConfig:
+    """``config`` at ``--learner.precision fp32``: a bf16 learner stores its frozen backbone cast to bf16 (an int8
+    one quantised), and the graph must hold the weights as loaded (it runs fp32; ``mepo_stream.export``)."""
+    return replace(config, learner=replace(config.learner, precision="fp32"))
+
+
 def from_snapshot(cfg: ExportConfig) -> tuple[Snapshot, list[str]]:
-    """The learner's newest snapshot, built as a replica builds it, and its class names (original label order)."""
+    """The learner's newest snapshot, built as a replica builds it (in fp32), and its class names (original label
+    order)."""
     message = read_snapshot(cfg, cfg.wait_s)
+    learner = in_fp32(ModelConfig.from_json(message.origin.model_config))
+    message = replace(message, origin=replace(message.origin, model_config=learner.to_json()))
     try:
         snapshot = ReplicaModel(cfg).snapshot(message)
     except Refused as e:
@@ -120,7 +132,7 @@ def from_checkpoint(cfg: ExportConfig) -> tuple[Snapshot, list[str]]:
     state = read_checkpoint(path)
     learned = state["learner"]
     names = list_files(cfg.data, "train").class_names
-    model = create_model(model_config(cfg), len(names), device())
+    model = create_model(in_fp32(model_config(cfg)), len(names), device())
     try:
         model.load_trainable_state_dict(learned["method"])
     except ValueError as e:

@@ -20,6 +20,7 @@ import torch
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from mepo_stream.checkpoint import save_checkpoint
 from mepo_stream.cli import config_options
 from mepo_stream.data import load_split
 from mepo_stream.errors import ConfigError
@@ -28,10 +29,12 @@ from mepo_stream.learner import LearnerConfig, OnlineLearner
 from mepo_stream.model import BundleParts, ModelConfig, create_model
 from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce
-from server.config import ServeConfig
+from server.config import ServeConfig, model_config
 from server.export import ExportConfig, export
+from server.learner.state import CHECKPOINT, CHECKPOINT_FORMAT
 from tests.helpers import (
     DATA,
+    NO_BROKER,
     ROOT,
     TINY,
     LiveServer,
@@ -171,3 +174,25 @@ def test_the_graph_is_the_models_prediction_path_for_other_hosts_and_heads(tmp_p
     probs = session.run(["probability"], {"image": test.numpy()})[0]
     expected = served.predict_proba(test, len(learner.exposed)).numpy()
     assert np.abs(probs - expected).max() <= TOLERANCE and (probs.argmax(1) == expected.argmax(1)).all()
+
+
+def test_a_bf16_learners_checkpoint_exports_its_weights_as_loaded_not_as_cast(tmp_path):
+    """A bf16 learner stores its frozen backbone cast to bf16; the export builds the model in fp32 instead, so the
+    graph holds the weights as loaded and answers as the fp32 model does."""
+    cfg = ExportConfig(**{f.name: getattr(settings(NO_BROKER, tmp_path), f.name) for f in fields(ServeConfig)},
+                       source="checkpoint", out=tmp_path / "model.onnx")
+    bf16 = replace(cfg, learner=replace(cfg.learner, precision="bf16"))
+    learner = OnlineLearner(create_model(model_config(bf16), 10), bf16.learner)
+    noise = torch.Generator().manual_seed(0)  # noise, not colours: probabilities short of 0 and 1 show a difference
+    for _ in range(3):
+        learner.observe(torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8, generator=noise),
+                        torch.tensor([0, 1, 2, 3] * 4))
+    save_checkpoint(cfg.checkpoint_dir / CHECKPOINT, {"format": CHECKPOINT_FORMAT, "learner": learner.state_dict(),
+                                                      "version": 3})
+    export(cfg)
+    fp32 = create_model(model_config(replace(cfg, learner=replace(cfg.learner, precision="fp32"))), 10)
+    fp32.load_trainable_state_dict(learner.state_dict()["method"])
+    test = torch.randint(0, 256, (5, 3, 32, 32), dtype=torch.uint8, generator=noise)
+    expected = fp32.inference_copy().predict_proba(test, len(learner.exposed)).numpy()
+    session = ort.InferenceSession(str(cfg.out), providers=["CPUExecutionProvider"])
+    assert np.abs(session.run(["probability"], {"image": test.numpy()})[0] - expected).max() <= TOLERANCE
