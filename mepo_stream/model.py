@@ -169,8 +169,8 @@ def readout(cfg: LearnerConfig, backbone: VisionTransformer, n_classes: int, ali
             device: torch.device) -> Readout:
     """How the model reads its input and its feature: the eval transform at the backbone's resolution, the
     statistics classifier and standardisation ``cfg`` asks for, the precision on ``device``, the logit mask, the
-    fixed forward shape (the mini-batch size: ``ContinualMethod.encode_images``), and the sha256 of the backbone as built (before any cast: a replica in another precision checks the same
-    weights)."""
+    fixed forward shape (the mini-batch size: ``ContinualMethod.encode_images``), and the sha256 of the backbone
+    as built (before any cast: a replica in another precision checks the same weights)."""
     dim = backbone.num_features
     return Readout(
         classifier=make_classifier(cfg, dim, n_classes, alignment),

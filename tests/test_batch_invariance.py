@@ -29,10 +29,9 @@ def precisions(device: torch.device) -> list[str]:
 
 
 def cases() -> list:
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    """Each precision the CPU offers natively, and fp32 and bf16 on CUDA (marked ``cuda``: skipped without one)."""
     gpu = [pytest.param("cuda", p, marks=pytest.mark.cuda) for p in ("fp32", "bf16")]
-    return [("cpu", p) for p in precisions(cpu)] + (gpu if torch.cuda.is_available() else
-                                                    [pytest.param("cuda", "bf16", marks=pytest.mark.cuda)])
+    return [("cpu", p) for p in precisions(torch.device("cpu"))] + gpu
 
 
 def features_by_split(model, images: torch.Tensor, size: int) -> torch.Tensor:

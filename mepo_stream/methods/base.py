@@ -178,7 +178,8 @@ class ContinualMethod(nn.Module):
         Example (one image alone, or among others: the same feature):
             >>> from mepo_stream.model import ModelConfig, create_model
             >>> from mepo_stream.backbone import BackboneConfig
-            >>> model = create_model(ModelConfig(backbone=BackboneConfig(name="test_vit", weights=None, img_size=32)), 5)
+            >>> tiny = BackboneConfig(name="test_vit", weights=None, img_size=32)
+            >>> model = create_model(ModelConfig(backbone=tiny), 5)
             >>> images = torch.randint(0, 256, (5, 3, 32, 32), dtype=torch.uint8)
             >>> torch.equal(model.encode_images(images[2:3]).feature, model.encode_images(images).feature[2:3])
             True
