@@ -114,7 +114,7 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path) -> tuple[str, lis
         "refine_throughput": lambda: ("refine_throughput", ["--model", spec.model, "--img_size", str(spec.img_size),
                                                             "--steps", n(2, 10), "--rounds", n(1, 3)]),
         "scale_out": lambda: ("scale_out", [*stream(replace(spec, mepo=None), 200, 100),
-                                            "--min_seconds", "0.2" if quick else "30",
+                                            "--min_seconds", n(0, 30),
                                             "--test_per_class", n(5, 100)]),
         "label_join_memory": lambda: ("label_join_memory", [
             "--feature_model", spec.model, "--img_size", str(spec.img_size), "--n", n(200, 5000),

@@ -153,7 +153,7 @@ def run_group(spec: ServiceSpec, bootstrap: str, learners: int, n: int, work: Pa
 
 def _bare_worker(spec: ServiceSpec, core: int, seconds: float, barrier, results) -> None:
     """The bare learner (``benchmarks.learner_throughput``'s) on one core with one thread, timed for ``seconds``
-    after all workers have warmed up (the barrier), so their timed loops overlap."""
+    (at least one mini-batch) after all workers have warmed up (the barrier), so their timed loops overlap."""
     os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
     learner = bare_learner(spec, len(list_files(spec.data, "train").classes))
@@ -161,10 +161,10 @@ def _bare_worker(spec: ServiceSpec, core: int, seconds: float, barrier, results)
     learn(learner, *warm_up, True)
     barrier.wait()
     start, done = time.perf_counter(), 0
-    while (elapsed := time.perf_counter() - start) < seconds:
+    while done == 0 or time.perf_counter() - start < seconds:  # one mini-batch at least
         learn(learner, *timed[done % len(timed)], True)
         done += 1
-    results.put(done * spec.learner.batch_size / elapsed)
+    results.put(done * spec.learner.batch_size / (time.perf_counter() - start))
 
 
 def bare_scaling(spec: ServiceSpec, workers: int, seconds: float) -> float:
@@ -260,7 +260,7 @@ def main(spec: ServiceSpec = ServiceSpec(), min_seconds: float = 30.0, test_per_
     Args:
         spec: Model and stream (the default learner: frozen backbone, streaming LDA; no bundle). Its
             ``train_per_class`` is the stream's least size; more where ``min_seconds`` needs it.
-        min_seconds: The shortest timed run.
+        min_seconds: The shortest timed run (0: one mini-batch per bare loop, and the stream as ``spec`` says).
         test_per_class: Test images per class for the A_last of each group's model.
         out: JSON result.
         work: Logs and checkpoints.
