@@ -164,7 +164,7 @@ class ContinualMethod(nn.Module):
     # --- the one prediction path: the any-time evaluation, test-then-train, serving and replicas ---------------
     @torch.inference_mode()
     def encode_images(self, images: torch.Tensor, fixed_shape: bool = True) -> Encoded:
-        """The eval-mode encoding of uint8 images [B, 3, H, W] as predictions see them (feature in fp32).
+        """The eval-mode encoding of uint8 images [B, 3, H, W] (feature in fp32), as the learning path sees them.
 
         Why a fixed shape: the math libraries pick kernels by shape (oneDNN's bf16 attention on AMX packs its
         operands only for larger batches; cuBLAS picks tiles and split-K by the matrix sizes), and at bf16 another
@@ -187,9 +187,11 @@ class ContinualMethod(nn.Module):
         if self.training:  # a snapshot's copy is in eval mode already: no walk over every module per request
             self.eval()
         size = self.forward_batch if fixed_shape else None
-        if size is None:
+        if size is None or len(images) == 0:
             return self._encode(images)
         parts = [self._encode(_pad(chunk, size), len(chunk)) for chunk in images.split(size)]
+        if len(parts) == 1:  # the learner's full mini-batch, or a partial one: nothing to join
+            return parts[0]
         scales = [p.logit_scale for p in parts]
         return Encoded(torch.cat([p.feature for p in parts]), parts[0].aux_loss,
                        None if scales[0] is None else torch.cat(scales))
