@@ -46,6 +46,25 @@ class DeadLetter:
     message: str
 
 
+def finished(fn: Callable, *args, **kwargs) -> Future:
+    """``fn(*args, **kwargs)`` run here and now, as a finished future: its result, or the exception it raised."""
+    future: Future = Future()
+    try:
+        future.set_result(fn(*args, **kwargs))
+    except BaseException as e:  # handed to whoever reads the result, as a pool would
+        future.set_exception(e)
+    return future
+
+
+class InlineExecutor(Executor):
+    """``decode_workers`` 0: no decode pool. The intake then decodes each image itself as it claims it, a direct
+    call, so the record is handed to no executor on its way; to any other caller this runs each task as it is
+    submitted, in the caller's thread."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        return finished(fn, *args, **kwargs)
+
+
 Outgoing = DeadLetter | Prediction
 """What ``accept`` hands back for the loop to send: dead letters, and predictions of images without a label."""
 
@@ -83,9 +102,10 @@ class Intake:
 
     def accept(self, records: list, decoder: Executor, meanwhile: Callable[[], None] | None = None
                ) -> list[Outgoing]:
-        """Claim the records' sample ids in offset order, decode their images in ``decoder``, book the outcomes in
-        offset order (pending, a skipped replay, or a dead letter); returns the dead letters (and, where labels
-        come later, the predictions of images without one), for the loop to send before its next checkpoint.
+        """Claim the records' sample ids in offset order, decode their images (in ``decoder``'s threads, or here as
+        each is claimed where it is an ``InlineExecutor``), book the outcomes in offset order (pending, a skipped
+        replay, or a dead letter); returns the dead letters (and, where labels come later, the predictions of
+        images without one), for the loop to send before its next checkpoint.
 
         ``meanwhile`` (learning the pending mini-batch) runs while the pool decodes: the images of the next
         mini-batch are ready when the step ends. It learns only samples booked before these records, so the order,
@@ -120,15 +140,22 @@ class Intake:
         except RecordError as e:
             return e
         if meta.label is None:
-            decoding[(meta.stream_id, meta.id)] = decoder.submit(self._decode, record, meta)
+            decoding[(meta.stream_id, meta.id)] = self._decoding(record, meta, decoder)
             return _Claimed(meta, decoding[(meta.stream_id, meta.id)])
         sample_id = (meta.stream_id, meta.sample_index)
         if sample_id in decoding:
             wait([decoding[sample_id]])
         if not self.book.claim(*sample_id):  # learned or in flight: a replay
             return None
-        decoding[sample_id] = decoder.submit(self._decode, record, meta)
+        decoding[sample_id] = self._decoding(record, meta, decoder)
         return _Claimed(meta, decoding[sample_id])
+
+    def _decoding(self, record, meta: RecordMeta, decoder: Executor) -> Future:
+        """The record's image being decoded: by ``decoder``'s threads, or here and now when it has none (an
+        ``InlineExecutor``: a direct call, not a hand-off)."""
+        if isinstance(decoder, InlineExecutor):
+            return finished(self._decode, record, meta)
+        return decoder.submit(self._decode, record, meta)
 
     def _decode(self, record, meta: RecordMeta) -> torch.Tensor:
         """The record's image; a bad one gives its claim back, so a good copy of the sample is still learned."""

@@ -39,7 +39,7 @@ from kafka.errors import KafkaError
 from mepo_stream.errors import ConfigError
 from mepo_stream.label_statistics import LabelStatistics
 from server.config import ServeConfig
-from server.learner.book import Pending, Sample
+from server.learner.book import Sample
 from server.learner.changelog import Changelog
 from server.learner.state import CHECKPOINT, LearnerState, open_learner, read_checkpoint
 from server.learner.view import GroupView
@@ -236,15 +236,9 @@ class InGroup:
         self.state.metrics.merge_seconds.observe(time.perf_counter() - start)
 
     # --- learning ---------------------------------------------------------------------------------------------
-    def groups(self, pending: list[Pending]) -> list[list[Pending]]:
-        """One group per partition, in the order partitions first appear: a step learns one partition."""
-        out: dict[str, list[Pending]] = {}
-        for p in pending:
-            out.setdefault(p.key, []).append(p)
-        return list(out.values())
-
     def step(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample]) -> torch.Tensor | None:
-        """Predict with the merged model, add the batch to its partition's sums, load the new total."""
+        """Predict with the merged model, add the batch to its partition's sums, load the new total (the state cuts
+        each mini-batch from one partition: ``partition_groups``)."""
         in_batch = {id(s) for s in batch}
         (key,) = {p.key for p in self.state.intake.book.pending if id(p.sample) in in_batch}  # one partition a step
         pred, h, hits = self.state.learner.statistics_step(images, labels)

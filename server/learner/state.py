@@ -8,7 +8,12 @@ Kafka Streams splits a stateful task the same way (StreamTask, RecordCollector, 
 * the **evaluation** (``server.learner.evaluation``) runs the any-time evaluations at their sample counts;
 * the **persistence** is a strategy handed in (``Membership``): ``Alone`` here, a learner with a checkpoint file
   of its own, or ``InGroup`` (``server.learner.partitioned``), a learner in a group whose partitions' states are
-  in the state topic. It also cuts the mini-batches and takes the step where a group differs.
+  in the state topic. The state consults it (``scales_out``) to cut mini-batches per partition and to hand each
+  one to a group's ``step``; a learner alone is never handed a record.
+
+A record's walk from the poll to the model update passes through five objects (docs/architecture.md): the loop,
+the intake, its book, this state (which the model thread runs, taking its mini-batches from the book itself) and
+the learner.
 
 A checkpoint holds the trainable state, optimizer, seen classes, running alignment statistics, monitor state,
 any-time history, the learned sample ids per stream, the label join, and the next offset per partition, so model
@@ -68,6 +73,17 @@ def read_checkpoint(path: Path) -> dict:
     return state
 
 
+def partition_groups(pending: list[Pending], per_partition: bool) -> list[list[Pending]]:
+    """The pending records a mini-batch may mix: all of them, or (``per_partition``: a learner in a group, whose
+    step learns one partition's sums) one group per partition, in the order the partitions first appear."""
+    if not per_partition:
+        return [pending]
+    groups: dict[str, list[Pending]] = {}
+    for p in pending:
+        groups.setdefault(p.key, []).append(p)
+    return list(groups.values())
+
+
 def build_learner(cfg: ServeConfig, n_classes: int) -> OnlineLearner:
     """The learner around the model the factory builds from ``cfg`` (every part of the MePo bundle it has)."""
     return OnlineLearner(create_model(model_config(cfg), n_classes, device()), cfg.learner)
@@ -79,12 +95,14 @@ class Membership(Protocol):
     ``bind`` hands it the state it serves; ``capture`` runs in the model thread with the state's lock held."""
 
     scales_out: bool
-    """A learner in a group keeps what it learned per partition."""
+    """A learner in a group keeps what it learned per partition: the state cuts its mini-batches per partition and
+    hands each one to ``step``, which adds it to its partition's sums. A learner alone is only consulted (the
+    state folds its batches into the model itself), so a record's walk never passes through it."""
 
     def bind(self, state: LearnerState) -> None: ...
     def restore(self) -> None: ...
-    def groups(self, pending: list[Pending]) -> list[list[Pending]]: ...
-    def step(self, images: torch.Tensor | None, labels: torch.Tensor, batch: list[Sample]) -> torch.Tensor | None: ...
+    def step(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample]  # where ``scales_out``
+             ) -> torch.Tensor | None: ...
     def next_version(self) -> int: ...
     def capture(self) -> dict: ...
     def write(self, captured: dict) -> dict[str, int]: ...
@@ -165,9 +183,16 @@ class LearnerState:
         return self.evaluator.room(self.learner, self.cfg.learner.batch_size)
 
     def learn_pending(self) -> None:
-        """Learn the pending records in mini-batches of at most ``batch_limit`` (cut at a scheduled evaluation),
-        from the groups the membership cuts; records accepted while a step runs stay pending."""
-        for group in self.membership.groups(self.intake.book.pending):
+        """Learn the pending records in mini-batches of at most ``batch_limit`` (cut at a scheduled evaluation; in a
+        group, per partition), in one turn of the model thread; records accepted while it runs stay pending.
+
+        Why one turn: the model thread takes the records from the book itself, so no mini-batch is handed from one
+        thread to another. A prediction asked for meanwhile runs after the turn, which holds the samples pending
+        (the loop polls no more than ``batch_limit`` of them), not after every step."""
+        self.model_thread.run(self._learn_pending)
+
+    def _learn_pending(self) -> None:
+        for group in partition_groups(self.intake.book.pending, self.membership.scales_out):
             waiting = [p.sample for p in group]
             while waiting:
                 limit = self.batch_limit
@@ -175,12 +200,11 @@ class LearnerState:
                 self.learn(batch)
 
     def learn(self, batch: list[Sample]) -> None:
-        """Test-then-train one mini-batch and run a due evaluation (in the model thread), then show the new
-        version: ``version`` and ``samples_seen`` move only once the step is whole, so a reader who sees them sees
-        the model behind them."""
-        self.model_thread.run(self._learn, batch)
+        """Test-then-train one mini-batch and run a due evaluation, then show the new version: ``version`` and
+        ``samples_seen`` move only once the step is whole, so a reader who sees them sees the model behind them.
 
-    def _learn(self, batch: list[Sample]) -> None:
+        It runs in the calling thread: ``learn_pending`` calls it in the model thread (a test that drives a
+        learner with no loop may call it from its own)."""
         labels = torch.tensor([s.label for s in batch])
         features = batch[0].feature is not None  # kept at arrival (labels that come later): all or none are
         images = None if features else stack_images([s.image for s in batch], self.learner.device)  # [B, 3, S, S]
@@ -191,7 +215,7 @@ class LearnerState:
                 scored = [(s.label, s.prediction) for s in batch if s.prediction is not None]
                 labels, pred = torch.tensor(scored).T if scored else (labels, None)  # the predictions at arrival
             else:
-                pred = self.membership.step(images, labels, batch)
+                pred = self._update(images, labels, batch)
             if self.cfg.prequential:
                 self._monitor(labels, pred, seen_before)
             self.intake.learned(batch)
@@ -199,6 +223,17 @@ class LearnerState:
             self.metrics.step_seconds.observe(time.perf_counter() - start)
             self.changed()
         self.announce(len(batch))
+
+    def _update(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample]) -> torch.Tensor | None:
+        """The model update; its test-then-train predictions (None: not prequential) feed the drift monitor. A
+        learner alone folds the batch into its model here; in a group the membership adds it to its partition's
+        sums and loads their total (``InGroup.step``)."""
+        if self.membership.scales_out:
+            return self.membership.step(images, labels, batch)
+        if not self.cfg.prequential:
+            self.learner.observe(images, labels)
+            return None
+        return self.learner.test_then_train(images, labels, self.cfg.alignment.inference_mode)
 
     def changed(self) -> None:
         """The model changed: run the evaluations now due, then move ``version`` and ``samples_seen``."""
@@ -293,18 +328,6 @@ class Alone:
         s.last_checkpoint_time = float(saved["time"])
         log.info("restored checkpoint %s: %d samples learned, offsets %s", self.path, s.learner.samples_seen,
                  s.offsets)
-
-    def groups(self, pending: list[Pending]) -> list[list[Pending]]:
-        """One group: mini-batches may span partitions."""
-        return [pending]
-
-    def step(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample]) -> torch.Tensor | None:
-        """The learner's step; its test-then-train predictions (None: not prequential) feed the drift monitor."""
-        learner = self.state.learner
-        if not self.state.cfg.prequential:
-            learner.observe(images, labels)
-            return None
-        return learner.test_then_train(images, labels, self.state.cfg.alignment.inference_mode)
 
     def next_version(self) -> int:
         return self.state.version + 1

@@ -45,7 +45,7 @@ from mepo_stream.kafka import ensure_topics, open_producer
 from server.consumer import PROBE_EVERY_S, ConsumerThread, broker_answers
 from server.learner.arrival import Prediction
 from server.learner.book import tp_key
-from server.learner.intake import DeadLetter
+from server.learner.intake import DeadLetter, InlineExecutor
 from server.learner.state import LearnerState
 
 log = logging.getLogger(__name__)
@@ -54,18 +54,6 @@ log = logging.getLogger(__name__)
 def parse_tp(key: str) -> TopicPartition:
     topic, partition = key.rsplit(":", 1)
     return TopicPartition(topic, int(partition))
-
-
-class InlineExecutor(Executor):
-    """Runs each task as it is submitted, in the caller's thread: ``decode_workers`` 0."""
-
-    def submit(self, fn, /, *args, **kwargs) -> Future:
-        future: Future = Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # handed to whoever reads the result, as a pool would
-            future.set_exception(e)
-        return future
 
 
 def _log_failed_commit(offsets: dict, result: object) -> None:
