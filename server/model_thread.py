@@ -6,9 +6,9 @@ as its threads outnumber the CPUs. A learner thread and request threads that eac
 team of its own, therefore slow every operator down: on a 2-core Xeon, a single-image forward takes 22 ms
 instead of 9 ms, a learner step 130 ms instead of 70 ms (docs/performance.md). One thread has one team.
 
-The order it gives is the order work is handed in: a prediction asked for during a learning step runs right
-after that step, before the learner's next one. Calls made from the model thread itself run inline, so code that
-already runs there may call into code that hands work over.
+The order it gives is the order work is handed in: a prediction asked for during a learning turn (the
+mini-batches pending, most often one) runs right after it, before the learner's next one. Calls made from the
+model thread itself run inline, so code that already runs there may call into code that hands work over.
 
 Example:
     >>> worker = ModelThread()

@@ -28,6 +28,7 @@ from PIL import Image
 
 from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.images import decode_image
+from mepo_stream.learner import OnlineLearner
 from mepo_stream.records import RecordMeta
 from server.learner.changelog import Changelog
 from server.learner.partitioned import open_group_learner
@@ -113,7 +114,7 @@ class Walk:
         if not (self.carries(list(values.values())) or (event == "return" and self.carries(arg))):
             return
         self.objects.setdefault(id(obj), obj)
-        if type(obj).__name__ == "OnlineLearner" and event == "call":
+        if isinstance(obj, OnlineLearner) and event == "call":
             self.updating.frame = frame
 
 

@@ -141,8 +141,8 @@ class LearnerState:
     @property
     def snapshot(self) -> Snapshot:
         """What predictions use: the learner's newest version, made now (in the model thread) if the learner
-        moved on since the last one (a request during a step gets the version after it: one thread runs the
-        model, ``server.model_thread``).
+        moved on since the last one (a request during a learning turn gets the version after it: one thread
+        runs the model, ``server.model_thread``).
 
         Why on demand: making one solves the LDA and copies the trainable state, a few ms that a learner taking
         15 mini-batches a second would otherwise spend on every one of them, for snapshots nobody reads.
@@ -187,8 +187,9 @@ class LearnerState:
         group, per partition), in one turn of the model thread; records accepted while it runs stay pending.
 
         Why one turn: the model thread takes the records from the book itself, so no mini-batch is handed from one
-        thread to another. A prediction asked for meanwhile runs after the turn, which holds the samples pending
-        (the loop polls no more than ``batch_limit`` of them), not after every step."""
+        thread to another. A prediction asked for meanwhile runs after the turn: a mini-batch's worth of samples at
+        most (the loop polls no more than ``batch_limit``), in more than one step only at an evaluation's cut or,
+        in a group, across partitions."""
         self.model_thread.run(self._learn_pending)
 
     def _learn_pending(self) -> None:
