@@ -27,7 +27,8 @@ from mepo_stream.data import ImageSet
 from mepo_stream.meta import freeze
 from mepo_stream.precision import autocast, resolve_precision
 from mepo_stream.transforms import test_transform
-from offline.refine import Distributed, MetaModel, RefineConfig, Trainer, param_groups
+from offline.optim import create_optimizer, param_groups
+from offline.refine import Distributed, MetaModel, RefineConfig, Trainer
 
 
 def _loops(backbone: BackboneConfig, batch_size: int, steps: int, n_classes: int, dev: torch.device
@@ -41,7 +42,8 @@ def _loops(backbone: BackboneConfig, batch_size: int, steps: int, n_classes: int
     group = torch.arange(n_classes)
     bare = MetaModel(create_backbone(backbone), n_classes).to(dev)
     freeze(bare.backbone, cfg.freeze)
-    bare_opt = torch.optim.SGD(param_groups(bare, cfg), momentum=cfg.momentum)
+    groups = param_groups(bare.backbone, bare.head, cfg.lr_backbone, cfg.lr_head, cfg.layer_decay, cfg.weight_decay)
+    bare_opt = create_optimizer(groups, cfg.optimizer, cfg.momentum)
     dtype = resolve_precision(cfg.precision, dev)
     mean, std = normalization(bare.backbone)
     x = test_transform(img_size, mean, std)(images.images[:batch_size].to(dev))  # [B, 3, S, S] float, on dev

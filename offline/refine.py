@@ -51,6 +51,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from timm.layers import Format
 from torch import nn
 from tqdm import tqdm
 
@@ -65,7 +66,6 @@ from mepo_stream.meta import (
     freeze,
     group_changes,
     group_mask,
-    matches,
     relative_change,
     reptile_update,
 )
@@ -73,10 +73,12 @@ from mepo_stream.methods import MethodsConfig
 from mepo_stream.precision import Precision, autocast, resolve_precision
 from mepo_stream.pseudo_tasks import GroupPlan, PseudoTaskConfig, meta_epoch_plan, shuffled_batches
 from mepo_stream.shutdown import StopRequest, deferred_stop
-from mepo_stream.transforms import Transform, test_transform, train_transform
+from mepo_stream.transforms import RandomResizedCropFlip, Transform, test_transform, train_transform
 from offline.covariance import CovarianceConfig, sigma_pre
 from offline.guard import Guard, GuardConfig, HeldOutProbe
 from offline.isa import ISAConfig, add_prompts
+from offline.optim import Optimizer, Schedule, create_optimizer, lr_factor, param_groups, set_lr
+from offline.presets import PRESETS, PresetName, apply_preset
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +106,34 @@ class RefineConfig:
     lr_backbone: float = 1e-4
     """SGD learning rate of the backbone, eta_theta (paper and code: 1e-4)."""
     lr_head: float = 1e-2
-    """SGD learning rate of the meta head, eta_psi (paper and code: 1e-2)."""
+    """Learning rate of the meta head, eta_psi (paper and code: 1e-2)."""
+    optimizer: Optimizer = "sgd"
+    """sgd (paper and code) or adamw (the usual ViT fine-tuning recipe; the presets' choice)."""
     momentum: float = 0.9
     """SGD momentum (code: 0.9)."""
+    weight_decay: float = 0.0
+    """Weight decay of the backbone's matrices (code: 0); AdamW's is decoupled."""
+    layer_decay: float = 1.0
+    """Layer-wise learning-rate decay: block i of n trains at lr_backbone * layer_decay ** (n - i), the embeddings
+    slowest (code: 1, every layer at lr_backbone)."""
+    schedule: Schedule = "constant"
+    """Learning rate over the run: constant (code) or cosine down to 0 at the last image."""
+    warmup: float = 0.0
+    """Share of the run's images over which the learning rate rises linearly from 0."""
+    label_smoothing: float = 0.0
+    """Label smoothing of the cross-entropy (code: 0)."""
+    augment: Literal["batch", "image"] = "batch"
+    """batch: one crop (pad 4) and flip for the whole batch, as the learner augments; image: a random-resized crop
+    and flip of its own for every image (the reference's per-image RandomResizedCrop)."""
+    crop_scale: float = 0.35
+    """With --loop.augment image: the smallest share of an image's area a crop keeps."""
+    low_res: float = 0.0
+    """With --loop.augment image: the chance that a batch goes through a random lower resolution (a third of the
+    training size and up) and back, as small images look once upsampled (CIFAR's 32 px at 84)."""
+    train_img_size: int | None = None
+    """Train at this resolution (pixels; a multiple of the patch size) and write the bundle at --backbone.img_size:
+    the position table is resampled on the fly, so a lower one trains more images per minute (null: train at
+    --backbone.img_size, as the code does)."""
     batch_size: int = 256
     """Global batch size (paper and code: 256), split across ranks under torchrun."""
     mask: MaskMode = "multiply"
@@ -188,22 +215,32 @@ class Trainer:
     train_tf: Transform
     eval_tf: Transform
     base: dict[str, torch.Tensor]  # the untouched backbone, to measure how far each group moved
+    total_images: int | None = None  # the run's images, for the learning-rate schedule (None: no schedule)
     seen_images: int = 0
 
     @classmethod
-    def create(cls, backbone: BackboneConfig, images: ImageSet, cfg: RefineConfig, ddp: Distributed) -> Trainer:
-        """The backbone with a meta head on this rank's device (DDP-wrapped under torchrun), one SGD optimizer
-        with the backbone and head learning rates, and the training and test transforms."""
+    def create(cls, backbone: BackboneConfig, images: ImageSet, cfg: RefineConfig, ddp: Distributed,
+               total_images: int | None = None) -> Trainer:
+        """The backbone with a meta head on this rank's device (DDP-wrapped under torchrun), the optimizer over
+        the backbone's and head's learning rates, and the training and test transforms at the training size."""
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else device()
         model = MetaModel(create_backbone(backbone), len(images.classes)).to(dev)
         frozen = freeze(model.backbone, cfg.freeze)
         log.info("frozen: %d tensors under %s", len(frozen), list(cfg.freeze) or "nothing")
-        net = nn.parallel.DistributedDataParallel(model) if ddp.world > 1 else model
-        optimizer = torch.optim.SGD(param_groups(model, cfg), momentum=cfg.momentum)
         img, (mean, std) = model.backbone.patch_embed.img_size[0], normalization(model.backbone)
+        if cfg.train_img_size not in (None, img):
+            any_size(model.backbone)
+            img = cfg.train_img_size
+        net = nn.parallel.DistributedDataParallel(model) if ddp.world > 1 else model
+        own_lr = {} if cfg.lr_patch_embed is None else {"patch_embed": cfg.lr_patch_embed}
+        groups = param_groups(model.backbone, model.head, cfg.lr_backbone, cfg.lr_head, cfg.layer_decay,
+                              cfg.weight_decay, own_lr)
+        optimizer = create_optimizer(groups, cfg.optimizer, cfg.momentum)
         base = {k: v.detach().cpu().clone() for k, v in model.backbone.state_dict().items()}
-        return cls(model, net, optimizer, images, cfg, ddp, train_transform(img, mean, std, None),
-                   test_transform(img, mean, std), base)
+        augment = (RandomResizedCropFlip(img, mean, std, (cfg.crop_scale, 1.0), low_res=cfg.low_res)
+                   if cfg.augment == "image" else train_transform(img, mean, std, None))
+        return cls(model, net, optimizer, images, cfg, ddp, augment, test_transform(img, mean, std), base,
+                   total_images)
 
     def save(self, path: Path, meta_epoch: int, history: list[dict]) -> None:
         """Checkpoint after ``meta_epoch``: model, optimizer, RNG state and progress, enough to resume exactly."""
@@ -231,8 +268,11 @@ class Trainer:
         if group is not None:
             logits = group_mask(logits, group.to(dev), self.cfg.mask)
         # sum over the share / global batch, times world because DDP averages gradients over ranks
-        loss = F.cross_entropy(logits, self.images.targets[share].to(dev), reduction="sum")
+        loss = F.cross_entropy(logits, self.images.targets[share].to(dev), reduction="sum",
+                               label_smoothing=self.cfg.label_smoothing)
         loss = loss * self.ddp.world / len(batch)
+        if self.total_images:
+            set_lr(self.optimizer, lr_factor(self.seen_images / self.total_images, self.cfg.schedule, self.cfg.warmup))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
@@ -293,14 +333,13 @@ class Trainer:
         return sum(losses) / max(len(losses), 1)
 
 
-def param_groups(model: MetaModel, cfg: RefineConfig) -> list[dict]:
-    """SGD groups: the trainable backbone (the patch embedding at ``lr_patch_embed`` when set) and the head."""
-    trainable = [(n, p) for n, p in model.backbone.named_parameters() if p.requires_grad]
-    own_lr = [cfg.lr_patch_embed is not None and matches(n, ("patch_embed",)) for n, _ in trainable]
-    stem = [p for (_, p), own in zip(trainable, own_lr) if own]
-    rest = [p for (_, p), own in zip(trainable, own_lr) if not own]
-    groups = [{"params": rest, "lr": cfg.lr_backbone}, {"params": list(model.head.parameters()), "lr": cfg.lr_head}]
-    return groups + ([{"params": stem, "lr": cfg.lr_patch_embed}] if stem else [])
+def any_size(backbone: nn.Module) -> None:
+    """Let a timm ViT take images of any size (a multiple of its patch): its position table, kept at the size it
+    was built for, is resampled to each input's grid in the forward pass (timm's ``dynamic_img_size``), so
+    training at a lower resolution updates the very table the bundle is written with."""
+    backbone.dynamic_img_size = True
+    backbone.patch_embed.strict_img_size, backbone.patch_embed.flatten = False, False
+    backbone.patch_embed.output_fmt = Format.NHWC
 
 
 def epoch_images(plans: list[GroupPlan], inner_epochs: int) -> int:
@@ -323,6 +362,7 @@ def refine(
     method_config: MethodsConfig = MethodsConfig(),
     guard: GuardConfig = GuardConfig(),
     resume: bool = False,
+    preset: PresetName | None = None,
 ) -> Path:
     """Refine a pretrained ViT on the pretraining data (supervised fine-tuning, or the paper's Meta Rep on pseudo
     task sequences), compute Sigma_pre, warm the prompts (ISA), and write a MePo bundle.
@@ -341,7 +381,14 @@ def refine(
         method_config: Prompt layout of the ISA host (--method_config.misa.e_pool, ...; as for mepo isa).
         guard: The held-out probe on the pretraining data's test split, before and after every meta-epoch.
         resume: Continue from <out>.checkpoint.pt if it exists.
+        preset: A named recipe for --loop and --tasks (offline/presets.py; budgets and accuracies measured in
+            docs/refine.md): demo (the demo's budget), balanced (2x), best (4x), paper (the reference's Meta
+            Rep). Options given with another value than their default win over it.
     """
+    if preset is not None:
+        loop = apply_preset(loop, PRESETS[preset].loop, RefineConfig())
+        tasks = apply_preset(tasks, PRESETS[preset].tasks, PseudoTaskConfig())
+        log.info("preset %s: %s; %s", preset, loop, tasks)
     if loop.precision == "int8":
         raise ConfigError("--loop.precision int8: the refine trains the backbone, and int8 layers cannot be "
                           "trained; use auto, bf16 or fp32 (int8 serves a frozen backbone: --learner.precision)")
@@ -349,7 +396,8 @@ def refine(
     start = time.time()
     torch.manual_seed(loop.seed)
     images = load_split(data, "train")
-    trainer = Trainer.create(backbone, images, loop, ddp)
+    total = loop.meta_epochs * epoch_images(meta_epoch_plan(images.targets, tasks, loop.seed, 1), loop.inner_epochs)
+    trainer = Trainer.create(backbone, images, loop, ddp, total)
     ckpt = checkpoint_path(out)
     first, history = trainer.restore(ckpt) if resume and ckpt.is_file() else (1, [])
     watch = None if guard.skip else Guard(guard, HeldOutProbe.load(data, guard))

@@ -1,0 +1,66 @@
+"""Named refine recipes (``mepo refine --preset NAME``): what a refine minute buys, measured.
+
+Why: users pay for refine minutes once and for accuracy on every prediction after, so each preset is a point
+on the measured frontier (docs/refine.md, written by ``benchmarks/refine_frontier.py``): its budget and the
+downstream accuracy it bought, on the machine that measured it. A preset sets the ``--loop.*`` and ``--tasks.*``
+fields it names; an option given on the command line with another value than its default wins over it.
+
+Example:
+    >>> sorted(PRESETS)
+    ['balanced', 'best', 'demo', 'paper']
+    >>> PRESETS["paper"].loop["mode"]
+    'meta'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Literal, TypeVar
+
+PresetName = Literal["demo", "balanced", "best", "paper"]
+C = TypeVar("C")
+
+# AdamW with layer-wise decay and a cosine schedule, trained at 56 px (served at the bundle's 84 px), every image
+# its own crop, one pass over all 250 images of each of the 100 pretraining classes per meta-epoch.
+FINE_TUNE = {"mode": "finetune", "optimizer": "adamw", "lr_backbone": 2e-4, "lr_head": 1e-3, "layer_decay": 0.75,
+             "weight_decay": 0.05, "schedule": "cosine", "warmup": 0.1, "label_smoothing": 0.1, "batch_size": 64,
+             "inner_epochs": 1, "train_img_size": 56}
+ALL_IMAGES = {"samples_per_class": 250}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """The refine loop's and pseudo tasks' fields a preset sets, and what it measured."""
+
+    loop: dict = field(default_factory=dict)
+    tasks: dict = field(default_factory=dict)
+    measured: str = ""
+
+
+PRESETS: dict[str, Preset] = {
+    "demo": Preset({**FINE_TUNE, "meta_epochs": 1}, ALL_IMAGES, "the demo's budget"),
+    "balanced": Preset({**FINE_TUNE, "meta_epochs": 2}, ALL_IMAGES, "twice the demo's budget"),
+    "best": Preset({**FINE_TUNE, "meta_epochs": 4}, ALL_IMAGES, "four times the demo's budget"),
+    "paper": Preset({"mode": "meta", "freeze": (), "reptile_eps": 0.1, "inner_epochs": 4, "lr_backbone": 1e-4,
+                     "lr_head": 1e-2, "momentum": 0.9, "batch_size": 256, "mask": "multiply"},
+                    {}, "the reference code's Meta Rep (mepo_stream/recipes/refine_paper.yaml)"),
+}
+
+
+def apply_preset(given: C, values: dict, default: C) -> C:
+    """``given`` (a config dataclass) with ``values`` set on every field it leaves at its ``default`` value.
+
+    Example:
+        >>> from dataclasses import dataclass
+        >>> @dataclass(frozen=True)
+        ... class Loop:
+        ...     lr: float = 1.0
+        ...     epochs: int = 1
+        >>> apply_preset(Loop(epochs=3), {"lr": 0.5, "epochs": 2}, Loop())
+        Loop(lr=0.5, epochs=3)
+    """
+    unknown = set(values) - {f.name for f in fields(given)}
+    if unknown:
+        raise ValueError(f"preset sets unknown fields {sorted(unknown)}")
+    keep = {f.name for f in fields(given) if getattr(given, f.name) != getattr(default, f.name)}
+    return replace(given, **{k: v for k, v in values.items() if k not in keep})
