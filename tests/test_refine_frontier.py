@@ -78,3 +78,20 @@ def test_the_page_gets_its_markers(tmp_path):
 def test_the_docs_page_has_the_markers():
     text = (ROOT / "docs" / "refine.md").read_text()
     assert text.count(BEGIN) == 1 and text.count(END) == 1 and text.index(BEGIN) < text.index(END)
+
+
+@pytest.mark.parametrize("quick, only, runs", [(False, None, False), (True, None, True),
+                                                (False, "refine_frontier", True)])
+def test_run_all_runs_the_long_row_at_smoke_sizes_or_when_named(monkeypatch, tmp_path, quick, only, runs):
+    """The full ``make bench`` skips the frontier (hours); the smoke run and ``--only refine_frontier`` run it."""
+    from benchmarks import run_all
+
+    ran: list[list[str]] = []
+    monkeypatch.setattr(run_all, "_run", lambda module, args, cuda: ran.append([module, *args]))
+    monkeypatch.setattr(run_all, "sigma_bundle", lambda *a: tmp_path / "sigma")
+    monkeypatch.setattr(run_all, "table", lambda results: "")
+    run_all.main(quick=quick, only=only, gpu=False, results=tmp_path, page=None)
+    frontier = [args for args in ran if args[0] == "refine_frontier"]
+    assert len(frontier) == runs
+    if frontier:
+        assert ("--quick" in frontier[0]) == quick and ("--page" in frontier[0]) == quick  # smoke: no docs written
