@@ -13,6 +13,7 @@ Usage:
     python -m benchmarks.run_all                      # DINOv2 ViT-S/14 @ 84 px, the full sizes (~15 min on 2 CPUs)
     python -m benchmarks.run_all --mepo runs/refined_dinov2_84
     python -m benchmarks.run_all --only gpu_learner_bf16,gpu_vit_b16    # some rows; the table keeps the others
+    python -m benchmarks.run_all --only refine_frontier   # the long row (hours): docs/refine.md's frontier
     python -m benchmarks.run_all --quick true --model test_vit --weights null --img_size 32  # smoke sizes
 """
 
@@ -35,7 +36,10 @@ from mepo_stream.cli import config_options
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 BENCHMARKS = ("model_arithmetic", "learning_quality", "learning_quality_tinyimagenet", "learner_throughput",
               "predict_latency", "predict_throughput", "protocol_latency", "replica_latency", "alignment_cost",
-              "refine_throughput", "scale_out", "label_join_memory", "batch_invariance")
+              "refine_throughput", "scale_out", "label_join_memory", "batch_invariance", "refine_frontier")
+LONG_BENCHMARKS = ("refine_frontier",)
+"""Rows of hours at the full sizes (a dozen refines and their evaluations): the smoke run runs them, the full run
+only when ``--only`` names them (the table keeps their last result)."""
 GPU_BENCHMARKS = ("gpu_learner_fp32", "gpu_learner_bf16", "gpu_predict_latency", "gpu_vit_b16")
 ALL = (*BENCHMARKS, *GPU_BENCHMARKS)
 GPU_LEARNER_CONFIGS = ("prequential", "paper_recipe")
@@ -120,6 +124,10 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path) -> tuple[str, lis
             "--feature_model", spec.model, "--img_size", str(spec.img_size), "--n", n(200, 5000),
             "--max_images", n(50, 2000), "--sample_every", n(50, 1000), "--delay_min", n(10, 50),
             "--delay_max", n(40, 200)]),
+        "refine_frontier": lambda: ("refine_frontier", [
+            "--model", spec.model, "--weights", spec.weights or "null", "--img_size", str(spec.img_size),
+            *(["--quick", "true", "--arms", "finetune", "--budgets", "1", "--runs", str(work / name), "--page", "null",
+               "--image", str(work / name / "refine_frontier.png")] if quick else [])]),  # full: runs/frontier
         "batch_invariance": lambda: ("batch_invariance", [*config_options(spec, "--spec."), "--batches", n(1, 10),
                                                           "--rounds", n(1, 5), "--repeats", n(3, 30)]),
         "gpu_learner_fp32": lambda: learner(pinned("fp32"), *GPU_LEARNER_CONFIGS),
@@ -312,13 +320,30 @@ def _join_rows(r: dict) -> list[Row]:
              f"{long['store_max']:,}", f"{r['max_images']:,} (the bound)", None, "≤ the bound", r["store_bounded"])]
 
 
+def _frontier_rows(r: dict) -> list[Row]:
+    """Each stream's most accurate refine on the frontier against the untouched backbone (docs/refine.md has all)."""
+    base = next(p for p in r["points"] if p["budget"] == 0)
+    rows: list[Row] = []
+    for s, what in r["streams"].items():
+        best = max((p for p in r["points"] if p["refine"]), key=lambda p: p[s]["a_last"], default=None)
+        if best is None:
+            continue
+        refine = best["refine"]
+        rows.append((f"Refine frontier, {s} ({what}): the most accurate refine, {best['arm']} × {best['budget']} "
+                     f"({refine['minutes']:.2g} min at {refine['images_per_s']:.0f} images/s, {refine['precision']}), "
+                     f"A_last (probe {100 * best[s]['probe']:.1f} %) against the untouched backbone",
+                     f"A_last {best[s]['a_last']:.3f}", f"{base[s]['a_last']:.3f} (untouched)",
+                     best[s]["a_last"] / base[s]["a_last"] if base[s]["a_last"] else None, "–", None))
+    return rows
+
+
 ROWS: dict[str, Callable[[dict], list[Row]]] = {
     "model_arithmetic": _arithmetic_rows, "learning_quality": _quality_rows,
     "learning_quality_tinyimagenet": _quality_rows, "learner_throughput": _learner_rows,
     "predict_latency": _latency_rows, "protocol_latency": _protocol_rows,
     "predict_throughput": _throughput_rows, "replica_latency": _replica_rows,
     "alignment_cost": _alignment_rows, "refine_throughput": _refine_rows, "scale_out": _scale_out_rows,
-    "label_join_memory": _join_rows, "batch_invariance": _invariance_rows,
+    "label_join_memory": _join_rows, "batch_invariance": _invariance_rows, "refine_frontier": _frontier_rows,
     "gpu_learner_fp32": _learner_rows,
     "gpu_learner_bf16": _learner_rows, "gpu_predict_latency": _latency_rows, "gpu_vit_b16": _bare_learner_rows,
 }
@@ -396,6 +421,9 @@ def main(mepo: Path | None = None, model: str = "vit_small_patch14_dinov2", weig
     if skipped := [] if run_gpu else [b for b in selected if b in GPU_BENCHMARKS]:
         why = "CUDA is not available here" if gpu is None else "--gpu false"
         print(f"== GPU rows skipped ({why}): {', '.join(skipped)}", flush=True)
+    if long := [] if quick or only is not None else [b for b in selected if b in LONG_BENCHMARKS]:
+        print(f"== long rows skipped (hours; --only {','.join(long)} runs them): {', '.join(long)}", flush=True)
+        skipped = [*skipped, *long]
     work = results / "work"
     spec = ServiceSpec(model=model, weights=weights, img_size=img_size,
                        mepo=mepo or sigma_bundle(model, weights, img_size, work))
