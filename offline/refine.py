@@ -229,6 +229,9 @@ class Trainer:
         log.info("frozen: %d tensors under %s", len(frozen), list(cfg.freeze) or "nothing")
         img, (mean, std) = model.backbone.patch_embed.img_size[0], normalization(model.backbone)
         if cfg.train_img_size not in (None, img):
+            if cfg.train_img_size % (patch := model.backbone.patch_embed.patch_size[0]):
+                raise ConfigError(f"--loop.train_img_size {cfg.train_img_size} is not a multiple of the "
+                                  f"backbone's {patch}-px patch")
             any_size(model.backbone)
             img = cfg.train_img_size
         net = nn.parallel.DistributedDataParallel(model) if ddp.world > 1 else model
@@ -406,7 +409,7 @@ def refine(
     wall = time.time() - start
     if ddp.rank == 0:
         write_refined_bundle(out, trainer.model, images, backbone, data, tasks, loop, None if cov.skip else cov,
-                             history, trainer.seen_images, wall)
+                             history, trainer.seen_images, wall, preset)
     ddp.finish()
     if ddp.rank == 0 and not adapt.skip:  # one process: the other ranks are done and must not wait on it
         add_prompts(out, out, backbone, data, images, method, adapt, method_config)
@@ -450,11 +453,13 @@ def meta_train(trainer: Trainer, tasks: PseudoTaskConfig, first: int, history: l
 
 def write_refined_bundle(out: Path, model: MetaModel, images: ImageSet, backbone: BackboneConfig,
                          data: DataConfig, tasks: PseudoTaskConfig, loop: RefineConfig,
-                         cov: CovarianceConfig | None, history: list[dict], seen_images: int, wall: float) -> None:
+                         cov: CovarianceConfig | None, history: list[dict], seen_images: int, wall: float,
+                         preset: str | None = None) -> None:
     """The bundle: refined backbone (no head), Sigma_pre (unless ``cov`` is None), and the manifest."""
     parts = {BACKBONE: {k: v.detach().cpu() for k, v in model.backbone.state_dict().items()}}
     manifest = {
         "kind": "refined",
+        "preset": preset,
         "backbone": {**provenance(backbone), "arch": backbone.name},
         "data": {**asdict(data), "classes": images.classes, "n_images": len(images)},
         "pseudo_tasks": asdict(tasks),

@@ -1,0 +1,111 @@
+"""The fine-tuning recipe of the presets: layer-wise learning rates, the schedule, per-image crops, a lower
+training resolution than the bundle's, and presets that yield to the options a user gives."""
+
+import signal
+from dataclasses import replace
+
+import pytest
+import torch
+
+from mepo_stream.artifacts import load_part, read_manifest
+from mepo_stream.backbone import BackboneConfig, create_backbone
+from mepo_stream.errors import ConfigError
+from mepo_stream.pseudo_tasks import PseudoTaskConfig
+from mepo_stream.shutdown import Stopped
+from mepo_stream.transforms import RandomResizedCropFlip
+from offline.optim import layer_scales, param_groups
+from offline.presets import PRESETS, apply_preset
+from offline.refine import ISAStage, RefineConfig, Trainer, checkpoint_path, refine
+from tests.helpers import TINY
+from tests.test_refine import DATA, GUARD, NO_COV, TASKS, initial_backbone, run_refine
+
+RECIPE = RefineConfig(mode="finetune", meta_epochs=1, inner_epochs=1, batch_size=16, optimizer="adamw",
+                      lr_backbone=1e-3, lr_head=1e-2, layer_decay=0.75, weight_decay=0.05, schedule="cosine",
+                      warmup=0.2, label_smoothing=0.1, augment="image", low_res=0.5, train_img_size=16)
+
+
+def test_layer_decay_trains_the_top_fastest_and_decays_matrices_only():
+    vit = create_backbone(TINY)
+    vit.patch_embed.requires_grad_(False)
+    head = torch.nn.Linear(vit.num_features, 3)
+    groups = param_groups(vit, head, 1e-3, 1e-2, 0.5, 0.05)
+    lr_of = {id(p): (g["lr"], g["weight_decay"]) for g in groups for p in g["params"]}
+    named = dict(vit.named_parameters())
+    assert not any(id(p) in lr_of for p in vit.patch_embed.parameters())  # frozen: in no group
+    blocks = [lr_of[id(named[f"blocks.{i}.attn.qkv.weight"])][0] for i in range(len(vit.blocks))]
+    assert blocks == sorted(blocks) and blocks[-1] == pytest.approx(1e-3 * 0.5)  # one step below the norm
+    assert lr_of[id(named["norm.weight"])] == (1e-3, 0.0)  # the top at the full rate; a vector: no decay
+    assert lr_of[id(named["pos_embed"])][0] == pytest.approx(1e-3 * 0.5 ** (len(vit.blocks) + 1))
+    assert lr_of[id(named["blocks.0.mlp.fc1.weight"])][1] == 0.05 and lr_of[id(head.weight)] == (1e-2, 0.0)
+    assert layer_scales(vit, 1.0) == [1.0] * len(named)  # no decay: the paper's single rate
+
+
+def test_each_image_gets_its_own_crop_and_a_whole_crop_keeps_the_image():
+    torch.manual_seed(0)
+    img = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8).expand(8, -1, -1, -1)
+    out = RandomResizedCropFlip(16, (0.5,) * 3, (0.5,) * 3)(img)  # [8, 3, 16, 16]
+    assert out.shape == (8, 3, 16, 16)
+    assert len({tuple(o.flatten()[:20].tolist()) for o in out}) == 8  # eight crops of one image, all different
+    ramp = (torch.arange(32) * 8).to(torch.uint8).expand(16, 3, 32, 32)  # a horizontal ramp, 0 to 248
+    whole = RandomResizedCropFlip(32, (0.0,) * 3, (1.0,) * 3, scale=(1.0, 1.0), ratio=(1.0, 1.0))(ramp)
+    inner = ramp[0].float()[..., 2:-2] / 255  # bilinear sampling keeps a linear ramp exactly, off its borders
+    kept = [torch.allclose(w[..., 2:-2], inner, atol=1e-5) for w in whole]
+    flipped = [torch.allclose(w.flip(-1)[..., 2:-2], inner, atol=1e-5) for w in whole]
+    assert all(k or f for k, f in zip(kept, flipped)) and any(kept) and any(flipped)
+
+
+def test_a_lower_training_resolution_writes_the_bundle_at_its_own(tmp_path):
+    """Trained on 16-px images (1 x 1 patches), the bundle is written at 32 px (2 x 2): the position table the
+    forward pass resampled is the one that trained, and the bundle loads at 32 px as it is."""
+    out = run_refine(tmp_path / "r", RECIPE, cov=NO_COV)
+    refined, start = load_part(out, "backbone"), initial_backbone()
+    assert refined["pos_embed"].shape == start["pos_embed"].shape == (1, 1 + 4, 64)
+    assert not torch.equal(refined["pos_embed"], start["pos_embed"])
+    assert torch.equal(refined["patch_embed.proj.weight"], start["patch_embed.proj.weight"])  # the stem frozen
+    assert read_manifest(out)["backbone"]["img_size"] == 32
+    create_backbone(BackboneConfig(name="test_vit", weights=str(out), img_size=32))
+
+
+def test_a_training_resolution_off_the_patch_grid_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="train_img_size 20"):
+        run_refine(tmp_path / "r", replace(RECIPE, train_img_size=20), cov=NO_COV)
+    assert not (tmp_path / "r").exists()
+
+
+def test_resume_continues_the_schedule_and_the_crops_exactly(tmp_path, monkeypatch):
+    """A run stopped by SIGINT after its first of two meta-epochs, then resumed, ends where a straight run does:
+    the cosine schedule spans both (a run configured for one would have decayed to 0 already)."""
+    two = replace(RECIPE, meta_epochs=2)
+    run_refine(tmp_path / "straight", two, cov=NO_COV)
+    epoch = Trainer.run_epoch
+
+    def stopped_after_the_first(self, n, tasks):
+        result = epoch(self, n, tasks)
+        if n == 1:
+            signal.raise_signal(signal.SIGINT)  # held by the refine until meta-epoch 1 is checkpointed
+        return result
+
+    with monkeypatch.context() as m, pytest.raises(Stopped):
+        m.setattr(Trainer, "run_epoch", stopped_after_the_first)
+        run_refine(tmp_path / "resumed", two, cov=NO_COV)
+    assert checkpoint_path(tmp_path / "resumed").is_file() and not (tmp_path / "resumed").exists()
+    run_refine(tmp_path / "resumed", two, cov=NO_COV, resume=True)
+    a, b = load_part(tmp_path / "straight", "backbone"), load_part(tmp_path / "resumed", "backbone")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_preset_sets_what_the_user_left_at_its_default(tmp_path):
+    loop = apply_preset(RefineConfig(lr_backbone=3e-4, train_img_size=32), PRESETS["demo"].loop, RefineConfig())
+    assert (loop.optimizer, loop.schedule, loop.lr_backbone, loop.train_img_size) == ("adamw", "cosine", 3e-4, 32)
+    assert apply_preset(PseudoTaskConfig(), PRESETS["demo"].tasks, PseudoTaskConfig()).samples_per_class == 250
+    paper = apply_preset(RefineConfig(), PRESETS["paper"].loop, RefineConfig())
+    assert (paper.mode, paper.freeze, paper.optimizer) == ("meta", (), "sgd")
+    with pytest.raises(ValueError, match="unknown fields"):
+        apply_preset(RefineConfig(), {"lr": 1.0}, RefineConfig())
+    out = refine(tmp_path / "p", backbone=TINY, data=DATA, tasks=replace(TASKS, samples_per_class=5),
+                 loop=RefineConfig(train_img_size=16, batch_size=16, inner_epochs=2), guard=GUARD,
+                 cov=NO_COV, adapt=ISAStage(skip=True), preset="demo")
+    manifest = read_manifest(out)
+    assert manifest["preset"] == "demo"
+    assert manifest["refine"]["optimizer"] == "adamw" and manifest["refine"]["inner_epochs"] == 2
+    assert manifest["pseudo_tasks"]["samples_per_class"] == 5
