@@ -78,8 +78,9 @@ class Arm:
 
 ARMS: dict[str, Arm] = {
     "finetune": Arm(("--preset", "demo"), "fine-tuning (presets demo, balanced, best: 1, 2, 4 passes)"),
-    "meta": Arm(("--preset", "demo", "--loop.mode", "meta"),
-                "Meta Rep with the presets' fields (--loop.mode meta)"),
+    "meta": Arm(("--preset", "demo", "--loop.mode", "meta", "--tasks.classes_per_group", "10", "--tasks.n_tasks", "5"),
+                "Meta Rep with the presets' fields (--loop.mode meta; groups of 10 classes in 5 pseudo tasks: 10 "
+                "Reptile updates per pass, as the reference's 1,000 classes in groups of 100)"),
     "old_demo": Arm(("--tasks.samples_per_class", "50", "--loop.inner_epochs", "2", "--loop.batch_size", "64"),
                     "the old demo refine (SGD at 84 px, 8,500 images)", budgets=(1,)),
     "paper": Arm(("--preset", "paper"), "the reference code's Meta Rep (--preset paper)"),
@@ -149,7 +150,8 @@ def run_refine(args: list[str], bundle: Path) -> dict:
     history = m.get("history", [])
     return {"bundle": str(bundle), "command": "mepo " + shlex.join(args), "wall_time_s": m["wall_time_s"],
             "minutes": m["wall_time_s"] / 60, "process_s": process_s, "images_per_s": m["refine_images_per_s"],
-            "precision": precision, "mode": m["refine"]["mode"], "meta_epochs": m["refine"]["meta_epochs"],
+            "precision": precision, "cpus": m.get("cpus"), "threads": m.get("threads"), "mode": m["refine"]["mode"],
+            "meta_epochs": m["refine"]["meta_epochs"],
             "meta_epochs_completed": m["meta_epochs_completed"], "images": m["data"]["n_images"],
             "held_out": history[-1].get("held_out") if history else None, "loop": m["refine"],
             "pseudo_tasks": m["pseudo_tasks"]}

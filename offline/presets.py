@@ -21,10 +21,11 @@ PresetName = Literal["demo", "balanced", "best", "paper"]
 C = TypeVar("C")
 
 # AdamW with layer-wise decay and a cosine schedule, trained at 56 px (served at the bundle's 84 px), every image
-# its own crop, one pass over all 250 images of each of the 100 pretraining classes per meta-epoch.
-FINE_TUNE = {"mode": "finetune", "optimizer": "adamw", "lr_backbone": 2e-4, "lr_head": 1e-3, "layer_decay": 0.75,
+# its own crop (half the batches through a lower resolution and back), one pass over all 250 images of each of the
+# 100 pretraining classes per meta-epoch. docs/refine.md has the screening runs behind each choice.
+FINE_TUNE = {"mode": "finetune", "optimizer": "adamw", "lr_backbone": 1e-4, "lr_head": 1e-3, "layer_decay": 0.75,
              "weight_decay": 0.05, "schedule": "cosine", "warmup": 0.1, "label_smoothing": 0.1, "batch_size": 64,
-             "inner_epochs": 1, "train_img_size": 56}
+             "inner_epochs": 1, "train_img_size": 56, "augment": "image", "low_res": 0.5}
 ALL_IMAGES = {"samples_per_class": 250}
 
 

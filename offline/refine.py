@@ -467,6 +467,8 @@ def write_refined_bundle(out: Path, model: MetaModel, images: ImageSet, backbone
         "meta_epochs_completed": history[-1]["meta_epoch"] if history else 0,
         "history": history,
         "refine_images_per_s": round(seen_images / wall, 2) if wall else None,
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "threads": torch.get_num_threads(),
         "wall_time_s": round(wall, 1),
         "versions": library_versions(),
     }
