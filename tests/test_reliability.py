@@ -267,8 +267,11 @@ def test_five_hard_crashes_lose_nothing_and_end_where_an_uninterrupted_run_ends(
 
 @pytest.mark.slow
 def test_sixteen_clients_for_sixty_seconds_while_learning(broker, tmp_path):
-    """Zero errors under load; the learner's throughput drop is printed (goal: at most 30%). The service runs
-    in its own process, as deployed, and the clients in this one."""
+    """Zero errors under load: every request answered 200 (asserted). The service runs in its own process, as
+    deployed, and the clients in this one, on the same cores, so the learner's throughput drop is printed for the
+    record, not asserted: a bound on it would depend on the machine's load. The throughput promise (a drop of at
+    most 30 %) is a benchmark row, where clients and learner have cores of their own: replica_latency's
+    "Learner throughput with 16 clients on a replica, ÷ without" (goal ≥ 0.70, docs/performance.md)."""
     import threading
 
     cfg = settings(broker, tmp_path, protocol=ProtocolConfig(eval_period=0))
