@@ -41,7 +41,7 @@ from server.config import ServeConfig, model_config
 from server.learner.book import Sample
 from server.learner.changelog import Changelog
 from server.learner.partitioned import migrated_state, open_group_learner
-from server.learner.state import CHECKPOINT, open_learner
+from server.learner.state import CHECKPOINT, LearnerState, open_learner
 from server.metrics import ServerMetrics
 from server.snapshot_topic import Origin
 from server.state_topic import FORMAT, PartitionState, StateFormatError, decode, encode
@@ -192,6 +192,65 @@ def test_newer_states_replace_their_partitions_part_of_the_model(tmp_path, monke
             assert torch.allclose(got.second, expected.second, rtol=1e-12, atol=1e-9)
             assert torch.allclose(got.sums, expected.sums, rtol=1e-12, atol=1e-9)
     state.model_thread.shutdown()
+
+
+def test_a_partition_handed_over_is_restored_from_its_last_state_and_every_model_stays_the_sum(tmp_path,
+                                                                                                 monkeypatch):
+    """Two group learners over one (faked, compacted) state topic, through their state objects: each restores
+    its assigned partitions from their newest states and merges the others', a written state reaches the other
+    learner, and a partition let go and taken over moves as its last written state (what the giver learned after
+    it is not in any model, and is learned again from its offset by the taker): at every point both models are the
+    sum of every partition's newest state on the topic."""
+    topic: dict[str, PartitionState] = {}  # key -> newest state
+
+    def write(self, states):
+        topic.update({s.key: s for s in states})
+        return 100 * len(states)
+
+    monkeypatch.setattr(Changelog, "read_all", lambda self, timeout_s=60.0: dict(topic))
+    monkeypatch.setattr(Changelog, "write", write)
+    a, b = (open_group_learner(replace(cfg, kafka=replace(cfg.kafka, state_topic="state")), ServerMetrics())
+            for cfg in (settings(NO_BROKER, tmp_path / "a"), settings(NO_BROKER, tmp_path / "b")))
+    shape, rng = a.learner.statistics().shape, torch.Generator().manual_seed(0)
+
+    def sums(n: int) -> LabelStatistics:
+        stats = LabelStatistics.zeros(*shape)
+        stats.add(torch.randn(n, shape[1], generator=rng), torch.randint(0, 10, (n,), generator=rng),
+                  torch.zeros(shape[2]))
+        return stats
+
+    def state(key: str, stats: LabelStatistics, offset: int, by: LearnerState) -> PartitionState:
+        return PartitionState(key, stats, offset, {}, by.origin, by.membership.learner_id, time.time(), 0.0, 0)
+
+    def assert_the_sum_of_the_topic(*learners: LearnerState) -> None:
+        expected = LabelStatistics.total(st.stats for st in topic.values())
+        for learner in learners:
+            got = learner.learner.statistics()
+            assert learner.learner.samples_seen == expected.samples
+            for name in ("counts", "sums", "second"):
+                assert torch.allclose(getattr(got, name), getattr(expected, name), rtol=1e-12, atol=1e-9), name
+
+    topic.update({key: state(key, sums(n), n, a) for key, n in (("images:0", 7), ("images:1", 5), ("images:2", 9))})
+    a.membership.assign(["images:0", "images:1"])
+    b.membership.assign(["images:2"])
+    assert sorted(a.membership.own) == ["images:0", "images:1"] and sorted(b.membership.own) == ["images:2"]
+    assert_the_sum_of_the_topic(a, b)
+    more = sums(4)  # a learns 4 more of images:0 and writes its state; b merges it
+    a.membership.own["images:0"] = LabelStatistics.total([a.membership.own["images:0"], more])
+    written = state("images:0", a.membership.own["images:0"].clone(), 11, a)
+    a.membership.write({"states": [written], "offsets": {"images:0": 11}, "time": written.written_at})
+    b.membership.merge_remote(written)
+    a.membership._load_total()  # what a step does once it has added to its sums
+    assert_the_sum_of_the_topic(a, b)
+    a.membership.own["images:0"].add(torch.randn(3, shape[1], generator=rng), torch.tensor([1, 2, 3]),
+                                     torch.zeros(shape[2]))  # learned after the last write: not kept
+    a.membership.revoke(["images:0"])
+    b.membership.assign(["images:0", "images:2"])
+    assert torch.equal(b.membership.own["images:0"].sums, written.stats.sums) and "images:0" not in a.membership.own
+    assert b.intake.book.partition("images:0")[0] == 11  # the taker goes on from the written offset
+    assert_the_sum_of_the_topic(a, b)
+    for learner in (a, b):
+        learner.model_thread.shutdown()
 
 
 # --- against the real broker ------------------------------------------------------------------------------------
