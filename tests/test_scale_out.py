@@ -8,12 +8,11 @@ in a group against one learner alone, and two learners with one of them killed w
 from __future__ import annotations
 
 import io
-import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -358,34 +357,60 @@ def test_two_learners_on_four_partitions_build_the_single_learners_model(broker,
         stop(procs)
 
 
-def test_kill_9_of_one_of_two_learners_three_times_loses_nothing_and_learns_nothing_twice(broker, tmp_path):
-    rng = random.Random(3)
+def owns_partitions(cfg: ServeConfig) -> bool:
+    """Whether the learner ``cfg`` owns partitions now (its ``mepo_partitions_owned`` gauge)."""
+    with http_client(cfg) as http:
+        owned = re.search(r"^mepo_partitions_owned (\S+)$", http.get("/metrics").text, re.M)
+    return owned is not None and float(owned.group(1)) > 0
+
+
+def written_by(cfg: ServeConfig, since: float) -> dict[str, PartitionState]:
+    """The partitions whose newest state on ``cfg``'s state topic the learner ``cfg`` wrote after ``since``."""
+    me = f"{socket.gethostname()}:{cfg.port}"
+    return {k: s for k, s in Changelog(cfg.kafka).read_all().items() if s.learner == me and s.written_at > since}
+
+
+def test_kill_9_of_a_learner_that_owns_partitions_mid_stream_twice_the_taker_restores_its_last_states(broker,
+                                                                                                     tmp_path):
+    """Two learners of a group (and a single learner beside them) on a stream that arrives in three parts: the
+    first 64 records, the first 128, then all 200 (each part replays the one before: those records are skipped as
+    replays). After each of the first two parts, the second learner of the pair is killed with SIGKILL once it
+    owns partitions and has written their states since it started, and started again: killed mid-stream whatever
+    the machine's speed. Whoever takes its partitions over restores them from the dead learner's last states:
+    every sample is learned exactly once (a taker that started such a partition from nothing would lose what the
+    dead learner had learned of it, and the states would not add up to the stream), what the dead learner had
+    written is in its partitions' final states, and the model is the single learner's."""
     base = settings(broker, tmp_path)
     ensure_topics(base.kafka, base.kafka.topic, partitions=PARTITIONS)
     single = group_member(base, tmp_path, "single")
     pair = [group_member(base, tmp_path, "pair") for _ in range(2)]
     procs = start([single, *pair], tmp_path)
-    sent: list[int] = []
-    producer = threading.Thread(target=lambda: sent.append(produce(DATA, STREAM, base.kafka, ReplayConfig(
-        partitions=PARTITIONS, partition_by="position", rate=12))))
-    producer.start()
+    replay = ReplayConfig(partitions=PARTITIONS, partition_by="position")
+    killed: list[dict[str, PartitionState]] = []
+    sent = 0
     try:
-        for _ in range(3):  # the fault: one learner of the pair, at a random moment after it serves
-            time.sleep(rng.uniform(1.0, 3.0))
+        for part in (64, 128):  # the fault: the second learner of the pair, once it owns partitions and wrote them
+            started = time.time()
+            wait_for(lambda: all(owns_partitions(c) for c in pair), 120, "both learners of the pair own partitions",
+                     ignore=(httpx.TransportError,))
+            sent += produce(DATA, STREAM, base.kafka, replace(replay, limit=part))
+            killed.append(wait_for(lambda: written_by(pair[1], started), 120, "states of the learner to kill"))
             procs[2].send_signal(signal.SIGKILL)
             procs[2].wait()
             procs[2:] = start([pair[1]], tmp_path)
-        producer.join()
-        n = sent[0]
+        n = sent + produce(DATA, STREAM, base.kafka, replay)
         alone = wait_for(lambda: learned_all(single, n), 240, "the single learner's states")
         split = wait_for(lambda: learned_all(pair[0], n), 240, "the pair's states after the kills")
         sid = stream_id(DATA, STREAM)
         learned = sorted(i for s in split.values() for i in s.learned[sid])
-        assert learned == sorted(i for s in alone.values() for i in s.learned[sid]) and len(learned) == n
-        assert total(split).samples == n, "a sample lost or learned twice"
+        assert learned == sorted(i for s in alone.values() for i in s.learned[sid]) and len(learned) == 200
+        assert total(split).samples == total(alone).samples == 200, "a sample lost or learned twice"
+        for states in killed:  # what the dead learner had written is part of what its partitions hold at the end
+            for key, state in states.items():
+                assert set(state.learned.get(sid, [])) <= set(split[key].learned[sid]), key
+                assert split[key].offset >= state.offset and split[key].stats.samples >= state.stats.samples, key
         assert_same_model(total(alone), total(split), single, next(iter(alone.values())).origin)
     finally:
-        producer.join()
         stop(procs)
 
 
