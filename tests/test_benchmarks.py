@@ -31,9 +31,10 @@ ROOT = Path(__file__).parents[1]
 TINY = ["--model", "test_vit", "--weights", "null", "--img_size", "32"]
 
 
-def _run(module: str, *args: str) -> str:
+def _run(module: str, *args: str, env: dict[str, str] | None = None) -> str:
     return subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], check=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True).stdout
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, capture_output=True,
+                          text=True).stdout
 
 
 def _results(folder: Path) -> dict[str, dict]:
@@ -74,7 +75,8 @@ def test_run_all_smoke_writes_every_result_and_the_performance_table(tmp_path):
     kept = _results(tmp_path / "results")
     only = ",".join(b for b in ALL if b not in TWO_CORES)
     out = _run("run_all", "--quick", "true", "--gpu", "false", *TINY, "--results", str(tmp_path / "results"),
-               "--page", str(readme), "--only", only)
+               "--page", str(readme), "--only", only, "--fresh_processes", "false",  # one process for them all
+               env={"CUDA_VISIBLE_DEVICES": ""})  # the CPU rows, CUDA or not (the GPU rows test: fresh processes)
     assert "GPU rows skipped" in out
     results = _results(tmp_path / "results")
     assert set(results) == set(BENCHMARKS)  # the GPU rows skipped (and the CPU rows on the CPU, CUDA or not)
