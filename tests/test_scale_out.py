@@ -2,7 +2,8 @@
 
 The unit tests check the pieces (the sums, the learner's step without folding, the state record, the refusals,
 the checkpoint formats); the broker tests run real ``mepo serve`` processes on a 4-partition topic: two learners
-in a group against one learner alone, and two learners with one of them killed with SIGKILL three times.
+in a group against one learner alone, and two learners with one of them killed with SIGKILL twice, each time once
+it owns partitions and has written their states (the learner that takes them over restores those states).
 """
 
 from __future__ import annotations
