@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test bench docs mutate
+.PHONY: setup demo test test-fast bench docs mutate
 
 # The test extra holds every other one (broker, DINOv2, plots, docs, interop clients); constraints.txt pins each
 # package to the version the suite is tested with, where pyproject.toml keeps ranges.
@@ -33,6 +33,11 @@ demo: setup $(DEMO_OUT)/refined/manifest.json
 
 test: setup
 	$(BIN)/python -m pytest -q --durations=25
+
+# The edit loop: no broker, no live server, no process, no browser (tests/conftest.py marks those tests by the
+# fixtures and helpers they use), nothing slow. Minutes, where `make test` (what CI runs) takes many more.
+test-fast: setup
+	$(BIN)/python -m pytest -q --durations=10 -m "not slow and not broker and not server and not subprocess and not browser"
 
 bench: setup
 	$(BIN)/python -m benchmarks.run_all

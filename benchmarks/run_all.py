@@ -19,6 +19,7 @@ Usage:
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import statistics
@@ -49,8 +50,15 @@ VIT_B16 = ("vit_base_patch16_224", 224)
 Row = tuple[str, str, str, float | None, str, bool | None]  # measurement, ours, bare, ratio, goal, met
 
 
-def _run(module: str, args: list[str], cuda: bool) -> None:
+def _run(module: str, args: list[str], cuda: bool, fresh: bool = True) -> None:
+    """One benchmark script with ``args``: in a fresh process (CUDA hidden unless ``cuda``), or, not ``fresh``,
+    its ``main`` called in this process (the smoke run: the scripts' logic, without a process start each)."""
     print(f"== {module} {' '.join(args)}", flush=True)
+    if not fresh:
+        from jsonargparse import CLI
+
+        CLI(importlib.import_module(f"benchmarks.{module}").main, as_positional=False, args=args)
+        return
     hide = {} if cuda else {"CUDA_VISIBLE_DEVICES": ""}
     subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], check=True, cwd=ROOT,
                    env={**os.environ, "PYTHONPATH": str(ROOT), **hide})
@@ -89,6 +97,9 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path) -> tuple[str, lis
         return paper_recipe(replace(s, learner=replace(s.learner, precision="bf16")))
 
     def learner(s: ServiceSpec, *configs: str) -> tuple[str, list[str]]:
+        if quick:  # one service run (its first configuration): the others differ only in the spec, which
+            # tests/test_benchmarks.py checks in-process against a stand-in service (each one's bare loop runs)
+            configs = configs[:1] or ("prequential",)
         chosen = ["--configs", json.dumps(configs)] if configs else []
         return "learner_throughput", [*stream(s, 10, 100), "--bare_batches", n(2, 8), "--rounds", n(1, 3), *chosen]
 
@@ -399,7 +410,8 @@ def update_page(page: Path, text: str) -> None:
 
 def main(mepo: Path | None = None, model: str = "vit_small_patch14_dinov2", weights: str | None = "dinov2",
          img_size: int = 84, quick: bool = False, only: str | None = None, gpu: bool | None = None,
-         results: Path = Path("benchmarks/results"), page: Path | None = Path("docs/performance.md")) -> str:
+         results: Path = Path("benchmarks/results"), page: Path | None = Path("docs/performance.md"),
+         fresh_processes: bool = True) -> str:
     """Run all benchmarks, then rewrite the results table of the docs' performance page.
 
     Args:
@@ -413,6 +425,9 @@ def main(mepo: Path | None = None, model: str = "vit_small_patch14_dinov2", weig
             smoke test does).
         results: Folder of the JSON results.
         page: The page whose table to update (null: only print the table).
+        fresh_processes: Run each benchmark in a process of its own (clean memory and threads; CUDA hidden from
+            the CPU rows). false: call each one in this process, for a smoke run of the scripts at ``--quick``
+            sizes, where process starts would take most of the time (the services still run as processes).
     """
     selected = ALL if only is None else tuple(b.strip() for b in only.split(","))
     if unknown := set(selected) - set(ALL):
@@ -429,7 +444,8 @@ def main(mepo: Path | None = None, model: str = "vit_small_patch14_dinov2", weig
                        mepo=mepo or sigma_bundle(model, weights, img_size, work))
     for name in [b for b in ALL if b in selected and b not in skipped]:
         module, args = job(name, spec, quick, work)
-        _run(module, [*args, "--out", str(results / f"{name}.json")], cuda=name in GPU_BENCHMARKS)
+        _run(module, [*args, "--out", str(results / f"{name}.json")], cuda=name in GPU_BENCHMARKS,
+             fresh=fresh_processes)
     text = table({name: json.loads((results / f"{name}.json").read_text()) for name in ROWS
                   if (results / f"{name}.json").is_file()})
     if page is not None:

@@ -34,6 +34,7 @@ import torch
 from mepo_stream.backbone import BackboneConfig, device
 from mepo_stream.cli import config_options
 from mepo_stream.data import DataConfig, list_files
+from mepo_stream.kafka import KafkaConfig
 from mepo_stream.learner import PAPER_RECIPE, LearnerConfig, OnlineLearner
 from mepo_stream.methods.base import ContinualMethod
 from mepo_stream.model import BundleParts, ModelConfig, create_model
@@ -162,9 +163,11 @@ def running_service(spec: ServiceSpec, work: Path, produce_first: bool = True) -
 
 
 def produce(spec: ServiceSpec, bootstrap: str) -> None:
-    subprocess.run(CLI + ["produce", "--data.dataset", spec.dataset, "--data.train_per_class",
-                          str(spec.train_per_class), "--kafka.bootstrap_servers", bootstrap],
-                   check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    """The spec's Si-Blurry stream into the broker's default topic, as ``mepo produce`` sends it (its function, in
+    this process: a process of its own would only add its start, before anything is timed)."""
+    from producers.siblurry import produce as replay
+
+    replay(spec.data, kafka=KafkaConfig(bootstrap_servers=bootstrap))
 
 
 def _wait_http(http: httpx.Client, process: subprocess.Popen, timeout: float = 600) -> None:

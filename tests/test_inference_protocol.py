@@ -32,7 +32,7 @@ from producers.siblurry import ReplayConfig, produce
 from server.broker import free_port
 from server.config import ServeConfig
 from server.oip import raw_request_limit, serialize_bytes
-from tests.helpers import DATA, LiveServer, http_client, serve_process, settings, wait_for
+from tests.helpers import DATA, NO_BROKER, LiveServer, http_client, serve_process, settings, wait_for
 
 LEARNED = 32
 TOP_K = 3
@@ -280,3 +280,75 @@ def test_the_kserve_sdk_requests_get_the_v1_answer(servers, role, transport):
     outputs = {out["name"]: np.array(out["data"]).reshape(out["shape"]) for out in body["outputs"]}
     assert body["id"] == "kserve-1" and set(outputs) == {"label", "probability"}
     assert_same_answer(outputs["label"][0], outputs["probability"][0], v1)
+
+
+# --- the parts that need no learner: driven directly ------------------------------------------------------------
+def test_raw_bytes_with_more_elements_than_the_shape_says_are_refused_with_400_on_both_transports(tmp_path):
+    """Three raw ``BYTES`` elements under shape [2]: HTTP's binary extension answers 400 and gRPC's
+    INVALID_ARGUMENT (400), each naming the bytes left over, before any image is decoded."""
+    from server.grpc_service import InferenceService
+    from server.web.dependencies import ApiError
+    from server.web.routers.inference_v2 import parse_infer
+
+    raw = serialize_bytes([jpeg("red"), jpeg("green"), jpeg("blue")])
+    extra = len(serialize_bytes([jpeg("blue")]))
+    header = json.dumps({"inputs": [{"name": "image", "shape": [2], "datatype": "BYTES",
+                                     "parameters": {"binary_data_size": len(raw)}}]}).encode()
+    with pytest.raises(ApiError) as http_error:
+        parse_infer(header + raw, str(len(header)))
+    assert http_error.value.status_code == 400 and http_error.value.reason == "invalid_request"
+    assert f"{extra} bytes follow the 2 BYTES elements" in http_error.value.detail
+    request = pb.ModelInferRequest(inputs=[pb.ModelInferRequest.InferInputTensor(name="image", datatype="BYTES",
+                                                                                   shape=[2])],
+                                   raw_input_contents=[raw])
+    with pytest.raises(ApiError) as grpc_error:
+        InferenceService._images(request)
+    assert grpc_error.value.status_code == 400 and f"{extra} bytes follow" in grpc_error.value.detail
+    as_said = serialize_bytes([jpeg("red"), jpeg("green")])  # the same request with the shape's two: accepted
+    header = header.replace(str(len(raw)).encode(), str(len(as_said)).encode())
+    assert len(parse_infer(header + as_said, str(len(header)))[1]) == 2
+    assert len(InferenceService._images(pb.ModelInferRequest(inputs=request.inputs, raw_input_contents=[as_said]))) == 2
+
+
+class NoModel:
+    """A ``ServingModel`` stand-in that records whether a request ever reached the model."""
+
+    def __init__(self):
+        from server.metrics import ServerMetrics
+
+        self.metrics, self.calls = ServerMetrics(), []
+
+    def predict(self, images):
+        self.calls.append(len(images))
+        raise LookupError("no classes learned yet")
+
+
+def test_grpc_refuses_an_oversize_message_in_the_transport_and_an_oversize_image_in_the_app(tmp_path):
+    """Two RESOURCE_EXHAUSTED refusals told apart: a message over the raw request limit is refused by gRPC itself
+    (its own "larger than max" detail; the service never runs: not counted, no decode), and an image over
+    ``--limits.max_bytes`` inside a message under that limit is refused by the app (its own detail, counted 413)
+    before the model sees it."""
+    from server.grpc_service import serve_grpc
+
+    cfg = settings(NO_BROKER, tmp_path, grpc_port=free_port(), limits=LIMITS, max_files=2)
+    service = NoModel()
+    server = serve_grpc(service, cfg, workers=2)
+    try:
+        stub = pbg.GRPCInferenceServiceStub(grpc.insecure_channel(
+            f"127.0.0.1:{cfg.grpc_port}", options=[("grpc.max_send_message_length", -1)]))
+        refusals = {}
+        for name, size in (("transport", raw_request_limit(cfg) + 1), ("app", LIMITS.max_bytes + 1)):
+            with pytest.raises(grpc.RpcError) as error:
+                stub.ModelInfer(infer_request(cfg, [b"\xff" * size]), timeout=30)
+            refusals[name] = (error.value.code(), error.value.details())
+    finally:
+        server.stop(grace=None)
+    assert refusals["transport"][0] == refusals["app"][0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in refusals["transport"][1], refusals
+    assert "larger than max" not in refusals["app"][1] and str(LIMITS.max_bytes) in refusals["app"][1], refusals
+    counted = {labels: c for labels, c in (
+        ((s.labels["protocol"], s.labels["status"]), s.value)
+        for m in service.metrics.registry.collect() if m.name == "mepo_predict_requests"
+        for s in m.samples if s.name.endswith("_total"))}
+    assert counted == {("grpc", "413"): 1.0}, counted  # the app's refusal only: the transport's never reached it
+    assert service.calls == []

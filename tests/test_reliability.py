@@ -132,7 +132,9 @@ def test_broker_stall_makes_the_learner_wait_unready_and_resume_losing_nothing(b
         broker.process.send_signal(signal.SIGSTOP)
         try:
             wait_for(lambda: http.get("/readyz").status_code == 503, 30, "not ready during the stall")
-            holds_for(lambda: http.get("/readyz").json()["checks"]["kafka_connected"] is False, 20,
+            # 12 s more: the stall outlasts the consumer's 10-s session (kafka-python's default), so the learner
+            # has to rejoin its group after it, not only reconnect
+            holds_for(lambda: http.get("/readyz").json()["checks"]["kafka_connected"] is False, 12,
                       "not ready, Kafka not connected, for the whole stall")
         finally:
             broker.process.send_signal(signal.SIGCONT)
@@ -267,8 +269,11 @@ def test_five_hard_crashes_lose_nothing_and_end_where_an_uninterrupted_run_ends(
 
 @pytest.mark.slow
 def test_sixteen_clients_for_sixty_seconds_while_learning(broker, tmp_path):
-    """Zero errors under load; the learner's throughput drop is printed (goal: at most 30%). The service runs
-    in its own process, as deployed, and the clients in this one."""
+    """Zero errors under load: every request answered 200 (asserted). The service runs in its own process, as
+    deployed, and the clients in this one, on the same cores, so the learner's throughput drop is printed for the
+    record, not asserted: a bound on it would depend on the machine's load. The throughput promise (a drop of at
+    most 30 %) is a benchmark row, where clients and learner have cores of their own: replica_latency's
+    "Learner throughput with 16 clients on a replica, ÷ without" (goal ≥ 0.70, docs/performance.md)."""
     import threading
 
     cfg = settings(broker, tmp_path, protocol=ProtocolConfig(eval_period=0))

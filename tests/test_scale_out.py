@@ -2,18 +2,18 @@
 
 The unit tests check the pieces (the sums, the learner's step without folding, the state record, the refusals,
 the checkpoint formats); the broker tests run real ``mepo serve`` processes on a 4-partition topic: two learners
-in a group against one learner alone, and two learners with one of them killed with SIGKILL three times.
+in a group against one learner alone, and two learners with one of them killed with SIGKILL twice, each time once
+it owns partitions and has written their states (the learner that takes them over restores those states).
 """
 
 from __future__ import annotations
 
 import io
-import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -41,7 +41,7 @@ from server.config import ServeConfig, model_config
 from server.learner.book import Sample
 from server.learner.changelog import Changelog
 from server.learner.partitioned import migrated_state, open_group_learner
-from server.learner.state import CHECKPOINT, open_learner
+from server.learner.state import CHECKPOINT, LearnerState, open_learner
 from server.metrics import ServerMetrics
 from server.snapshot_topic import Origin
 from server.state_topic import FORMAT, PartitionState, StateFormatError, decode, encode
@@ -194,6 +194,65 @@ def test_newer_states_replace_their_partitions_part_of_the_model(tmp_path, monke
     state.model_thread.shutdown()
 
 
+def test_a_partition_handed_over_is_restored_from_its_last_state_and_every_model_stays_the_sum(tmp_path,
+                                                                                                 monkeypatch):
+    """Two group learners over one (faked, compacted) state topic, through their state objects: each restores
+    its assigned partitions from their newest states and merges the others', a written state reaches the other
+    learner, and a partition let go and taken over moves as its last written state (what the giver learned after
+    it is not in any model, and is learned again from its offset by the taker): at every point both models are the
+    sum of every partition's newest state on the topic."""
+    topic: dict[str, PartitionState] = {}  # key -> newest state
+
+    def write(self, states):
+        topic.update({s.key: s for s in states})
+        return 100 * len(states)
+
+    monkeypatch.setattr(Changelog, "read_all", lambda self, timeout_s=60.0: dict(topic))
+    monkeypatch.setattr(Changelog, "write", write)
+    a, b = (open_group_learner(replace(cfg, kafka=replace(cfg.kafka, state_topic="state")), ServerMetrics())
+            for cfg in (settings(NO_BROKER, tmp_path / "a"), settings(NO_BROKER, tmp_path / "b")))
+    shape, rng = a.learner.statistics().shape, torch.Generator().manual_seed(0)
+
+    def sums(n: int) -> LabelStatistics:
+        stats = LabelStatistics.zeros(*shape)
+        stats.add(torch.randn(n, shape[1], generator=rng), torch.randint(0, 10, (n,), generator=rng),
+                  torch.zeros(shape[2]))
+        return stats
+
+    def state(key: str, stats: LabelStatistics, offset: int, by: LearnerState) -> PartitionState:
+        return PartitionState(key, stats, offset, {}, by.origin, by.membership.learner_id, time.time(), 0.0, 0)
+
+    def assert_the_sum_of_the_topic(*learners: LearnerState) -> None:
+        expected = LabelStatistics.total(st.stats for st in topic.values())
+        for learner in learners:
+            got = learner.learner.statistics()
+            assert learner.learner.samples_seen == expected.samples
+            for name in ("counts", "sums", "second"):
+                assert torch.allclose(getattr(got, name), getattr(expected, name), rtol=1e-12, atol=1e-9), name
+
+    topic.update({key: state(key, sums(n), n, a) for key, n in (("images:0", 7), ("images:1", 5), ("images:2", 9))})
+    a.membership.assign(["images:0", "images:1"])
+    b.membership.assign(["images:2"])
+    assert sorted(a.membership.own) == ["images:0", "images:1"] and sorted(b.membership.own) == ["images:2"]
+    assert_the_sum_of_the_topic(a, b)
+    more = sums(4)  # a learns 4 more of images:0 and writes its state; b merges it
+    a.membership.own["images:0"] = LabelStatistics.total([a.membership.own["images:0"], more])
+    written = state("images:0", a.membership.own["images:0"].clone(), 11, a)
+    a.membership.write({"states": [written], "offsets": {"images:0": 11}, "time": written.written_at})
+    b.membership.merge_remote(written)
+    a.membership._load_total()  # what a step does once it has added to its sums
+    assert_the_sum_of_the_topic(a, b)
+    a.membership.own["images:0"].add(torch.randn(3, shape[1], generator=rng), torch.tensor([1, 2, 3]),
+                                     torch.zeros(shape[2]))  # learned after the last write: not kept
+    a.membership.revoke(["images:0"])
+    b.membership.assign(["images:0", "images:2"])
+    assert torch.equal(b.membership.own["images:0"].sums, written.stats.sums) and "images:0" not in a.membership.own
+    assert b.intake.book.partition("images:0")[0] == 11  # the taker goes on from the written offset
+    assert_the_sum_of_the_topic(a, b)
+    for learner in (a, b):
+        learner.model_thread.shutdown()
+
+
 # --- against the real broker ------------------------------------------------------------------------------------
 def group_member(base: ServeConfig, root: Path, group: str) -> ServeConfig:
     """A learner of ``group`` on ``base``'s image topic: the group's state topic, its own port and directory."""
@@ -299,34 +358,60 @@ def test_two_learners_on_four_partitions_build_the_single_learners_model(broker,
         stop(procs)
 
 
-def test_kill_9_of_one_of_two_learners_three_times_loses_nothing_and_learns_nothing_twice(broker, tmp_path):
-    rng = random.Random(3)
+def owns_partitions(cfg: ServeConfig) -> bool:
+    """Whether the learner ``cfg`` owns partitions now (its ``mepo_partitions_owned`` gauge)."""
+    with http_client(cfg) as http:
+        owned = re.search(r"^mepo_partitions_owned (\S+)$", http.get("/metrics").text, re.M)
+    return owned is not None and float(owned.group(1)) > 0
+
+
+def written_by(cfg: ServeConfig, since: float) -> dict[str, PartitionState]:
+    """The partitions whose newest state on ``cfg``'s state topic the learner ``cfg`` wrote after ``since``."""
+    me = f"{socket.gethostname()}:{cfg.port}"
+    return {k: s for k, s in Changelog(cfg.kafka).read_all().items() if s.learner == me and s.written_at > since}
+
+
+def test_kill_9_of_a_learner_that_owns_partitions_mid_stream_twice_the_taker_restores_its_last_states(broker,
+                                                                                                     tmp_path):
+    """Two learners of a group (and a single learner beside them) on a stream that arrives in three parts: the
+    first 64 records, the first 128, then all 200 (each part replays the one before: those records are skipped as
+    replays). After each of the first two parts, the second learner of the pair is killed with SIGKILL once it
+    owns partitions and has written their states since it started, and started again: killed mid-stream whatever
+    the machine's speed. Whoever takes its partitions over restores them from the dead learner's last states:
+    every sample is learned exactly once (a taker that started such a partition from nothing would lose what the
+    dead learner had learned of it, and the states would not add up to the stream), what the dead learner had
+    written is in its partitions' final states, and the model is the single learner's."""
     base = settings(broker, tmp_path)
     ensure_topics(base.kafka, base.kafka.topic, partitions=PARTITIONS)
     single = group_member(base, tmp_path, "single")
     pair = [group_member(base, tmp_path, "pair") for _ in range(2)]
     procs = start([single, *pair], tmp_path)
-    sent: list[int] = []
-    producer = threading.Thread(target=lambda: sent.append(produce(DATA, STREAM, base.kafka, ReplayConfig(
-        partitions=PARTITIONS, partition_by="position", rate=12))))
-    producer.start()
+    replay = ReplayConfig(partitions=PARTITIONS, partition_by="position")
+    killed: list[dict[str, PartitionState]] = []
+    sent = 0
     try:
-        for _ in range(3):  # the fault: one learner of the pair, at a random moment after it serves
-            time.sleep(rng.uniform(1.0, 3.0))
+        for part in (64, 128):  # the fault: the second learner of the pair, once it owns partitions and wrote them
+            started = time.time()
+            wait_for(lambda: all(owns_partitions(c) for c in pair), 120, "both learners of the pair own partitions",
+                     ignore=(httpx.TransportError,))
+            sent += produce(DATA, STREAM, base.kafka, replace(replay, limit=part))
+            killed.append(wait_for(lambda: written_by(pair[1], started), 120, "states of the learner to kill"))
             procs[2].send_signal(signal.SIGKILL)
             procs[2].wait()
             procs[2:] = start([pair[1]], tmp_path)
-        producer.join()
-        n = sent[0]
+        n = sent + produce(DATA, STREAM, base.kafka, replay)
         alone = wait_for(lambda: learned_all(single, n), 240, "the single learner's states")
         split = wait_for(lambda: learned_all(pair[0], n), 240, "the pair's states after the kills")
         sid = stream_id(DATA, STREAM)
         learned = sorted(i for s in split.values() for i in s.learned[sid])
-        assert learned == sorted(i for s in alone.values() for i in s.learned[sid]) and len(learned) == n
-        assert total(split).samples == n, "a sample lost or learned twice"
+        assert learned == sorted(i for s in alone.values() for i in s.learned[sid]) and len(learned) == 200
+        assert total(split).samples == total(alone).samples == 200, "a sample lost or learned twice"
+        for states in killed:  # what the dead learner had written is part of what its partitions hold at the end
+            for key, state in states.items():
+                assert set(state.learned.get(sid, [])) <= set(split[key].learned[sid]), key
+                assert split[key].offset >= state.offset and split[key].stats.samples >= state.stats.samples, key
         assert_same_model(total(alone), total(split), single, next(iter(alone.values())).origin)
     finally:
-        producer.join()
         stop(procs)
 
 
