@@ -1,9 +1,11 @@
 """Learning scaled out (``--kafka.state_topic``): per-partition sums that add up to the single learner's model.
 
-The unit tests check the pieces (the sums, the learner's step without folding, the state record, the refusals,
-the checkpoint formats); the broker tests run real ``mepo serve`` processes on a 4-partition topic: two learners
-in a group against one learner alone, and two learners with one of them killed with SIGKILL twice, each time once
-it owns partitions and has written their states (the learner that takes them over restores those states).
+The unit tests check the pieces (the sums, the learner's step without folding, the state record, the refusals, the
+checkpoint formats, a partition handed over, and a revocation through the loop's rebalance listener: the state let
+go stands at the handled offset, after the write in flight is acknowledged); the broker tests run real ``mepo
+serve`` processes on a 4-partition topic: two learners in a group against one learner alone, and two learners with
+one of them killed with SIGKILL twice, each time once it owns partitions and has written their states (the learner
+that takes them over restores those states).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kafka import TopicPartition
 from kafka.errors import KafkaConnectionError
 from PIL import Image
 
+from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.checkpoint import save_checkpoint
 from mepo_stream.data import load_split
 from mepo_stream.kafka import ensure_topics
@@ -42,10 +45,11 @@ from server.learner.book import Sample
 from server.learner.changelog import Changelog
 from server.learner.partitioned import migrated_state, open_group_learner
 from server.learner.state import CHECKPOINT, LearnerState, open_learner
+from server.learner.stream import LearnerLoop, _SeekToHandled
 from server.metrics import ServerMetrics
 from server.snapshot_topic import Origin
 from server.state_topic import FORMAT, PartitionState, StateFormatError, decode, encode
-from tests.fakes import service
+from tests.fakes import STREAM_ID, TOPIC, FakeProducer, record, service
 from tests.helpers import DATA, NO_BROKER, ServeProcess, color_images, http_client, settings, wait_for
 
 STREAM = SiBlurryConfig(seed=1)
@@ -251,6 +255,147 @@ def test_a_partition_handed_over_is_restored_from_its_last_state_and_every_model
     assert_the_sum_of_the_topic(a, b)
     for learner in (a, b):
         learner.model_thread.shutdown()
+
+
+# --- a partition revoked from a group learner's loop ------------------------------------------------------------
+P0, P1 = f"{TOPIC}:0", f"{TOPIC}:1"
+
+
+class AckedWhenWaitedFor:
+    """A state write sent and not yet acknowledged: the write (and its acknowledgement) happens only once someone
+    waits for it (``result``), or once ``DeferredWriter.drain`` lets the broker catch up; ``done()`` is False
+    until then."""
+
+    def __init__(self, fn, args):
+        self.fn, self.args, self.value, self._done = fn, args, None, False
+
+    def done(self) -> bool:
+        return self._done
+
+    def result(self, timeout=None):
+        if not self._done:
+            self.value, self._done = self.fn(*self.args), True
+        return self.value
+
+
+class DeferredWriter:
+    """The loop's checkpoint writer (``LearnerLoop.writer``) with every write in flight until it is waited for."""
+
+    def __init__(self):
+        self.futures: list[AckedWhenWaitedFor] = []
+
+    def submit(self, fn, *args) -> AckedWhenWaitedFor:
+        self.futures.append(AckedWhenWaitedFor(fn, args))
+        return self.futures[-1]
+
+    def drain(self) -> None:
+        """The broker acknowledges every write still in flight, in the order they were sent."""
+        for future in self.futures:
+            future.result()
+
+
+def faked_state_topic(monkeypatch, events: list) -> dict[str, PartitionState]:
+    """A compacted state topic (key -> newest state) behind ``Changelog``; each write, once acknowledged, is
+    logged in ``events`` as ("acked", {key: offset})."""
+    topic: dict[str, PartitionState] = {}
+
+    def write(self, states):
+        topic.update({s.key: s for s in states})
+        events.append(("acked", {s.key: s.offset for s in states}))
+        return 100 * len(states)
+
+    monkeypatch.setattr(Changelog, "read_all", lambda self, timeout_s=60.0: dict(topic))
+    monkeypatch.setattr(Changelog, "write", write)
+    return topic
+
+
+def group_loop(root: Path, topic: dict[str, PartitionState], events: list, keys: list[str]
+               ) -> tuple[LearnerState, LearnerLoop]:
+    """A group learner assigned ``keys`` over the faked state topic, and its loop (fake producer, no consumer: a
+    revocation commits nothing). The moment its membership lets partitions go is logged in ``events`` as
+    ("let go", keys, {key: the offset of its state on the topic then})."""
+    cfg = settings(NO_BROKER, root, protocol=ProtocolConfig(eval_period=0))
+    state = open_group_learner(replace(cfg, kafka=replace(cfg.kafka, state_topic="state")), ServerMetrics())
+    state.membership.assign(keys)
+    revoke = state.membership.revoke
+
+    def let_go(revoked: list[str]) -> None:
+        events.append(("let go", revoked, {k: topic[k].offset for k in revoked if k in topic}))
+        revoke(revoked)
+
+    state.membership.revoke = let_go
+    loop = LearnerLoop(state)
+    loop.producer = FakeProducer()
+    return state, loop
+
+
+def revoke(loop: LearnerLoop, *partitions: int) -> None:
+    """What kafka-python does in a rebalance that takes ``partitions`` away: the loop's listener is told."""
+    _SeekToHandled(loop).on_partitions_revoked([TopicPartition(TOPIC, p) for p in partitions])
+
+
+def test_a_revoked_partitions_state_stands_at_the_offset_its_learner_handled_when_it_is_let_go(tmp_path,
+                                                                                                 monkeypatch):
+    """A group learner's loop, revoked a partition holding records of three kinds: learned and written, learned
+    after the last write, and read but still pending. When the partition is let go, its state on the (faked)
+    state topic stands at the offset of every record handed to the learner, with exactly their ids and counts
+    (nothing learned after the last write lost, nothing counted twice); the giver's model keeps that state, and the
+    taker goes on from it, so the partition's records end up learned exactly once."""
+    events: list = []
+    topic = faked_state_topic(monkeypatch, events)
+    a, loop = group_loop(tmp_path / "a", topic, events, [P0, P1])
+    part0 = [record(offset, offset) for offset in range(30)]  # sample index = offset, label = index % 10
+    part1 = [record(offset, 100 + offset, partition=1) for offset in range(10)]
+    loop.accept(part0[:20] + part1)
+    a.learn_pending()
+    loop.persist(commit=False)  # the last periodic write: images:0 at 20, images:1 at 10
+    loop.accept(part0[20:24])
+    a.learn_pending()  # learned after it
+    loop.accept(part0[24:27])  # read, still pending
+    assert (topic[P0].offset, a.offsets[P0], a.intake.waiting()[P0]) == (20, 24, 3)
+    revoke(loop, 0)
+    assert events == [("acked", {P0: 20, P1: 10}), ("acked", {P0: 27}), ("let go", [P0], {P0: 27})]
+    given = topic[P0]
+    assert given.offset == 27 and given.learned == {STREAM_ID: list(range(27))}
+    assert given.stats.counts.tolist() == torch.bincount(torch.arange(27) % 10, minlength=10).double().tolist()
+    assert P0 not in a.membership.own and a.membership.remote[P0] is given  # the giver's model keeps that state
+    assert a.learner.samples_seen == 27 + 10 and a.offsets == {P1: 10}
+
+    b, taker = group_loop(tmp_path / "b", topic, events, [P0])
+    assert b.offsets == {P0: 27} and torch.equal(b.membership.own[P0].sums, given.stats.sums)
+    taker.accept(part0[24:])  # the taker reads from before the offset: what the giver learned is a replay
+    b.learn_pending()
+    taker.persist(commit=False)
+    assert topic[P0].offset == 30 and topic[P0].learned == {STREAM_ID: list(range(30))}
+    assert topic[P0].stats.samples == 30 and b.intake.book.replays_skipped == 3
+    for learner in (a, b):
+        learner.model_thread.shutdown()
+
+
+@pytest.mark.parametrize("read_after", [0, 4])
+def test_a_revocation_waits_for_the_state_write_in_flight_before_letting_the_partition_go(tmp_path, monkeypatch,
+                                                                                          read_after):
+    """A group learner's periodic state write is in flight (sent, not acknowledged: ``DeferredWriter``) when its
+    partition is revoked, with nothing more (0) or 4 more records read since its capture. The revocation waits for
+    that write's acknowledgement, then writes what was learned after it, and only then lets the partition go; no
+    write still in flight can later move the partition's state back behind the offset it was let go at."""
+    events: list = []
+    topic = faked_state_topic(monkeypatch, events)
+    a, loop = group_loop(tmp_path, topic, events, [P0])
+    loop.writer = writer = DeferredWriter()
+    loop.accept([record(offset, offset) for offset in range(16)])
+    a.learn_pending()
+    loop.persist(wait=False)  # the periodic write, in flight
+    assert P0 not in topic and not loop._writing.done()
+    loop.accept([record(offset, offset) for offset in range(16, 16 + read_after)])
+    revoke(loop, 0)
+    handled = 16 + read_after
+    writes = [{P0: 16}] + ([{P0: handled}] if read_after else [])
+    assert events == [("acked", w) for w in writes] + [("let go", [P0], {P0: handled})]
+    writer.drain()  # whatever is still in flight lands now
+    assert topic[P0].offset == handled and topic[P0].stats.samples == handled
+    assert a.learner.samples_seen == handled and a.membership.remote[P0] is topic[P0]
+    a.model_thread.shutdown()
 
 
 # --- against the real broker ------------------------------------------------------------------------------------
