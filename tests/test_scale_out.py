@@ -2,10 +2,10 @@
 
 The unit tests check the pieces (the sums, the learner's step without folding, the state record, the refusals, the
 checkpoint formats, a partition handed over, and a revocation through the loop's rebalance listener: the state let
-go stands at the handled offset, after the write in flight is acknowledged); the broker tests run real ``mepo
-serve`` processes on a 4-partition topic: two learners in a group against one learner alone, and two learners with
-one of them killed with SIGKILL twice, each time once it owns partitions and has written their states (the learner
-that takes them over restores those states).
+go stands at the handled offset, after the write in flight is acknowledged); the broker tests run real
+``mepo serve`` processes on a 4-partition topic: two learners in a group against one learner alone, and two learners
+with one of them killed with SIGKILL twice, each time once it owns partitions and has written their states (the
+learner that takes them over restores those states).
 """
 
 from __future__ import annotations
