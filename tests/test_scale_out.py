@@ -267,14 +267,22 @@ class AckedWhenWaitedFor:
     until then."""
 
     def __init__(self, fn, args):
-        self.fn, self.args, self.value, self._done = fn, args, None, False
+        self.fn, self.args, self.value, self.error, self._done = fn, args, None, None, False
 
     def done(self) -> bool:
         return self._done
 
     def result(self, timeout=None):
+        """The write's offsets once acknowledged; a failed write raises, now and at every later call (as a
+        ``concurrent.futures.Future`` does)."""
         if not self._done:
-            self.value, self._done = self.fn(*self.args), True
+            try:
+                self.value = self.fn(*self.args)
+            except Exception as e:
+                self.error = e
+            self._done = True
+        if self.error is not None:
+            raise self.error
         return self.value
 
 
