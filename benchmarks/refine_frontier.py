@@ -77,8 +77,10 @@ class Arm:
 
 
 ARMS: dict[str, Arm] = {
-    "finetune": Arm(("--preset", "demo"), "fine-tuning (presets demo, balanced, best: 1, 2, 4 passes)"),
-    "meta": Arm(("--preset", "demo", "--loop.mode", "meta", "--tasks.classes_per_group", "10", "--tasks.n_tasks", "5"),
+    "finetune": Arm(("--preset", "best"), "fine-tuning over all 250 images per class (presets balanced and best: 2 "
+                    "and 4 passes)"),
+    "demo": Arm(("--preset", "demo"), "fine-tuning, --preset demo (200 images per class, 1 pass)", budgets=(1,)),
+    "meta": Arm(("--preset", "best", "--loop.mode", "meta", "--tasks.classes_per_group", "10", "--tasks.n_tasks", "5"),
                 "Meta Rep with the presets' fields (--loop.mode meta; groups of 10 classes in 5 pseudo tasks: 10 "
                 "Reptile updates per pass, as the reference's 1,000 classes in groups of 100)"),
     "old_demo": Arm(("--tasks.samples_per_class", "50", "--loop.inner_epochs", "2", "--loop.batch_size", "64"),
@@ -86,7 +88,7 @@ ARMS: dict[str, Arm] = {
     "paper": Arm(("--preset", "paper"), "the reference code's Meta Rep (--preset paper)"),
 }
 """The known arms; ``--arms`` picks among them (default: finetune, meta, old_demo) and ``--extra_arms`` adds more."""
-DEFAULT_ARMS = "finetune,meta,old_demo"
+DEFAULT_ARMS = "demo,finetune,meta,old_demo"
 QUICK_REFINE = ["--data.num_classes", "4", "--data.train_per_class", "12", "--tasks.classes_per_group", "4",
                 "--tasks.n_tasks", "2", "--tasks.samples_per_class", "10", "--loop.train_img_size", "32",
                 "--guard.per_class", "4"]

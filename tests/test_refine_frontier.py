@@ -42,7 +42,7 @@ def test_quick_frontier_writes_every_point_the_table_and_the_plot(tmp_path):
             assert e["seeds"] == [1] and math.isfinite(e["a_last_std"]) and e["stream_samples"] > 0
             assert ("--mepo_rep" in e["command"]) == (k > 0)
     assert points[("finetune", 1)]["refine"]["mode"] == "finetune"
-    assert "--preset demo" in points[("finetune", 1)]["refine"]["command"]
+    assert "--preset best" in points[("finetune", 1)]["refine"]["command"]
     assert "--data.dataset cifar10" in points[("untouched", 0)]["C"]["command"]
     text = page.read_text()
     assert "old table" not in text and text.startswith("# Refine\n\nintro\n\n") and text.endswith(f"{END}\n\nafter\n")
@@ -50,7 +50,7 @@ def test_quick_frontier_writes_every_point_the_table_and_the_plot(tmp_path):
     assert len(rows) == 1 + len(points) and all(line.count(" | ") == 7 for line in rows)
     assert "![Refine frontier](img/frontier.png)" in text
     commands = mepo_commands(text)  # each point's refine, as the docs test parses every command of a page
-    assert [c[:3] for c in commands] == [["refine", "--preset", "demo"]]
+    assert [c[:3] for c in commands] == [["refine", "--preset", "best"]]
     assert all(parse(c).subcommand == "refine" for c in commands)
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -87,7 +87,7 @@ def test_run_all_runs_the_long_row_at_smoke_sizes_or_when_named(monkeypatch, tmp
     from benchmarks import run_all
 
     ran: list[list[str]] = []
-    monkeypatch.setattr(run_all, "_run", lambda module, args, cuda: ran.append([module, *args]))
+    monkeypatch.setattr(run_all, "_run", lambda module, args, cuda, fresh=True: ran.append([module, *args]))
     monkeypatch.setattr(run_all, "sigma_bundle", lambda *a: tmp_path / "sigma")
     monkeypatch.setattr(run_all, "table", lambda results: "")
     run_all.main(quick=quick, only=only, gpu=False, results=tmp_path, page=None)
