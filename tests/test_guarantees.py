@@ -108,7 +108,9 @@ def test_a_failed_checkpoint_commits_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr("server.learner.stream.open_producer", lambda kafka, **_: loop.producer)
     monkeypatch.setattr("server.learner.stream.KafkaConsumer", lambda **_: consumer)
     loop._run()
-    assert loop.error == "OSError: disk full"  # the loop stops, reports, and keeps serving
+    assert loop.error == (f"StateWriteFailed: the state write of {TOPIC}:0 at offset 32 failed (OSError: disk full); "
+                          "the learner stops: nothing was committed past its last written state, a restart resumes "
+                          "from there")  # the loop stops, reports, and keeps serving
     assert consumer.committed == load_checkpoint(state.cfg.checkpoint_dir / CHECKPOINT)["offsets"] == {f"{TOPIC}:0": 16}
 
 

@@ -2,10 +2,10 @@
 
 The unit tests check the pieces (the sums, the learner's step without folding, the state record, the refusals, the
 checkpoint formats, a partition handed over, and a revocation through the loop's rebalance listener: the state let
-go stands at the handled offset, after the write in flight is acknowledged); the broker tests run real
-``mepo serve`` processes on a 4-partition topic: two learners in a group against one learner alone, and two learners
-with one of them killed with SIGKILL twice, each time once it owns partitions and has written their states (the
-learner that takes them over restores those states).
+go stands at the handled offset, after the write in flight is acknowledged, and one whose write fails lets the
+partition go and stops the learner); the broker tests run real ``mepo serve`` processes on a 4-partition topic: two
+learners in a group against one learner alone, and two learners with one of them killed with SIGKILL twice, each
+time once it owns partitions and has written their states (the learner that takes them over restores those states).
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ import pytest
 import torch
 import yaml
 from kafka import TopicPartition
-from kafka.errors import KafkaConnectionError
+from kafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError
 from PIL import Image
 
+import server.learner.stream as stream
 from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.checkpoint import save_checkpoint
 from mepo_stream.data import load_split
@@ -49,7 +50,7 @@ from server.learner.stream import LearnerLoop, _SeekToHandled
 from server.metrics import ServerMetrics
 from server.snapshot_topic import Origin
 from server.state_topic import FORMAT, PartitionState, StateFormatError, decode, encode
-from tests.fakes import STREAM_ID, TOPIC, FakeProducer, record, service
+from tests.fakes import STREAM_ID, TOPIC, FakeConsumer, FakeProducer, record, service
 from tests.helpers import DATA, NO_BROKER, ServeProcess, color_images, http_client, settings, wait_for
 
 STREAM = SiBlurryConfig(seed=1)
@@ -301,6 +302,9 @@ class DeferredWriter:
         for future in self.futures:
             future.result()
 
+    def shutdown(self) -> None:
+        """What the loop calls as it ends (``ThreadPoolExecutor.shutdown``): nothing runs in a thread here."""
+
 
 def faked_state_topic(monkeypatch, events: list) -> dict[str, PartitionState]:
     """A compacted state topic (key -> newest state) behind ``Changelog``; each write, once acknowledged, is
@@ -404,6 +408,95 @@ def test_a_revocation_waits_for_the_state_write_in_flight_before_letting_the_par
     assert topic[P0].offset == handled and topic[P0].stats.samples == handled
     assert a.learner.samples_seen == handled and a.membership.remote[P0] is topic[P0]
     a.model_thread.shutdown()
+
+
+class RebalancingConsumer(FakeConsumer):
+    """kafka-python's consumer of images:0 and images:1 in a rebalance that takes images:0 away at the first poll:
+    the rebalance listener runs inside ``poll``, a listener that raises makes ``poll`` raise a KafkaError (the loop
+    would reconnect), and ``close`` revokes what is still assigned."""
+
+    def __init__(self, loop: LearnerLoop):
+        super().__init__(loop, [])
+        self.assigned, self.polls = [TopicPartition(TOPIC, 0), TopicPartition(TOPIC, 1)], 0
+
+    def subscribe(self, topics, listener) -> None:
+        self.listener = listener
+
+    def revoke(self, gone: list[TopicPartition]) -> None:
+        self.assigned = [tp for tp in self.assigned if tp not in gone]
+        try:
+            self.listener.on_partitions_revoked(gone)
+        except Exception as e:
+            raise KafkaError("User rebalance callback throws an error") from e
+
+    def poll(self, timeout_ms: int, max_records: int) -> dict:
+        self.polls += 1
+        if self.polls == 1:
+            self.revoke([TopicPartition(TOPIC, 0)])
+        else:  # a loop that goes on after the failure: stop it here
+            self.loop.stop_event.set()
+        return {}
+
+    def assignment(self) -> set[TopicPartition]:
+        return set(self.assigned)
+
+    def highwater(self, tp: TopicPartition) -> None:
+        return None
+
+    def close(self) -> None:
+        self.revoke(list(self.assigned))
+
+
+def test_a_failed_state_write_during_a_revocation_lets_the_partition_go_and_stops_the_learner(tmp_path,
+                                                                                              monkeypatch):
+    """The state write in flight when images:0 is revoked fails (the broker never acknowledges it). The learner lets
+    the partition go all the same (its membership no longer claims it, its model keeps none of the partition's
+    unwritten sums), the book does not count the failed capture as saved, and the loop stops with an error that
+    names the partition, its offset and the cause, instead of reconnecting every 2 s forever without learning.
+    Nothing was committed: a learner that takes the partitions over learns every record once."""
+    events: list = []
+    topic = faked_state_topic(monkeypatch, events)
+    a, loop = group_loop(tmp_path / "a", topic, events, [P0, P1])
+    loop.writer = DeferredWriter()
+    part0, part1 = [record(o, o) for o in range(16)], [record(o, 100 + o, partition=1) for o in range(8)]
+    loop.accept(part0 + part1)
+    a.learn_pending()
+    loop.persist(wait=False)  # the periodic write of both partitions, in flight
+
+    def unacknowledged(self, states):
+        raise KafkaTimeoutError("Timeout after waiting for 30000 ms")
+
+    acknowledged = Changelog.write
+    monkeypatch.setattr(Changelog, "write", unacknowledged)
+    let_go, seen = a.membership.revoke, []
+
+    def watched(keys: list[str]) -> None:  # what the book counts as saved when a partition is let go
+        seen.append((keys, sorted(a.intake.book.unsaved_keys())))
+        let_go(keys)
+
+    a.membership.revoke = watched
+    consumer, connects = RebalancingConsumer(loop), []
+    monkeypatch.setattr(stream, "ensure_topics", lambda kafka, *topics: None)
+    monkeypatch.setattr(stream, "open_producer", lambda kafka, **_: FakeProducer())
+    monkeypatch.setattr(stream, "KafkaConsumer", lambda **_: connects.append(1) or consumer)
+    loop._run()
+    assert len(connects) == 1 and consumer.polls == 1  # stopped at the turn after the revocation, no reconnection
+    assert loop.error is not None and re.search(rf"{P0} at offset 16\b", loop.error), loop.error
+    assert "KafkaTimeoutError" in loop.error and "Timeout after waiting" in loop.error
+    assert seen == [([P0], [P0, P1]), ([P1], [P1])]  # the failed capture is not counted as saved
+    assert [e[:2] for e in events] == [("let go", [P0]), ("let go", [P1])] and topic == {}
+    assert a.membership.own == {} and a.offsets == {} and loop._writing is None
+    assert a.learner.samples_seen == 0  # no unwritten sums of a partition let go stay in the model
+
+    monkeypatch.setattr(Changelog, "write", acknowledged)  # the broker is back
+    b, taker = group_loop(tmp_path / "b", topic, events, [P0, P1])  # restarted: from the last written states
+    assert b.offsets == {P0: 0, P1: 0}
+    taker.accept(part0 + part1)
+    b.learn_pending()
+    taker.persist(commit=False)
+    assert {k: (s.offset, s.stats.samples) for k, s in topic.items()} == {P0: (16, 16), P1: (8, 8)}
+    for learner in (a, b):
+        learner.model_thread.shutdown()
 
 
 # --- against the real broker ------------------------------------------------------------------------------------

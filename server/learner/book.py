@@ -165,10 +165,16 @@ class StreamBook:
         with self._lock:
             return dict(self._handled)
 
-    def mark_saved(self, offsets: dict[str, int]) -> None:
-        """A checkpoint holding ``offsets`` (from ``state_dict``) is on disk."""
+    def mark_saved(self, offsets: dict[str, int], failed: bool = False) -> None:
+        """A checkpoint holding ``offsets`` (from ``state_dict``) is on disk; ``failed``: the write of one holding
+        them failed, so each of them still marked counts as unsaved again."""
         with self._lock:
-            self._saved = dict(offsets)
+            if not failed:
+                self._saved = dict(offsets)
+                return
+            for key, offset in offsets.items():
+                if self._saved.get(key) == offset:
+                    del self._saved[key]
 
     # --- one partition's share, for learners in a group (``server.learner.partitioned``) ----------------------------
     def partition(self, key: str) -> tuple[int | None, dict[str, list[int]]]:

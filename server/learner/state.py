@@ -63,6 +63,19 @@ CHECKPOINT_FORMAT = "mepo-checkpoint/2"
 READABLE_FORMATS = ("mepo-checkpoint/1", CHECKPOINT_FORMAT)
 
 
+class StateWriteFailed(RuntimeError):
+    """A write of the learner's state (its checkpoint file, or its partitions' states) failed: the learner stops,
+    since what it learned since its last written state is in no state. Not a ``KafkaError``, which the loop takes for
+    a broker to reconnect to: nothing was committed past the last written state, so a restart resumes exactly."""
+
+    def __init__(self, offsets: dict[str, int], cause: BaseException):
+        where = ", ".join(f"{key} at offset {offset}" for key, offset in sorted(offsets.items())) or "no partition"
+        why = str(cause) if str(cause).startswith(type(cause).__name__) else f"{type(cause).__name__}: {cause}"
+        super().__init__(f"the state write of {where} failed ({why}); the learner stops: "
+                         f"nothing was committed past its last written state, a restart resumes from there")
+        self.offsets = dict(offsets)
+
+
 def read_checkpoint(path: Path) -> dict:
     """A learner checkpoint this version reads; another format is refused whole, with what to do."""
     state = load_checkpoint(path)
@@ -279,7 +292,7 @@ class LearnerState:
 
         The copy is consistent (taken between two steps, in the model thread) and detached (learning on changes
         none of it), so ``write`` may run while the learner goes on; the book counts its offsets as saved from
-        here (a failed write stops the loop)."""
+        here (a failed write counts them unsaved again, and stops the loop)."""
         due = self.since_checkpoint >= self.cfg.checkpoint_every
         if (due_only and not due) or not (self.since_checkpoint > 0 or self.intake.book.unsaved_keys()):
             return None
@@ -294,9 +307,14 @@ class LearnerState:
         return captured
 
     def write(self, captured: dict) -> dict[str, int]:
-        """Persist what ``capture`` took (the membership's way) and time it; returns its offsets."""
+        """Persist what ``capture`` took (the membership's way) and time it; returns its offsets. A failed write
+        raises ``StateWriteFailed``, and the book no longer counts its offsets as saved."""
         start = time.perf_counter()
-        offsets = self.membership.write(captured)
+        try:
+            offsets = self.membership.write(captured)
+        except Exception as e:
+            self.intake.book.mark_saved(captured["offsets"], failed=True)
+            raise StateWriteFailed(captured["offsets"], e) from e
         self.last_checkpoint_time = captured["time"]
         self.metrics.checkpoint_seconds.observe(time.perf_counter() - start)
         self.metrics.last_checkpoint.set(self.last_checkpoint_time)

@@ -46,7 +46,7 @@ from server.consumer import PROBE_EVERY_S, ConsumerThread, broker_answers
 from server.learner.arrival import Prediction
 from server.learner.book import tp_key
 from server.learner.intake import DeadLetter, InlineExecutor
-from server.learner.state import LearnerState
+from server.learner.state import LearnerState, StateWriteFailed
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +78,8 @@ class _SeekToHandled(ConsumerRebalanceListener):
         self.loop = loop
 
     def on_partitions_revoked(self, revoked):
-        """Learn what is pending and checkpoint before another consumer takes the partitions over, then let them
-        go; no commit here, a blocking consumer call would stall the very thread that serves it."""
-        self.loop.state.learn_pending()
-        self.loop.persist(commit=False)
-        self.loop.state.membership.revoke([tp_key(tp) for tp in revoked])
+        """Persist, then let the partitions go (``LearnerLoop.let_go``)."""
+        self.loop.let_go([tp_key(tp) for tp in revoked])
 
     def on_partitions_assigned(self, assigned):
         self.loop.take_over(assigned)
@@ -103,6 +100,7 @@ class LearnerLoop(ConsumerThread):
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="mepo-checkpoint")
         self._writing: Future | None = None  # the checkpoint being written, to its offsets
         self.refusal: str | None = None  # why learning must stop (set in a rebalance callback)
+        self.failure: StateWriteFailed | None = None  # a failed state write: learning stops, nothing more is written
         self._broken: KafkaError | None = None  # a broker error in a rebalance callback: reconnect
         super().__init__("mepo-learner")
 
@@ -155,6 +153,23 @@ class LearnerLoop(ConsumerThread):
                                 f"into a model of its own. Learning in several processes needs "
                                 f"--kafka.state_topic (docs: Scale-out), and a model whose sums add up")
         self.seek_to_handled(assigned)
+
+    def let_go(self, keys: list[str]) -> None:
+        """On revocation: learn what is pending and persist before another consumer takes the partitions over, then
+        let them go whatever happened, so the membership no longer claims them and the model keeps only their last
+        written state. No commit here: a blocking consumer call would stall the very thread that serves it. Nothing
+        raises either (kafka-python would make ``poll`` raise a KafkaError of it, and the loop reconnect forever): a
+        failed write stops the loop at its next turn, a broker error reconnects it."""
+        try:
+            if self.failure is None:  # after a failed write (the consumer closing), nothing more is written
+                self.state.learn_pending()
+                self.persist(commit=False)
+        except KafkaError as e:  # the dead letters could not be flushed: nothing was captured
+            self._broken = e
+        except StateWriteFailed as e:
+            log.error("%s; letting %s go", e, keys)
+        finally:
+            self.state.membership.revoke(keys)
 
     def seek_to_handled(self, assigned) -> None:
         """On assignment: seek each partition to the offset where this process's model stands (the book's)."""
@@ -213,7 +228,10 @@ class LearnerLoop(ConsumerThread):
         self.persist()
 
     def _check_rebalance(self) -> None:
-        """Stop on a refusal (a rebalance callback or the state's), reconnect on a broker error in a callback."""
+        """Stop on a failed state write or a refusal (a rebalance callback or the state's), reconnect on a broker
+        error in a callback."""
+        if self.failure is not None:
+            raise self.failure
         if (refusal := self.refusal or self.state.refusal) is not None:
             raise RuntimeError(refusal)
         if self._broken is not None:
@@ -276,10 +294,16 @@ class LearnerLoop(ConsumerThread):
     def _finish_write(self, commit: bool = True, block: bool = True) -> None:
         """Once the checkpoint in flight is on disk (waiting for it if ``block``), commit its offsets; a failed
         write raises here, in the loop. The loop's own turns (``block=False``) commit asynchronously: the
-        checkpoint already holds the offsets, so the loop need not wait a broker round trip for them."""
+        checkpoint already holds the offsets, so the loop need not wait a broker round trip for them. A failed
+        write is waited for once: it is kept in ``failure``, and learning stops."""
         if self._writing is None or not (block or self._writing.done()):
             return
-        offsets, self._writing = self._writing.result(), None
+        writing, self._writing = self._writing, None
+        try:
+            offsets = writing.result()
+        except StateWriteFailed as e:
+            self.failure = e
+            raise
         if not (commit and self.consumer is not None and offsets):
             return
         to_commit = {parse_tp(k): OffsetAndMetadata(v, "", -1) for k, v in offsets.items()}
