@@ -43,7 +43,7 @@ import shlex
 import statistics
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -79,7 +79,7 @@ class Arm:
 ARMS: dict[str, Arm] = {
     "finetune": Arm(("--preset", "best"), "fine-tuning over all 250 images per class (presets balanced and best: 2 "
                     "and 4 passes)"),
-    "demo": Arm(("--preset", "demo"), "fine-tuning, --preset demo (200 images per class, 1 pass)", budgets=(1,)),
+    "demo": Arm(("--preset", "demo"), "fine-tuning, --preset demo (160 images per class, 1 pass)", budgets=(1,)),
     "meta": Arm(("--preset", "best", "--loop.mode", "meta", "--tasks.classes_per_group", "10", "--tasks.n_tasks", "5"),
                 "Meta Rep with the presets' fields (--loop.mode meta; groups of 10 classes in 5 pseudo tasks: 10 "
                 "Reptile updates per pass, as the reference's 1,000 classes in groups of 100)"),
@@ -196,13 +196,13 @@ def table(result: dict) -> str:
     """The frontier as markdown: one row per point (the untouched backbone first), A_last on each stream next to
     its ceiling, then each point's ``mepo refine`` command (its evaluations' are in the JSON result)."""
     streams = result["streams"]
-    head = "| arm | passes | refine min | images/s | " + " | ".join(
+    head = "| arm | passes | refine min | cores | images/s | " + " | ".join(
         f"{s}: A_last % | {s}: probe / LDA %" for s in streams) + " |"
-    lines = [head, "|---" * (4 + 2 * len(streams)) + "|"]
+    lines = [head, "|---" * (5 + 2 * len(streams)) + "|"]
     for p in result["points"]:
         refine = p.get("refine")
         cells = [p["arm"], str(p["budget"]), _minutes(refine["minutes"]) if refine else "0",
-                 f"{refine['images_per_s']:.0f}" if refine else "–"]
+                 str(refine.get("cpus") or "?") if refine else "–", f"{refine['images_per_s']:.0f}" if refine else "–"]
         for s in streams:
             e = p[s]
             std = f" ± {100 * e['a_last_std']:.2f}" if len(e["seeds"]) > 1 else ""
@@ -280,6 +280,7 @@ def plot(result: dict, path: Path) -> bool:
 
 
 def main(arms: str = DEFAULT_ARMS, budgets: str = "1,2,4", extra_arms: dict[str, str] | None = None,
+         arm_budgets: dict[str, str] | None = None,
          seeds: str = "1-3", model: str = "vit_small_patch14_dinov2", weights: str | None = "dinov2",
          img_size: int = 84, quick: bool = False, runs: Path = Path("runs/frontier"),
          out: Path = Path("benchmarks/results/refine_frontier.json"), page: Path | None = Path("docs/refine.md"),
@@ -292,6 +293,8 @@ def main(arms: str = DEFAULT_ARMS, budgets: str = "1,2,4", extra_arms: dict[str,
         budgets: Comma-separated passes (--loop.meta_epochs) for each arm; the untouched backbone (0) always runs.
         extra_arms: More arms, name to ``mepo refine`` options, e.g. {"ld65": "--preset demo --loop.layer_decay
             0.65"}.
+        arm_budgets: Budgets of particular arms instead of --budgets, name to comma-separated passes, e.g.
+            {"meta": "1,2"}.
         seeds: The evaluation seeds ("1-3" for the final points).
         model: timm ViT name.
         weights: Backbone weights (dinov2, a file, or null).
@@ -306,10 +309,12 @@ def main(arms: str = DEFAULT_ARMS, budgets: str = "1,2,4", extra_arms: dict[str,
     chosen = [a.strip() for a in arms.split(",") if a.strip()]
     if unknown := [a for a in chosen if a not in known]:
         raise ValueError(f"unknown arm(s) {unknown}; choose from {', '.join(known)}")
-    selected = {a: known[a] for a in chosen}
+    own = {a: tuple(parse_budgets(b)) for a, b in (arm_budgets or {}).items()}
+    selected = {a: replace(known[a], budgets=own[a]) if a in own else known[a] for a in chosen}
     command = ["--arms", arms, "--budgets", budgets, "--seeds", seeds, "--model", model, "--weights",
                weights or "null", "--img_size", str(img_size), *(["--quick", "true"] if quick else []),
-               *(["--extra_arms", json.dumps(extra_arms)] if extra_arms else []), "--runs", str(runs)]
+               *(["--extra_arms", json.dumps(extra_arms)] if extra_arms else []),
+               *(["--arm_budgets", json.dumps(arm_budgets)] if arm_budgets else []), "--runs", str(runs)]
     seeds = seeds.split("-")[0].split(",")[0] if quick else seeds
     backbone = ["--backbone.name", model, "--backbone.weights", weights or "null", "--backbone.img_size", str(img_size)]
     points: list[dict] = [{"arm": "untouched", "budget": 0, "refine": None}]

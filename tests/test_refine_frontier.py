@@ -47,7 +47,7 @@ def test_quick_frontier_writes_every_point_the_table_and_the_plot(tmp_path):
     text = page.read_text()
     assert "old table" not in text and text.startswith("# Refine\n\nintro\n\n") and text.endswith(f"{END}\n\nafter\n")
     rows = [line for line in text.split(BEGIN)[1].splitlines() if line.startswith("| ") and "---" not in line]
-    assert len(rows) == 1 + len(points) and all(line.count(" | ") == 7 for line in rows)
+    assert len(rows) == 1 + len(points) and all(line.count(" | ") == 8 for line in rows)
     assert "![Refine frontier](img/frontier.png)" in text
     commands = mepo_commands(text)  # each point's refine, as the docs test parses every command of a page
     assert [c[:3] for c in commands] == [["refine", "--preset", "best"]]

@@ -1,6 +1,8 @@
 """The fine-tuning recipe of the presets: layer-wise learning rates, the schedule, per-image crops, a lower
 training resolution than the bundle's, and presets that yield to the options a user gives."""
 
+import inspect
+import json
 import signal
 from dataclasses import replace
 
@@ -16,7 +18,7 @@ from mepo_stream.transforms import RandomResizedCropFlip
 from offline.optim import layer_scales, param_groups
 from offline.presets import PRESETS, apply_preset
 from offline.refine import ISAStage, RefineConfig, Trainer, checkpoint_path, refine
-from tests.helpers import TINY
+from tests.helpers import ROOT, TINY
 from tests.test_refine import DATA, GUARD, NO_COV, TASKS, initial_backbone, run_refine
 
 RECIPE = RefineConfig(mode="finetune", meta_epochs=1, inner_epochs=1, batch_size=16, optimizer="adamw",
@@ -97,7 +99,7 @@ def test_resume_continues_the_schedule_and_the_crops_exactly(tmp_path, monkeypat
 def test_a_preset_sets_what_the_user_left_at_its_default(tmp_path):
     loop = apply_preset(RefineConfig(lr_backbone=3e-4, train_img_size=32), PRESETS["demo"].loop, RefineConfig())
     assert (loop.optimizer, loop.schedule, loop.lr_backbone, loop.train_img_size) == ("adamw", "cosine", 3e-4, 32)
-    assert apply_preset(PseudoTaskConfig(), PRESETS["demo"].tasks, PseudoTaskConfig()).samples_per_class == 250
+    assert apply_preset(PseudoTaskConfig(), PRESETS["best"].tasks, PseudoTaskConfig()).samples_per_class == 250
     paper = apply_preset(RefineConfig(), PRESETS["paper"].loop, RefineConfig())
     assert (paper.mode, paper.freeze, paper.optimizer) == ("meta", (), "sgd")
     with pytest.raises(ValueError, match="unknown fields"):
@@ -109,3 +111,18 @@ def test_a_preset_sets_what_the_user_left_at_its_default(tmp_path):
     assert manifest["preset"] == "demo"
     assert manifest["refine"]["optimizer"] == "adamw" and manifest["refine"]["inner_epochs"] == 2
     assert manifest["pseudo_tasks"]["samples_per_class"] == 5
+
+
+def test_the_presets_help_quotes_the_measured_frontier():
+    """``mepo refine --help`` says what each preset measured: the numbers are those of
+    ``benchmarks/results/refine_frontier.json`` (demo: its own arm; balanced and best: 2 and 4 passes of finetune)."""
+    points = {(p["arm"], p["budget"]): p for p in json.loads(
+        (ROOT / "benchmarks" / "results" / "refine_frontier.json").read_text())["points"]}
+    text = " ".join(inspect.getdoc(refine).split())
+    for name, key in {"demo": ("demo", 1), "balanced": ("finetune", 2), "best": ("finetune", 4)}.items():
+        p = points[key]
+        images = p["refine"]["meta_epochs"] * 100 * PRESETS[name].tasks["samples_per_class"]
+        claim = (f"{name} ({images:,} images, {p['refine']['minutes']:.1f} min on {p['refine']['cpus']} "
+                 f"core{'s' if p['refine']['cpus'] > 1 else ''}: {100 * p['T']['a_last']:.1f} / "
+                 f"{100 * p['C']['a_last']:.1f} %)")
+        assert claim in text
