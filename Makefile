@@ -31,8 +31,12 @@ demo: setup $(DEMO_OUT)/refined/manifest.json
 	$(BIN)/mepo demo --until_done true --data.train_per_class 50 --data.test_per_class 20 \
 		--mepo $(DEMO_OUT)/refined --checkpoint_dir $(DEMO_OUT)/checkpoint
 
+# Two workers (pytest-xdist): most of the slow tests wait on a broker, a server or a process, so two share 2 cores
+# well (7 min 38 s where one worker took 12 min 18 s, docs/reliability.md). WORKERS=0 runs in this process.
+WORKERS ?= 2
+
 test: setup
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q -n $(WORKERS) --durations=25
 
 # The edit loop: no broker, no live server, no process, no browser (tests/conftest.py marks those tests by the
 # fixtures and helpers they use), nothing slow. Minutes, where `make test` (what CI runs) takes many more.
