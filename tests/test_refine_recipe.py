@@ -15,7 +15,7 @@ from mepo_stream.errors import ConfigError
 from mepo_stream.pseudo_tasks import PseudoTaskConfig
 from mepo_stream.shutdown import Stopped
 from mepo_stream.transforms import RandomResizedCropFlip
-from offline.optim import layer_scales, param_groups
+from offline.optim import create_optimizer, layer_scales, param_groups
 from offline.presets import PRESETS, apply_preset
 from offline.refine import ISAStage, RefineConfig, Trainer, checkpoint_path, refine
 from tests.helpers import ROOT, TINY
@@ -24,6 +24,22 @@ from tests.test_refine import DATA, GUARD, NO_COV, TASKS, initial_backbone, run_
 RECIPE = RefineConfig(mode="finetune", meta_epochs=1, inner_epochs=1, batch_size=16, optimizer="adamw",
                       lr_backbone=1e-3, lr_head=1e-2, layer_decay=0.75, weight_decay=0.05, schedule="cosine",
                       warmup=0.2, label_smoothing=0.1, augment="image", low_res=0.5, train_img_size=16)
+
+
+def test_adamw_is_the_fused_kernel_on_the_cpu_and_steps_as_the_unfused_one():
+    """The fused AdamW (one kernel per tensor) is chosen on the CPU, and takes the same step as the reference one."""
+    torch.manual_seed(0)
+    weights = [torch.randn(8, 4, requires_grad=True) for _ in range(2)]
+    grads = [torch.randn(8, 4) for _ in weights]
+    fused = create_optimizer([{"params": [weights[0]], "lr": 1e-2, "weight_decay": 0.05}], "adamw", 0.9)
+    plain = torch.optim.AdamW([{"params": [weights[1]], "lr": 1e-2, "weight_decay": 0.05}], foreach=False)
+    weights[1].data.copy_(weights[0].data)
+    for opt, w, g in ((fused, weights[0], grads[0]), (plain, weights[1], grads[0])):
+        for _ in range(3):
+            w.grad = g.clone()
+            opt.step()
+    assert fused.defaults["fused"] is True
+    torch.testing.assert_close(weights[0], weights[1])
 
 
 def test_layer_decay_trains_the_top_fastest_and_decays_matrices_only():
