@@ -386,9 +386,9 @@ def refine(
         resume: Continue from <out>.checkpoint.pt if it exists.
         preset: A named recipe for --loop and --tasks (offline/presets.py), measured on a 2-core AMD EPYC with
             bf16 (docs/refine.md; A_last of the default learner on Tiny-ImageNet downstream / CIFAR-10): demo
-            (16,000 images, 2.0 min on 2 cores: 53.1 / 79.2 %), balanced (50,000 images, 9.6 min on 1 core: 59.3
-            / 81.8 %), best (100,000 images, 18.9 min on 1 core: 62.0 / 84.8 %), paper (the reference code's
-            Meta Rep).
+            (16,000 images, 2.0 min on 2 cores: 53.1 / 79.2 %), balanced (50,000 images, 5.4 min on 2 cores:
+            60.4 / 82.4 %), best (100,000 images, 10.5 min on 2 cores: 62.3 / 83.6 %), paper (the reference
+            code's Meta Rep).
             Options given with another value than their default win over it.
     """
     if preset is not None:
