@@ -214,8 +214,11 @@ def test_a_real_prometheus_scrapes_the_learner(broker, tmp_path):
         url = f"http://127.0.0.1:{port}"
         try:
             # Prometheus opens its port when its storage is ready: seconds on a cold or busy machine
-            wait_for(lambda: prom.poll() is None and httpx.get(f"{url}/-/ready", timeout=10).is_success, 120,
-                     "Prometheus to listen", ignore=(httpx.TransportError,))
+            def ready() -> bool:
+                assert prom.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]  # exited: say why
+                return httpx.get(f"{url}/-/ready", timeout=10).is_success
+
+            wait_for(ready, 120, "Prometheus to listen", ignore=(httpx.TransportError,))
             produce(DATA, SiBlurryConfig(seed=1), cfg.kafka, ReplayConfig(limit=96))
             first = wait_for(lambda: query(url, "mepo_samples_learned_total"), 120, "a scrape of samples learned")
             produce(DATA, SiBlurryConfig(seed=1), cfg.kafka, ReplayConfig())

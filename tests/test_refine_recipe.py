@@ -29,14 +29,13 @@ RECIPE = RefineConfig(mode="finetune", meta_epochs=1, inner_epochs=1, batch_size
 def test_adamw_is_the_fused_kernel_on_the_cpu_and_steps_as_the_unfused_one():
     """The fused AdamW (one kernel per tensor) is chosen on the CPU, and takes the same step as the reference one."""
     torch.manual_seed(0)
-    weights = [torch.randn(8, 4, requires_grad=True) for _ in range(2)]
-    grads = [torch.randn(8, 4) for _ in weights]
+    weights, grad = [torch.randn(8, 4, requires_grad=True) for _ in range(2)], torch.randn(8, 4)
     fused = create_optimizer([{"params": [weights[0]], "lr": 1e-2, "weight_decay": 0.05}], "adamw", 0.9)
     plain = torch.optim.AdamW([{"params": [weights[1]], "lr": 1e-2, "weight_decay": 0.05}], foreach=False)
     weights[1].data.copy_(weights[0].data)
-    for opt, w, g in ((fused, weights[0], grads[0]), (plain, weights[1], grads[0])):
+    for opt, w in ((fused, weights[0]), (plain, weights[1])):
         for _ in range(3):
-            w.grad = g.clone()
+            w.grad = grad.clone()
             opt.step()
     assert fused.defaults["fused"] is True
     torch.testing.assert_close(weights[0], weights[1])
