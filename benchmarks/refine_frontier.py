@@ -124,6 +124,31 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+def refine_seed_groups(points: list[dict], streams: list[str]) -> list[dict]:
+    """The points of one recipe refined with several seeds (arms ``X``, ``X_seed2``, ... at the same budget),
+    pooled: refine minutes, A_last, probe and LDA on each stream as the mean and std over the refines.
+
+    Why: a refine's seed moves downstream accuracy more than the stream's order does (docs/refine.md), so a final
+    point is the mean of several refines, each still a row of its own in the table.
+
+    Example:
+        >>> def pt(arm, minutes, a):
+        ...     return {"arm": arm, "budget": 1, "refine": {"minutes": minutes}, "T": dict(a_last=a, probe=a, lda=a)}
+        >>> pts = [pt("a", 2.0, 0.5), pt("a_seed2", 2.2, 0.6), pt("b", 1.0, 0.9)]
+        >>> [(g["arm"], g["budget"], g["arms"], round(g["minutes"], 2), round(g["T"]["a_last"][1], 3))
+        ...  for g in refine_seed_groups(pts, ["T"])]
+        [('a', 1, ['a', 'a_seed2'], 2.1, 0.071)]
+    """
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for p in points:
+        if p.get("refine"):
+            groups.setdefault((p["arm"].split("_seed")[0], p["budget"]), []).append(p)
+    return [{"arm": arm, "budget": k, "arms": [p["arm"] for p in ps],
+             "minutes": statistics.fmean(p["refine"]["minutes"] for p in ps),
+             **{s: {m: mean_std([p[s][m] for p in ps]) for m in ("a_last", "probe", "lda")} for s in streams}}
+            for (arm, k), ps in groups.items() if len(ps) > 1]
+
+
 def refine_command(arm: Arm, k: int, bundle: Path, backbone: list[str], quick: bool) -> list[str]:
     """``mepo refine``'s arguments for one point (later options win: the quick sizes over the arm's)."""
     return ["refine", *arm.options, "--loop.meta_epochs", str(k), "--out", str(bundle), *backbone, *REFINE_COMMON,
@@ -208,6 +233,16 @@ def table(result: dict) -> str:
             std = f" ± {100 * e['a_last_std']:.2f}" if len(e["seeds"]) > 1 else ""
             cells += [f"{100 * e['a_last']:.2f}{std}", f"{100 * e['probe']:.2f} / {100 * e['lda']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    if groups := refine_seed_groups(result["points"], list(streams)):
+        columns = " | ".join(f"{s}: A_last % | {s}: probe / LDA %" for s in streams)
+        lines += ["", "The same recipes over their refine seeds (mean ± std over the refines; probe and LDA: means):",
+                  "", f"| arm | passes | refines | refine min | {columns} |", "|---" * (4 + 2 * len(streams)) + "|"]
+        for g in groups:
+            cells = [g["arm"], str(g["budget"]), ", ".join(g["arms"]), _minutes(g["minutes"])]
+            for s in streams:
+                (a, a_std), probe, lda = g[s]["a_last"], g[s]["probe"][0], g[s]["lda"][0]
+                cells += [f"{100 * a:.2f} ± {100 * a_std:.2f}", f"{100 * probe:.2f} / {100 * lda:.2f}"]
+            lines.append("| " + " | ".join(cells) + " |")
     m, spec = result.get("machine", {}), result["spec"]
     precisions = sorted({p["refine"]["precision"] for p in result["points"] if p.get("refine")})
     seeds = result["points"][0][next(iter(streams))]["seeds"]
@@ -240,8 +275,10 @@ def update_page(page: Path, text: str, image: str | None) -> None:
 
 
 def plot(result: dict, path: Path) -> bool:
-    """A_last on each stream against refine minutes, one line per arm from the untouched backbone (0 min), error
-    bars over seeds, each arm's probe dotted; False without matplotlib (the ``plots`` extra)."""
+    """A_last on each stream against refine minutes, one line per arm from the untouched backbone (0 min), each
+    arm's probe dotted; where an arm has other refine seeds (``refine_seed_groups``) a point is their mean with
+    the std over the refines as its error bar, else the std over the stream seeds. False without matplotlib (the
+    ``plots`` extra)."""
     try:
         import matplotlib
     except ImportError:
@@ -253,25 +290,32 @@ def plot(result: dict, path: Path) -> bool:
     streams = list(result["streams"])
     fig, axes = plt.subplots(1, len(streams), figsize=(5.5 * len(streams), 4.2), squeeze=False)
     base = next(p for p in result["points"] if p["budget"] == 0)
+    pooled = {(g["arm"], g["budget"]): g for g in refine_seed_groups(result["points"], streams)}
+    arms = [a for a in result["arms"] if a.split("_seed")[0] == a]  # an arm's other refine seeds join its line
     for ax, s in zip(axes[0], streams, strict=True):
-        for i, arm in enumerate(result["arms"]):
-            points = [base, *(p for p in result["points"] if p["arm"] == arm)]
-            x = [p["refine"]["minutes"] if p.get("refine") else 0.0 for p in points]
+        for i, arm in enumerate(arms):
+            x, y, err, probe, labels = [0.0], [base[s]["a_last"]], [base[s]["a_last_std"]], [base[s]["probe"]], [""]
+            for p in (p for p in result["points"] if p["arm"] == arm):
+                g = pooled.get((arm, p["budget"]))
+                x.append(g["minutes"] if g else p["refine"]["minutes"])
+                y.append(g[s]["a_last"][0] if g else p[s]["a_last"])
+                err.append(g[s]["a_last"][1] if g else p[s]["a_last_std"])
+                probe.append(g[s]["probe"][0] if g else p[s]["probe"])
+                labels.append(f"{p['budget']}" + (f" ({len(g['arms'])} refines)" if g else ""))
             color = f"C{i}"
-            ax.errorbar(x, [100 * p[s]["a_last"] for p in points], yerr=[100 * p[s]["a_last_std"] for p in points],
-                        marker="o", ms=4, capsize=3, color=color, label=f"{arm}: A_last")
-            ax.plot(x, [100 * p[s]["probe"] for p in points], linestyle=":", color=color, alpha=0.7,
-                    label=f"{arm}: probe")
-            for p, xi in zip(points[1:], x[1:], strict=True):
-                ax.annotate(str(p["budget"]), (xi, 100 * p[s]["a_last"]), textcoords="offset points",
-                            xytext=(4, 4), fontsize=7, color=color)
+            ax.errorbar(x, [100 * v for v in y], yerr=[100 * e for e in err], marker="o", ms=4, capsize=3,
+                        color=color, label=arm)
+            ax.plot(x, [100 * v for v in probe], linestyle=":", color=color, alpha=0.7)
+            for xi, yi, label in zip(x[1:], y[1:], labels[1:], strict=True):
+                ax.annotate(label, (xi, 100 * yi), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
         ax.set(xlabel="refine minutes (the bundle's wall time)", ylabel="A_last (%)",
                title=f"{s}: {result['streams'][s]}")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="lower right", title="A_last; dotted: probe", title_fontsize=7)
     m = result.get("machine", {})
     fig.suptitle(f"Accuracy per refine minute ({result['spec']['model']} @ {result['spec']['img_size']} px, "
-                 f"{m.get('device_name', '?')}); labels: passes", fontsize=9)
+                 f"{m.get('device_name', '?')}); labels: passes; error bars: std over refine seeds or stream "
+                 "seeds", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

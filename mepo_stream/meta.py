@@ -1,5 +1,5 @@
-"""Refine building blocks: the throw-away meta head, the group logit mask, the Reptile update, freezing
-parameter groups and measuring how far each group moved.
+"""Refine building blocks: the throw-away meta head (or a cosine one), the group logit mask, the Reptile update,
+freezing parameter groups and measuring how far each group moved.
 
 The refine loop itself (``offline/refine.py``) strings these together; they are kept here, pure, so that the
 arithmetic is testable on its own.
@@ -27,6 +27,30 @@ class MetaHead(nn.Sequential):
 
     def __init__(self, dim: int, n_classes: int):
         super().__init__(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, n_classes))
+
+
+class CosineHead(nn.Module):
+    """``scale`` times the cosine between the feature and each class's weight vector (Baseline++, Chen et al.,
+    2019); discarded after refinement.
+
+    Why: it scores only a feature's direction, so the refine gathers each class's features around a direction of
+    their own, as a head on new classes can use; a linear head can also separate classes by the norm.
+
+    Example:
+        >>> head = CosineHead(4, 3, scale=10.0)
+        >>> logits = head(torch.randn(2, 4))  # [2, 3]
+        >>> bool((logits.abs() <= 10.0 + 1e-5).all())
+        True
+    """
+
+    def __init__(self, dim: int, n_classes: int, scale: float = 16.0):
+        super().__init__()
+        self.scale = scale
+        self.weight = nn.Parameter(torch.randn(n_classes, dim) * 0.01)  # [C, D]; AdamW's steps turn it fast
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * nn.functional.linear(nn.functional.normalize(x, dim=1),
+                                                 nn.functional.normalize(self.weight, dim=1))  # [B, C]
 
 
 def group_mask(logits: torch.Tensor, group: torch.Tensor, mode: MaskMode) -> torch.Tensor:

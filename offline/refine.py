@@ -61,6 +61,7 @@ from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.errors import ConfigError
 from mepo_stream.meta import (
+    CosineHead,
     MaskMode,
     MetaHead,
     freeze,
@@ -81,6 +82,7 @@ from offline.optim import Optimizer, Schedule, create_optimizer, lr_factor, para
 from offline.presets import PRESETS, PresetName, apply_preset
 
 log = logging.getLogger(__name__)
+HeadKind = Literal["mlp", "cosine"]
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,11 @@ class RefineConfig:
     """Train at this resolution (pixels; a multiple of the patch size) and write the bundle at --backbone.img_size:
     the position table is resampled on the fly, so a lower one trains more images per minute (null: train at
     --backbone.img_size, as the code does)."""
+    head: HeadKind = "mlp"
+    """The training head on the CLS feature, discarded with it: mlp (Linear-ReLU-Linear, the reference's) or cosine
+    (scaled cosine to each class's weight vector, Baseline++; docs/refine.md, third round)."""
+    head_scale: float = 16.0
+    """With --loop.head cosine: the logit scale (the cosine's temperature, 1/16)."""
     batch_size: int = 256
     """Global batch size (paper and code: 256), split across ranks under torchrun."""
     mask: MaskMode = "multiply"
@@ -169,11 +176,13 @@ class ISAStage(ISAConfig):
 
 
 class MetaModel(nn.Module):
-    """Backbone CLS feature -> meta head."""
+    """Backbone CLS feature -> meta head (the reference's MLP, or a cosine head)."""
 
-    def __init__(self, backbone: nn.Module, n_classes: int):
+    def __init__(self, backbone: nn.Module, n_classes: int, head: HeadKind = "mlp", scale: float = 16.0):
         super().__init__()
-        self.backbone, self.head = backbone, MetaHead(backbone.num_features, n_classes)
+        dim = backbone.num_features
+        self.backbone = backbone
+        self.head = MetaHead(dim, n_classes) if head == "mlp" else CosineHead(dim, n_classes, scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(cls_feature(self.backbone, x))  # [B, C]
@@ -224,7 +233,7 @@ class Trainer:
         """The backbone with a meta head on this rank's device (DDP-wrapped under torchrun), the optimizer over
         the backbone's and head's learning rates, and the training and test transforms at the training size."""
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else device()
-        model = MetaModel(create_backbone(backbone), len(images.classes)).to(dev)
+        model = MetaModel(create_backbone(backbone), len(images.classes), cfg.head, cfg.head_scale).to(dev)
         frozen = freeze(model.backbone, cfg.freeze)
         log.info("frozen: %d tensors under %s", len(frozen), list(cfg.freeze) or "nothing")
         img, (mean, std) = model.backbone.patch_embed.img_size[0], normalization(model.backbone)
@@ -385,10 +394,10 @@ def refine(
         guard: The held-out probe on the pretraining data's test split, before and after every meta-epoch.
         resume: Continue from <out>.checkpoint.pt if it exists.
         preset: A named recipe for --loop and --tasks (offline/presets.py), measured on a 2-core AMD EPYC with
-            bf16 (docs/refine.md; A_last of the default learner on Tiny-ImageNet downstream / CIFAR-10): demo
-            (16,000 images, 2.0 min on 2 cores: 53.1 / 79.2 %), balanced (50,000 images, 5.4 min on 2 cores:
-            60.4 / 82.4 %), best (100,000 images, 10.5 min on 2 cores: 62.3 / 83.6 %), paper (the reference
-            code's Meta Rep).
+            bf16 (docs/refine.md; A_last of the default learner on Tiny-ImageNet downstream / CIFAR-10, the mean
+            of three refine seeds): demo (16,000 images, 2.0 min on 2 cores: 52.9 / 77.9 %), balanced (50,000
+            images, 5.4 min on 2 cores: 59.0 / 82.3 %), best (100,000 images, 10.7 min on 2 cores: 61.2 / 84.6 %),
+            paper (the reference code's Meta Rep).
             Options given with another value than their default win over it.
     """
     if preset is not None:

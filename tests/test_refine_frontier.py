@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.refine_frontier import ARMS, BEGIN, END, STREAMS, Arm, parse_budgets, plan, update_page
+from benchmarks.refine_frontier import ARMS, BEGIN, END, STREAMS, Arm, parse_budgets, plan, table, update_page
 from mepo_stream.cli import parse
 from tests.helpers import mepo_commands
 
@@ -61,6 +61,21 @@ def test_the_plan_and_the_budgets():
     assert plan({"x": Arm(("--preset", "best"), "x")}, parse_budgets("8,2")) == [("x", 2), ("x", 8)]
     with pytest.raises(ValueError):
         parse_budgets("0,1")
+
+
+def test_refines_of_one_recipe_with_other_seeds_are_pooled_in_the_table():
+    """Arms ``X_seedN`` join ``X`` at the same budget in a second table (mean ± std over the refines); a budget
+    with one refine gets no pooled row."""
+    def point(arm: str, k: int, a: float) -> dict:
+        refine = {"minutes": 2.0, "cpus": 2, "images_per_s": 100.0, "precision": "bfloat16", "command": "mepo refine"}
+        return {"arm": arm, "budget": k, "refine": refine,
+                "T": {"a_last": a, "a_last_std": 0.0, "probe": a - 0.1, "lda": a, "seeds": [1]}}
+
+    result = {"streams": {"T": "t"}, "spec": {"model": "m", "img_size": 84}, "arms": {}, "command": "c",
+              "points": [point("a", 2, 0.5), point("a_seed2", 2, 0.7), point("a", 4, 0.6)]}
+    text = table(result)
+    assert "| a | 2 | a, a_seed2 | 2.0 | 60.00 ± 14.14 | 50.00 / 60.00 |" in text
+    assert "| a | 4 | a |" not in text
 
 
 def test_the_page_gets_its_markers(tmp_path):
