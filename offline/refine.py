@@ -137,10 +137,10 @@ class RefineConfig:
     the position table is resampled on the fly, so a lower one trains more images per minute (null: train at
     --backbone.img_size, as the code does)."""
     head: HeadKind = "mlp"
-    """The training head on the CLS feature, discarded with it: mlp (Linear-ReLU-Linear, the reference's) or cosine
-    (scaled cosine to each class's weight vector, Baseline++; docs/refine.md, third round)."""
+    """The training head on the CLS feature, thrown away after the refine: mlp (Linear-ReLU-Linear, the reference's)
+    or cosine (the scaled cosine to each class's weight vector, Baseline++; docs/refine.md, third round)."""
     head_scale: float = 16.0
-    """With --loop.head cosine: the logit scale (the cosine's temperature, 1/16)."""
+    """With --loop.head cosine: the logit scale, the inverse of the softmax's temperature."""
     batch_size: int = 256
     """Global batch size (paper and code: 256), split across ranks under torchrun."""
     mask: MaskMode = "multiply"
