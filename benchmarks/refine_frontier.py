@@ -124,6 +124,16 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+def recipe(arm: str) -> str:
+    """The recipe an arm refines: ``X`` for ``X`` and for its other refine seeds ``X_seed2``, ``X_seed3``, ...
+
+    Example:
+        >>> recipe("finetune_seed2"), recipe("finetune")
+        ('finetune', 'finetune')
+    """
+    return arm.split("_seed")[0]
+
+
 def refine_seed_groups(points: list[dict], streams: list[str]) -> list[dict]:
     """The points of one recipe refined with several seeds (arms ``X``, ``X_seed2``, ... at the same budget),
     pooled: refine minutes, A_last, probe and LDA on each stream as the mean and std over the refines.
@@ -142,7 +152,7 @@ def refine_seed_groups(points: list[dict], streams: list[str]) -> list[dict]:
     groups: dict[tuple[str, int], list[dict]] = {}
     for p in points:
         if p.get("refine"):
-            groups.setdefault((p["arm"].split("_seed")[0], p["budget"]), []).append(p)
+            groups.setdefault((recipe(p["arm"]), p["budget"]), []).append(p)
     return [{"arm": arm, "budget": k, "arms": [p["arm"] for p in ps],
              "minutes": statistics.fmean(p["refine"]["minutes"] for p in ps),
              **{s: {m: mean_std([p[s][m] for p in ps]) for m in ("a_last", "probe", "lda")} for s in streams}}
@@ -291,7 +301,7 @@ def plot(result: dict, path: Path) -> bool:
     fig, axes = plt.subplots(1, len(streams), figsize=(5.5 * len(streams), 4.2), squeeze=False)
     base = next(p for p in result["points"] if p["budget"] == 0)
     pooled = {(g["arm"], g["budget"]): g for g in refine_seed_groups(result["points"], streams)}
-    arms = [a for a in result["arms"] if a.split("_seed")[0] == a]  # an arm's other refine seeds join its line
+    arms = [a for a in result["arms"] if recipe(a) == a]  # an arm's other refine seeds join its line
     for ax, s in zip(axes[0], streams, strict=True):
         for i, arm in enumerate(arms):
             x, y, err, probe, labels = [0.0], [base[s]["a_last"]], [base[s]["a_last_std"]], [base[s]["probe"]], [""]
