@@ -93,8 +93,9 @@ class LabelStatistics:
     @classmethod
     def from_head_order(cls, counts: torch.Tensor, sums: torch.Tensor, second: torch.Tensor, hits: torch.Tensor,
                         exposed: list[int]) -> LabelStatistics:
-        """The inverse of ``head_order``: a classifier's buffers and its label map as label-indexed sums."""
-        out = cls(torch.zeros_like(counts, dtype=torch.float64), torch.zeros_like(sums, dtype=torch.float64),
+        """The inverse of ``head_order``: a classifier's buffers and its label map as label-indexed sums, on the CPU
+        whatever the classifier's device (a group's state store adds them there)."""
+        out = cls(torch.zeros(counts.shape, dtype=torch.float64), torch.zeros(sums.shape, dtype=torch.float64),
                   second.detach().double().cpu().clone(), hits.detach().double().cpu().clone())
         index = torch.tensor(exposed, dtype=torch.long)
         out.counts[index] = counts[: len(exposed)].double().cpu()

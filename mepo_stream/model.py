@@ -192,7 +192,8 @@ def plain_frozen_backbone(method: ContinualMethod) -> bool:
 def quantize_frozen_backbone(method: ContinualMethod) -> None:
     """``--learner.precision int8``: the backbone's Linear layers in int8, where nothing trains through them."""
     if method.device.type != "cpu":
-        raise ConfigError(f"precision int8 runs on the CPU only (the model is on {method.device}); use auto or bf16")
+        raise ConfigError(f"precision int8 runs on the CPU only (the model is on {method.device}); use auto or bf16, "
+                          "or hide the GPU (CUDA_VISIBLE_DEVICES=) to run int8 on the CPU")
     if not plain_frozen_backbone(method):
         raise ConfigError("precision int8 needs a frozen backbone without prompts (--method frozen, the default): "
                           "nothing can train through its quantised layers")

@@ -86,7 +86,7 @@ def color_set(per_class: int = 8, n_classes: int = 8) -> ImageSet:
 def test_isa_changes_the_prompts_and_lowers_the_loss():
     cfg = ISAConfig(pool_classes=2, n_tasks=1, epochs=6, online_iter=1, batch_size=16, autoaugment=None)
     host = build_host(8, cfg, "misa", MethodsConfig(), TINY, None)
-    start = {k: v.clone() for k, v in host.initial_prompts().items()}
+    start = {k: v.detach().cpu().clone() for k, v in host.initial_prompts().items()}  # warm_prompts's are on the CPU
     result = warm_prompts(host, color_set(), cfg)
     assert all(not torch.equal(result.prompts[k], start[k]) for k in start)
     losses = [h["loss"] for h in result.history]

@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from mepo_stream.alignment import AlignmentConfig
+from mepo_stream.errors import ConfigError
 from mepo_stream.learner import PAPER_RECIPE, LearnerConfig, OnlineLearner
-from tests.helpers import color_images, learner_of, sigma_file
+from mepo_stream.model import ModelConfig, create_model
+from tests.helpers import TINY, color_images, learner_of, sigma_file
 
 # the MISA tests run the paper's recipe (the SGD-trained linear head), where these mechanisms matter
 CFG = replace(PAPER_RECIPE, batch_size=16, online_iter=3, lr=5e-3, samples_per_slot=10_000, autoaugment=None)
@@ -162,6 +164,14 @@ def test_int8_backbone_learns_like_fp32_and_checkpoints_without_it():
 def test_int8_refuses_a_host_that_trains_through_the_backbone(method):
     with pytest.raises(ValueError, match="int8 needs a frozen backbone without prompts"):
         learner_of(method, LearnerConfig(autoaugment=None, precision="int8"))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_int8_on_a_gpu_is_refused_with_the_way_to_the_cpu():
+    model = ModelConfig("frozen", backbone=TINY, learner=LearnerConfig(autoaugment=None, precision="int8"))
+    with pytest.raises(ConfigError, match=r"int8 runs on the CPU only \(the model is on cuda.*CUDA_VISIBLE_DEVICES="):
+        create_model(model, 4, torch.device("cuda"))
 
 
 def test_statistics_classifier_state_round_trip():

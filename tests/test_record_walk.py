@@ -144,12 +144,13 @@ def learner_loop(tmp_path, **kw) -> LearnerLoop:
 
 
 def test_a_record_passes_through_five_objects_from_the_poll_to_the_model_update(tmp_path, monkeypatch):
-    """A learner alone, decoding inline (a CPU learner's default). Fewer than the 6 objects of the learner before it
-    was split by concern (loop, ``ServiceState``, book, executor, model thread, learner), and the 8 right after:
-    the intake decodes each image itself (no ``InlineExecutor`` hop), the model thread runs the learning turn and
-    takes its mini-batches from the book itself (no batch handed to it), and ``Alone`` is consulted, not traversed.
+    """A learner alone, decoding inline (``decode_workers=0``, a CPU learner's default, pinned: a GPU's is a pool).
+    Fewer than the 6 objects of the learner before it was split by concern (loop, ``ServiceState``, book, executor,
+    model thread, learner), and the 8 right after: the intake decodes each image itself (no ``InlineExecutor``
+    hop), the model thread runs the learning turn and takes its mini-batches from the book itself (no batch handed
+    to it), and ``Alone`` is consulted, not traversed.
     """
-    loop = learner_loop(tmp_path)
+    loop = learner_loop(tmp_path, decode_workers=0)
     walk = follow(monkeypatch, loop)
     loop.state.model_thread.shutdown()
     assert walk.names == ["LearnerLoop", "Intake", "StreamBook", "LearnerState", "OnlineLearner"]
@@ -170,7 +171,8 @@ def test_in_a_group_the_membership_is_the_stop_that_keeps_the_partitions_sums(tm
     """A learner in a group: ``InGroup.step`` adds the batch to its partition's sums (the group's state store)."""
     monkeypatch.setattr(Changelog, "read_all", lambda self, timeout_s=60.0: {})
     monkeypatch.setattr(Changelog, "write", lambda self, states: 0)
-    cfg = settings(SimpleNamespace(bootstrap="127.0.0.1:9"), tmp_path, protocol=ProtocolConfig(eval_period=0))
+    cfg = settings(SimpleNamespace(bootstrap="127.0.0.1:9"), tmp_path, protocol=ProtocolConfig(eval_period=0),
+                   decode_workers=0)
     cfg = dataclasses.replace(cfg, kafka=dataclasses.replace(cfg.kafka, state_topic="state"))
     loop = LearnerLoop(open_group_learner(cfg, ServerMetrics()))
     loop.producer = FakeProducer()

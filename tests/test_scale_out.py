@@ -58,17 +58,23 @@ PARTITIONS = 4
 
 
 # --- the pieces -------------------------------------------------------------------------------------------------
-def learner(**kw) -> OnlineLearner:
+def learner(device: str = "cpu", **kw) -> OnlineLearner:
     cfg = settings(NO_BROKER, Path("/tmp/unused"), **kw)
-    return OnlineLearner(create_model(model_config(cfg), 10), cfg.learner)
+    return OnlineLearner(create_model(model_config(cfg), 10, torch.device(device)), cfg.learner)
 
 
-def test_the_sums_of_parts_learned_apart_are_the_sums_of_the_whole():
-    """Two learners (each numbering classes in its own order) on two halves equal one learner on the whole."""
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_the_sums_of_parts_learned_apart_are_the_sums_of_the_whole(device):
+    """Two learners (each numbering classes in its own order) on two halves equal one learner on the whole. The
+    label-indexed sums live on the CPU whatever the learner's device (the group's state store adds them there)."""
     torch.set_num_threads(1)  # batch-invariant features (docs "Scale-out": exact with one thread per learner)
     labels = torch.tensor([3, 1, 3, 5, 1, 1, 5, 3, 0, 0, 5, 3])
     images = color_images(labels % 8)
-    whole, a, b = learner(), learner(), learner()
+    whole, a, b = learner(device), learner(device), learner(device)
     whole.observe(images, labels)
     parts = []
     for part, rows in ((a, slice(0, 6)), (b, slice(6, 12))):
@@ -77,9 +83,10 @@ def test_the_sums_of_parts_learned_apart_are_the_sums_of_the_whole():
         sums.add(h, labels[rows], hits)
         parts.append(sums)
     assert a.exposed == [3, 1, 5] and b.exposed == [5, 3, 0]  # two label maps
-    merged = learner()
+    merged = learner(device)
     merged.load_statistics(LabelStatistics.total(parts))
     mine, theirs = merged.statistics(), whole.statistics()
+    assert mine.counts.device.type == theirs.sums.device.type == "cpu"
     for name in ("counts", "sums", "second"):
         assert torch.allclose(getattr(mine, name), getattr(theirs, name), rtol=1e-12, atol=0), name
     test = color_images(torch.arange(8), seed=5)
