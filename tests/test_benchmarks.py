@@ -19,6 +19,7 @@ from benchmarks.run_all import (
     END,
     GPU_BENCHMARKS,
     GPU_LEARNER_CONFIGS,
+    GPU_STREAM_PER_CLASS,
     START,
     job,
     table,
@@ -210,6 +211,21 @@ def test_gpu_rows_smoke_on_the_cpu(tmp_path):
     text = table(results)
     assert "Bare learner, test_vit @ 32 px, misa + linear" in text and "bfloat16 |" in text
     assert "GPU rows: not measured" not in text
+
+
+def test_the_gpu_rows_time_a_stream_ten_times_the_cpu_rows(tmp_path):
+    """At the full sizes the GPU's learner and latency rows stream 1,000 images a class: 1,000 in all took an H100
+    half a second, too short a window to time."""
+    spec = ServiceSpec(model="test_vit", weights=None, img_size=32, mepo=None)
+
+    def per_class(name: str) -> int:
+        args = job(name, spec, quick=False, work=tmp_path)[1]
+        return int(args[args.index("--spec.train_per_class") + 1])
+
+    assert {n: per_class(n) for n in ("learner_throughput", "predict_latency")} == {
+        "learner_throughput": 100, "predict_latency": 100}
+    assert {per_class(n) for n in ("gpu_learner_fp32", "gpu_learner_bf16", "gpu_predict_latency")} == {
+        GPU_STREAM_PER_CLASS} and GPU_STREAM_PER_CLASS == 1000
 
 
 @pytest.mark.parametrize("name", ALL)
