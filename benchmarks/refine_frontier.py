@@ -77,18 +77,24 @@ class Arm:
 
 
 ARMS: dict[str, Arm] = {
-    "finetune": Arm(("--preset", "best"), "fine-tuning over all 250 images per class (presets balanced and best: 2 "
-                    "and 4 passes)"),
-    "demo": Arm(("--preset", "demo"), "fine-tuning, --preset demo (160 images per class, 1 pass)", budgets=(1,)),
-    "meta": Arm(("--preset", "best", "--loop.mode", "meta", "--tasks.classes_per_group", "10", "--tasks.n_tasks", "5"),
-                "Meta Rep with the presets' fields (--loop.mode meta; groups of 10 classes in 5 pseudo tasks: 10 "
-                "Reptile updates per pass, as the reference's 1,000 classes in groups of 100)"),
+    "cosine": Arm(("--preset", "best", "--loop.head", "cosine"), "fine-tuning over all 250 images per class with "
+                  "a cosine training head (presets balanced and best: 2 and 4 passes)"),
+    "cosine_demo": Arm(("--preset", "demo", "--loop.head", "cosine"), "fine-tuning, --preset demo (160 images per "
+                       "class, 1 pass, a cosine training head)", budgets=(1,)),
+    "finetune": Arm(("--preset", "best", "--loop.head", "mlp"), "the same with the reference's MLP training head "
+                    "(the presets until 2026-11-27)"),
+    "demo": Arm(("--preset", "demo", "--loop.head", "mlp"), "--preset demo with the MLP training head (until "
+                "2026-11-27)", budgets=(1,)),
+    "meta": Arm(("--preset", "best", "--loop.head", "mlp", "--loop.mode", "meta", "--tasks.classes_per_group", "10",
+                 "--tasks.n_tasks", "5"),
+                "Meta Rep with the presets' other fields (--loop.mode meta, the MLP head; groups of 10 classes in 5 "
+                "pseudo tasks: 10 Reptile updates per pass, as the reference's 1,000 classes in groups of 100)"),
     "old_demo": Arm(("--tasks.samples_per_class", "50", "--loop.inner_epochs", "2", "--loop.batch_size", "64"),
                     "the old demo refine (SGD at 84 px, 8,500 images)", budgets=(1,)),
     "paper": Arm(("--preset", "paper"), "the reference code's Meta Rep (--preset paper)"),
 }
-"""The known arms; ``--arms`` picks among them (default: finetune, meta, old_demo) and ``--extra_arms`` adds more."""
-DEFAULT_ARMS = "demo,finetune,meta,old_demo"
+"""The known arms; ``--arms`` picks among them (default: every one but paper) and ``--extra_arms`` adds more."""
+DEFAULT_ARMS = "cosine_demo,cosine,demo,finetune,meta,old_demo"
 QUICK_REFINE = ["--data.num_classes", "4", "--data.train_per_class", "12", "--tasks.classes_per_group", "4",
                 "--tasks.n_tasks", "2", "--tasks.samples_per_class", "10", "--loop.train_img_size", "32",
                 "--guard.per_class", "4"]

@@ -21,11 +21,12 @@ PresetName = Literal["demo", "balanced", "best", "paper"]
 C = TypeVar("C")
 
 # AdamW with layer-wise decay and a cosine schedule, trained at 56 px (served at the bundle's 84 px), every image
-# its own crop (half the batches through a lower resolution and back), one pass over all 250 images of each of the
-# 100 pretraining classes per meta-epoch. docs/refine.md has the screening runs behind each choice.
+# its own crop (half the batches through a lower resolution and back), a cosine training head, one pass over all
+# 250 images of each of the 100 pretraining classes per meta-epoch. docs/refine.md has the screening runs behind
+# each choice.
 FINE_TUNE = {"mode": "finetune", "optimizer": "adamw", "lr_backbone": 1e-4, "lr_head": 1e-3, "layer_decay": 0.75,
              "weight_decay": 0.05, "schedule": "cosine", "warmup": 0.1, "label_smoothing": 0.1, "batch_size": 64,
-             "inner_epochs": 1, "train_img_size": 56, "augment": "image", "low_res": 0.5}
+             "inner_epochs": 1, "train_img_size": 56, "augment": "image", "low_res": 0.5, "head": "cosine"}
 ALL_IMAGES = {"samples_per_class": 250}
 DEMO_IMAGES = {"samples_per_class": 160}  # 16,000 images: within the old demo refine's wall (8,500 images at 84 px)
 
@@ -43,7 +44,7 @@ PRESETS: dict[str, Preset] = {
     "balanced": Preset({**FINE_TUNE, "meta_epochs": 2}, ALL_IMAGES),
     "best": Preset({**FINE_TUNE, "meta_epochs": 4}, ALL_IMAGES),
     "paper": Preset({"mode": "meta", "freeze": (), "reptile_eps": 0.1, "inner_epochs": 4, "lr_backbone": 1e-4,
-                     "lr_head": 1e-2, "momentum": 0.9, "batch_size": 256, "mask": "multiply"},
+                     "lr_head": 1e-2, "momentum": 0.9, "batch_size": 256, "mask": "multiply", "head": "mlp"},
                     {}),  # the reference code's Meta Rep (mepo_stream/recipes/refine_paper.yaml)
 }
 

@@ -90,6 +90,7 @@ def test_one_meta_epoch_end_to_end_makes_a_bundle(tmp_path):
     run_refine(tmp_path / "bundle")
     manifest = read_manifest(tmp_path / "bundle")
     assert manifest["meta_epochs_completed"] == 1 and manifest["refine"]["reptile_eps"] == 0.1
+    assert manifest["refine"]["head"] == "mlp"  # no preset: the reference's head, recorded
     assert manifest["data"]["classes"][0] == "n01443537" and len(manifest["data"]["classes"]) == 100
     refined = create_backbone(BackboneConfig("test_vit", str(tmp_path / "bundle"), 32)).state_dict()
     assert not torch.equal(refined["blocks.0.attn.qkv.weight"], before["blocks.0.attn.qkv.weight"])

@@ -22,13 +22,13 @@ def test_quick_frontier_writes_every_point_the_table_and_the_plot(tmp_path):
     page, image, out = tmp_path / "docs" / "refine.md", tmp_path / "docs" / "img" / "frontier.png", tmp_path / "f.json"
     page.parent.mkdir()
     page.write_text(f"# Refine\n\nintro\n\n{BEGIN}\nold table\n{END}\n\nafter\n")
-    args = [sys.executable, "-m", "benchmarks.refine_frontier", "--quick", "true", "--arms", "finetune",
+    args = [sys.executable, "-m", "benchmarks.refine_frontier", "--quick", "true", "--arms", "cosine",
             "--budgets", "1", "--model", "test_vit", "--weights", "null", "--img_size", "32", "--runs",
             str(tmp_path / "runs"), "--out", str(out), "--page", str(page), "--image", str(image)]
     subprocess.run(args, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True)
     result = json.loads(out.read_text())
     points = {(p["arm"], p["budget"]): p for p in result["points"]}
-    assert set(points) == {("untouched", 0), ("finetune", 1)}  # every arm at every budget, and the untouched
+    assert set(points) == {("untouched", 0), ("cosine", 1)}  # every arm at every budget, and the untouched
     assert result["quick"] and result["seeds"] == "1" and result["machine"]["device_name"]
     for (arm, k), p in points.items():
         refine = p["refine"]
@@ -41,8 +41,8 @@ def test_quick_frontier_writes_every_point_the_table_and_the_plot(tmp_path):
             assert all(0 <= e[key] <= 1 for key in ("a_last", "a_auc", "probe", "lda", "best_offline_head"))
             assert e["seeds"] == [1] and math.isfinite(e["a_last_std"]) and e["stream_samples"] > 0
             assert ("--mepo_rep" in e["command"]) == (k > 0)
-    assert points[("finetune", 1)]["refine"]["mode"] == "finetune"
-    assert "--preset best" in points[("finetune", 1)]["refine"]["command"]
+    assert points[("cosine", 1)]["refine"]["mode"] == "finetune"
+    assert "--preset best --loop.head cosine" in points[("cosine", 1)]["refine"]["command"]
     assert "--data.dataset cifar10" in points[("untouched", 0)]["C"]["command"]
     text = page.read_text()
     assert "old table" not in text and text.startswith("# Refine\n\nintro\n\n") and text.endswith(f"{END}\n\nafter\n")

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from benchmarks.refine_frontier import refine_seed_groups
+from benchmarks.refine_frontier import recipe, refine_seed_groups
 from mepo_stream.artifacts import load_part, read_manifest
 from mepo_stream.backbone import BackboneConfig, create_backbone
 from mepo_stream.data import load_split
@@ -20,7 +20,7 @@ from mepo_stream.shutdown import Stopped
 from mepo_stream.transforms import RandomResizedCropFlip
 from offline.optim import create_optimizer, layer_scales, param_groups
 from offline.presets import PRESETS, apply_preset
-from offline.refine import Distributed, ISAStage, RefineConfig, Trainer, checkpoint_path, refine
+from offline.refine import Distributed, ISAStage, MetaModel, RefineConfig, Trainer, checkpoint_path, refine
 from tests.helpers import ROOT, TINY
 from tests.test_refine import DATA, GUARD, NO_COV, TASKS, initial_backbone, run_refine
 
@@ -127,6 +127,8 @@ def test_a_cosine_head_trains_the_backbone_and_stays_out_of_the_bundle(tmp_path)
     assert set(refined) == set(start) and not torch.equal(refined["blocks.1.mlp.fc2.weight"],
                                                           start["blocks.1.mlp.fc2.weight"])
     assert read_manifest(out)["refine"]["head"] == "cosine"
+    with pytest.raises(ValueError, match="unknown training head 'linear'; choose from mlp, cosine"):
+        MetaModel(trainer.model.backbone, 3, "linear")
 
 
 def test_a_preset_sets_what_the_user_left_at_its_default(tmp_path):
@@ -134,28 +136,32 @@ def test_a_preset_sets_what_the_user_left_at_its_default(tmp_path):
     assert (loop.optimizer, loop.schedule, loop.lr_backbone, loop.train_img_size) == ("adamw", "cosine", 3e-4, 32)
     assert apply_preset(PseudoTaskConfig(), PRESETS["best"].tasks, PseudoTaskConfig()).samples_per_class == 250
     paper = apply_preset(RefineConfig(), PRESETS["paper"].loop, RefineConfig())
-    assert (paper.mode, paper.freeze, paper.optimizer) == ("meta", (), "sgd")
+    assert (paper.mode, paper.freeze, paper.optimizer, paper.head) == ("meta", (), "sgd", "mlp")
+    heads = {given: apply_preset(RefineConfig(head=given), PRESETS["best"].loop, RefineConfig()).head
+             for given in (None, "mlp", "cosine")}
+    assert heads == {None: "cosine", "mlp": "mlp", "cosine": "cosine"}  # the reference's head stays one option away
     with pytest.raises(ValueError, match="unknown fields"):
         apply_preset(RefineConfig(), {"lr": 1.0}, RefineConfig())
     out = refine(tmp_path / "p", backbone=TINY, data=DATA, tasks=replace(TASKS, samples_per_class=5),
                  loop=RefineConfig(train_img_size=16, batch_size=16, inner_epochs=2), guard=GUARD,
                  cov=NO_COV, adapt=ISAStage(skip=True), preset="demo")
     manifest = read_manifest(out)
-    assert manifest["preset"] == "demo"
+    assert manifest["preset"] == "demo" and manifest["refine"]["head"] == "cosine"
     assert manifest["refine"]["optimizer"] == "adamw" and manifest["refine"]["inner_epochs"] == 2
     assert manifest["pseudo_tasks"]["samples_per_class"] == 5
 
 
 def test_the_presets_help_quotes_the_measured_frontier():
     """``mepo refine --help`` says what each preset measured: the numbers are the means over the refine seeds of
-    ``benchmarks/results/refine_frontier.json`` (demo: its own arms; balanced and best: 2 and 4 passes of
-    finetune), as ``refine_seed_groups`` pools them."""
+    ``benchmarks/results/refine_frontier.json`` (demo: the cosine_demo arms; balanced and best: 2 and 4 passes of
+    the cosine arms, the presets' recipe), as ``refine_seed_groups`` pools them."""
     result = json.loads((ROOT / "benchmarks" / "results" / "refine_frontier.json").read_text())
     pooled = {(g["arm"], g["budget"]): g for g in refine_seed_groups(result["points"], ["T", "C"])}
-    cpus = {p["refine"]["cpus"] for p in result["points"] if p["arm"] in ("demo", "finetune") and p["refine"]}
+    cpus = {p["refine"]["cpus"] for p in result["points"]
+            if recipe(p["arm"]) in ("cosine_demo", "cosine") and p["refine"]}
     assert len(cpus) == 1
     cores, text = cpus.pop(), " ".join(inspect.getdoc(refine).split())
-    for name, key in {"demo": ("demo", 1), "balanced": ("finetune", 2), "best": ("finetune", 4)}.items():
+    for name, key in {"demo": ("cosine_demo", 1), "balanced": ("cosine", 2), "best": ("cosine", 4)}.items():
         g = pooled[key]
         assert len(g["arms"]) == 3
         images = key[1] * 100 * PRESETS[name].tasks["samples_per_class"]
