@@ -21,6 +21,7 @@ import re
 import sys
 import typing
 from collections.abc import Callable
+from contextvars import ContextVar
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -28,6 +29,9 @@ from mepo_stream.errors import ConfigError
 from mepo_stream.shutdown import Stopped, stop_signals
 
 COMMANDS_GROUP = "mepo.commands"
+TYPED: ContextVar[frozenset[str]] = ContextVar("TYPED", default=frozenset())
+"""The options typed on the running command's line (``loop.head`` for ``--loop.head``), for a command that layers
+defaults of its own under them (``mepo refine --preset``: what the user typed wins, even at its default value)."""
 
 
 def commands() -> dict:
@@ -93,6 +97,28 @@ def config_options(config, prefix: str = "--") -> list[str]:
     return options
 
 
+def typed_options(argv: list[str]) -> frozenset[str]:
+    """The option names on a command line, without their dashes.
+
+    Example:
+        >>> sorted(typed_options(["refine", "--preset", "best", "--loop.head=mlp", "--out", "-"]))
+        ['loop.head', 'out', 'preset']
+    """
+    return frozenset(m.group(1) for a in argv if (m := re.match(r"^--([^=]+)", a)))
+
+
+def typed(prefix: str) -> frozenset[str]:
+    """The fields of option group ``prefix`` typed on the running command's line (empty outside the CLI).
+
+    Example:
+        >>> token = TYPED.set(frozenset({"loop.head", "loop.lr_head", "out"}))
+        >>> sorted(typed("loop"))
+        ['head', 'lr_head']
+        >>> TYPED.reset(token)
+    """
+    return frozenset(name.removeprefix(f"{prefix}.") for name in TYPED.get() if name.startswith(f"{prefix}."))
+
+
 def _underscore_options(argv: list[str]) -> list[str]:
     """``--mepo-cov=x`` -> ``--mepo_cov=x``: dashes inside long option names become underscores."""
     def fix(arg: str) -> str:
@@ -124,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("kafka").setLevel(logging.WARNING)  # kafka-python narrates every connection at INFO
     args = _underscore_options(sys.argv[1:] if argv is None else argv)
     runners: dict[type, Callable] = {}
+    token = TYPED.set(typed_options(args))
     try:
         with stop_signals():  # SIGTERM takes SIGINT's path: every command's cleanup runs (mepo_stream.shutdown)
             result = CLI(_flatten(commands(), runners), args=args, as_positional=False, prog="mepo",
@@ -136,6 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     except Stopped as stop:  # stopped before its work was done; its cleanup has run
         print(f"mepo: stopped by {stop.name}", file=sys.stderr)
         raise SystemExit(stop.exit_code) from None
+    finally:
+        TYPED.reset(token)
 
 
 if __name__ == "__main__":

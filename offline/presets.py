@@ -3,7 +3,7 @@
 Why: users pay for refine minutes once and for accuracy on every prediction after, so each preset is a point
 on the measured frontier (docs/refine.md, written by ``benchmarks/refine_frontier.py``): its budget and the
 downstream accuracy it bought, on the machine that measured it. A preset sets the ``--loop.*`` and ``--tasks.*``
-fields it names; an option given on the command line with another value than its default wins over it.
+fields it names; an option typed on the command line wins over it, even at its default value.
 
 Example:
     >>> sorted(PRESETS)
@@ -49,8 +49,10 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def apply_preset(given: C, values: dict, default: C) -> C:
-    """``given`` (a config dataclass) with ``values`` set on every field it leaves at its ``default`` value.
+def apply_preset(given: C, values: dict, default: C, typed: frozenset[str] = frozenset()) -> C:
+    """``given`` (a config dataclass) with ``values`` set on every field it leaves at its ``default`` value, except
+    the fields in ``typed`` (typed on the command line: ``--preset paper --loop.mode finetune`` keeps finetune,
+    though it is the field's default).
 
     Example:
         >>> from dataclasses import dataclass
@@ -60,9 +62,11 @@ def apply_preset(given: C, values: dict, default: C) -> C:
         ...     epochs: int = 1
         >>> apply_preset(Loop(epochs=3), {"lr": 0.5, "epochs": 2}, Loop())
         Loop(lr=0.5, epochs=3)
+        >>> apply_preset(Loop(), {"lr": 0.5, "epochs": 2}, Loop(), typed=frozenset({"lr"}))
+        Loop(lr=1.0, epochs=2)
     """
     unknown = set(values) - {f.name for f in fields(given)}
     if unknown:
         raise ValueError(f"preset sets unknown fields {sorted(unknown)}")
-    keep = {f.name for f in fields(given) if getattr(given, f.name) != getattr(default, f.name)}
+    keep = typed | {f.name for f in fields(given) if getattr(given, f.name) != getattr(default, f.name)}
     return replace(given, **{k: v for k, v in values.items() if k not in keep})

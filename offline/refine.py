@@ -58,6 +58,7 @@ from tqdm import tqdm
 from mepo_stream.artifacts import BACKBONE, SIGMA_PRE, library_versions, write_bundle
 from mepo_stream.backbone import BackboneConfig, cls_feature, create_backbone, device, normalization, provenance
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
+from mepo_stream.cli import typed
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.errors import ConfigError
 from mepo_stream.meta import (
@@ -413,11 +414,11 @@ def refine(
             of three refine seeds): demo (16,000 images, 2.0 min on 2 cores: 53.9 / 79.6 %), balanced (50,000
             images, 5.8 min on 2 cores: 59.4 / 84.7 %), best (100,000 images, 10.7 min on 2 cores: 62.5 / 85.8 %),
             paper (the reference code's Meta Rep).
-            Options given with another value than their default win over it.
+            The options typed on the command line win over it, even at their default value.
     """
     if preset is not None:
-        loop = apply_preset(loop, PRESETS[preset].loop, RefineConfig())
-        tasks = apply_preset(tasks, PRESETS[preset].tasks, PseudoTaskConfig())
+        loop = apply_preset(loop, PRESETS[preset].loop, RefineConfig(), typed("loop"))
+        tasks = apply_preset(tasks, PRESETS[preset].tasks, PseudoTaskConfig(), typed("tasks"))
         log.info("preset %s: %s; %s", preset, loop, tasks)
     loop = replace(loop, head=loop.head_kind)  # the manifest records the head that trained
     if loop.precision == "int8":

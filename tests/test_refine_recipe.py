@@ -12,6 +12,7 @@ import torch
 from benchmarks.refine_frontier import recipe, refine_seed_groups
 from mepo_stream.artifacts import load_part, read_manifest
 from mepo_stream.backbone import BackboneConfig, create_backbone
+from mepo_stream.cli import main
 from mepo_stream.data import load_split
 from mepo_stream.errors import ConfigError
 from mepo_stream.meta import CosineHead
@@ -22,7 +23,7 @@ from offline.optim import create_optimizer, layer_scales, param_groups
 from offline.presets import PRESETS, apply_preset
 from offline.refine import Distributed, ISAStage, MetaModel, RefineConfig, Trainer, checkpoint_path, refine
 from tests.helpers import ROOT, TINY
-from tests.test_refine import DATA, GUARD, NO_COV, TASKS, initial_backbone, run_refine
+from tests.test_refine import CLI_ARGS, DATA, GUARD, NO_COV, TASKS, initial_backbone, run_refine
 
 RECIPE = RefineConfig(mode="finetune", meta_epochs=1, inner_epochs=1, batch_size=16, optimizer="adamw",
                       lr_backbone=1e-3, lr_head=1e-2, layer_decay=0.75, weight_decay=0.05, schedule="cosine",
@@ -149,6 +150,16 @@ def test_a_preset_sets_what_the_user_left_at_its_default(tmp_path):
     assert manifest["preset"] == "demo" and manifest["refine"]["head"] == "cosine"
     assert manifest["refine"]["optimizer"] == "adamw" and manifest["refine"]["inner_epochs"] == 2
     assert manifest["pseudo_tasks"]["samples_per_class"] == 5
+
+
+def test_on_the_command_line_a_typed_option_wins_over_the_preset_even_at_its_default(tmp_path):
+    """``--preset demo --loop.label_smoothing 0``: 0 is the field's default and the preset's is 0.1, but the user
+    typed it, so it holds; the fields not typed (the optimizer, the head) take the preset's."""
+    main(["refine", "--preset", "demo", "--out", str(tmp_path / "b"), *CLI_ARGS, "--loop.train_img_size", "16",
+          "--loop.label_smoothing", "0"])
+    loop = read_manifest(tmp_path / "b")["refine"]
+    assert (loop["label_smoothing"], loop["optimizer"], loop["head"]) == (0.0, "adamw", "cosine")
+    assert loop["batch_size"] == 16  # typed off its default: as before
 
 
 def test_the_presets_help_quotes_the_measured_frontier():
