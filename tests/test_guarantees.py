@@ -91,15 +91,23 @@ def test_a_checkpoint_written_while_the_loop_learns_on_holds_the_model_of_its_of
     assert int(first["learner"]["method"]["classifier.counts"].sum()) == 16  # not the 32+ learned meanwhile
 
 
-def test_a_failed_checkpoint_commits_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("first_in_flight_at_32", [False, True])
+def test_a_failed_checkpoint_commits_nothing(tmp_path, monkeypatch, first_in_flight_at_32):
+    """The second state write fails: the loop stops naming it, and only the first write's offsets are committed.
+    The second is the one due at offset 32 when the first is on disk by then, else the stream's end's (40: one
+    write in flight at a time). The second case is forced: the first write waits until 32 samples are learned."""
     state, loop, _ = service(tmp_path, checkpoint_every=16)
     events: list = []
-    calls = []
+    calls, failed = [], []
 
     def save_once_then_fail(path, saved):
         calls.append(1)
         if len(calls) > 1:
+            failed.append(saved["offsets"][f"{TOPIC}:0"])
             raise OSError("disk full")
+        deadline = time.monotonic() + 10
+        while first_in_flight_at_32 and state.samples_seen < 32 and time.monotonic() < deadline:
+            time.sleep(0.01)
         return save_checkpoint(path, saved)
 
     monkeypatch.setattr(state_module, "save_checkpoint", save_once_then_fail)
@@ -108,9 +116,10 @@ def test_a_failed_checkpoint_commits_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr("server.learner.stream.open_producer", lambda kafka, **_: loop.producer)
     monkeypatch.setattr("server.learner.stream.KafkaConsumer", lambda **_: consumer)
     loop._run()
-    assert loop.error == (f"StateWriteFailed: the state write of {TOPIC}:0 at offset 32 failed (OSError: disk full); "
-                          "the learner stops: nothing was committed past its last written state, a restart resumes "
-                          "from there")  # the loop stops, reports, and keeps serving
+    assert failed == [40] if first_in_flight_at_32 else failed in ([32], [40])
+    assert loop.error == (f"StateWriteFailed: the state write of {TOPIC}:0 at offset {failed[0]} failed (OSError: "
+                          "disk full); the learner stops: nothing was committed past its last written state, a "
+                          "restart resumes from there")  # the loop stops, reports, and keeps serving
     assert consumer.committed == load_checkpoint(state.cfg.checkpoint_dir / CHECKPOINT)["offsets"] == {f"{TOPIC}:0": 16}
 
 
