@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -137,11 +137,10 @@ class RefineConfig:
     """Train at this resolution (pixels; a multiple of the patch size) and write the bundle at --backbone.img_size:
     the position table is resampled on the fly, so a lower one trains more images per minute (null: train at
     --backbone.img_size, as the code does)."""
-    head: HeadKind | None = None
+    head: HeadKind = "mlp"
     """The training head on the CLS feature, thrown away after the refine: mlp (Linear-ReLU-Linear, the reference's)
     or cosine (the scaled cosine to each class's weight vector, Baseline++: with --preset best, 1.3 points more on
-    Tiny-ImageNet downstream and 1.2 on CIFAR-10 over three refine seeds, docs/refine.md). null: the presets' cosine
-    under a preset, else mlp; ``--preset best --loop.head mlp`` keeps the reference's head."""
+    Tiny-ImageNet downstream and 1.2 on CIFAR-10 over three refine seeds, docs/refine.md; the presets' head)."""
     head_scale: float = 16.0
     """With --loop.head cosine: the logit scale, the inverse of the softmax's temperature."""
     batch_size: int = 256
@@ -156,16 +155,6 @@ class RefineConfig:
     """Autocast precision of the forward passes (weights and optimizer stay fp32): auto = bf16 where the hardware
     multiplies bf16 natively (2.5-3x faster training on an AVX512-BF16 CPU), fp32 elsewhere. int8 (offered as by
     --learner.precision) is refused: the refine trains the backbone, and quantised layers cannot be trained."""
-
-    @property
-    def head_kind(self) -> HeadKind:
-        """The training head that ``head`` names, null read as the reference's mlp.
-
-        Example:
-            >>> RefineConfig().head_kind, RefineConfig(head="cosine").head_kind
-            ('mlp', 'cosine')
-        """
-        return self.head or "mlp"
 
 
 PAPER_REFINE = RefineConfig(mode="meta", freeze=())
@@ -249,7 +238,7 @@ class Trainer:
         """The backbone with a meta head on this rank's device (DDP-wrapped under torchrun), the optimizer over
         the backbone's and head's learning rates, and the training and test transforms at the training size."""
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else device()
-        model = MetaModel(create_backbone(backbone), len(images.classes), cfg.head_kind, cfg.head_scale).to(dev)
+        model = MetaModel(create_backbone(backbone), len(images.classes), cfg.head, cfg.head_scale).to(dev)
         frozen = freeze(model.backbone, cfg.freeze)
         log.info("frozen: %d tensors under %s", len(frozen), list(cfg.freeze) or "nothing")
         img, (mean, std) = model.backbone.patch_embed.img_size[0], normalization(model.backbone)
@@ -420,7 +409,6 @@ def refine(
         loop = apply_preset(loop, PRESETS[preset].loop, RefineConfig(), typed("loop"))
         tasks = apply_preset(tasks, PRESETS[preset].tasks, PseudoTaskConfig(), typed("tasks"))
         log.info("preset %s: %s; %s", preset, loop, tasks)
-    loop = replace(loop, head=loop.head_kind)  # the manifest records the head that trained
     if loop.precision == "int8":
         raise ConfigError("--loop.precision int8: the refine trains the backbone, and int8 layers cannot be "
                           "trained; use auto, bf16 or fp32 (int8 serves a frozen backbone: --learner.precision)")

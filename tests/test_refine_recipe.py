@@ -138,9 +138,9 @@ def test_a_preset_sets_what_the_user_left_at_its_default(tmp_path):
     assert apply_preset(PseudoTaskConfig(), PRESETS["best"].tasks, PseudoTaskConfig()).samples_per_class == 250
     paper = apply_preset(RefineConfig(), PRESETS["paper"].loop, RefineConfig())
     assert (paper.mode, paper.freeze, paper.optimizer, paper.head) == ("meta", (), "sgd", "mlp")
-    heads = {given: apply_preset(RefineConfig(head=given), PRESETS["best"].loop, RefineConfig()).head
-             for given in (None, "mlp", "cosine")}
-    assert heads == {None: "cosine", "mlp": "mlp", "cosine": "cosine"}  # the reference's head stays one option away
+    heads = {typed: apply_preset(RefineConfig(), PRESETS["best"].loop, RefineConfig(), frozenset(typed)).head
+             for typed in ((), ("head",))}
+    assert heads == {(): "cosine", ("head",): "mlp"}  # the reference's head stays one typed option away
     with pytest.raises(ValueError, match="unknown fields"):
         apply_preset(RefineConfig(), {"lr": 1.0}, RefineConfig())
     out = refine(tmp_path / "p", backbone=TINY, data=DATA, tasks=replace(TASKS, samples_per_class=5),
