@@ -30,6 +30,7 @@ from torch import nn
 
 from mepo_stream.alignment import cholesky
 from mepo_stream.class_means import ClassMeans
+from mepo_stream.fixed_shape import in_blocks
 
 
 class RunningStandardize(nn.Module):
@@ -123,8 +124,11 @@ class StreamingLDA(ClassStatistics):
     """Streaming LDA with a shrunk shared covariance; shrinkage chosen prequentially among ``shrinkage``."""
 
     def __init__(self, dim: int, n_classes: int, shrinkage: tuple[float, ...] = (0.05, 0.1, 0.2, 0.4),
-                 prior: torch.Tensor | None = None):
+                 prior: torch.Tensor | None = None, block_rows: int | None = None):
         super().__init__(dim, n_classes)
+        self.block_rows = block_rows
+        """The prequential scores run on blocks of exactly this many rows (``mepo_stream.fixed_shape``), so a
+        sample's hits do not depend on the size of the mini-batch it came in (None: the batch as it is)."""
         if not shrinkage or not all(0.0 <= lam <= 1.0 for lam in shrinkage):
             raise ValueError(f"shrinkage candidates must be in [0, 1], got {shrinkage}")
         target = torch.eye(dim, dtype=torch.float64) if prior is None else prior.double()
@@ -197,7 +201,8 @@ class StreamingLDA(ClassStatistics):
         hits = torch.zeros(len(self.shrinkage), dtype=torch.float64, device=self.hits.device)
         if self.seen > 0:
             for k in range(len(self.shrinkage)):
-                hits[k] = (self.scores(h, k).argmax(1) == y.to(h.device)).sum()
+                predicted = in_blocks(lambda rows, k=k: self.scores(rows, k).argmax(1), self.block_rows, h)  # [B]
+                hits[k] = (predicted == y.to(h.device)).sum()
         return hits
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:

@@ -162,7 +162,7 @@ def make_classifier(cfg: LearnerConfig, dim: int, n_classes: int, alignment: Fea
         if alignment is None:
             raise ConfigError("--learner.slda_prior sigma_pre needs Sigma_pre: give a MePo bundle with Meta Cov")
         prior = alignment.sigma_pre()
-    return StreamingLDA(dim, n_classes, cfg.slda_shrinkage, prior)
+    return StreamingLDA(dim, n_classes, cfg.slda_shrinkage, prior, block_rows=cfg.batch_size)
 
 
 def readout(cfg: LearnerConfig, backbone: VisionTransformer, n_classes: int, alignment: FeatureAlignment | None,

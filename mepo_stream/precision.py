@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import os
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Literal
@@ -23,12 +24,18 @@ from typing import Literal
 import torch
 
 
+_ONEDNN_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI"})
+"""Values of ``ONEDNN_MAX_CPU_ISA`` that keep oneDNN, which runs the CPU's bf16 matrix products, off bf16 hardware."""
+
+
 def native_bf16(device: torch.device) -> bool:
     """Whether ``device`` multiplies bf16 matrices in hardware: a CUDA GPU that supports bf16, or a CPU with AMX
-    or AVX512-BF16 (there bf16 autocast runs the backbone 2.5-3x faster than fp32; docs/performance.md)."""
+    or AVX512-BF16 (there bf16 autocast runs the backbone 2.5-3x faster than fp32; docs/performance.md) whose
+    oneDNN is not capped below them (``ONEDNN_MAX_CPU_ISA=AVX2``: how a bf16 machine acts like one without)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
+    capped = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in _ONEDNN_WITHOUT_BF16
+    return device.type == "cpu" and not capped and bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
 
 
 @functools.cache

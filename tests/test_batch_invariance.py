@@ -16,6 +16,7 @@ import torch
 
 from mepo_stream.backbone import BackboneConfig
 from mepo_stream.learner import LearnerConfig
+from mepo_stream.methods.base import Encoded
 from mepo_stream.model import ModelConfig, create_model
 from mepo_stream.precision import native_bf16
 
@@ -47,7 +48,7 @@ def test_the_same_images_give_the_same_features_at_every_batch_size(device, prec
     cfg = ModelConfig(backbone=BackboneConfig(name="vit_small_patch14_dinov2", weights=None, img_size=84),
                       learner=LearnerConfig(precision=precision, batch_size=BATCH))
     model = create_model(cfg, 10, torch.device(device))
-    model.backbone.blocks = model.backbone.blocks[:3]  # every layer's shapes, at a quarter of the time
+    model.backbone.blocks = model.backbone.blocks[:1]  # every block has the same shapes: one holds them all
     images = torch.randint(0, 256, (BATCH, 3, 84, 84), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     full = model.encode_images(images).feature  # [BATCH, D]
     for size in (16, 8, 3):
@@ -83,3 +84,27 @@ def test_every_forward_runs_in_the_learners_fixed_shape_whatever_the_kernels_do(
         alone = model.predict_proba(images[:1], n_seen=3)
         among = model.predict_proba(images[:3], n_seen=3)[:1]
         assert torch.equal(alone, among) is invariant
+
+
+@pytest.mark.parametrize("classifier", ["slda", "ncm", "linear"])
+def test_a_features_readout_does_not_depend_on_the_rows_read_out_with_it(classifier):
+    """Every head reads a row out in the learner's fixed shape: a matrix product of 1 row takes another kernel than
+    one of many, and rounds differently (seen on every CPU here, fp32 and fp64), so without the blocks one image's
+    logits alone differ in the last bits from its logits among a full batch."""
+    learner = LearnerConfig(batch_size=BATCH, precision="fp32", classifier=classifier)
+    cfg = ModelConfig(backbone=BackboneConfig(name="test_vit", weights=None, img_size=32), learner=learner)
+    model = create_model(cfg, 5)
+    features = torch.randn(BATCH + 5, model.backbone.num_features, generator=torch.Generator().manual_seed(2))
+    labels = torch.arange(BATCH + 5) % 5
+    if model.classifier is not None:
+        model.classifier.update(features, labels)
+    model.eval()
+
+    def logits(rows: torch.Tensor) -> torch.Tensor:
+        return model.predict_logits(Encoded(rows, torch.zeros(())), n_seen=5)
+
+    everything = logits(features)  # [BATCH + 5, 5]: a full block and a padded one
+    for i in (0, 3, BATCH - 1, BATCH + 4):
+        assert torch.equal(logits(features[i:i + 1]), everything[i:i + 1]), f"row {i} alone"
+    assert torch.equal(logits(features[:3]), everything[:3])
+

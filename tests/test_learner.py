@@ -8,6 +8,7 @@ from mepo_stream.alignment import AlignmentConfig
 from mepo_stream.errors import ConfigError
 from mepo_stream.learner import PAPER_RECIPE, LearnerConfig, OnlineLearner
 from mepo_stream.model import ModelConfig, create_model
+from mepo_stream.precision import native_bf16, resolve_precision
 from tests.helpers import TINY, color_images, learner_of, sigma_file
 
 # the MISA tests run the paper's recipe (the SGD-trained linear head), where these mechanisms matter
@@ -138,6 +139,14 @@ def test_bf16_autocast_learns_like_fp32():
     assert learners["bf16"].method.classifier.sums.dtype == torch.float64
     test = torch.arange(4).repeat(8)
     assert accuracy(learners["bf16"], test) >= accuracy(learners["fp32"], test) - 0.1
+
+
+def test_auto_precision_is_fp32_where_onednn_is_capped_below_bf16(monkeypatch):
+    """``ONEDNN_MAX_CPU_ISA=AVX2`` keeps oneDNN off bf16 hardware, so ``auto`` must not pick bf16 there: that is how a
+    bf16 machine acts like a CPU without it (docs/performance.md)."""
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")
+    assert resolve_precision("auto", torch.device("cpu")) == torch.float32
+    assert not native_bf16(torch.device("cpu"))
 
 
 def test_int8_backbone_learns_like_fp32_and_checkpoints_without_it():

@@ -23,6 +23,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from mepo_stream.alignment import AlignMode, FeatureAlignment
+from mepo_stream.fixed_shape import in_blocks, pad_rows
 from mepo_stream.precision import autocast
 from mepo_stream.transforms import Transform
 
@@ -58,9 +59,9 @@ class Readout:
     """``mepo_stream.model.weights_sha256`` of the backbone as built, before any cast."""
     forward_batch: int | None = None
     """Every eval-mode forward of the learning path runs on exactly this many images (None: as many as given):
-    ``encode_images``."""
+    ``encode_images``; every readout of features (``predict_logits``) on exactly this many rows."""
     invariant_predictions: bool = False
-    """Predictions (``predict_proba``) run in the learning path's fixed shape too."""
+    """Predictions (``predict_proba``) encode their images in the learning path's fixed shape too."""
 
 
 class ContinualMethod(nn.Module):
@@ -189,7 +190,7 @@ class ContinualMethod(nn.Module):
         size = self.forward_batch if fixed_shape else None
         if size is None or len(images) == 0:
             return self._encode(images)
-        parts = [self._encode(_pad(chunk, size), len(chunk)) for chunk in images.split(size)]
+        parts = [self._encode(pad_rows(chunk, size), len(chunk)) for chunk in images.split(size)]
         if len(parts) == 1:  # the learner's full mini-batch, or a partial one: nothing to join
             return parts[0]
         scales = [p.logit_scale for p in parts]
@@ -206,8 +207,14 @@ class ContinualMethod(nn.Module):
     @torch.inference_mode()
     def predict_logits(self, encoded: Encoded, n_seen: int, align_mode: AlignMode = "running") -> torch.Tensor:
         """Logits [B, C] in head order of an encoding; outputs past the ``n_seen`` classes seen so far are -inf
-        under the seen mask."""
-        logits = self.logits(encoded, align_mode).float()
+        under the seen mask.
+
+        Why in blocks of ``forward_batch`` rows (``mepo_stream.fixed_shape``): a row's logits then do not depend
+        on how many rows were read out with it, as its feature does not. The batch alignment is the exception:
+        it aligns each row by its batch's moments, by design."""
+        size = None if align_mode == "batch" else self.forward_batch
+        logits = in_blocks(lambda h, scale: self.logits(Encoded(h, encoded.aux_loss, scale), align_mode),
+                           size, encoded.feature, encoded.logit_scale).float()
         if self.eval_mask == "seen":
             logits[:, n_seen:] = float("-inf")
         return logits
@@ -236,8 +243,3 @@ class ContinualMethod(nn.Module):
         self.backbone.eval()  # the frozen backbone never runs in training mode (no dropout, drop-path)
         return self
 
-
-def _pad(images: torch.Tensor, size: int) -> torch.Tensor:
-    """uint8 images [B, 3, H, W], B <= size, padded with black images to [size, 3, H, W]."""
-    missing = size - len(images)
-    return images if missing == 0 else torch.cat([images, images.new_zeros(missing, *images.shape[1:])])
