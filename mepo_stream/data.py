@@ -6,7 +6,10 @@ Bundled names (archives in ``../shared/data`` or ``$MEPO_DATA_DIR``):
 * ``tinyimagenet-downstream``: the Tiny-ImageNet classes at sorted-wnid positions 100-199 (the Si-Blurry
   downstream half; 250 train / 50 val each).
 * ``tinyimagenet-pretrain``: positions 0-99, reserved for ``refine`` and the Sigma_pre reference set. The
-  two halves are disjoint, so no refinement class ever appears downstream.
+  two halves are disjoint, so no refinement class ever appears downstream. Its training split has all 500 images
+  of each class when the data folder also holds ``tinyimagenet200_pretrain_extra.tar.gz`` (the other 250 of the
+  original 500; each class's base images first), else the base archive's 250;
+  ``tinyimagenet-pretrain-base`` is the 250 alone.
 
 Anything else is a path to an ImageFolder root with ``train/`` and ``test/`` (or ``val/``) class folders.
 A split is decoded once into a uint8 tensor [N, 3, H, W] in memory (25k 64x64 images are 300 MB), because
@@ -46,12 +49,28 @@ ARCHIVES = {
         "tinyimagenet200.tar.gz", "3dd1a2c1ad23a477e7e0eaa5c5c1b35cd71fe4f2270551fa61844d5f5b73b1b4",
         "tinyimagenet200",
     ),
+    "tinyimagenet_pretrain_extra": Archive(
+        "tinyimagenet200_pretrain_extra.tar.gz", "a1a96599dec9395ec6e6bacc05ba3ecce1cef9c8f0a3158915f49d06ed0b9155",
+        "tinyimagenet200_pretrain_extra",
+    ),
 }
-# bundled dataset name -> (archive, slice of the sorted class folders)
+
+
+@dataclass(frozen=True)
+class Bundled:
+    """A bundled dataset: its archive, the slice of its sorted class folders, and an optional archive of more
+    training images of the same classes, used when the data folder holds it."""
+
+    archive: str
+    classes: slice
+    extra_train: str | None = None
+
+
 BUNDLED = {
-    "cifar10": ("cifar10", slice(None)),
-    "tinyimagenet-downstream": ("tinyimagenet", slice(100, 200)),
-    "tinyimagenet-pretrain": ("tinyimagenet", slice(0, 100)),
+    "cifar10": Bundled("cifar10", slice(None)),
+    "tinyimagenet-downstream": Bundled("tinyimagenet", slice(100, 200)),
+    "tinyimagenet-pretrain": Bundled("tinyimagenet", slice(0, 100), extra_train="tinyimagenet_pretrain_extra"),
+    "tinyimagenet-pretrain-base": Bundled("tinyimagenet", slice(0, 100)),
 }
 
 
@@ -91,7 +110,7 @@ def data_dir(configured: Path | None = None) -> Path:
     candidates = [configured, os.environ.get("MEPO_DATA_DIR"),
                   Path(__file__).resolve().parents[2] / "shared" / "data", Path.cwd().parent / "shared" / "data"]
     for c in filter(None, candidates):
-        if any((Path(c) / a.file).is_file() for a in ARCHIVES.values()):
+        if any((Path(c) / ARCHIVES[a].file).is_file() for a in ("cifar10", "tinyimagenet")):
             return Path(c)
     raise FileNotFoundError(
         "bundled dataset archives not found: pass --data.data_dir or set MEPO_DATA_DIR to the folder holding "
@@ -123,15 +142,21 @@ def _class_names(root: Path, folders: list[str]) -> list[str]:
     return [table.get(f, f).split(",")[0] for f in folders]
 
 
-def _resolve(cfg: DataConfig) -> tuple[Path, slice]:
+def _resolve(cfg: DataConfig, split: str) -> tuple[list[Path], slice]:
+    """The dataset's roots (the first one's class folders name the classes; the others add images to them) and the
+    slice of its sorted class folders."""
     if cfg.dataset in BUNDLED:
-        archive, classes = BUNDLED[cfg.dataset]
-        return extract(archive, cfg.data_dir), classes
+        bundled = BUNDLED[cfg.dataset]
+        roots = [extract(bundled.archive, cfg.data_dir)]
+        extra = bundled.extra_train
+        if split == "train" and extra and (data_dir(cfg.data_dir) / ARCHIVES[extra].file).is_file():
+            roots.append(extract(extra, cfg.data_dir))
+        return roots, bundled.classes
     root = Path(cfg.dataset)
     if not root.is_dir():
         raise FileNotFoundError(f"dataset {cfg.dataset!r} is neither a bundled name ({', '.join(BUNDLED)}) "
                                 "nor an ImageFolder root")
-    return root, slice(None)
+    return [root], slice(None)
 
 
 def _split_dir(root: Path, split: str) -> Path:
@@ -154,19 +179,27 @@ class FileList:
 
 def list_files(cfg: DataConfig, split: str) -> FileList:
     """The ``train`` or ``test`` split of ``cfg`` as files, in dataset order (what the producer replays)."""
-    root, class_slice = _resolve(cfg)
-    split_root = _split_dir(root, split)
-    folders = sorted(p.name for p in split_root.iterdir() if p.is_dir())[class_slice][: cfg.num_classes]
+    roots, class_slice = _resolve(cfg, split)
+    split_roots = [_split_dir(root, split) for root in roots]
+    folders = sorted(p.name for p in split_roots[0].iterdir() if p.is_dir())[class_slice][: cfg.num_classes]
     per_class = cfg.train_per_class if split == "train" else cfg.test_per_class
     files, targets = [], []
-    for label, folder in enumerate(folders):  # names sorted as strings: Path comparisons cost 2 s on CIFAR-10
-        names = sorted(e.name for e in os.scandir(split_root / folder)
-                       if os.path.splitext(e.name)[1].lower() in IMAGE_SUFFIXES)
-        files += [split_root / folder / name for name in names[:per_class]]
-        targets += [label] * len(names[:per_class])
+    for label, folder in enumerate(folders):
+        paths = [path for split_root in split_roots for path in _images(split_root / folder)][:per_class]
+        files += paths
+        targets += [label] * len(paths)
     if not files:
-        raise ValueError(f"{split_root}: no images found")
-    return FileList(files, targets, folders, _class_names(root, folders))
+        raise ValueError(f"{split_roots[0]}: no images found")
+    return FileList(files, targets, folders, _class_names(roots[0], folders))
+
+
+def _images(folder: Path) -> list[Path]:
+    """The images of a class folder, names sorted as strings (Path comparisons cost 2 s on CIFAR-10); none when
+    the folder is absent (an extra archive without that class)."""
+    if not folder.is_dir():
+        return []
+    names = sorted(e.name for e in os.scandir(folder) if os.path.splitext(e.name)[1].lower() in IMAGE_SUFFIXES)
+    return [folder / name for name in names]
 
 
 def load_split(cfg: DataConfig, split: str) -> ImageSet:

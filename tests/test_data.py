@@ -3,7 +3,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mepo_stream.data import DataConfig, list_files, load_split
+from mepo_stream.data import ARCHIVES, DataConfig, data_dir, list_files, load_split
 from mepo_stream.images import ImageLimits, decode_image
 
 
@@ -16,6 +16,25 @@ def test_tinyimagenet_halves_are_disjoint():
     assert down.class_names[0] != down.classes[0]  # human-readable names from words.txt
     first = load_split(DataConfig("tinyimagenet-downstream", num_classes=3, train_per_class=2), "train")
     assert first.classes == down.classes[:3] and first.targets.tolist() == [0, 0, 1, 1, 2, 2]
+
+
+def test_the_pretraining_half_has_all_500_images_a_class_when_the_extra_archive_is_there(tmp_path):
+    """Each class's 250 base images first (so ``train_per_class`` up to 250 picks what it always did), then the
+    extra archive's; without that archive, or by the base name, the 250 alone. The test split gains nothing."""
+    if not (data_dir() / ARCHIVES["tinyimagenet_pretrain_extra"].file).is_file():
+        pytest.skip("needs tinyimagenet200_pretrain_extra.tar.gz in the data folder")
+    full = list_files(DataConfig(dataset="tinyimagenet-pretrain"), "train")
+    base = list_files(DataConfig(dataset="tinyimagenet-pretrain-base"), "train")
+    assert len(base.files) == 25_000 and len(full.files) == 49_998  # two duplicates left out of the extra archive
+    assert full.classes == base.classes and full.files[:250] == base.files[:250]
+    assert {int(f.stem.rsplit("_", 1)[1]) for f in full.files[250:500]} == set(range(250, 500))
+    assert list_files(DataConfig(dataset="tinyimagenet-pretrain", train_per_class=7), "train").files == [
+        f for c in range(100) for f in base.files[250 * c:250 * c + 7]]
+    assert len(list_files(DataConfig(dataset="tinyimagenet-pretrain"), "test").files) == 5_000
+    shared = data_dir()
+    (tmp_path / ARCHIVES["tinyimagenet"].file).symlink_to(shared / ARCHIVES["tinyimagenet"].file)
+    alone = list_files(DataConfig(dataset="tinyimagenet-pretrain", data_dir=tmp_path), "train")
+    assert alone.files == base.files
 
 
 def test_per_class_subsampling_and_test_split(cifar_small):
