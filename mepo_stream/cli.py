@@ -14,11 +14,15 @@ service and ``mepo evaluate`` share option names.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import io
 import json
 import logging
 import re
 import sys
+import textwrap
 import typing
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -60,6 +64,79 @@ def config_of(command: Callable) -> type | None:
     if len(params) == 1 and dataclasses.is_dataclass(params[0][1]):
         return params[0][1]
     return None
+
+
+def inherited_from(config: type, configs: list[type]) -> type | None:
+    """The other command's config that ``config`` extends (``ExportConfig`` extends ``ServeConfig``), else None."""
+    return next((base for base in config.__mro__[1:] if base in configs), None)
+
+
+def brief_help(text: str, own: set[str], command: str, parent: str) -> str:
+    r"""The ``--help`` of ``command``, whose config extends ``parent``'s: its own options in full, first, and the
+    inherited ones by name and by group, behind a pointer to the other command's help (``mepo export --help`` was
+    hundreds of lines of ``mepo serve``'s options).
+
+    Example:
+        >>> full = ("usage: mepo [-h]\n       [--kafka.topic T]\n\nExports.\n\noptions:\n"
+        ...         "  -h, --help  Show this help.\n  --port PORT  The port.\n  --out OUT  Where.\n"
+        ...         "              (default: x)\n\nBroker:\n  --kafka.topic T  The topic.\n")
+        >>> print(brief_help(full, {"out"}, "mepo export", "serve"))
+        usage: mepo export [options]
+        <BLANKLINE>
+        Exports.
+        <BLANKLINE>
+        options:
+          -h, --help  Show this help.
+          --out OUT  Where.
+                      (default: x)
+        <BLANKLINE>
+        Every mepo serve option applies too; mepo serve --help documents each:
+          * --port
+          * --kafka.*: Broker (1 option)
+    """
+    def name(entry: str) -> str:
+        return re.search(r"--([\w.]+)", entry).group(1)
+
+    kept, inherited, groups = [f"usage: {command} [options]"], [], {}
+    for section in text.rstrip("\n").split("\n\n")[1:]:
+        lines = section.split("\n")
+        entries: list[list[str]] = []
+        for line in lines[1:]:
+            if line.startswith("  -"):
+                entries.append([line])
+            elif entries:
+                entries[-1].append(line)
+        if not entries:  # the description
+            kept.append(section)
+        elif lines[0] == "options:":
+            mine = [e for e in entries if name(e[0]) in own | {"help", "config", "print_config"}]
+            kept.append("\n".join([lines[0], *(line for e in mine for line in e)]))
+            inherited += [f"--{name(e[0])}" for e in entries if e not in mine]
+        elif (group := name(entries[0][0]).split(".")[0]) in own:
+            kept.append(section)
+        else:
+            title, count = groups.setdefault(group, (lines[0].rstrip(":"), 0))
+            groups[group] = title, count + sum(1 for e in entries if "." in name(e[0]))
+    listed = textwrap.wrap(", ".join(inherited), 116, initial_indent="  * ", subsequent_indent="    ")
+    listed += [f"  * --{g}.*: {title} ({n} option{'s' * (n != 1)})" for g, (title, n) in groups.items()]
+    pointer = f"Every mepo {parent} option applies too; mepo {parent} --help documents each:"
+    return "\n\n".join(kept) + ("\n\n" + "\n".join([pointer, *listed]) if listed else "")
+
+
+def _brief(tree: dict, argv: list[str]) -> tuple[set[str], str, str] | None:
+    """For ``--help`` of a command whose config extends another command's: its own option names, its command line
+    and the other command's name (``brief_help``); else None."""
+    node: object = tree
+    path = []
+    for arg in argv:
+        if arg.startswith("-") or not isinstance(node, dict) or arg not in node:
+            break
+        node, path = node[arg], [*path, arg]
+    names = {config: name for name, config in tree.items() if isinstance(config, type)}
+    parent = inherited_from(node, list(names)) if isinstance(node, type) else None
+    if parent is None:
+        return None
+    return set(vars(node).get("__annotations__", {})), " ".join(["mepo", *path]), names[parent]
 
 
 def _flatten(tree: dict, runners: dict[type, Callable]) -> dict:
@@ -151,10 +228,18 @@ def main(argv: list[str] | None = None) -> None:
     args = _underscore_options(sys.argv[1:] if argv is None else argv)
     runners: dict[type, Callable] = {}
     token = TYPED.set(typed_options(args))
+    tree = _flatten(commands(), runners)
+    cli = functools.partial(CLI, tree, args=args, as_positional=False, prog="mepo",
+                            description="MePo streaming continual learner: refine, evaluate, serve.")
+    if {"-h", "--help"} & set(args) and (brief := _brief(tree, args)) is not None:
+        full = io.StringIO()
+        with contextlib.redirect_stdout(full), contextlib.suppress(SystemExit):
+            cli()
+        print(brief_help(full.getvalue(), *brief))
+        raise SystemExit(0)  # as argparse's own --help
     try:
         with stop_signals():  # SIGTERM takes SIGINT's path: every command's cleanup runs (mepo_stream.shutdown)
-            result = CLI(_flatten(commands(), runners), args=args, as_positional=False, prog="mepo",
-                         description="MePo streaming continual learner: refine, evaluate, serve.")
+            result = cli()
             if type(result) in runners:
                 runners[type(result)](result)
     except ConfigError as e:  # the user's to fix: one line, no traceback

@@ -37,6 +37,9 @@ from server.web.app import create_app
 
 log = logging.getLogger(__name__)
 DEMO_LABELS_TOPIC = "mepo.labels"
+DEMO_LABELS_RATE = 25.0
+"""Records a second of the demo's replay when its labels come later: a delay of 50 to 200 records is then 2 to 8 s,
+within which the demo's learner keeps up on a CPU (docs/labels-later.md)."""
 """The demo's labels topic when ``--replay.label_delay`` is given without ``--kafka.labels_topic``."""
 
 
@@ -102,17 +105,17 @@ def _summary(app: FastAPI, wall_time: float) -> None:
         join = status.get("label_join")
         later = {} if join is None else {"delayed_accuracy": join["delayed_accuracy"],
                                          "images_waiting": join["images"]["waiting"]}
-        print(json.dumps({k: status[k] for k in keys} | {"prequential": status["prequential_accuracy"]["cumulative"]}
-                         | later | {"a_auc": status["anytime_accuracy"]["a_auc"],
-                                    "evaluations": status["anytime_accuracy"]["evaluations"],
-                                    "wall_time_s": round(wall_time, 1)}))
+        summary = ({k: status[k] for k in keys} | {"prequential": status["prequential_accuracy"]["cumulative"]}
+                   | later | {"a_auc": status["anytime_accuracy"]["a_auc"],
+                              "evaluations": status["anytime_accuracy"]["evaluations"],
+                              "wall_time_s": round(wall_time, 1)})
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()}))
 
 
 def demo(cfg: DemoConfig = DemoConfig()) -> None:
     """Start a local broker, replay a Si-Blurry stream of bundled data into it, and serve the learner (the
     options are ``DemoConfig``'s: every ``mepo serve`` option plus --replay.*, --until_done, --embedded_broker)."""
-    if cfg.replay.label_delay is not None and cfg.kafka.labels_topic is None:  # one flag shows labels coming later
-        cfg = replace(cfg, kafka=replace(cfg.kafka, labels_topic=DEMO_LABELS_TOPIC))
+    cfg = labels_later(cfg)
     cfg.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     (cfg.checkpoint_dir / CHECKPOINT).unlink(missing_ok=True)  # the in-memory broker starts empty too
     broker = EmbeddedBroker(log_path=cfg.checkpoint_dir.parent / "broker.log") if cfg.embedded_broker \
@@ -124,6 +127,20 @@ def demo(cfg: DemoConfig = DemoConfig()) -> None:
         with child_process(_producer_command(cfg)) as producer:  # stopped on every way out, as the broker is
             app, wall_time = _serve_demo(cfg, producer)
         _summary(app, wall_time)
+
+
+def labels_later(cfg: DemoConfig) -> DemoConfig:
+    """One flag shows labels coming later: ``--replay.label_delay`` alone gives the demo a labels topic and a
+    replay pace (``DEMO_LABELS_RATE``). Unthrottled, the learner would read every image before the first label, and
+    predict each one before its class was learned: a delay in records means something only at a pace."""
+    if cfg.replay.label_delay is None:
+        return cfg
+    if cfg.kafka.labels_topic is None:
+        cfg = replace(cfg, kafka=replace(cfg.kafka, labels_topic=DEMO_LABELS_TOPIC))
+    if cfg.replay.rate is None:
+        log.info("labels later: replaying at %g records/s (--replay.rate sets it)", DEMO_LABELS_RATE)
+        cfg = replace(cfg, replay=replace(cfg.replay, rate=DEMO_LABELS_RATE))
+    return cfg
 
 
 def _serve_demo(cfg: DemoConfig, producer: subprocess.Popen) -> tuple[FastAPI, float]:

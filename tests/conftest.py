@@ -5,6 +5,7 @@ Helpers live in ``tests/helpers.py``; test modules import them from there, not f
 
 from __future__ import annotations
 
+import re
 import types
 from pathlib import Path
 
@@ -101,3 +102,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         for mark in sorted(tiers(item)):
             item.add_marker(mark)
+
+
+MISSING_TOOL = re.compile(r"apt-get install ([a-z][a-z0-9 -]*[a-z0-9])")
+"""How a test that needs a real component this machine lacks says so (``pytest.skip(... apt-get install NAME)``)."""
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """End the run by naming the real components it skipped for want of them, and how to install them (what
+    ``.ci/run`` does): a skip list alone is easy to miss."""
+    missing: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if found := MISSING_TOOL.search(reason):
+            missing[found.group(1)] = missing.get(found.group(1), 0) + 1
+    if missing:
+        terminalreporter.section("real components not run here")
+        for packages, count in sorted(missing.items()):
+            terminalreporter.write_line(f"{count} test(s) skipped: no {packages}")
+        packages = " ".join(sorted({p for names in missing for p in names.split()}))
+        terminalreporter.write_line(f"install them as CI does (.ci/run), then run make test again: "
+                                    f"sudo apt-get install -y --no-install-recommends {packages}")

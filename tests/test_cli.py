@@ -268,3 +268,15 @@ def test_each_command_function_carries_the_command_name():
     renamed = {ep.name: ep.value for ep in entry_points(group=COMMANDS_GROUP)
                if "." not in ep.name and ep.value.rsplit(":", 1)[1] != ep.name}
     assert not renamed, renamed
+
+
+@pytest.mark.parametrize("command,own", [("export", "--format"), ("demo", "--replay.rate")])
+def test_a_command_that_extends_serve_shows_its_own_options_first_and_points_to_serves(command, own):
+    """``mepo export --help`` was 663 lines, nearly all of them ``mepo serve``'s options: now its own options come in
+    full, and the inherited ones by name and group, behind a pointer (``mepo serve --help`` stays whole)."""
+    text = help_text((command,))
+    assert text.startswith(f"usage: mepo {command} [options]") and len(text.splitlines()) < 160
+    assert own in help_entries(text) and "--learner.precision" not in help_entries(text)
+    pointer = text.index("Every mepo serve option applies too; mepo serve --help documents each:")
+    assert text.index(own) < pointer and "--kafka.*: Broker" in text[pointer:] and "--port" in text[pointer:]
+    assert "--learner.precision" in help_entries(help_text(("serve",)))

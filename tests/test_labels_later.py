@@ -29,10 +29,11 @@ from mepo_stream.label_join import JoinConfig
 from mepo_stream.records import label_headers, record_headers
 from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
 from producers.siblurry import produce, stream_id
-from server.config import ServeConfig
+from server.config import DemoConfig, ServeConfig
 from server.learner.partitioned import open_group_learner
 from server.learner.state import build_learner
 from server.metrics import ServerMetrics
+from server.serve import DEMO_LABELS_RATE, DEMO_LABELS_TOPIC, labels_later
 from tests.fakes import FakeRecord, jpeg, service
 from tests.helpers import DATA, NO_BROKER, LiveServer, checkpoint, http_client, serve_process, settings, wait_for
 
@@ -250,3 +251,13 @@ def test_a_group_of_learners_refuses_labels_that_come_later_with_why(tmp_path):
     cfg = replace(cfg, kafka=replace(cfg.kafka, state_topic="state"))
     with pytest.raises(ConfigError, match="a label must reach the learner that holds its image"):
         open_group_learner(cfg, ServerMetrics())
+
+
+def test_the_demos_labels_later_flag_gives_it_a_labels_topic_and_a_pace_the_delay_means_something_at():
+    """Unthrottled, the learner reads every image before the first label and predicts each before its class is
+    learned (a delayed accuracy near chance); ``--replay.label_delay`` alone paces the replay. What the user set
+    stays, and a demo with labels attached is left as it is."""
+    late = labels_later(DemoConfig(replay=ReplayConfig(label_delay=50, label_delay_max=200)))
+    assert late.kafka.labels_topic == DEMO_LABELS_TOPIC and late.replay.rate == DEMO_LABELS_RATE
+    assert labels_later(DemoConfig(replay=ReplayConfig(label_delay=5, rate=400.0))).replay.rate == 400.0
+    assert labels_later(DemoConfig()) == DemoConfig()
