@@ -56,7 +56,7 @@ def table(folder: Path) -> list[str]:
             a_last = [r["curves"]["batch"]["A_last"] for r in rs]
             lines.append(f"| {label if first else ''} | {heads} | {row} | {len(rs)} | {cell(a_last)} | "
                          f"{cell([r['curves']['batch']['A_auc'] for r in rs])} | "
-                         f"{cell([a / r['best_offline_head'] for a, r in zip(a_last, rs)], 1.0, 2)} |")
+                         f"{cell([a / r['best_offline_head'] for a, r in zip(a_last, rs, strict=True)], 1.0, 2)} |")
             first = False
     return lines
 

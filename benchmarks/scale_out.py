@@ -82,9 +82,10 @@ def _learner(spec: ServiceSpec, kafka: KafkaConfig, group: str, core: int, work:
             "--backbone.img_size", str(spec.img_size), "--method", spec.method,
             *config_options(spec.learner, "--learner."), "--protocol.eval_period", "0",
             "--checkpoint_dir", str(work / f"{group}-{core}"), "--port", str(port)]
-    log = open(work / f"{group}-{core}.log", "wb")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT), f"http://127.0.0.1:{port}"
+    with open(work / f"{group}-{core}.log", "wb") as log:  # the child holds its own handle
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    return process, f"http://127.0.0.1:{port}"
 
 
 def _alive(procs: list[tuple[subprocess.Popen, str]]) -> bool:

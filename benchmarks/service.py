@@ -146,8 +146,9 @@ def running_service(spec: ServiceSpec, work: Path, produce_first: bool = True) -
                       "--method", spec.method, *config_options(spec.learner, "--learner."),
                       "--checkpoint_dir", str(work), "--port", str(port),
                       *(["--mepo", str(spec.mepo)] if spec.mepo else []), *spec.extra]
-        process = subprocess.Popen(args, stdout=open(work / "serve.log", "wb"), stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+        with open(work / "serve.log", "wb") as log:  # the child holds its own handle
+            process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                       env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
         url = f"http://127.0.0.1:{port}"
         http = httpx.Client(base_url=url, timeout=120)
         try:

@@ -23,7 +23,6 @@ from typing import Literal
 
 import torch
 
-
 _ONEDNN_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI"})
 """Values of ``ONEDNN_MAX_CPU_ISA`` that keep oneDNN, which runs the CPU's bf16 matrix products, off bf16 hardware."""
 

@@ -51,7 +51,7 @@ def param_groups(backbone: nn.Module, head: nn.Module, lr_backbone: float, lr_he
     scale, or ``own_lr``'s rate for a name given there), then the head. Weight decay applies to matrices only
     (not to biases, norms, LayerScale, embeddings' vectors), as in timm's fine-tuning recipes."""
     groups: dict[tuple[float, float], list[nn.Parameter]] = {}
-    for (name, p), scale in zip(backbone.named_parameters(), layer_scales(backbone, layer_decay)):
+    for (name, p), scale in zip(backbone.named_parameters(), layer_scales(backbone, layer_decay), strict=True):
         if p.requires_grad:
             lr = (own_lr or {}).get(tensor_group(name), lr_backbone * scale)
             groups.setdefault((lr, weight_decay if p.ndim >= 2 else 0.0), []).append(p)

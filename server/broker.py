@@ -18,6 +18,7 @@ import importlib.util
 import socket
 import subprocess
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from mepo_stream.shutdown import stop_process
@@ -54,10 +55,10 @@ class EmbeddedBroker:
 
     def start(self, timeout: float = 15.0) -> EmbeddedBroker:
         url = f"tcp://{self.bootstrap}"
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(
-            [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
-             "--storage-engine", "memory://tansu/"], stdout=log, stderr=subprocess.STDOUT)
+        with open(self.log_path, "ab") if self.log_path else nullcontext(subprocess.DEVNULL) as log:
+            self.process = subprocess.Popen(  # the child holds its own handle of the log
+                [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
+                 "--storage-engine", "memory://tansu/"], stdout=log, stderr=subprocess.STDOUT)
         try:
             self._wait_listening(timeout)
         except BaseException:  # a stop signal too: ``__exit__`` never runs when ``__enter__`` raises

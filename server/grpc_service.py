@@ -53,20 +53,20 @@ class InferenceService(pbg.GRPCInferenceServiceServicer):
     def __init__(self, service: ServingModel, settings: ServeConfig):
         self.service, self.settings = service, settings
 
-    def ServerLive(self, request, context) -> pb.ServerLiveResponse:  # noqa: N802 (the proto's names)
+    def ServerLive(self, request, context) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
-    def ServerReady(self, request, context) -> pb.ServerReadyResponse:  # noqa: N802
+    def ServerReady(self, request, context) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=all(self.service.readiness()["checks"].values()))
 
-    def ServerMetadata(self, request, context) -> pb.ServerMetadataResponse:  # noqa: N802
+    def ServerMetadata(self, request, context) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name="mepo-stream", version=__version__, extensions=[])
 
-    def ModelReady(self, request, context) -> pb.ModelReadyResponse:  # noqa: N802
+    def ModelReady(self, request, context) -> pb.ModelReadyResponse:
         self._model(request.name, context)
         return pb.ModelReadyResponse(ready=bool(self.service.snapshot.exposed))
 
-    def ModelMetadata(self, request, context) -> pb.ModelMetadataResponse:  # noqa: N802
+    def ModelMetadata(self, request, context) -> pb.ModelMetadataResponse:
         self._model(request.name, context)
         meta = model_metadata(request.name)
         tensor = pb.ModelMetadataResponse.TensorMetadata
@@ -74,7 +74,7 @@ class InferenceService(pbg.GRPCInferenceServiceServicer):
                                         inputs=[tensor(**t) for t in meta["inputs"]],
                                         outputs=[tensor(**t) for t in meta["outputs"]])
 
-    def ModelInfer(self, request, context) -> pb.ModelInferResponse:  # noqa: N802
+    def ModelInfer(self, request, context) -> pb.ModelInferResponse:
         """One inference, counted whatever its outcome."""
         try:
             answer = self._infer(request)

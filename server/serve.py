@@ -61,9 +61,8 @@ def _stop_when_learned(app: FastAPI, server: uvicorn.Server, producer: subproces
     """Ask the server to exit once the producer is done and the learner has learned and evaluated it all."""
     while not server.should_exit:
         service = getattr(app.state, "service", None)
-        if producer.poll() is not None and service is not None:
-            if service.reporter.settled(expected):
-                server.should_exit = True
+        if producer.poll() is not None and service is not None and service.reporter.settled(expected):
+            server.should_exit = True
         time.sleep(1.0)
 
 

@@ -71,7 +71,7 @@ def color_folder(root: Path, n_classes: int = 4, per_split: dict[str, int] | Non
     """An ImageFolder (``train/`` and ``test/``, PNG) of ``color_images``: a dataset any backbone separates."""
     for seed, (split, n) in enumerate((per_split or {"train": 16, "test": 8}).items()):
         labels = torch.arange(n_classes).repeat_interleave(n)
-        for i, (img, y) in enumerate(zip(color_images(labels, seed=seed), labels)):
+        for i, (img, y) in enumerate(zip(color_images(labels, seed=seed), labels, strict=True)):
             (root / split / f"c{y}").mkdir(parents=True, exist_ok=True)
             Image.fromarray(img.permute(1, 2, 0).numpy()).save(root / split / f"c{y}" / f"{i}.png")
     return root

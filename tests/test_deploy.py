@@ -208,9 +208,10 @@ def test_a_real_prometheus_scrapes_the_learner(broker, tmp_path):
         config["rule_files"] = [str(PROMETHEUS / "rules" / "mepo.rules.yml")]
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
         port = free_port()
-        prom = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
-                                 f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-                                stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "wb"))
+        with open(tmp_path / "prometheus.log", "wb") as log:  # the child holds its own handle
+            prom = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+                                     f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                     f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=log)
         url = f"http://127.0.0.1:{port}"
         try:
             # Prometheus opens its port when its storage is ready: seconds on a cold or busy machine

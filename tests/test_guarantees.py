@@ -179,8 +179,8 @@ def test_dead_letter_records_carry_every_header_and_the_original_record(tmp_path
     loop.accept([bad_image])
     loop.accept([bad_label])
     assert [m["topic"] for m in loop.producer.sent] == [state.cfg.kafka.dead_letter_topic] * 2
-    for sent, original, reason in zip(loop.producer.sent, (bad_image, bad_label), ("not_an_image",
-                                                                                    "label_out_of_range")):
+    for sent, original, reason in zip(loop.producer.sent, (bad_image, bad_label),
+                                      ("not_an_image", "label_out_of_range"), strict=True):
         headers = sent["headers"]
         names = [k for k, _ in headers[:5]]
         assert names == ["error", "error_message", "source_topic", "source_partition", "source_offset"]

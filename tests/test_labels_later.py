@@ -194,7 +194,7 @@ def test_kill_9_across_the_join_five_times_learns_every_label_once(broker, tmp_p
     http, learner = http_client(cfg), serve_process(cfg, log)
     try:
         for target in sorted(rng.sample(range(16, n - 16, 8), 5)):
-            def due() -> bool:
+            def due(learner=learner, target=target) -> bool:
                 state = checkpoint(cfg)
                 return learner.running() and state is not None and state["learner"]["samples_seen"] >= target
 

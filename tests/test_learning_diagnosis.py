@@ -44,7 +44,7 @@ def test_diagnosis_writes_every_measure_and_counts_single_class_batches_from_the
     assert result["runs"]["paper_recipe"]["zero_loss_batches"] == single  # batch mask: one class, loss exactly 0
     assert {"mean_norm", "mean_share_of_energy", "different_class_raw", "different_class_centred"} <= set(
         result["features"])
-    assert 0 < result["prompt_init"]["norm_ratio"] and -1 <= result["prompt_init"]["cosine_to_plain_mean"] <= 1
+    assert result["prompt_init"]["norm_ratio"] > 0 and -1 <= result["prompt_init"]["cosine_to_plain_mean"] <= 1
 
 
 @pytest.mark.parametrize("method,cfg", [("linear_probe", PAPER_RECIPE), ("frozen", LearnerConfig())])

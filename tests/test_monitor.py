@@ -19,7 +19,7 @@ def test_matches_rivers_own_metrics():
     for i in range(0, 500, 32):
         monitor.update(y[i:i + 32], p[i:i + 32], samples_seen=i + 32)
     acc, rolling = metrics.Accuracy(), utils.Rolling(metrics.Accuracy, window_size=50)
-    for t, q in zip(y, p):
+    for t, q in zip(y, p, strict=True):
         acc.update(t, q)
         rolling.update(t, q)
     assert monitor.cumulative == pytest.approx(acc.get()) and monitor.rolling == pytest.approx(rolling.get())
@@ -56,6 +56,6 @@ def test_the_replay_state_keeps_only_the_latest_outcomes(monkeypatch):
     y, p = outcomes(1000, 0.2, 5)
     monitor.update(y, p, samples_seen=1000)
     state = monitor.state_dict()
-    correct = [int(t == q) for t, q in zip(y, p)]
+    correct = [int(t == q) for t, q in zip(y, p, strict=True)]
     assert state["recent"].tolist() == correct[-10:]
     assert state["errors"].tolist() == [1 - c for c in correct[-100:]]

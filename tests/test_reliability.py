@@ -234,7 +234,8 @@ def run_to_the_end(cfg, log, crashes: int = 0, seed: int = 0) -> tuple[dict, flo
         for target in targets:
             need = min(max(target, checkpoint_samples(cfg) + 16), n)  # past what this process restored
 
-            def due() -> bool:  # this process serves (it has restored and started) and checkpointed past need
+            # this process serves (it has restored and started) and checkpointed past need
+            def due(learner=learner, need=need) -> bool:
                 return learner.running() and checkpoint_samples(cfg) >= need and http.get("/livez").is_success
 
             wait_for(due, what=f"a checkpoint past {need}", ignore=(httpx.TransportError,))

@@ -125,7 +125,8 @@ def single_checkpoint(tmp_path: Path, offsets: dict[str, int], fmt: str | None =
     state = open_learner(cfg, ServerMetrics())
     labels = torch.tensor([2, 7, 2, 7, 4, 4, 2, 7, 4, 2, 2, 7])
     images = color_images(labels % 8)
-    state.learn([Sample(image, RecordMeta(int(y), i, i, "s")) for i, (image, y) in enumerate(zip(images, labels))])
+    state.learn([Sample(image, RecordMeta(int(y), i, i, "s"))
+                 for i, (image, y) in enumerate(zip(images, labels, strict=True))])
     captured = state.capture()
     captured.update(offsets=offsets, learned={"s": torch.arange(12)})
     if fmt is None:
@@ -562,7 +563,8 @@ def start(cfgs: list[ServeConfig], tmp_path: Path) -> list[ServeProcess]:
     procs = [ServeProcess(c, tmp_path / f"{c.port}.log") for c in cfgs]
     for proc, cfg in zip(procs, cfgs, strict=True):
         with http_client(cfg) as http:
-            wait_for(lambda: proc.running() and http.get("/livez").is_success, 120, f"learner {cfg.port}",
+            wait_for(lambda proc=proc, http=http: proc.running() and http.get("/livez").is_success, 120,
+                     f"learner {cfg.port}",
                      ignore=(httpx.TransportError,))
     return procs
 
@@ -648,7 +650,8 @@ def test_kill_9_of_a_learner_that_owns_partitions_mid_stream_twice_the_taker_res
             wait_for(lambda: all(owns_partitions(c) for c in pair), 120, "both learners of the pair own partitions",
                      ignore=(httpx.TransportError,))
             sent += produce(DATA, STREAM, base.kafka, replace(replay, limit=part))
-            killed.append(wait_for(lambda: written_by(pair[1], started), 120, "states of the learner to kill"))
+            killed.append(wait_for(lambda started=started: written_by(pair[1], started), 120,
+                                   "states of the learner to kill"))
             procs[2].send_signal(signal.SIGKILL)
             procs[2].wait()
             procs[2:] = start([pair[1]], tmp_path)

@@ -40,7 +40,7 @@ class Encoded:
     """Optional [B, C] multiplier of the logits (MVP's instance-wise mask)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Readout:
     """How a model takes its input and reads out its feature, fixed when it is built
     (``mepo_stream.model.readout``; a bare host, as in a unit test, keeps these defaults)."""
