@@ -87,3 +87,32 @@ def test_decompression_bomb_is_refused_before_decoding():
 def test_unsupported_format():
     with pytest.raises(ImageError, match="unsupported_format"):
         decode_image(encode(Image.new("RGB", (8, 8)), "TIFF"), ImageLimits())
+
+
+def camera_jpeg(width: int, height: int) -> bytes:
+    """A smooth, photo-like JPEG (gradients and waves, quality 90) of a camera's size."""
+    x, y = np.linspace(0, 1, width), np.linspace(0, 1, height)
+    planes = [np.outer(np.sin(7 * y), np.cos(5 * x)), np.outer(y, x), np.outer(np.cos(3 * y), x)]
+    return encode(Image.fromarray((np.stack(planes, -1) * 127 + 128).astype(np.uint8)), "JPEG")
+
+
+@pytest.mark.parametrize("size", [84, 224])
+def test_a_camera_jpeg_decodes_at_the_smallest_scale_that_still_covers_the_models_size(size):
+    """1280x960 for an 84-px model decodes at 1/8 (160x120), for a 224-px one at 1/4 (320x240), never below the
+    model's size, and the resized pixels stay within a few levels of a full decode's."""
+    assert images.jpeg_scale(1280, 960, 121) == 4 and images.jpeg_scale(1280, 960, 120) == 8  # 120 still covers
+    data = camera_jpeg(1280, 960)
+    decoded = images._jpeg_rgb(data, None, size)
+    assert decoded.size == {84: (160, 120), 224: (320, 240)}[size]
+    full = torch.from_numpy(rgb_array(Image.open(io.BytesIO(data)), size).copy())
+    scaled = decode_image(data, ImageLimits(size=size))
+    assert scaled.shape == full.shape == (3, size, size)
+    apart = (scaled.int() - full.int()).abs()
+    assert apart.float().mean() < 1.0 and apart.max() <= 16, (apart.float().mean(), apart.max())
+
+
+def test_an_image_under_twice_the_models_size_decodes_whole_as_before():
+    data = camera_jpeg(150, 100)
+    assert images._jpeg_rgb(data, None, 84).size == (150, 100)
+    assert torch.equal(decode_image(data, ImageLimits(size=84)),
+                       torch.from_numpy(rgb_array(Image.open(io.BytesIO(data)), 84).copy()))
