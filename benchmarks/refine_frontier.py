@@ -76,20 +76,28 @@ class Arm:
     budgets: tuple[int, ...] | None = None
 
 
+BASE = ("--data.dataset", "tinyimagenet-pretrain-base")
+"""The pretraining images before the extra archive, 250 a class: the arms measured on them name them, so that a
+bundle stays true to its name whatever the data folder holds."""
 ARMS: dict[str, Arm] = {
-    "cosine": Arm(("--preset", "best", "--loop.head", "cosine"), "fine-tuning over all 250 images per class with "
-                  "a cosine training head (presets balanced and best: 2 and 4 passes)"),
-    "cosine_demo": Arm(("--preset", "demo", "--loop.head", "cosine"), "fine-tuning, --preset demo (160 images per "
-                       "class, 1 pass, a cosine training head)", budgets=(1,)),
-    "finetune": Arm(("--preset", "best", "--loop.head", "mlp"), "the same with the reference's MLP training head "
-                    "(the presets until 2026-11-27)"),
-    "demo": Arm(("--preset", "demo", "--loop.head", "mlp"), "--preset demo with the MLP training head (until "
+    "cosine": Arm(("--preset", "best", "--loop.head", "cosine", *BASE), "fine-tuning over all 250 images per class "
+                  "with a cosine training head (presets balanced and best: 2 and 4 passes)"),
+    "cosine_demo": Arm(("--preset", "demo", "--loop.head", "cosine", *BASE), "fine-tuning, --preset demo (160 "
+                       "images per class, 1 pass, a cosine training head)", budgets=(1,)),
+    "cosine500": Arm(("--preset", "best", "--loop.head", "cosine", "--tasks.samples_per_class", "500"),
+                     "fine-tuning over all 500 images per class (the extra archive too) with a cosine training head: "
+                     "1 pass is balanced's 50,000 images, 2 are best's 100,000", budgets=(1, 2)),
+    "cosine_demo500": Arm(("--preset", "demo", "--loop.head", "cosine"), "--preset demo drawing its 160 images per "
+                          "class from 500 (the extra archive too), 1 pass", budgets=(1,)),
+    "finetune": Arm(("--preset", "best", "--loop.head", "mlp", *BASE), "the same with the reference's MLP training "
+                    "head (the presets until 2026-11-27)"),
+    "demo": Arm(("--preset", "demo", "--loop.head", "mlp", *BASE), "--preset demo with the MLP training head (until "
                 "2026-11-27)", budgets=(1,)),
     "meta": Arm(("--preset", "best", "--loop.head", "mlp", "--loop.mode", "meta", "--tasks.classes_per_group", "10",
-                 "--tasks.n_tasks", "5"),
+                 "--tasks.n_tasks", "5", *BASE),
                 "Meta Rep with the presets' other fields (--loop.mode meta, the MLP head; groups of 10 classes in 5 "
                 "pseudo tasks: 10 Reptile updates per pass, as the reference's 1,000 classes in groups of 100)"),
-    "old_demo": Arm(("--tasks.samples_per_class", "50", "--loop.inner_epochs", "2", "--loop.batch_size", "64"),
+    "old_demo": Arm(("--tasks.samples_per_class", "50", "--loop.inner_epochs", "2", "--loop.batch_size", "64", *BASE),
                     "the old demo refine (SGD at 84 px, 8,500 images)", budgets=(1,)),
     "paper": Arm(("--preset", "paper"), "the reference code's Meta Rep (--preset paper)"),
 }

@@ -28,7 +28,13 @@ FINE_TUNE = {"mode": "finetune", "optimizer": "adamw", "lr_backbone": 1e-4, "lr_
              "weight_decay": 0.05, "schedule": "cosine", "warmup": 0.1, "label_smoothing": 0.1, "batch_size": 64,
              "inner_epochs": 1, "train_img_size": 56, "augment": "image", "low_res": 0.5, "head": "cosine"}
 ALL_IMAGES = {"samples_per_class": 250}
-DEMO_IMAGES = {"samples_per_class": 160}  # 16,000 images: within the old demo refine's wall (8,500 images at 84 px)
+DEMO_IMAGES = {"samples_per_class": 160}  # 16,000 images a pass: within the old demo refine's wall
+DEMO_MINUTES = 2.5
+"""The demo's budget: minutes of training, so ``make demo`` takes about the same time on any CPU (docs/refine.md:
+what it buys with bf16 and without)."""
+BUDGET = frozenset({"meta_epochs", "steps", "minutes"})
+"""The loop's budget fields: a preset sets them only when the user gave none (``--preset demo --loop.steps N``
+repeats a demo refine exactly)."""
 
 
 @dataclass(frozen=True)
@@ -40,7 +46,7 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    "demo": Preset({**FINE_TUNE, "meta_epochs": 1}, DEMO_IMAGES),
+    "demo": Preset({**FINE_TUNE, "minutes": DEMO_MINUTES}, DEMO_IMAGES),
     "balanced": Preset({**FINE_TUNE, "meta_epochs": 2}, ALL_IMAGES),
     "best": Preset({**FINE_TUNE, "meta_epochs": 4}, ALL_IMAGES),
     "paper": Preset({"mode": "meta", "freeze": (), "reptile_eps": 0.1, "inner_epochs": 4, "lr_backbone": 1e-4,
@@ -49,10 +55,12 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def apply_preset(given: C, values: dict, default: C, typed: frozenset[str] = frozenset()) -> C:
+def apply_preset(given: C, values: dict, default: C, typed: frozenset[str] = frozenset(),
+                 together: frozenset[str] = frozenset()) -> C:
     """``given`` (a config dataclass) with ``values`` set on every field it leaves at its ``default`` value, except
     the fields in ``typed`` (typed on the command line: ``--preset paper --loop.mode finetune`` keeps finetune,
-    though it is the field's default).
+    though it is the field's default). The fields ``together`` (the budget: ``BUDGET``) go as one: when the user
+    gave any of them, the preset sets none.
 
     Example:
         >>> from dataclasses import dataclass
@@ -64,9 +72,14 @@ def apply_preset(given: C, values: dict, default: C, typed: frozenset[str] = fro
         Loop(lr=0.5, epochs=3)
         >>> apply_preset(Loop(), {"lr": 0.5, "epochs": 2}, Loop(), typed=frozenset({"lr"}))
         Loop(lr=1.0, epochs=2)
+        >>> budget = frozenset({"lr", "epochs"})
+        >>> apply_preset(Loop(), {"lr": 0.5, "epochs": 2}, Loop(), typed=frozenset({"lr"}), together=budget)
+        Loop(lr=1.0, epochs=1)
     """
     unknown = set(values) - {f.name for f in fields(given)}
     if unknown:
         raise ValueError(f"preset sets unknown fields {sorted(unknown)}")
     keep = typed | {f.name for f in fields(given) if getattr(given, f.name) != getattr(default, f.name)}
+    if keep & together:
+        keep |= together
     return replace(given, **{k: v for k, v in values.items() if k not in keep})

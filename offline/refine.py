@@ -41,10 +41,11 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -80,7 +81,7 @@ from offline.covariance import CovarianceConfig, sigma_pre
 from offline.guard import Guard, GuardConfig, HeldOutProbe
 from offline.isa import ISAConfig, add_prompts
 from offline.optim import Optimizer, Schedule, create_optimizer, lr_factor, param_groups, set_lr
-from offline.presets import PRESETS, PresetName, apply_preset
+from offline.presets import BUDGET, PRESETS, PresetName, apply_preset
 
 log = logging.getLogger(__name__)
 HeadKind = Literal["mlp", "cosine"]
@@ -101,7 +102,14 @@ class RefineConfig:
     """SGD learning rate of the patch embedding when it is not frozen (null: lr_backbone)."""
     meta_epochs: int = 5
     """Meta-epochs K (in finetune mode: budgets of the same images and steps). Reference: the released Sup-21K
-    backbone is meta-epoch 5; paper: 50/10/150."""
+    backbone is meta-epoch 5; paper: 50/10/150. Ignored when --loop.steps or --loop.minutes sets the budget."""
+    steps: int | None = None
+    """Finetune mode: the run's optimizer steps, over as many meta-epochs as they need, the last cut short (null:
+    meta_epochs meta-epochs). The manifest records it whatever set the budget, so a run repeats exactly with it."""
+    minutes: float | None = None
+    """Finetune mode: a budget of training minutes instead of steps, so a refine takes about the same time on any
+    machine. A few throwaway steps, timed before the run, set --loop.steps; data loading, the guard's probes and
+    writing the bundle come on top."""
     reptile_eps: float = 0.1
     """Reptile step eps (the paper's eta_meta; the code's -inner_lr = 0.1). 0 keeps theta, 1 takes theta_hat."""
     inner_epochs: int = 4
@@ -231,6 +239,7 @@ class Trainer:
     base: dict[str, torch.Tensor]  # the untouched backbone, to measure how far each group moved
     total_images: int | None = None  # the run's images, for the learning-rate schedule (None: no schedule)
     seen_images: int = 0
+    steps_taken: int = 0
 
     @classmethod
     def create(cls, backbone: BackboneConfig, images: ImageSet, cfg: RefineConfig, ddp: Distributed,
@@ -263,7 +272,8 @@ class Trainer:
         """Checkpoint after ``meta_epoch``: model, optimizer, RNG state and progress, enough to resume exactly."""
         save_checkpoint(path, {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                                "rng": torch.get_rng_state(), "meta_epoch": meta_epoch, "history": history,
-                               "seen_images": self.seen_images})
+                               "seen_images": self.seen_images, "steps_taken": self.steps_taken,
+                               "steps": self.cfg.steps})
 
     def restore(self, path: Path) -> tuple[int, list[dict]]:
         """Load a ``save``d checkpoint; returns the meta-epoch to continue with and the history so far."""
@@ -271,7 +281,9 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
-        self.seen_images = state["seen_images"]
+        self.seen_images, self.steps_taken = state["seen_images"], state["steps_taken"]
+        if self.cfg.minutes is not None:  # the budget the interrupted run measured, not a new measurement
+            self.cfg = replace(self.cfg, steps=state["steps"])
         log.info("resuming after meta-epoch %d from %s", state["meta_epoch"], path)
         return state["meta_epoch"] + 1, state["history"]
 
@@ -294,7 +306,33 @@ class Trainer:
         loss.backward()
         self.optimizer.step()
         self.seen_images += len(batch)
+        self.steps_taken += 1
         return loss.item() * len(batch) / max(len(share), 1) / self.ddp.world
+
+    @property
+    def budget_spent(self) -> bool:
+        return self.cfg.steps is not None and self.steps_taken >= self.cfg.steps
+
+    def images_per_second(self, pool: list[int], steps: int = 5) -> float:
+        """This machine's training speed, timed on ``steps`` throwaway steps after a warm-up one. The model, the
+        optimizer, the RNG and the counters are put back after, so the run that follows is the very run that
+        ``--loop.steps`` repeats."""
+        model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        optimizer = copy.deepcopy(self.optimizer.state_dict())
+        counters = self.seen_images, self.steps_taken
+        batches = shuffled_batches(pool, self.cfg.batch_size, torch.Generator().manual_seed(0))[: steps + 1]
+        with torch.random.fork_rng(devices=[]):
+            self.step(batches[0], None, self.train_tf)
+            start = time.perf_counter()
+            for batch in batches[1:]:
+                self.step(batch, None, self.train_tf)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+        self.model.load_state_dict(model)
+        self.optimizer.load_state_dict(optimizer)
+        self.seen_images, self.steps_taken = counters
+        return sum(len(b) for b in batches[1:]) / elapsed
 
     def group(self, plan: GroupPlan, g: torch.Generator, bar: tqdm) -> tuple[float, float, float]:
         """Inner loop, joint step and Reptile update for one group; returns the last inner and outer losses and
@@ -324,7 +362,10 @@ class Trainer:
         plans = meta_epoch_plan(self.images.targets, tasks, self.cfg.seed, epoch)
         g = torch.Generator().manual_seed(self.cfg.seed * 7919 + epoch)
         desc = f"{self.cfg.mode} {epoch}/{self.cfg.meta_epochs}"
-        with tqdm(total=epoch_images(plans, self.cfg.inner_epochs), desc=desc, unit="img",
+        images = epoch_images(plans, self.cfg.inner_epochs)
+        if self.total_images is not None:  # a step budget cuts the last meta-epoch short
+            images = min(images, self.total_images - self.seen_images)
+        with tqdm(total=images, desc=desc, unit="img",
                   disable=self.ddp.rank != 0) as bar:
             if self.cfg.mode == "finetune":
                 return {"train_loss": self.finetune(plans, g, bar)}
@@ -335,13 +376,13 @@ class Trainer:
         """Plain supervised fine-tuning, the baseline Meta Rep argues against: the images of the epoch's plan,
         shuffled jointly over every class (no pseudo tasks, no mask, no Reptile), training augmentation, as many
         images as Meta Rep's epoch processes; returns the mean loss of the epoch's last pass."""
-        pool = [i for p in plans for i in [*(j for t in p.tasks for j in t), *p.joint]]
+        pool = finetune_pool(plans)
         left, losses = epoch_images(plans, self.cfg.inner_epochs), []
-        while left > 0:
+        while left > 0 and not self.budget_spent:
             losses = []
             for batch in shuffled_batches(pool, self.cfg.batch_size, g):
                 batch = batch[:left]
-                if not batch:
+                if not batch or self.budget_spent:
                     break
                 losses.append(self.step(batch, None, self.train_tf))
                 left -= len(batch)
@@ -361,6 +402,51 @@ def any_size(backbone: nn.Module) -> None:
 
 def epoch_images(plans: list[GroupPlan], inner_epochs: int) -> int:
     return sum(inner_epochs * sum(len(t) for t in p.tasks) + len(p.joint) for p in plans)
+
+
+def finetune_pool(plans: list[GroupPlan]) -> list[int]:
+    """The images a fine-tuning meta-epoch shuffles together: every image of its plan."""
+    return [i for p in plans for i in [*(j for t in p.tasks for j in t), *p.joint]]
+
+
+def finetune_batches(pool: int, images: int, batch_size: int) -> list[int]:
+    """The sizes of a fine-tuning meta-epoch's batches: passes over a pool of ``pool`` images, each ending in a
+    partial batch, the last pass cut at the epoch's ``images``."""
+    sizes: list[int] = []
+    while images > 0:
+        take = min(pool, images)
+        sizes += [batch_size] * (take // batch_size) + ([take % batch_size] if take % batch_size else [])
+        images -= take
+    return sizes
+
+
+def budget(loop: RefineConfig, plans: list[GroupPlan]) -> tuple[RefineConfig, int]:
+    """``loop`` with its steps (in finetune mode: those of its meta-epochs when it has none) and as many
+    meta-epochs as they need, and the run's images, the learning-rate schedule's length.
+
+    Example (a pool of 100 images, one pass a meta-epoch, batches of 32, 10 steps):
+        >>> plan = GroupPlan([0], [list(range(70))], list(range(70, 100)))
+        >>> loop, images = budget(RefineConfig(mode="finetune", inner_epochs=1, batch_size=32, steps=10), [plan])
+        >>> loop.meta_epochs, images  # two passes of 32+32+32+4, then two steps more
+        (3, 264)
+    """
+    sizes = finetune_batches(len(finetune_pool(plans)), epoch_images(plans, loop.inner_epochs), loop.batch_size)
+    if loop.mode != "finetune":
+        return loop, loop.meta_epochs * sum(sizes)
+    steps = loop.meta_epochs * len(sizes) if loop.steps is None else loop.steps
+    epochs = -(-steps // len(sizes))
+    return replace(loop, meta_epochs=epochs, steps=steps), sum((sizes * epochs)[:steps])
+
+
+def budget_steps(trainer: Trainer, plans: list[GroupPlan], minutes: float) -> int:
+    """The steps that ``minutes`` of training buy at the speed measured here (rank 0's, under torchrun)."""
+    rate = trainer.images_per_second(finetune_pool(plans))
+    steps = torch.tensor([max(1, int(minutes * 60 * rate / trainer.cfg.batch_size))])
+    if trainer.ddp.world > 1:
+        dist.broadcast(steps, src=0)
+    log.info("budget: %.1f min at %.1f images/s measured here buys %d steps of %d images",
+             minutes, rate, int(steps), trainer.cfg.batch_size)
+    return int(steps)
 
 
 def checkpoint_path(out: Path) -> Path:
@@ -400,15 +486,17 @@ def refine(
         resume: Continue from <out>.checkpoint.pt if it exists.
         preset: A named recipe for --loop and --tasks (offline/presets.py), measured on a 2-core AMD EPYC with
             bf16 (docs/refine.md; A_last of the default learner on Tiny-ImageNet downstream / CIFAR-10, the mean
-            of three refine seeds): demo (16,000 images, 2.0 min on 2 cores: 53.9 / 79.6 %), balanced (50,000
-            images, 5.8 min on 2 cores: 59.4 / 84.7 %), best (100,000 images, 10.7 min on 2 cores: 62.5 / 85.8 %),
-            paper (the reference code's Meta Rep).
-            The options typed on the command line win over it, even at their default value.
+            of three refine seeds): demo (2.5 minutes of training; at 16,000 images, 2.0 min on 2 cores: 53.9 /
+            79.6 %), balanced (50,000 images, 5.8 min on 2 cores: 59.4 / 84.7 %), best (100,000 images, 10.7 min
+            on 2 cores: 62.5 / 85.8 %), paper (the reference code's Meta Rep).
+            The options typed on the command line win over it, even at their default value; a budget typed
+            (--loop.meta_epochs, --loop.steps or --loop.minutes) replaces the preset's.
     """
     if preset is not None:
-        loop = apply_preset(loop, PRESETS[preset].loop, RefineConfig(), typed("loop"))
+        loop = apply_preset(loop, PRESETS[preset].loop, RefineConfig(), typed("loop"), BUDGET)
         tasks = apply_preset(tasks, PRESETS[preset].tasks, PseudoTaskConfig(), typed("tasks"))
         log.info("preset %s: %s; %s", preset, loop, tasks)
+    check_budget(loop)
     if loop.precision == "int8":
         raise ConfigError("--loop.precision int8: the refine trains the backbone, and int8 layers cannot be "
                           "trained; use auto, bf16 or fp32 (int8 serves a frozen backbone: --learner.precision)")
@@ -416,21 +504,36 @@ def refine(
     start = time.time()
     torch.manual_seed(loop.seed)
     images = load_split(data, "train")
-    total = loop.meta_epochs * epoch_images(meta_epoch_plan(images.targets, tasks, loop.seed, 1), loop.inner_epochs)
-    trainer = Trainer.create(backbone, images, loop, ddp, total)
+    plans = meta_epoch_plan(images.targets, tasks, loop.seed, 1)
+    trainer = Trainer.create(backbone, images, loop, ddp)
     ckpt = checkpoint_path(out)
     first, history = trainer.restore(ckpt) if resume and ckpt.is_file() else (1, [])
+    if trainer.cfg.minutes is not None and trainer.cfg.steps is None:
+        trainer.cfg = replace(trainer.cfg, steps=budget_steps(trainer, plans, trainer.cfg.minutes))
+    trainer.cfg, trainer.total_images = budget(trainer.cfg, plans)
     watch = None if guard.skip else Guard(guard, HeldOutProbe.load(data, guard))
     with deferred_stop() as signalled:  # SIGINT/SIGTERM: the meta-epoch finishes and checkpoints, then it stops
         history = meta_train(trainer, tasks, first, history, ckpt, start, watch, signalled)
     wall = time.time() - start
     if ddp.rank == 0:
-        write_refined_bundle(out, trainer.model, images, backbone, data, tasks, loop, None if cov.skip else cov,
-                             history, trainer.seen_images, wall, preset)
+        write_refined_bundle(out, trainer.model, images, backbone, data, tasks, trainer.cfg,
+                             None if cov.skip else cov, history, trainer.seen_images, wall, preset)
     ddp.finish()
     if ddp.rank == 0 and not adapt.skip:  # one process: the other ranks are done and must not wait on it
         add_prompts(out, out, backbone, data, images, method, adapt, method_config)
     return out
+
+
+def check_budget(loop: RefineConfig) -> None:
+    """A budget the loop can keep: steps and minutes are the fine-tuning loop's, and positive."""
+    if loop.steps is None and loop.minutes is None:
+        return
+    if loop.mode != "finetune":
+        raise ConfigError("--loop.steps and --loop.minutes budget the finetune mode; the paper's Meta Rep "
+                          "(--loop.mode meta) runs whole meta-epochs: set --loop.meta_epochs")
+    if (loop.steps is not None and loop.steps < 1) or (loop.minutes is not None and loop.minutes <= 0):
+        raise ConfigError(f"a refine budget must be positive: --loop.steps {loop.steps}, "
+                          f"--loop.minutes {loop.minutes}")
 
 
 def meta_train(trainer: Trainer, tasks: PseudoTaskConfig, first: int, history: list[dict], ckpt: Path,
@@ -483,6 +586,7 @@ def write_refined_bundle(out: Path, model: MetaModel, images: ImageSet, backbone
         "refine": asdict(loop),
         "meta_epochs_completed": history[-1]["meta_epoch"] if history else 0,
         "history": history,
+        "refine_images": seen_images,
         "refine_images_per_s": round(seen_images / wall, 2) if wall else None,
         "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "threads": torch.get_num_threads(),
@@ -495,4 +599,6 @@ def write_refined_bundle(out: Path, model: MetaModel, images: ImageSet, backbone
         settings = {k: v for k, v in asdict(cov).items() if k != "skip"}
         manifest["covariance"] = {**settings, "n_classes": len(ref.classes), "n_images": len(ref)}
     write_bundle(out, parts, manifest)
-    log.info("wrote MePo bundle %s (%d meta-epochs, %.0f s)", out, manifest["meta_epochs_completed"], wall)
+    log.info("wrote MePo bundle %s: %d images in %d steps (%d meta-epochs) in %.0f s, %.0f images/s%s", out,
+             seen_images, loop.steps or 0, manifest["meta_epochs_completed"], wall, seen_images / max(wall, 1e-9),
+             "" if loop.minutes is None else f"; a budget of {loop.minutes:g} min bought them on this machine")

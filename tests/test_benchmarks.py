@@ -57,6 +57,9 @@ their guarantees are held by tests/test_replica.py::test_two_replicas_follow_the
 survive_restarts (replicas follow the learner and answer while it learns) and tests/test_scale_out.py::\
 test_two_learners_on_four_partitions_build_the_single_learners_model (two learners build one learner's model, to
 1e-9 and top-1 identical at every shrinkage), and their arithmetic in-process here (test_scale_out_same_model_...)."""
+OWN_SMOKE = ("refine_frontier",)
+"""Smoke-run by a test of its own (tests/test_refine_frontier.py::test_quick_frontier_writes_every_point_the_table_\
+and_the_plot, through the same script): the run_all smoke keeps its committed result, as for the two-core rows."""
 
 
 def _results_with_committed(folder: Path, names: tuple[str, ...]) -> None:
@@ -72,16 +75,16 @@ def test_run_all_smoke_writes_every_result_and_the_performance_table(tmp_path):
     results, which the table shows beside the new ones: ``--only`` keeps the others' rows)."""
     readme = tmp_path / "performance.md"
     readme.write_text(f"# x\n\nbefore\n{START}\nold table\n{END}\nafter\n")
-    _results_with_committed(tmp_path / "results", TWO_CORES)
+    _results_with_committed(tmp_path / "results", TWO_CORES + OWN_SMOKE)
     kept = _results(tmp_path / "results")
-    only = ",".join(b for b in ALL if b not in TWO_CORES)
+    only = ",".join(b for b in ALL if b not in TWO_CORES + OWN_SMOKE)
     out = _run("run_all", "--quick", "true", "--gpu", "false", *TINY, "--results", str(tmp_path / "results"),
                "--page", str(readme), "--only", only, "--fresh_processes", "false",  # one process for them all
                env={"CUDA_VISIBLE_DEVICES": ""})  # the CPU rows, CUDA or not (the GPU rows test: fresh processes)
     assert "GPU rows skipped" in out
     results = _results(tmp_path / "results")
     assert set(results) == set(BENCHMARKS)  # the GPU rows skipped (and the CPU rows on the CPU, CUDA or not)
-    assert {name: results[name] for name in TWO_CORES} == kept  # not run: left as they were
+    assert {name: results[name] for name in TWO_CORES + OWN_SMOKE} == kept  # not run: left as they were
     assert all(math.isfinite(n) for r in results.values() for n in _numbers(r))
     assert {"alignment_s", "step_s", "step_without_alignment_s", "differential_share"} <= set(
         results["alignment_cost"])
@@ -101,7 +104,7 @@ def test_run_all_smoke_writes_every_result_and_the_performance_table(tmp_path):
     auto = str(resolve_precision("auto", torch.device("cpu"))).removeprefix("torch.")  # bf16 where the CPU has it
     assert all(r["machine"]["device"] == "cpu" and r["machine"]["dtype"] in {"float32", auto}
                and r["machine"]["device_name"] and "cuda" in r["machine"] and r["machine"]["torch_threads"] > 0
-               for name, r in results.items() if name not in TWO_CORES)
+               for name, r in results.items() if name not in TWO_CORES + OWN_SMOKE)
     text = readme.read_text()
     assert "old table" not in text and text.startswith("# x\n\nbefore\n") and text.endswith(f"{END}\nafter\n")
     assert text.count("| ") > 7 and "Learner throughput" in text and "Alignment" in text

@@ -20,7 +20,7 @@ from mepo_stream.pseudo_tasks import PseudoTaskConfig
 from mepo_stream.shutdown import Stopped
 from mepo_stream.transforms import RandomResizedCropFlip
 from offline.optim import create_optimizer, layer_scales, param_groups
-from offline.presets import PRESETS, apply_preset
+from offline.presets import BUDGET, PRESETS, apply_preset
 from offline.refine import Distributed, ISAStage, MetaModel, RefineConfig, Trainer, checkpoint_path, refine
 from tests.helpers import ROOT, TINY
 from tests.test_refine import CLI_ARGS, DATA, GUARD, NO_COV, TASKS, initial_backbone, run_refine
@@ -72,7 +72,7 @@ def test_each_image_gets_its_own_crop_and_a_whole_crop_keeps_the_image():
     inner = ramp[0].float()[..., 2:-2] / 255  # bilinear sampling keeps a linear ramp exactly, off its borders
     kept = [torch.allclose(w[..., 2:-2], inner, atol=1e-5) for w in whole]
     flipped = [torch.allclose(w.flip(-1)[..., 2:-2], inner, atol=1e-5) for w in whole]
-    assert all(k or f for k, f in zip(kept, flipped)) and any(kept) and any(flipped)
+    assert all(k or f for k, f in zip(kept, flipped, strict=True)) and any(kept) and any(flipped)
 
 
 def test_a_lower_training_resolution_writes_the_bundle_at_its_own(tmp_path):
@@ -144,12 +144,57 @@ def test_a_preset_sets_what_the_user_left_at_its_default(tmp_path):
     with pytest.raises(ValueError, match="unknown fields"):
         apply_preset(RefineConfig(), {"lr": 1.0}, RefineConfig())
     out = refine(tmp_path / "p", backbone=TINY, data=DATA, tasks=replace(TASKS, samples_per_class=5),
-                 loop=RefineConfig(train_img_size=16, batch_size=16, inner_epochs=2), guard=GUARD,
+                 loop=RefineConfig(train_img_size=16, batch_size=16, inner_epochs=2, steps=3), guard=GUARD,
                  cov=NO_COV, adapt=ISAStage(skip=True), preset="demo")
     manifest = read_manifest(out)
     assert manifest["preset"] == "demo" and manifest["refine"]["head"] == "cosine"
     assert manifest["refine"]["optimizer"] == "adamw" and manifest["refine"]["inner_epochs"] == 2
     assert manifest["pseudo_tasks"]["samples_per_class"] == 5
+    assert (manifest["refine"]["steps"], manifest["refine"]["minutes"]) == (3, None)  # the user's budget, alone
+
+
+def test_a_budget_in_minutes_is_repeated_exactly_by_the_steps_it_bought(tmp_path, caplog):
+    """``--loop.minutes``: throwaway steps timed first set the steps, which the manifest records; a run given those
+    steps is bit for bit the same run (so the timing steps left nothing behind: weights, moments, RNG)."""
+    with caplog.at_level("INFO", logger="offline.refine"):
+        timed = run_refine(tmp_path / "timed", replace(RECIPE, minutes=0.02), cov=NO_COV)
+    loop = read_manifest(timed)["refine"]
+    assert loop["minutes"] == 0.02 and loop["steps"] >= 1
+    assert f"buys {loop['steps']} steps" in caplog.text and "bought them on this machine" in caplog.text
+    again = run_refine(tmp_path / "again", replace(RECIPE, steps=loop["steps"]), cov=NO_COV)
+    a, b = load_part(timed, "backbone"), load_part(again, "backbone")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_step_budget_spans_the_meta_epochs_it_needs_and_cuts_the_last(tmp_path):
+    """400 images a meta-epoch in batches of 16: 25 steps each, so 30 steps are one meta-epoch and 5 steps of a
+    second, and the schedule spans exactly those 480 images; the same run as 30 steps of meta-epochs of 30."""
+    out = run_refine(tmp_path / "r", replace(RECIPE, steps=30), cov=NO_COV)
+    manifest = read_manifest(out)
+    assert (manifest["refine"]["steps"], manifest["meta_epochs_completed"]) == (30, 2)
+    assert manifest["refine_images"] == 480
+    passes = read_manifest(run_refine(tmp_path / "p", replace(RECIPE, meta_epochs=2), cov=NO_COV))["refine"]
+    assert passes["steps"] == 50  # a budget of meta-epochs is recorded as its steps too
+
+
+@pytest.mark.parametrize("loop,message", [
+    (replace(RECIPE, mode="meta", minutes=1.0), "runs whole meta-epochs"),
+    (replace(RECIPE, steps=0), "must be positive"),
+])
+def test_a_budget_the_loop_cannot_keep_is_refused(tmp_path, loop, message):
+    with pytest.raises(ConfigError, match=message):
+        run_refine(tmp_path / "r", loop, cov=NO_COV)
+
+
+def test_the_demo_presets_budget_is_minutes_unless_the_user_gives_one():
+    given = {"none": RefineConfig(), "passes": RefineConfig(meta_epochs=1), "steps": RefineConfig(steps=7)}
+    budgets = {name: apply_preset(loop, PRESETS["demo"].loop, RefineConfig(), together=BUDGET)
+               for name, loop in given.items()}
+    assert budgets["none"].minutes == PRESETS["demo"].loop["minutes"]
+    assert (budgets["passes"].meta_epochs, budgets["passes"].minutes) == (1, None)
+    assert (budgets["steps"].steps, budgets["steps"].minutes) == (7, None)
+    typed = apply_preset(RefineConfig(), PRESETS["demo"].loop, RefineConfig(), frozenset({"meta_epochs"}), BUDGET)
+    assert typed.minutes is None  # --preset demo --loop.meta_epochs 5: five passes, as typed
 
 
 def test_on_the_command_line_a_typed_option_wins_over_the_preset_even_at_its_default(tmp_path):
@@ -176,6 +221,8 @@ def test_the_presets_help_quotes_the_measured_frontier():
         g = pooled[key]
         assert len(g["arms"]) == 3
         images = key[1] * 100 * PRESETS[name].tasks["samples_per_class"]
-        claim = (f"{name} ({images:,} images, {g['minutes']:.1f} min on {cores} cores: "
+        minutes = PRESETS[name].loop.get("minutes")  # a budget in minutes: the frontier measured its recipe at 1 pass
+        budget = "" if minutes is None else f"{minutes:g} minutes of training; at "
+        claim = (f"{name} ({budget}{images:,} images, {g['minutes']:.1f} min on {cores} cores: "
                  f"{100 * g['T']['a_last'][0]:.1f} / {100 * g['C']['a_last'][0]:.1f} %)")
         assert claim in text
