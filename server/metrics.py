@@ -107,6 +107,8 @@ class ServerMetrics:
         self.snapshot_bytes = Gauge("mepo_snapshot_bytes", "Size of the last published snapshot", registry=r)
         self.published_version = Gauge("mepo_snapshot_published_version", "Version of the last published snapshot",
                                        registry=r)
+        self.publisher_crashes = Counter("mepo_snapshot_publisher_crashes", "Times the snapshot publisher stopped on "
+                                         "an error that was not the broker's (readiness then fails)", registry=r)
 
     def _grouping(self, r: CollectorRegistry | None) -> None:
         """A learner in a group (``--kafka.state_topic``: ``server.learner.partitioned``)."""

@@ -24,6 +24,7 @@ from mepo_stream.images import ImageLimits
 from mepo_stream.records import record_headers
 from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce, stream_id
+from server.learner import publisher
 from tests.helpers import (
     DATA,
     LiveServer,
@@ -147,6 +148,24 @@ def test_broker_stall_makes_the_learner_wait_unready_and_resume_losing_nothing(b
         learner.send_signal(signal.SIGTERM)
         learner.wait(60)
     assert_learned_exactly_once(checkpoint(cfg), DATA, STREAM, replays=first)
+
+
+def test_a_publisher_that_crashes_turns_readiness_to_503_with_its_reason_and_counts_it(broker, tmp_path, monkeypatch):
+    """A bug in the snapshot publisher stops publishing (learning and serving go on), but replicas would then serve
+    an ever older model without anyone told: /readyz says why, and a metric counts it. Broker errors are retried
+    (test_replica.py); this is the channel for the rest."""
+    def broken(*args):
+        raise RuntimeError("an encoder bug")
+
+    monkeypatch.setattr(publisher, "encode", broken)
+    cfg = settings(broker, tmp_path)
+    with LiveServer(cfg) as http:
+        wait_for(lambda: http.get("/readyz").status_code == 503, 60, "not ready once the publisher crashed")
+        ready = http.get("/readyz").json()
+        assert ready["checks"]["publisher_running"] is False and ready["checks"]["learner_running"] is True
+        assert ready["publisher_error"] == "RuntimeError: an encoder bug"
+        assert re.search(r"^mepo_snapshot_publisher_crashes_total 1\.0$", http.get("/metrics").text, re.M)
+        assert http.get("/livez").status_code == 200  # alive: the learner learns and serves on
 
 
 def test_hostile_http_requests_get_4xx_json_never_5xx(broker, tmp_path):

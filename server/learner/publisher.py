@@ -50,6 +50,8 @@ class SnapshotPublisher:
         self._wake = threading.Condition()
         self._stop = threading.Event()
         self._producer: KafkaProducer | None = None
+        self.error: str | None = None
+        """Why publishing stopped, if a bug stopped it (a broker's errors are retried): readiness fails on it."""
         self.thread = threading.Thread(target=self._run, name="mepo-publisher", daemon=True)
 
     @classmethod
@@ -99,8 +101,10 @@ class SnapshotPublisher:
                 self._close()
                 if self._stop.wait(RETRY_S):
                     break
-            except Exception:  # a bug, not the broker: stop publishing, keep learning and serving
-                log.exception("the snapshot publisher failed: publishing stops, learning goes on")
+            except Exception as e:  # a bug, not the broker: stop publishing, keep learning and serving, not ready
+                self.error = f"{type(e).__name__}: {e}"
+                self.metrics.publisher_crashes.inc()
+                log.exception("the snapshot publisher failed: publishing stops, learning goes on, /readyz fails")
                 break
             else:
                 self._stop.wait(self.interval)

@@ -66,7 +66,10 @@ class Service(Serving):
         return self.state.reporter
 
     def readiness(self) -> dict:
-        """``/readyz``'s checks (all true: ready) and the learner's error, if it stopped on one."""
+        """``/readyz``'s checks (all true: ready) and the learner's and the publisher's errors, if they stopped on
+        one: replicas that no longer get snapshots serve an ever older model, so a stopped publisher is not ready."""
         health = self.loop.health()
-        checks = {"model_loaded": True, "kafka_connected": health.kafka_connected, "learner_running": health.running}
-        return {"checks": checks, "learner_error": health.error}
+        publisher_error = None if self.publisher is None else self.publisher.error
+        checks = {"model_loaded": True, "kafka_connected": health.kafka_connected, "learner_running": health.running,
+                  "publisher_running": publisher_error is None}
+        return {"checks": checks, "learner_error": health.error, "publisher_error": publisher_error}

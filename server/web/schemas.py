@@ -151,6 +151,7 @@ class Readiness(BaseModel):
     status: Literal["ready", "not_ready"]
     checks: dict[str, bool]
     learner_error: str | None
+    publisher_error: str | None = Field(None, description="Why the snapshot publisher stopped, if a bug stopped it")
 
 
 class Action(BaseModel):
