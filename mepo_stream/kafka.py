@@ -19,8 +19,11 @@ Example:
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
+
+from mepo_stream.errors import ConfigError
 
 if TYPE_CHECKING:
     from kafka import KafkaProducer
@@ -109,6 +112,13 @@ def record_key(stream_id: str, label: int | None = None) -> bytes:
     return stream_id.encode() if label is None else f"{stream_id}/label{label}".encode()
 
 
+def require_client() -> None:
+    """Fail with the extra to install where the Kafka client is missing (``pip install mepo-stream`` leaves it out)."""
+    if importlib.util.find_spec("kafka") is None:
+        raise ConfigError("talking to Kafka needs the kafka extra, which this install leaves out: "
+                          "pip install 'mepo-stream[kafka]'")
+
+
 def ensure_topics(kafka: KafkaConfig, *topics: str, partitions: int = 1, configs: dict[str, str] | None = None
                   ) -> None:
     """Create those of ``topics`` (default: the stream's topic and its dead-letter topic) that do not exist yet,
@@ -116,6 +126,7 @@ def ensure_topics(kafka: KafkaConfig, *topics: str, partitions: int = 1, configs
 
     Producer and server may both call this, in either order: a topic the other side created first is kept.
     """
+    require_client()
     from kafka.admin import KafkaAdminClient, NewTopic
     from kafka.errors import TopicAlreadyExistsError
 
@@ -135,6 +146,7 @@ def ensure_topics(kafka: KafkaConfig, *topics: str, partitions: int = 1, configs
 def open_producer(kafka: KafkaConfig, **options) -> KafkaProducer:
     """A producer that keeps each partition's records in order and never writes one twice on a retry
     (``acks="all"``, idempotent); ``options`` tune batching and request sizes."""
+    require_client()
     from kafka import KafkaProducer
 
     return KafkaProducer(**kafka.client_options(), acks="all", enable_idempotence=True, **options)

