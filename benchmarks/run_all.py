@@ -37,7 +37,7 @@ from mepo_stream.cli import config_options
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 BENCHMARKS = ("model_arithmetic", "learning_quality", "learning_quality_tinyimagenet", "learner_throughput",
               "predict_latency", "predict_throughput", "protocol_latency", "replica_latency", "alignment_cost",
-              "refine_throughput", "scale_out", "label_join_memory", "batch_invariance", "refine_frontier")
+              "refine_throughput", "scale_out", "label_join_memory", "batch_invariance", "refine_frontier", "decode")
 LONG_BENCHMARKS = ("refine_frontier",)
 """Rows of hours at the full sizes (a dozen refines and their evaluations): the smoke run runs them, the full run
 only when ``--only`` names them (the table keeps their last result)."""
@@ -142,6 +142,8 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path) -> tuple[str, lis
             "--model", spec.model, "--weights", spec.weights or "null", "--img_size", str(spec.img_size),
             *(["--quick", "true", "--arms", "finetune", "--budgets", "1", "--runs", str(work / name), "--page", "null",
                "--image", str(work / name / "refine_frontier.png")] if quick else [])]),  # full: runs/frontier
+        "decode": lambda: ("decode", ["--size", str(spec.img_size), "--images", n(4, 40), "--rounds", n(1, 5),
+                                      "--dataset", spec.dataset if quick else "tinyimagenet-downstream"]),
         "batch_invariance": lambda: ("batch_invariance", [*config_options(spec, "--spec."), "--batches", n(1, 10),
                                                           "--rounds", n(1, 5), "--repeats", n(3, 30)]),
         "gpu_learner_fp32": lambda: learner(pinned("fp32"), *GPU_LEARNER_CONFIGS, full=GPU_STREAM_PER_CLASS),
@@ -351,6 +353,19 @@ def _frontier_rows(r: dict) -> list[Row]:
     return rows
 
 
+def _decode_rows(r: dict) -> list[Row]:
+    rows: list[Row] = []
+    for kind, s in r["streams"].items():
+        camera_jpeg = kind in ("1280x960 JPEG", "1920x1080 JPEG")
+        ratio = s["scaled_ms"] / s["full_ms"]
+        rows.append((f"Decode to {r['size']} px, {kind} ({s['bytes_mean'] / 1024:.0f} KB), one thread, ms an image "
+                     f"(pixels apart from the full decode: max {s['pixels_apart_max']}, mean "
+                     f"{s['pixels_apart_mean']:.2f} of 255)",
+                     f"{s['scaled_ms']:.2f} ms", f"{s['full_ms']:.2f} ms (full decode, then resize)", ratio,
+                     "≤ 0.2 (5× faster)" if camera_jpeg else "–", ratio <= 0.2 if camera_jpeg else None))
+    return rows
+
+
 ROWS: dict[str, Callable[[dict], list[Row]]] = {
     "model_arithmetic": _arithmetic_rows, "learning_quality": _quality_rows,
     "learning_quality_tinyimagenet": _quality_rows, "learner_throughput": _learner_rows,
@@ -358,6 +373,7 @@ ROWS: dict[str, Callable[[dict], list[Row]]] = {
     "predict_throughput": _throughput_rows, "replica_latency": _replica_rows,
     "alignment_cost": _alignment_rows, "refine_throughput": _refine_rows, "scale_out": _scale_out_rows,
     "label_join_memory": _join_rows, "batch_invariance": _invariance_rows, "refine_frontier": _frontier_rows,
+    "decode": _decode_rows,
     "gpu_learner_fp32": _learner_rows,
     "gpu_learner_bf16": _learner_rows, "gpu_predict_latency": _latency_rows, "gpu_vit_b16": _bare_learner_rows,
 }

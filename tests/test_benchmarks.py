@@ -98,6 +98,10 @@ def test_run_all_smoke_writes_every_result_and_the_performance_table(tmp_path):
     assert 0 < quality["ceiling"] <= 1 and quality["ratio"] == pytest.approx(quality["a_last"] / quality["ceiling"])
     assert quality["spec"]["method"] == "frozen" and quality["stream_samples"] == 100
     assert 0 < results["predict_latency"]["requests_while_learning"] <= 10
+    decode = results["decode"]["streams"]  # the camera sizes decode near the full decode's pixels; others exactly
+    assert {"1280x960 JPEG", "1920x1080 JPEG", "1280x960 PNG", "1280x960 WEBP"} <= set(decode)
+    assert all(s["pixels_apart_mean"] < 2 and s["pixels_apart_max"] <= 32 for s in decode.values())
+    assert decode["1280x960 PNG"]["pixels_apart_max"] == decode["1280x960 WEBP"]["pixels_apart_max"] == 0
     join = results["label_join_memory"]  # the bound holds, and every image is joined, expired or waiting
     assert join["store_bounded"] and join["long"]["images"] == 10 * join["short"]["images"]
     assert join["long"]["counts"]["expired_images"] > 0 and join["long"]["counts"]["joined"] > 0
@@ -297,3 +301,23 @@ def test_profile_summary_counts_only_the_learner_loop_and_the_model_threads_work
     total, rows = shares(raw)
     assert total == 8 and dict(rows)["_consume (server/learner/stream.py)"] == 0.25
     assert dict(rows)["_learn (server/learner/state.py)"] == dict(rows)["encode (mepo_stream/x.py)"] == 0.75
+
+
+def test_camera_streams_are_built_once_at_their_size_and_format_the_same_bytes_each_time():
+    import shutil
+
+    from PIL import Image
+
+    from benchmarks.camera_streams import camera_folder
+    from mepo_stream.data import DataConfig, list_files
+
+    data = DataConfig(dataset="cifar10", num_classes=2, train_per_class=2, test_per_class=1)
+    jpeg = camera_folder(data, 640, 480)
+    files = sorted(jpeg.rglob("*.jpg"))
+    first = [f.read_bytes() for f in files]
+    assert len(files) == 6 and all(Image.open(f).size == (640, 480) for f in files)
+    assert list_files(DataConfig(dataset=str(jpeg)), "train").classes == list_files(data, "train").classes
+    assert camera_folder(data, 640, 480) == jpeg  # found, not built again
+    shutil.rmtree(jpeg)
+    assert [f.read_bytes() for f in sorted(camera_folder(data, 640, 480).rglob("*.jpg"))] == first  # built again
+    assert len(list(camera_folder(data, 320, 240, "WEBP").rglob("*.webp"))) == 6

@@ -20,8 +20,9 @@ import torch
 from kafka import KafkaConsumer, KafkaProducer
 from PIL import Image
 
+from benchmarks.camera_streams import camera_folder
 from mepo_stream.anytime import ProtocolConfig
-from mepo_stream.data import list_files
+from mepo_stream.data import DataConfig, list_files
 from mepo_stream.label_delay import label_schedule
 from mepo_stream.records import record_headers
 from mepo_stream.sampler import SiBlurryConfig
@@ -221,3 +222,16 @@ def test_demo_runs_the_whole_pipeline_and_exits_when_done(tmp_path, later):
     assert summary["evaluations"] == summary["samples_seen"] // 5  # the any-time curve's points, one every 5
     assert "Kafka 127.0.0.1:" in out.stdout  # the embedded broker
     assert (tmp_path / "broker.log").is_file() and (tmp_path / "checkpoint" / CHECKPOINT).is_file()
+
+
+def test_a_stream_of_camera_size_jpegs_is_learned_exactly_once(broker, tmp_path):
+    """The same 200 images as 1280x960 JPEGs (about 100 KB each, ``benchmarks.camera_streams``) through the real
+    broker: every one learned once, none dead-lettered, decoded at libjpeg's 1/8 scale (160x120) for the 32-px
+    intake instead of whole."""
+    camera = DataConfig(dataset=str(camera_folder(DATA, 1280, 960)))
+    cfg = settings(broker, tmp_path)
+    with LiveServer(cfg) as http:
+        n = produce(camera, STREAM, cfg.kafka, ReplayConfig())
+        status = wait_for(lambda: (s := http.get("/v1/status").json())["samples_seen"] >= n and s, 180, "all")
+        assert n == 200 and status["samples_seen"] == 200 and status["dead_lettered"] == 0
+    assert_learned_exactly_once(checkpoint(cfg), camera, STREAM)
