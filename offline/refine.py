@@ -237,13 +237,12 @@ class Trainer:
     train_tf: Transform
     eval_tf: Transform
     base: dict[str, torch.Tensor]  # the untouched backbone, to measure how far each group moved
-    total_images: int | None = None  # the run's images, for the learning-rate schedule (None: no schedule)
+    total_images: int | None = None  # the run's images, for the learning-rate schedule (``budget``; None: none)
     seen_images: int = 0
     steps_taken: int = 0
 
     @classmethod
-    def create(cls, backbone: BackboneConfig, images: ImageSet, cfg: RefineConfig, ddp: Distributed,
-               total_images: int | None = None) -> Trainer:
+    def create(cls, backbone: BackboneConfig, images: ImageSet, cfg: RefineConfig, ddp: Distributed) -> Trainer:
         """The backbone with a meta head on this rank's device (DDP-wrapped under torchrun), the optimizer over
         the backbone's and head's learning rates, and the training and test transforms at the training size."""
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else device()
@@ -265,8 +264,7 @@ class Trainer:
         base = {k: v.detach().cpu().clone() for k, v in model.backbone.state_dict().items()}
         augment = (RandomResizedCropFlip(img, mean, std, (cfg.crop_scale, 1.0), low_res=cfg.low_res)
                    if cfg.augment == "image" else train_transform(img, mean, std, None))
-        return cls(model, net, optimizer, images, cfg, ddp, augment, test_transform(img, mean, std), base,
-                   total_images)
+        return cls(model, net, optimizer, images, cfg, ddp, augment, test_transform(img, mean, std), base)
 
     def save(self, path: Path, meta_epoch: int, history: list[dict]) -> None:
         """Checkpoint after ``meta_epoch``: model, optimizer, RNG state and progress, enough to resume exactly."""
