@@ -49,7 +49,7 @@ from server.config import ServeConfig
 def stream_batches(spec: ServiceSpec, batches: int, dev: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``batches`` random mini-batches of the stream as the learner gets them from the service: uint8 images
     decoded at the service's size (already on ``dev`` here) and original labels (on the CPU, as the service's)."""
-    data = load_split(replace(spec.data, load_size=ServeConfig.limits.size), "train")
+    data = load_split(replace(spec.data, load_size=spec.limits.size), "train")
     perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
     size = spec.learner.batch_size
     return [(data.images[idx].to(dev), data.targets[idx])  # the stream again from its start when it runs out

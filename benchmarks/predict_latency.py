@@ -129,7 +129,7 @@ def main(spec: ServiceSpec = ServiceSpec(), requests: int = 300, idle_requests: 
         out: JSON result path.
     """
     jpeg = sample_jpeg(spec)
-    image = decode_image(jpeg, ServeConfig.limits)[None]  # [1, 3, S, S] uint8, as the service decodes it
+    image = decode_image(jpeg, spec.limits)[None]  # [1, 3, S, S] uint8, as the service decodes it
     n_classes = len(list_files(spec.data, "train").classes)
     bare, backbone = bare_predictor(spec, n_classes), backbone_forward(spec, n_classes)
     idle = [bare(image) for _ in range(idle_requests + 5)][5:]

@@ -27,13 +27,12 @@ from benchmarks.predict_latency import bare_predictor, sample_jpeg
 from benchmarks.service import ServiceSpec, running_service, write_result
 from mepo_stream.data import list_files
 from mepo_stream.images import decode_image
-from server.config import ServeConfig
 
 
 def bare_rate(spec: ServiceSpec, batch: int, seconds: float) -> float:
     """Images/s of the bare eval forward on batches of ``batch`` images, over about ``seconds``."""
     forward = bare_predictor(spec, len(list_files(spec.data, "train").classes))
-    images = decode_image(sample_jpeg(spec), ServeConfig.limits)[None].expand(batch, -1, -1, -1).contiguous()
+    images = decode_image(sample_jpeg(spec), spec.limits)[None].expand(batch, -1, -1, -1).contiguous()
     forward(images)  # warm-up
     spent, n = 0.0, 0
     while spent < seconds:

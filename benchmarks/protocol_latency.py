@@ -165,7 +165,7 @@ def main(spec: ServiceSpec = ServiceSpec(), requests: int = 100, flood_clients: 
         out: JSON result path.
     """
     jpeg = sample_jpeg(spec)
-    image = decode_image(jpeg, ServeConfig.limits)[None]  # [1, 3, S, S] uint8, as the service decodes it
+    image = decode_image(jpeg, spec.limits)[None]  # [1, 3, S, S] uint8, as the service decodes it
     floor_call = backbone_forward(spec, len(list_files(spec.data, "train").classes))
     floor = quantiles([floor_call(image) for _ in range(requests + 5)][5:])
     grpc_port = free_port()

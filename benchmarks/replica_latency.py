@@ -190,7 +190,7 @@ def publishing_cost(url: str) -> dict:
 def bare_latency(spec: ServiceSpec, repeats: int) -> dict:
     """p50/p99 of the snapshot's forward of one image, in this process (on the replica's core, one thread)."""
     forward = bare_predictor(spec, len(list_files(spec.data, "train").classes))
-    image = decode_image(sample_jpeg(spec), ServeConfig.limits)[None]
+    image = decode_image(sample_jpeg(spec), spec.limits)[None]
     forward(image)  # warm-up
     return quantiles([forward(image) for _ in range(repeats)])
 

@@ -6,8 +6,10 @@ pretraining images per class: the alignment's cost does not depend on the statis
 
 The CPU rows run with CUDA hidden, so they stay CPU rows wherever ``make bench`` runs. Where CUDA is present the
 GPU rows follow (skipped with a note elsewhere): the service against the bare loop on the GPU at fp32 and at
-bf16, predict latency while learning against the bare forward on the same GPU, and the bare learner of
-ViT-B/16 at 224 px in bf16 with the paper's recipe. Every row says where it was measured (device and dtype).
+bf16, predict latency while learning against the bare forward on the same GPU, the bare learner of ViT-B/16 at
+224 px in bf16 with the paper's recipe, camera JPEGs decoded on the GPU against the CPU's scaled decode, and
+ViT-B/16 learning a 1280x960 JPEG stream with its JPEGs decoded on the GPU and by the decode pool. Every row says
+where it was measured (device and dtype).
 
 Usage:
     python -m benchmarks.run_all                      # DINOv2 ViT-S/14 @ 84 px, the full sizes (~15 min on 2 CPUs)
@@ -31,8 +33,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.camera_streams import camera_folder
 from benchmarks.service import ROOT, ServiceSpec, paper_recipe
 from mepo_stream.cli import config_options
+from mepo_stream.data import DataConfig
 
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 BENCHMARKS = ("model_arithmetic", "learning_quality", "learning_quality_tinyimagenet", "learner_throughput",
@@ -41,7 +45,8 @@ BENCHMARKS = ("model_arithmetic", "learning_quality", "learning_quality_tinyimag
 LONG_BENCHMARKS = ("refine_frontier",)
 """Rows of hours at the full sizes (a dozen refines and their evaluations): the smoke run runs them, the full run
 only when ``--only`` names them (the table keeps their last result)."""
-GPU_BENCHMARKS = ("gpu_learner_fp32", "gpu_learner_bf16", "gpu_predict_latency", "gpu_vit_b16")
+GPU_BENCHMARKS = ("gpu_learner_fp32", "gpu_learner_bf16", "gpu_predict_latency", "gpu_vit_b16", "gpu_decode",
+                  "gpu_camera_learner", "gpu_camera_learner_cpu_decode")
 ALL = (*BENCHMARKS, *GPU_BENCHMARKS)
 GPU_LEARNER_CONFIGS = ("prequential", "paper_recipe")
 """The GPU learner rows' configurations: the service's default and the expensive one."""
@@ -50,6 +55,8 @@ GPU_STREAM_PER_CLASS = 1000
 default learner took 1,000 samples in half a second, too short a window to time (docs/performance.md, "On a GPU")."""
 VIT_B16 = ("vit_base_patch16_224", 224)
 """The GPU throughput row's model and resolution (the paper's backbone)."""
+CAMERA_PER_CLASS = 300
+"""The GPU camera rows' stream: 3,000 CIFAR-10 images upscaled to 1280x960 JPEGs (``benchmarks.camera_streams``)."""
 Row = tuple[str, str, str, float | None, str, bool | None]  # measurement, ours, bare, ratio, goal, met
 
 
@@ -98,6 +105,19 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path) -> tuple[str, lis
         s = spec if quick else replace(spec, model=model, weights=None, img_size=size,
                                        mepo=sigma_bundle(model, None, size, work))
         return paper_recipe(replace(s, learner=replace(s.learner, precision="bf16")))
+
+    def camera(gpu_decode: bool) -> tuple[str, list[str]]:
+        """ViT-B/16 in bf16 learning a 1280x960 JPEG stream, its JPEGs decoded on the GPU or by the decode pool;
+        one round each (the GPU's time is short), against its bare loop on tensors already on the device."""
+        per_class = int(n(3, CAMERA_PER_CLASS))
+        folder = camera_folder(DataConfig(dataset="cifar10", train_per_class=per_class, test_per_class=5), 1280, 960)
+        model, size = VIT_B16
+        s = spec if quick else replace(spec, model=model, weights=None, img_size=size, mepo=None)
+        s = replace(s, dataset=str(folder), learner=replace(s.learner, precision="bf16"),
+                    extra=("--gpu_decode", str(gpu_decode).lower()))
+        return "learner_throughput", [*stream(s, per_class, per_class), "--configs",
+                                      json.dumps(["learn_only"] if quick else ["learn_only", "paper_recipe"]),
+                                      "--bare_batches", n(2, 8), "--rounds", "1"]
 
     def learner(s: ServiceSpec, *configs: str, full: int = 100) -> tuple[str, list[str]]:
         if quick:  # one service run (its first configuration): the others differ only in the spec, which
@@ -150,6 +170,10 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path) -> tuple[str, lis
         "gpu_learner_bf16": lambda: learner(pinned("bf16"), *GPU_LEARNER_CONFIGS, full=GPU_STREAM_PER_CLASS),
         "gpu_predict_latency": lambda: latency(GPU_STREAM_PER_CLASS),
         "gpu_vit_b16": lambda: ("bare_learner", [*config_options(vit_b16(), "--spec."), "--batches", n(2, 20)]),
+        "gpu_decode": lambda: ("gpu_decode", ["--images", n(4, 256), "--rounds", n(1, 3),
+                                              "--sizes", json.dumps([spec.img_size] if quick else [84, 224])]),
+        "gpu_camera_learner": lambda: camera(gpu_decode=True),
+        "gpu_camera_learner_cpu_decode": lambda: camera(gpu_decode=False),
     }
     return jobs[name]()
 
@@ -366,6 +390,25 @@ def _decode_rows(r: dict) -> list[Row]:
     return rows
 
 
+def _gpu_decode_rows(r: dict) -> list[Row]:
+    rows: list[Row] = []
+    for name, stream in r["streams"].items():
+        for size, m in ((k, v) for k, v in stream.items() if k != "images"):
+            threads, cpu = max(m["cpu_images_per_s"].items(), key=lambda kv: kv[1])
+            rows.append((f"{name} JPEG to {size} px on the GPU, batches of {r['batch']} (images/s; pixels apart from "
+                         f"the CPU's decode: mean {m['pixels_apart_mean']:.2f}, max {m['pixels_apart_max']})",
+                         _fmt(m["gpu_images_per_s"], "/s"), f"{_fmt(cpu, '/s')} (CPU scaled decode, {threads} threads)",
+                         m["gpu_over_best_cpu"], "–", None))
+    return rows
+
+
+def _camera_rows(r: dict, decoded: str) -> list[Row]:
+    """The learner rows of a camera stream, named by where its JPEGs decode (no memory row: one short round)."""
+    what = f"{r['stream_samples']} 1280x960 JPEGs {decoded}, {r['spec']['model']} @ {r['spec']['img_size']} px"
+    return [(text.replace("Learner throughput from Kafka", f"Learner throughput from Kafka, {what}"), *rest)
+            for text, *rest in _learner_rows(r) if not text.startswith("Learner memory")]
+
+
 ROWS: dict[str, Callable[[dict], list[Row]]] = {
     "model_arithmetic": _arithmetic_rows, "learning_quality": _quality_rows,
     "learning_quality_tinyimagenet": _quality_rows, "learner_throughput": _learner_rows,
@@ -376,6 +419,8 @@ ROWS: dict[str, Callable[[dict], list[Row]]] = {
     "decode": _decode_rows,
     "gpu_learner_fp32": _learner_rows,
     "gpu_learner_bf16": _learner_rows, "gpu_predict_latency": _latency_rows, "gpu_vit_b16": _bare_learner_rows,
+    "gpu_decode": _gpu_decode_rows, "gpu_camera_learner": lambda r: _camera_rows(r, "decoded on the GPU"),
+    "gpu_camera_learner_cpu_decode": lambda r: _camera_rows(r, "decoded by the decode pool's threads"),
 }
 
 
@@ -406,6 +451,8 @@ def table(results: dict[str, dict]) -> str:
             lines += [f"| {what} | {ours} | {bare} | {'–' if ratio is None else f'{ratio:.3f}'} | {goal} | "
                       f"{'–' if met is None else 'yes' if met else 'no'} | {where} |"
                       for what, ours, bare, ratio, goal, met in rows(results[name])]
+    if not results:
+        return "No rows measured."
     some = next(iter(results.values()))
     times = sorted(r["measured_at"] for r in results.values() if "measured_at" in r)
     machines = sorted({_machine_text(r["machine"]) for r in results.values() if "machine" in r})

@@ -50,7 +50,6 @@ from mepo_stream.data import list_files, load_split
 from mepo_stream.kafka import KafkaConfig, ensure_topics
 from mepo_stream.label_statistics import LabelStatistics
 from server.broker import EmbeddedBroker, free_port
-from server.config import ServeConfig
 from server.learner.changelog import Changelog
 
 PARTITIONS = 4
@@ -198,7 +197,7 @@ def same_model(spec: ServiceSpec, one: LabelStatistics, two: LabelStatistics, te
     differences = {name: float((getattr(one, name) - getattr(two, name)).abs().max() / getattr(one, name).abs().max())
                    for name in ("counts", "sums", "second")}
     learner = bare_learner(spec, len(list_files(spec.data, "train").classes))
-    test = load_split(replace(spec.data, test_per_class=test_per_class, load_size=ServeConfig.limits.size), "test")
+    test = load_split(replace(spec.data, test_per_class=test_per_class, load_size=spec.limits.size), "test")
     h = torch.cat([learner.encode(test.images[i:i + 128]).feature for i in range(0, len(test), 128)])  # [N, D]
     out: dict = {"relative_difference": differences, "test_images": len(test)}
     for name, stats in (("one", one), ("two", two)):

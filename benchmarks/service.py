@@ -34,6 +34,7 @@ import torch
 from mepo_stream.backbone import BackboneConfig, device
 from mepo_stream.cli import config_options
 from mepo_stream.data import DataConfig, list_files
+from mepo_stream.images import ImageLimits
 from mepo_stream.kafka import KafkaConfig
 from mepo_stream.learner import PAPER_RECIPE, LearnerConfig, OnlineLearner
 from mepo_stream.methods.base import ContinualMethod
@@ -75,6 +76,11 @@ class ServiceSpec:
     @property
     def data(self) -> DataConfig:
         return DataConfig(self.dataset, train_per_class=self.train_per_class)
+
+    @property
+    def limits(self) -> ImageLimits:
+        """The service's image limits, with the size it decodes to: the backbone's."""
+        return ServeConfig.limits.at(self.img_size)
 
     def placement(self) -> tuple[torch.device, torch.dtype]:
         """The device and autocast dtype the service runs this spec with (the bare loops use the same)."""

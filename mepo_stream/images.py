@@ -13,14 +13,17 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import io
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import simplejpeg
 import torch
+import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
 
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF")
@@ -34,8 +37,18 @@ class ImageLimits:
     """Largest encoded image accepted, in bytes."""
     max_pixels: int = 16 * 1024 * 1024
     """Largest width x height accepted (decompression-bomb guard)."""
-    size: int = 64
-    """Decoded images are resized to size x size for the learner's uint8 batches."""
+    size: int | None = None
+    """Side of the square every image is decoded and resized to (a JPEG at its smallest fast DCT scale that still
+    covers it). None: the model's own input size, so the backbone sees its resolution, decoded from the source."""
+
+    def at(self, model_size: int) -> ImageLimits:
+        """These limits with ``size`` resolved: the one given, else the model's ``model_size``.
+
+        Example:
+            >>> ImageLimits().at(224).size, ImageLimits(size=64).at(224).size
+            (224, 64)
+        """
+        return self if self.size is not None else replace(self, size=model_size)
 
 
 class ImageError(ValueError):
@@ -126,7 +139,7 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
 
 
 def decode_image(data: bytes, limits: ImageLimits) -> torch.Tensor:
-    """Validated RGB image as uint8 [3, size, size]."""
+    """Validated RGB image as uint8 [3, size, size] (``limits.size`` None: at its own size)."""
     if not data:
         raise ImageError("empty", "the image is empty")
     if len(data) > limits.max_bytes:
@@ -140,3 +153,73 @@ def decode_image(data: bytes, limits: ImageLimits) -> torch.Tensor:
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # truncated or corrupt
             raise ImageError("corrupt_image", str(e) or type(e).__name__) from e
     return torch.from_numpy(pixels.copy())
+
+
+def decode_images(datas: list[bytes], limits: ImageLimits, device: torch.device | str = "cpu"
+                  ) -> list[torch.Tensor | ImageError]:
+    """Many images, each as ``decode_image`` gives it (uint8 [3, size, size], on the CPU) or its ``ImageError``.
+
+    On a CUDA ``device`` the JPEGs a GPU can take decode there together (nvjpeg, one batched call) and resize there
+    (bicubic, antialiased), so a camera stream costs the CPU only the header checks; the rest, and any batch the
+    GPU refuses, take ``decode_image``. The byte and pixel limits hold before any pixel is decoded, on both paths.
+    Elsewhere it is ``decode_image`` on each.
+    """
+    device = torch.device(device)
+    on_device = [i for i, data in enumerate(datas) if device.type == "cuda" and _device_jpeg(data, limits)]
+    out: list[torch.Tensor | ImageError | None] = [None] * len(datas)
+    if on_device:
+        for i, image in zip(on_device, decode_jpegs([datas[i] for i in on_device], limits.size, device),
+                            strict=True):
+            out[i] = image
+    for i, data in enumerate(datas):
+        if out[i] is None:
+            try:
+                out[i] = decode_image(data, limits)
+            except ImageError as e:
+                out[i] = e
+    return out
+
+
+def _device_jpeg(data: bytes, limits: ImageLimits) -> bool:
+    """Whether the GPU should decode ``data``: a whole (it ends with its EOI marker, so a truncated one takes the
+    strict CPU path, which refuses it) YCbCr or grey JPEG within the limits. Anything else, including one over a
+    limit, goes to ``decode_image``, which names the reason."""
+    if not data.startswith(b"\xff\xd8\xff") or not data.endswith(b"\xff\xd9") or len(data) > limits.max_bytes:
+        return False
+    try:
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+    except ValueError:
+        return False
+    return colorspace in ("YCbCr", "Gray") and width * height <= limits.max_pixels
+
+
+def decode_jpegs(datas: list[bytes], size: int, device: torch.device) -> list[torch.Tensor | None]:
+    """JPEGs decoded in one batch on ``device`` (nvjpeg on CUDA, libjpeg on the CPU) and resized there to ``size``
+    x ``size``, back on the CPU as uint8 [3, size, size] each; all None when the decoder refuses the batch. No
+    limit is checked here: ``decode_images`` hands it only JPEGs within them."""
+    encoded = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in datas]
+    try:
+        decoded = batch_jpeg_decoder()(encoded, mode="RGB", device=device)  # [3, H_i, W_i] each
+    except RuntimeError:
+        return [None] * len(datas)
+    resized = torch.empty((len(datas), 3, size, size), dtype=torch.uint8, device=device)  # [N, 3, S, S]
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i, image in enumerate(decoded):
+        by_shape.setdefault(tuple(image.shape), []).append(i)
+    for indices in by_shape.values():  # one camera's images share a shape: one resize for all of them
+        batch = torch.stack([decoded[i] for i in indices]).float()  # [n, 3, H, W]
+        if batch.shape[-2:] != (size, size):
+            batch = F.interpolate(batch, size=(size, size), mode="bicubic", antialias=True, align_corners=False)
+        resized[indices] = batch.round_().clamp_(0, 255).to(torch.uint8)
+    return list(resized.cpu().unbind(0))
+
+
+@functools.cache
+def batch_jpeg_decoder() -> Callable:
+    """TorchCodec's ``decode_jpeg``, which decodes a list of JPEGs in one nvJPEG call on CUDA; torchvision's (the
+    same call, deprecated since torchvision 0.29) where TorchCodec is missing or does not load beside this torch."""
+    try:
+        from torchcodec.decoders import decode_jpeg
+    except (ImportError, OSError, RuntimeError):  # its native library is built for particular torch versions
+        from torchvision.io import decode_jpeg
+    return decode_jpeg

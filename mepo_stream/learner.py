@@ -111,8 +111,7 @@ class OnlineLearner:
     def __init__(self, model: ContinualMethod, cfg: LearnerConfig):
         self.cfg, self.method = cfg, model
         self.n_classes, self.device, self.dtype = model.n_classes, model.device, model.dtype
-        img_size = model.backbone.patch_embed.img_size[0]
-        self.train_tf: Transform = train_transform(img_size, *normalization(model.backbone), cfg.autoaugment)
+        self.train_tf: Transform = train_transform(model.input_size, *normalization(model.backbone), cfg.autoaugment)
         fused = {"fused": True} if self.device.type == "cuda" else {}
         self.optimizer = torch.optim.Adam(model.param_groups(cfg.lr), lr=cfg.lr, **fused)
         self.encoder_trains = any(p.requires_grad for n, p in model.named_parameters() if not n.startswith("head."))

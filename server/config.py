@@ -95,12 +95,16 @@ class ServeConfig:
     prequential: bool = True
     """Predict each mini-batch before learning it (test-then-train accuracy, drift detection)."""
     limits: ImageLimits = ImageLimits()
-    """Upload and record limits; images are resized to limits.size for learning."""
+    """Upload and record limits, and the size images are decoded to (default: the model's input size)."""
     decode_workers: int | None = None
     """Threads decoding and validating the images of one Kafka poll while the model learns the previous
     mini-batch (PIL releases the GIL while decoding); 0 decodes inline in the learner thread, between steps.
     Default: 4 when the model runs on a GPU, 0 on a CPU, whose cores the model's forward already fills (decoding
     beside it slowed a 2-core learner by 5–8 %: docs/performance.md, "Where the learner's time goes")."""
+    gpu_decode: bool | None = None
+    """Decode the JPEGs of each Kafka poll on the model's GPU (nvjpeg, batched) and resize them there, instead of
+    in ``decode_workers`` threads; other formats, and JPEGs the GPU cannot take, still decode on the CPU. Default:
+    on when the model runs on CUDA. It needs a CUDA model."""
     max_files: int = 16
     """Most images in one prediction request."""
     max_inflight_bytes: int = 512 * 2**20

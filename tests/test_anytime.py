@@ -122,9 +122,9 @@ def test_no_schedule_without_a_period():
 
 def test_service_and_evaluate_report_the_same_anytime_accuracy(tmp_path):
     """The server's A_AUC is `mepo evaluate`'s on the same stream: one schedule, one scoring, one curve."""
-    # images decoded at the size the service decodes its records and its held-out images at
+    # images decoded at the size the service decodes its records and its held-out images at: the model's
     data, period = DataConfig(dataset="cifar10", train_per_class=12, test_per_class=4,
-                              load_size=ServeConfig.limits.size), 30
+                              load_size=ServeConfig.limits.at(TINY.img_size).size), 30
     result = evaluate(out=tmp_path / "ev", seed="1", method="frozen", data=data, backbone=TINY,
                       protocol=ProtocolConfig(eval_period=period), probe=ProbeConfig(epochs=1))
     offline = result["runs"][0]["curves"]["batch"]  # without Meta Cov both modes are one model; evaluate keeps one

@@ -183,11 +183,10 @@ def test_scale_out_same_model_finds_the_sums_of_two_parts_the_whole_and_predicts
     from benchmarks.service import bare_learner
     from mepo_stream.data import list_files, load_split
     from mepo_stream.label_statistics import LabelStatistics
-    from server.config import ServeConfig
 
     torch.set_num_threads(1)  # batch-invariant features
     classes = len(list_files(SMALL.data, "train").classes)
-    data = load_split(replace(SMALL.data, load_size=ServeConfig.limits.size), "train")
+    data = load_split(replace(SMALL.data, load_size=SMALL.limits.size), "train")
     whole = bare_learner(SMALL, classes)
     whole.observe(data.images, data.targets)
     parts = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -17,9 +18,12 @@ from PIL import Image
 
 import server.learner.intake as intake
 import server.learner.stream as stream
+from mepo_stream.images import ImageLimits, decode_image
 from mepo_stream.records import record_headers
 from server.learner.staging import stack_images
-from tests.fakes import STREAM_ID, FakeConsumer, FakeProducer, FakeRecord, jpeg, record, service
+from tests.fakes import STREAM_ID, FakeConsumer, FakeProducer, FakeRecord, jpeg, record, run_loop, service
+from tests.helpers import TINY
+from tests.test_images import camera_jpeg
 
 TRUNCATED = jpeg("red")[:60]  # a valid header, then the image breaks off
 
@@ -49,9 +53,9 @@ def mixed_log() -> list[FakeRecord]:
     return log
 
 
-def run_stream(tmp_path, monkeypatch, workers: int) -> dict:
+def run_stream(tmp_path, monkeypatch, workers: int, **kw) -> dict:
     """Everything the loop decides for ``mixed_log``: learned ids and images in order, dead letters, offsets."""
-    state, loop, learned = service(tmp_path, decode_workers=workers)
+    state, loop, learned = service(tmp_path, decode_workers=workers, **kw)
     images: list[torch.Tensor] = []
     learn = state.learn
 
@@ -83,6 +87,44 @@ def test_the_pool_decides_exactly_as_inline_decoding(tmp_path, monkeypatch):
     assert inline["consumed"] == inline["committed"] == {"images:0": 50}
     assert torch.equal(pooled.pop("images"), inline.pop("images"))
     assert pooled == inline
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decoding_each_poll_on_the_gpu_decides_exactly_as_inline_decoding(tmp_path, monkeypatch):
+    """nvJPEG's batch per poll: the same samples, order, dead letters and offsets. (The pixels of these noise
+    images differ where the decoders upsample chroma differently; a camera image's stay within a level:
+    ``tests/test_images.py``.)"""
+    inline = run_stream(tmp_path / "inline", monkeypatch, workers=0, gpu_decode=False)
+    gpu = run_stream(tmp_path / "gpu", monkeypatch, workers=0, gpu_decode=True)
+    assert gpu.pop("images").shape == inline.pop("images").shape
+    assert gpu == inline
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the model runs on the GPU here")
+def test_gpu_decode_without_a_gpu_model_is_refused_at_start(tmp_path):
+    with pytest.raises(ValueError, match="--gpu_decode true needs the model on a CUDA GPU"):
+        service(tmp_path, gpu_decode=True)
+
+
+@pytest.mark.parametrize("size", [48, 224])
+def test_a_camera_record_reaches_the_backbone_decoded_from_the_source_at_the_backbones_size(tmp_path, monkeypatch,
+                                                                                            size):
+    """A 1280x960 JPEG, with the default --limits.size, is learned at the backbone's own resolution, as the
+    scaled decode of the source gives it at that size (1/8 for 48 px, 1/4 for 224), never through another size."""
+    data = camera_jpeg(1280, 960)
+    backbone = replace(TINY, img_size=size)
+    state, loop, learned = service(tmp_path, backbone=backbone, limits=ImageLimits(), decode_workers=0)
+    seen: list[torch.Tensor] = []
+    hook = state.learner.method.backbone.patch_embed.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    images: list[torch.Tensor] = []
+    learn = state.learn
+    state.learn = lambda batch: images.extend(s.image for s in batch) or learn(batch)
+    run_loop(monkeypatch, loop, [sample(i, i, data) for i in range(16)])
+    hook.remove()
+    expected = decode_image(data, ImageLimits(size=size))
+    assert len(learned) == 16 and all(torch.equal(image, expected) for image in images)
+    assert seen and all(x.shape[-2:] == (size, size) for x in seen)
 
 
 @pytest.mark.parametrize("workers", [0, 4])

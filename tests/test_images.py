@@ -116,3 +116,44 @@ def test_an_image_under_twice_the_models_size_decodes_whole_as_before():
     assert images._jpeg_rgb(data, None, 84).size == (150, 100)
     assert torch.equal(decode_image(data, ImageLimits(size=84)),
                        torch.from_numpy(rgb_array(Image.open(io.BytesIO(data)), 84).copy()))
+
+
+def batch_decode_cases() -> list[bytes]:
+    """Two camera shapes, a thumbnail, and bad or odd inputs: one of each path and each reason."""
+    png = encode(Image.new("RGB", (300, 200), (9, 99, 199)), "PNG")
+    return [camera_jpeg(1280, 960), camera_jpeg(640, 480), camera_jpeg(1280, 960), camera_jpeg(64, 64), png,
+            camera_jpeg(640, 480)[:-5000], b"not an image", camera_jpeg(4000, 4100)]
+
+
+def test_a_batch_of_jpegs_decodes_and_resizes_together_near_one_at_a_time():
+    """The batched path (nvjpeg's, run here by libjpeg on the CPU) resizes each shape group at once, with an
+    antialiased bicubic: within about a level of ``decode_image``'s scaled decode and PIL resize."""
+    datas = [camera_jpeg(1280, 960), camera_jpeg(640, 480), camera_jpeg(1280, 960), camera_jpeg(64, 64)]
+    batched = images.decode_jpegs(datas, 84, torch.device("cpu"))
+    for data, image in zip(datas, batched, strict=True):
+        one = decode_image(data, ImageLimits(size=84))
+        assert image.dtype == torch.uint8 and image.shape == one.shape == (3, 84, 84)
+        apart = (image.int() - one.int()).abs()
+        assert apart.float().mean() < 1.5 and apart.max() <= 24, (apart.float().mean(), apart.max())
+    assert torch.equal(batched[0], batched[2])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_many_images_decode_each_as_alone_or_with_its_own_error(device):
+    """``decode_images`` on the CPU is ``decode_image`` on each; on a GPU the whole JPEGs within the limits decode
+    there (pixels within about a level), and every other input keeps its own path and its own reason: a PNG, a
+    truncated JPEG, bytes that are no image, and a JPEG over the pixel limit (refused from its header)."""
+    limits = ImageLimits(size=84, max_pixels=4000 * 4000)
+    datas = batch_decode_cases()
+    out = images.decode_images(datas, limits, device)
+    assert len(out) == len(datas)
+    assert [e.reason for e in out if isinstance(e, ImageError)] == ["corrupt_image", "not_an_image",
+                                                                    "too_many_pixels"]
+    for data, image in zip(datas[:5], out[:5], strict=True):
+        one = decode_image(data, limits)
+        assert image.device.type == "cpu" and image.shape == one.shape
+        apart = (image.int() - one.int()).abs()
+        assert apart.float().mean() < 1.5, apart.float().mean()
+        if device == "cpu" or data is datas[4]:  # a PNG never leaves the CPU
+            assert torch.equal(image, one)

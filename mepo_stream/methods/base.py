@@ -97,6 +97,11 @@ class ContinualMethod(nn.Module):
     def device(self) -> torch.device:
         return self.head.weight.device
 
+    @property
+    def input_size(self) -> int:
+        """The side of the square images the backbone takes: what a camera image is decoded and resized to."""
+        return self.backbone.patch_embed.img_size[0]
+
     def encode(self, x: torch.Tensor, slot: int | None = None) -> Encoded:
         raise NotImplementedError
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from mepo_stream.images import ImageError, decode_image
+from mepo_stream.errors import ConfigError
+from mepo_stream.images import ImageError, decode_image, decode_images
 from mepo_stream.label_join import Joined, LabelJoin, Refused
 from mepo_stream.learner import OnlineLearner
 from mepo_stream.records import RecordError, RecordMeta, parse_headers, parse_label
@@ -65,6 +66,15 @@ class InlineExecutor(Executor):
         return finished(fn, *args, **kwargs)
 
 
+def gpu_decode_device(gpu_decode: bool | None, model_device: torch.device) -> torch.device | None:
+    """Where a poll's JPEGs decode (``ServeConfig.gpu_decode``): the model's GPU, or None for the CPU path."""
+    if gpu_decode is None:
+        gpu_decode = model_device.type == "cuda"
+    if gpu_decode and model_device.type != "cuda":
+        raise ConfigError(f"--gpu_decode true needs the model on a CUDA GPU; it runs on {model_device}")
+    return model_device if gpu_decode else None
+
+
 Outgoing = DeadLetter | Prediction
 """What ``accept`` hands back for the loop to send: dead letters, and predictions of images without a label."""
 
@@ -99,6 +109,10 @@ class Intake:
         self.join = LabelJoin(cfg.join) if cfg.kafka.labels_topic is not None else None
         """Images waiting for labels that come later and labels waiting for images (None: labels come attached)."""
         self.stream_time = 0.0  # the newest record timestamp read (s): the join's clock
+        self.limits = cfg.limits.at(learner.method.input_size)
+        """What a record's image may be, and the model's size it is decoded to."""
+        self.decode_device = gpu_decode_device(cfg.gpu_decode, learner.device)
+        """Where each poll's JPEGs decode in one batch (None: one at a time, on the CPU)."""
 
     def accept(self, records: list, decoder: Executor, meanwhile: Callable[[], None] | None = None
                ) -> list[Outgoing]:
@@ -113,8 +127,9 @@ class Intake:
         before this returns, even on an error, so no late claim release can race a reconnect's ``reread``.
         """
         decoding: dict[tuple[str, int], Future] = {}
+        ready = self._decode_on_device(records)
         try:
-            claimed = [self._claim(record, decoder, decoding) for record in records]
+            claimed = [self._claim(record, decoder, decoding, ready.get(i)) for i, record in enumerate(records)]
             if meanwhile is not None:
                 meanwhile()
             arrivals = self._arrive(claimed) if self.join is not None else {}
@@ -124,10 +139,21 @@ class Intake:
         finally:
             wait(decoding.values())
 
-    def _claim(self, record, decoder: Executor, decoding: dict[tuple[str, int | str], Future]
-               ) -> _Claimed | _Label | RecordError | None:
+    def _decode_on_device(self, records: list) -> dict[int, torch.Tensor | ImageError]:
+        """Where JPEGs decode on the GPU: the images of the poll by index, decoded in one batch before any claim.
+        Decoding is pure, so claims, releases and the order are as if each were decoded as it is claimed; a
+        replay's image is decoded for nothing."""
+        if self.decode_device is None:
+            return {}
+        images = [i for i, r in enumerate(records) if self.join is None or r.topic != self.cfg.kafka.labels_topic]
+        decoded = decode_images([records[i].value or b"" for i in images], self.limits, self.decode_device)
+        return dict(zip(images, decoded, strict=True))
+
+    def _claim(self, record, decoder: Executor, decoding: dict[tuple[str, int | str], Future],
+               ready: torch.Tensor | ImageError | None = None) -> _Claimed | _Label | RecordError | None:
         """Parse the headers and claim the sample id before decoding (None: a replay); a label record is only
         parsed, and an image without a label claims nothing (the join refuses a second image of its id).
+        ``ready``: the image (or its error) when the poll was decoded on the GPU.
 
         An earlier copy of the same sample among the records is waited for first: if its image is bad it has
         given the claim back by then, and this copy is learned, as when records are decoded one at a time.
@@ -140,27 +166,30 @@ class Intake:
         except RecordError as e:
             return e
         if meta.label is None:
-            decoding[(meta.stream_id, meta.id)] = self._decoding(record, meta, decoder)
+            decoding[(meta.stream_id, meta.id)] = self._decoding(record, meta, decoder, ready)
             return _Claimed(meta, decoding[(meta.stream_id, meta.id)])
         sample_id = (meta.stream_id, meta.sample_index)
         if sample_id in decoding:
             wait([decoding[sample_id]])
         if not self.book.claim(*sample_id):  # learned or in flight: a replay
             return None
-        decoding[sample_id] = self._decoding(record, meta, decoder)
+        decoding[sample_id] = self._decoding(record, meta, decoder, ready)
         return _Claimed(meta, decoding[sample_id])
 
-    def _decoding(self, record, meta: RecordMeta, decoder: Executor) -> Future:
+    def _decoding(self, record, meta: RecordMeta, decoder: Executor, ready: torch.Tensor | ImageError | None
+                  ) -> Future:
         """The record's image being decoded: by ``decoder``'s threads, or here and now when it has none (an
-        ``InlineExecutor``: a direct call, not a hand-off)."""
-        if isinstance(decoder, InlineExecutor):
-            return finished(self._decode, record, meta)
+        ``InlineExecutor``: a direct call, not a hand-off) or the GPU decoded it already (``ready``)."""
+        if isinstance(decoder, InlineExecutor) or ready is not None:
+            return finished(self._decode, record, meta, ready)
         return decoder.submit(self._decode, record, meta)
 
-    def _decode(self, record, meta: RecordMeta) -> torch.Tensor:
+    def _decode(self, record, meta: RecordMeta, ready: torch.Tensor | ImageError | None = None) -> torch.Tensor:
         """The record's image; a bad one gives its claim back, so a good copy of the sample is still learned."""
         try:
-            return decode_image(record.value or b"", self.cfg.limits)
+            if isinstance(ready, ImageError):
+                raise ready
+            return decode_image(record.value or b"", self.limits) if ready is None else ready
         except ImageError:
             if meta.label is not None:
                 self.book.release(meta.stream_id, meta.sample_index)

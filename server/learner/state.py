@@ -388,12 +388,13 @@ def open_learner(cfg: ServeConfig, metrics: ServerMetrics, model_thread: ModelTh
     listing = list_files(cfg.data, "train")
     class_names = dict(enumerate(listing.class_names))
     evaluation = None
+    model = model_config(cfg)
     if cfg.protocol.eval_period > 0:  # the schedule, scoring and curve of `mepo evaluate`, in the served mode
-        test = load_split(replace(cfg.data, load_size=cfg.limits.size), "test")  # decoded as records are
+        size = cfg.limits.at(model.backbone.img_size).size
+        test = load_split(replace(cfg.data, load_size=size), "test")  # decoded as records are
         evaluation = AnytimeEvaluation(test, cfg.protocol.eval_period, cfg.protocol.eval_batch_size,
                                        (cfg.alignment.inference_mode,))
     learner = build_learner(cfg, len(listing.classes))
-    model = model_config(cfg)
     names = tuple(class_names[label] for label in range(len(class_names)))
     origin = Origin(cfg.model_name, model.to_json(), names, learner.method.backbone_sha256, model.mepo.sha256())
     state = LearnerState(cfg, metrics, model_thread or ModelThread(), learner, class_names, origin,

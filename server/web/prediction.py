@@ -15,18 +15,19 @@ from server.web.dependencies import ApiError
 STATUS_BY_REASON = {"too_large": 413, "too_many_pixels": 413}
 
 
-def decode_all(items: list[tuple[str, bytes]], settings: ServeConfig) -> list[torch.Tensor]:
-    """uint8 images [3, S, S] each (stacked in the model thread, which runs every tensor op that PyTorch may
-    parallelise); the first bad one fails the request with a 4xx naming it."""
+def decode_all(items: list[tuple[str, bytes]], settings: ServeConfig, model_size: int) -> list[torch.Tensor]:
+    """uint8 images [3, S, S] each at the model's size unless --limits.size says otherwise (stacked in the model
+    thread, which runs every tensor op that PyTorch may parallelise); the first bad one fails the request with a 4xx
+    naming it."""
     if not items:
         raise ApiError(400, "no image in the request", "no_image")
     if len(items) > settings.max_files:
         raise ApiError(413, f"{len(items)} images in one request; the limit is {settings.max_files}",
                        "too_many_files")
-    images = []
+    images, limits = [], settings.limits.at(model_size)
     for name, data in items:
         try:
-            images.append(decode_image(data, settings.limits))
+            images.append(decode_image(data, limits))
         except ImageError as e:
             raise ApiError(STATUS_BY_REASON.get(e.reason, 422), f"{name}: {e.message}", e.reason) from e
     return images
@@ -36,7 +37,10 @@ def predict_uploads(service: ServingModel, items: list[tuple[str, bytes]], setti
                     top_k: int) -> tuple[dict, list[list[dict]]]:
     """Decode and predict in one call: a route hands a request to a worker thread once, not once per step (each
     hand-over costs the event loop a wake-up)."""
-    return predict_images(service, decode_all(items, settings), top_k)
+    model = service.snapshot.model
+    if model is None:  # a replica before its first snapshot
+        raise ApiError(503, "the model has not learned any class yet", "no_classes_yet")
+    return predict_images(service, decode_all(items, settings, model.input_size), top_k)
 
 
 def predict_images(service: ServingModel, images: list[torch.Tensor], top_k: int) -> tuple[dict, list[list[dict]]]:
