@@ -42,18 +42,39 @@ import torch
 
 from benchmarks.service import ServiceSpec, bare_learner, paper_recipe, running_service, seconds, write_result
 from mepo_stream.data import list_files, load_split
+from mepo_stream.images import decode_images
 from mepo_stream.learner import OnlineLearner
 from server.config import ServeConfig
 
+Batch = tuple[torch.Tensor | list[bytes], torch.Tensor]
+"""A mini-batch of the bare loop: uint8 images [B, 3, S, S] on the device (or their encoded bytes), and labels."""
 
-def stream_batches(spec: ServiceSpec, batches: int, dev: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+
+def stream_batches(spec: ServiceSpec, batches: int, dev: torch.device, encoded: bool = False) -> list[Batch]:
     """``batches`` random mini-batches of the stream as the learner gets them from the service: uint8 images
-    decoded at the service's size (already on ``dev`` here) and original labels (on the CPU, as the service's)."""
+    decoded at the service's size (already on ``dev`` here), or, ``encoded``, the files' bytes as the records carry
+    them; and original labels (on the CPU, as the service's)."""
+    if encoded:
+        listing = list_files(spec.data, "train")
+        blobs, targets = [f.read_bytes() for f in listing.files], torch.tensor(listing.targets)
+        return [([blobs[i] for i in idx.tolist()], targets[idx]) for idx in _draws(len(blobs), spec, batches)]
     data = load_split(replace(spec.data, load_size=spec.limits.size), "train")
-    perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
-    size = spec.learner.batch_size
-    return [(data.images[idx].to(dev), data.targets[idx])  # the stream again from its start when it runs out
-            for idx in (perm[torch.arange(b * size, (b + 1) * size) % len(perm)] for b in range(batches))]
+    return [(data.images[idx].to(dev), data.targets[idx]) for idx in _draws(len(data), spec, batches)]
+
+
+def _draws(n: int, spec: ServiceSpec, batches: int) -> list[torch.Tensor]:
+    """Indices of ``batches`` mini-batches of a seeded permutation of ``n`` samples, from its start again when it
+    runs out."""
+    perm, size = torch.randperm(n, generator=torch.Generator().manual_seed(0)), spec.learner.batch_size
+    return [perm[torch.arange(b * size, (b + 1) * size) % n] for b in range(batches)]
+
+
+def decoded(spec: ServiceSpec, images: torch.Tensor | list[bytes], dev: torch.device) -> torch.Tensor:
+    """A mini-batch's images on ``dev``, decoded first where they are bytes, as the service's intake decodes them
+    (``decode_images``: JPEGs on the GPU beside a CUDA model, each on the CPU otherwise)."""
+    if isinstance(images, torch.Tensor):
+        return images
+    return torch.stack(decode_images(images, spec.limits, dev)).to(dev)  # [B, 3, S, S]
 
 
 def learn(learner: OnlineLearner, images: torch.Tensor, labels: torch.Tensor, prequential: bool) -> None:
@@ -64,28 +85,31 @@ def learn(learner: OnlineLearner, images: torch.Tensor, labels: torch.Tensor, pr
         learner.observe(images, labels)
 
 
-def bare_rate(spec: ServiceSpec, batches: int, prequential: bool) -> float:
-    """Samples/s of the bare learner over ``batches`` mini-batches, after one warm-up mini-batch."""
+def bare_rate(spec: ServiceSpec, batches: int, prequential: bool, decodes: bool = False) -> float:
+    """Samples/s of the bare learner over ``batches`` mini-batches, after one warm-up mini-batch; ``decodes``: each
+    mini-batch decoded from its bytes first, the decode timed with the learning."""
     learner = bare_learner(spec, len(list_files(spec.data, "train").classes))
-    warm_up, *timed = stream_batches(spec, batches + 1, learner.device)
-    learn(learner, *warm_up, prequential)
+    dev = learner.device
+    (warm_images, warm_labels), *timed = stream_batches(spec, batches + 1, dev, encoded=decodes)
+    learn(learner, decoded(spec, warm_images, dev), warm_labels, prequential)
 
     def run() -> None:
         for images, labels in timed:
-            learn(learner, images, labels, prequential)
+            learn(learner, decoded(spec, images, dev), labels, prequential)
 
     return batches * spec.learner.batch_size / seconds(run, learner.device)
 
 
-def measure(spec: ServiceSpec, prequential: bool, bare_batches: int, rounds: int, work: Path) -> dict:
+def measure(spec: ServiceSpec, prequential: bool, bare_batches: int, rounds: int, work: Path,
+            bare_decodes: bool = False) -> dict:
     """``rounds`` service runs alternated with bare runs; the median round's rates and memory, and every round."""
-    bares = [bare_rate(spec, bare_batches, prequential)]
+    bares = [bare_rate(spec, bare_batches, prequential, bare_decodes)]
     runs = []
     for r in range(rounds):
         runs.append(service_round(spec, prequential, work / f"round{r}"))
-        bares.append(bare_rate(spec, bare_batches, prequential))
+        bares.append(bare_rate(spec, bare_batches, prequential, bare_decodes))
     return {"method": spec.method, "classifier": spec.learner.classifier, "prequential": prequential,
-            **median_round(runs, bares)}
+            "bare_decodes": bare_decodes, **median_round(runs, bares)}
 
 
 def median_round(runs: list[dict], bares: list[float]) -> dict:

@@ -41,7 +41,8 @@ from mepo_stream.data import DataConfig
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 BENCHMARKS = ("model_arithmetic", "learning_quality", "learning_quality_tinyimagenet", "learner_throughput",
               "predict_latency", "predict_throughput", "protocol_latency", "replica_latency", "alignment_cost",
-              "refine_throughput", "scale_out", "label_join_memory", "batch_invariance", "refine_frontier", "decode")
+              "refine_throughput", "scale_out", "label_join_memory", "batch_invariance", "refine_frontier", "decode",
+              "camera_learner")
 LONG_BENCHMARKS = ("refine_frontier",)
 """Rows of hours at the full sizes (a dozen refines and their evaluations): the smoke run runs them, the full run
 only when ``--only`` names them (the table keeps their last result)."""
@@ -164,6 +165,10 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path) -> tuple[str, lis
                "--image", str(work / name / "refine_frontier.png")] if quick else [])]),  # full: runs/frontier
         "decode": lambda: ("decode", ["--size", str(spec.img_size), "--images", n(4, 40), "--rounds", n(1, 5),
                                       "--dataset", spec.dataset if quick else "tinyimagenet-downstream"]),
+        "camera_learner": lambda: ("camera_learner", [
+            *config_options(spec, "--spec."), "--images_per_class", n(3, 50), "--rounds", n(1, 3),
+            "--bare_batches", n(2, 8), "--source", spec.dataset if quick else "tinyimagenet-downstream",
+            "--work", str(work / name)]),
         "batch_invariance": lambda: ("batch_invariance", [*config_options(spec, "--spec."), "--batches", n(1, 10),
                                                           "--rounds", n(1, 5), "--repeats", n(3, 30)]),
         "gpu_learner_fp32": lambda: learner(pinned("fp32"), *GPU_LEARNER_CONFIGS, full=GPU_STREAM_PER_CLASS),
@@ -390,6 +395,20 @@ def _decode_rows(r: dict) -> list[Row]:
     return rows
 
 
+def _camera_learner_rows(r: dict) -> list[Row]:
+    camera, streams = r["camera"], r["streams"]
+    rows: list[Row] = [(f"Learner on a {camera} JPEG stream ÷ on the same images at 64 px (samples/s, "
+                        f"{r['stream_samples']} images)", _fmt(streams[camera]["service_samples_per_s"], "/s"),
+                        _fmt(streams["64x64"]["service_samples_per_s"], "/s") + " (64 px)", r["camera_over_64px"],
+                        "≥ 0.80", r["camera_over_64px"] >= 0.8)]
+    for name, c in streams.items():
+        rows.append((f"Learner throughput from Kafka, {name} JPEGs, against a bare loop that decodes them too "
+                     f"(samples/s{_spread(c)})", _fmt(c["service_samples_per_s"], "/s"),
+                     _fmt(c["bare_samples_per_s"], "/s") + " (decode + its loop)", c["ratio"], "≥ 0.90",
+                     c["ratio"] >= 0.9))
+    return rows
+
+
 def _gpu_decode_rows(r: dict) -> list[Row]:
     rows: list[Row] = []
     for name, stream in r["streams"].items():
@@ -416,7 +435,7 @@ ROWS: dict[str, Callable[[dict], list[Row]]] = {
     "predict_throughput": _throughput_rows, "replica_latency": _replica_rows,
     "alignment_cost": _alignment_rows, "refine_throughput": _refine_rows, "scale_out": _scale_out_rows,
     "label_join_memory": _join_rows, "batch_invariance": _invariance_rows, "refine_frontier": _frontier_rows,
-    "decode": _decode_rows,
+    "decode": _decode_rows, "camera_learner": _camera_learner_rows,
     "gpu_learner_fp32": _learner_rows,
     "gpu_learner_bf16": _learner_rows, "gpu_predict_latency": _latency_rows, "gpu_vit_b16": _bare_learner_rows,
     "gpu_decode": _gpu_decode_rows, "gpu_camera_learner": lambda r: _camera_rows(r, "decoded on the GPU"),
