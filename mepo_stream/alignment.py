@@ -92,6 +92,11 @@ def align(h: torch.Tensor, mean: torch.Tensor, transform: torch.Tensor, alpha: f
 class FeatureAlignment(nn.Module):
     """Holds ``chol(Sigma_pre + eps I)`` and the running statistics, and aligns features in either mode."""
 
+    l_pre: torch.Tensor
+    running_mean: torch.Tensor
+    running_second: torch.Tensor
+    running_batches: torch.Tensor
+
     def __init__(self, sigma_pre: torch.Tensor, alpha: float = 0.7, eps: float = 1e-4, momentum: float = 0.01):
         super().__init__()
         if not 0.0 <= alpha <= 1.0:

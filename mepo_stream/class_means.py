@@ -22,6 +22,9 @@ class ClassMeans(nn.Module):
     features never held in memory all at once. Sigma_pre is the covariance of their means; the statistics
     classifiers (``mepo_stream.heads``) build on the same sums."""
 
+    counts: torch.Tensor
+    sums: torch.Tensor
+
     def __init__(self, n_classes: int, dim: int):
         super().__init__()
         self.register_buffer("counts", torch.zeros(n_classes, dtype=torch.float64))  # [C]

@@ -71,6 +71,9 @@ def onnx_package():
 class SolvedLDA(nn.Module):
     """A streaming LDA's chosen solution as constants: logits ``h W^T + b`` [B, C] in float64, unseen at -inf."""
 
+    weights: torch.Tensor
+    bias: torch.Tensor
+
     def __init__(self, lda: StreamingLDA):
         super().__init__()
         weights, bias = lda.solve(lda.chosen)  # [C, D], [C] float64

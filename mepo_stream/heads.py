@@ -41,6 +41,10 @@ class RunningStandardize(nn.Module):
     Cumulative (not EMA) moments are order-invariant once the stream is over.
     """
 
+    count: torch.Tensor
+    total: torch.Tensor
+    total_sq: torch.Tensor
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
@@ -122,6 +126,10 @@ class NearestClassMean(ClassStatistics):
 
 class StreamingLDA(ClassStatistics):
     """Streaming LDA with a shrunk shared covariance; shrinkage chosen prequentially among ``shrinkage``."""
+
+    target: torch.Tensor
+    shrinkage: torch.Tensor
+    hits: torch.Tensor
 
     def __init__(self, dim: int, n_classes: int, shrinkage: tuple[float, ...] = (0.05, 0.1, 0.2, 0.4),
                  prior: torch.Tensor | None = None, block_rows: int | None = None):

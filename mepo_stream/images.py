@@ -64,7 +64,7 @@ def rgb_array(img: Image.Image, size: int | None) -> np.ndarray:
     ``size`` square unless it is that already (None: as it is), as uint8 [3, H, W]."""
     img = img.convert("RGB")
     if size is not None and img.size != (size, size):
-        img = img.resize((size, size), Image.BICUBIC)
+        img = img.resize((size, size), Image.Resampling.BICUBIC)
     return np.asarray(img).transpose(2, 0, 1)  # [3, H, W]
 
 
@@ -167,17 +167,19 @@ def decode_images(datas: list[bytes], limits: ImageLimits, device: torch.device 
     device = torch.device(device)
     on_device = [i for i, data in enumerate(datas) if device.type == "cuda" and _device_jpeg(data, limits)]
     out: list[torch.Tensor | ImageError | None] = [None] * len(datas)
-    if on_device:
+    if on_device and limits.size is not None:
         for i, image in zip(on_device, decode_jpegs([datas[i] for i in on_device], limits.size, device),
                             strict=True):
             out[i] = image
-    for i, data in enumerate(datas):
-        if out[i] is None:
-            try:
-                out[i] = decode_image(data, limits)
-            except ImageError as e:
-                out[i] = e
-    return out
+    return [decoded if decoded is not None else _decode_or_error(data, limits)
+            for decoded, data in zip(out, datas, strict=True)]
+
+
+def _decode_or_error(data: bytes, limits: ImageLimits) -> torch.Tensor | ImageError:
+    try:
+        return decode_image(data, limits)
+    except ImageError as e:
+        return e
 
 
 def _device_jpeg(data: bytes, limits: ImageLimits) -> bool:
@@ -221,5 +223,7 @@ def batch_jpeg_decoder() -> Callable:
     try:
         from torchcodec.decoders import decode_jpeg
     except (ImportError, OSError, RuntimeError):  # its native library is built for particular torch versions
-        from torchvision.io import decode_jpeg
+        from torchvision.io import decode_jpeg as torchvision_decode_jpeg
+
+        return torchvision_decode_jpeg
     return decode_jpeg

@@ -81,6 +81,10 @@ class Int8Linear(torch.nn.Module):
         True
     """
 
+    weight_t: torch.Tensor
+    weight_scale: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         w = linear.weight.detach().float()  # [N, K]

@@ -58,6 +58,9 @@ def extract_features(backbone: nn.Module, images: torch.Tensor, batch_size: int 
 class Probe(nn.Module):
     """Standardisation (training-set mean and std) followed by a linear layer."""
 
+    mean: torch.Tensor
+    std: torch.Tensor
+
     def __init__(self, mean: torch.Tensor, std: torch.Tensor, n_classes: int):
         super().__init__()
         self.register_buffer("mean", mean)  # [D]

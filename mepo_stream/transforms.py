@@ -35,6 +35,8 @@ class ScaleNormalize(torch.nn.Module):
         tensor([1., 1., 1.])
     """
 
+    shift: torch.Tensor
+
     def __init__(self, mean, std):
         super().__init__()
         std = torch.tensor(std, dtype=torch.float64).view(3, 1, 1)

@@ -44,6 +44,8 @@ def _orthogonal(rows: int, dim: int) -> torch.Tensor:
 
 
 class CodaPrompt(ContinualMethod):
+
+    last_slot: torch.Tensor
     def __init__(self, backbone, n_classes, alignment=None, cfg: CodaConfig = CodaConfig(), readout=Readout()):
         super().__init__(backbone, n_classes, alignment, readout=readout)
         self.backbone.requires_grad_(False)

@@ -36,6 +36,8 @@ class MVPConfig:
 
 
 class MVP(MISA):
+
+    usage: torch.Tensor
     def __init__(self, backbone, n_classes, alignment=None, cfg: MVPConfig = MVPConfig(), readout=Readout()):
         super().__init__(backbone, n_classes, alignment, cfg.prompts, readout)
         self.use_mask, self.contrastive = cfg.use_mask, cfg.contrastive
