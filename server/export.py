@@ -29,7 +29,7 @@ from kafka import KafkaConsumer, TopicPartition
 
 from mepo_stream.backbone import device
 from mepo_stream.data import list_files
-from mepo_stream.errors import ConfigError
+from mepo_stream.errors import ConfigError, StateRefused
 from mepo_stream.export import (
     ProbabilityGraph,
     labels_metadata,
@@ -135,7 +135,7 @@ def from_checkpoint(cfg: ExportConfig) -> tuple[Snapshot, list[str]]:
     model = create_model(in_fp32(model_config(cfg)), len(names), device())
     try:
         model.load_trainable_state_dict(learned["method"])
-    except ValueError as e:
+    except StateRefused as e:
         raise ConfigError(f"{path} was written by another model than these options build (give the learner's "
                           f"--method, --backbone.*, --mepo, --learner.* options): {e}") from e
     exposed = tuple(int(y) for y in learned["exposed"])

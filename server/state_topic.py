@@ -35,6 +35,7 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from mepo_stream.errors import StateRefused
 from mepo_stream.kafka import KafkaConfig, ensure_topics
 from mepo_stream.label_statistics import LabelStatistics
 from server.snapshot_topic import SNAPSHOT_TOPIC_CONFIGS, Origin, Record, to_records
@@ -42,7 +43,7 @@ from server.snapshot_topic import SNAPSHOT_TOPIC_CONFIGS, Origin, Record, to_rec
 FORMAT = "mepo-partition-state/1"
 
 
-class StateFormatError(ValueError):
+class StateFormatError(StateRefused):
     """A state record this learner cannot load: another format, or not a readable state at all."""
 
 

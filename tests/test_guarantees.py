@@ -27,6 +27,7 @@ import server.learner.state as state_module
 from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.artifacts import SIGMA_PRE, write_bundle
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
+from mepo_stream.errors import StateRefused
 from mepo_stream.images import ImageLimits
 from mepo_stream.model import BundleParts
 from mepo_stream.records import RecordError, parse_headers, record_headers
@@ -38,7 +39,7 @@ from server.snapshot import take_snapshot
 from server.snapshot_topic import Origin, SnapshotMessage
 from server.web.app import create_app
 from server.web.dependencies import get_service
-from tests.fakes import STREAM_ID, TOPIC, FakeConsumer, record, records, run_loop, service
+from tests.fakes import STREAM_ID, TOPIC, TP, FakeConsumer, record, records, run_loop, service
 from tests.helpers import NO_BROKER, color_images, settings
 
 
@@ -483,3 +484,24 @@ def test_a_restart_continues_from_the_checkpoint_model_offsets_and_curve(tmp_pat
     assert again.intake.book.offsets == state.intake.book.offsets == {f"{TOPIC}:0": 35}
     assert again.reporter.curve == state.reporter.curve and again.reporter.curve.samples == [10, 20, 30]
     assert again.snapshot.version == 4 and again.learner.exposed == state.learner.exposed
+
+
+@pytest.mark.parametrize("raised, refused", [(StateRefused("another model's state"), True),
+                                             (ValueError("a bug"), False)])
+def test_only_a_named_refusal_stops_the_learner_as_a_refusal(tmp_path, monkeypatch, raised, refused):
+    """A state the options cannot take is a refusal (one line, a metric, the learner stops cleanly); a
+    ``ValueError`` from a bug is not read as one: it keeps its traceback."""
+    state, loop, _ = service(tmp_path)
+    loop.consumer = SimpleNamespace(partitions_for_topic=lambda topic: {0}, seek=lambda tp, offset: None)
+
+    def assign(keys):
+        raise raised
+
+    monkeypatch.setattr(state.membership, "assign", assign)
+    if refused:
+        loop.take_over([TP])
+        assert loop.refusal == "another model's state"
+    else:
+        with pytest.raises(ValueError, match="a bug"):
+            loop.take_over([TP])
+        assert loop.refusal is None

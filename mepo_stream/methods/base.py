@@ -23,6 +23,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from mepo_stream.alignment import AlignMode, FeatureAlignment
+from mepo_stream.errors import StateRefused
 from mepo_stream.fixed_shape import in_blocks, pad_rows
 from mepo_stream.precision import autocast
 from mepo_stream.transforms import Transform
@@ -120,16 +121,17 @@ class ContinualMethod(nn.Module):
         return {k: v for k, v in self.state_dict().items() if keep_backbone or not k.startswith("backbone.")}
 
     def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load what ``trainable_state_dict`` gave; raise ``ValueError`` for tensors that do not fit this method
+        """Load what ``trainable_state_dict`` gave; raise ``StateRefused`` for tensors that do not fit this method
         (other names, or other shapes: another configuration). A frozen backbone is left out of the load, as it is
         out of the state: an int8 one (``--learner.precision int8``) could not load a partial state at all."""
         try:
             with self._without_frozen_backbone():
                 missing, unexpected = self.load_state_dict(state, strict=False)
         except RuntimeError as e:  # a shape that differs
-            raise ValueError(f"the tensors do not fit this method: {e}") from e
+            raise StateRefused(f"the tensors do not fit this method: {e}") from e
         if unexpected or any(not k.startswith("backbone.") for k in missing):
-            raise ValueError(f"the tensors do not fit this method: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            raise StateRefused(f"the tensors do not fit this method: missing {missing[:5]}, "
+                               f"unexpected {unexpected[:5]}")
 
     @contextmanager
     def _without_frozen_backbone(self) -> Iterator[None]:

@@ -25,6 +25,7 @@ from collections import deque
 import torch
 from river import drift, metrics, utils
 
+from mepo_stream.errors import ConfigError
 from server.config import MonitorConfig
 
 MAX_REPLAY = 20_000  # most errors replayed into a restored detector
@@ -34,7 +35,7 @@ DETECTORS = {"ADWIN": drift.ADWIN, "PageHinkley": drift.PageHinkley, "KSWIN": dr
 class StreamMonitor:
     def __init__(self, cfg: MonitorConfig = MonitorConfig()):
         if cfg.detector not in DETECTORS:
-            raise ValueError(f"unknown drift detector {cfg.detector!r}; use one of {sorted(DETECTORS)}")
+            raise ConfigError(f"unknown drift detector {cfg.detector!r}; use one of {sorted(DETECTORS)}")
         self.cfg = cfg
         self.accuracy = metrics.Accuracy()
         self.rolling_accuracy = utils.Rolling(metrics.Accuracy, window_size=cfg.rolling_window)

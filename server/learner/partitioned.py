@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from kafka.errors import KafkaError
 
-from mepo_stream.errors import ConfigError
+from mepo_stream.errors import ConfigError, StateRefused
 from mepo_stream.label_statistics import LabelStatistics
 from server.config import ServeConfig
 from server.learner.book import Sample
@@ -61,7 +61,7 @@ def migrated_state(path: Path, origin: Origin, learner_id: str, shape: tuple[int
     state = read_checkpoint(path)
     keys = sorted(state["offsets"])
     if len(keys) > 1:
-        raise ValueError(f"{path} is the checkpoint of one learner over {len(keys)} partitions ({keys}): its "
+        raise StateRefused(f"{path} is the checkpoint of one learner over {len(keys)} partitions ({keys}): its "
                          f"sums cannot be split between them. Keep learning without --kafka.state_topic, or "
                          f"move the checkpoint away to learn the stream again in a group")
     method = state["learner"]["method"]
@@ -69,7 +69,7 @@ def migrated_state(path: Path, origin: Origin, learner_id: str, shape: tuple[int
         method["classifier.counts"], method["classifier.sums"], method["classifier.second"],
         method.get("classifier.hits", torch.zeros(0)), [int(y) for y in state["learner"]["exposed"]])
     if stats.shape != shape:
-        raise ValueError(f"{path} holds a model of shape {stats.shape}, this learner's is {shape}")
+        raise StateRefused(f"{path} holds a model of shape {stats.shape}, this learner's is {shape}")
     learned = {s: v.tolist() for s, v in state["learned"].items()}
     key = keys[0] if keys else ""
     return PartitionState(key, stats, int(state["offsets"].get(key, 0)), learned, origin, learner_id, time.time(),
@@ -103,7 +103,7 @@ class InGroup:
         """Refuse what cannot be merged, prepare a migration, and load every partition's newest state."""
         s = self.state
         if (why := s.learner.not_mergeable) is not None:
-            raise ValueError(f"--kafka.state_topic: learners in a group add their partitions' sums into one model, "
+            raise ConfigError(f"--kafka.state_topic: learners in a group add their partitions' sums into one model, "
                              f"but --method {s.cfg.method} with --learner.classifier "
                              f"{s.cfg.learner.classifier} cannot be merged: {why}")
         self._empty = s.learner.statistics()  # zeros of this model's shape
@@ -127,7 +127,7 @@ class InGroup:
             theirs = state.origin
             what = [name for name in ("model", "model_config", "class_names", "backbone_sha256", "bundle_sha256")
                     if getattr(theirs, name) != getattr(mine, name)]
-            raise ValueError(f"the state topic {self.state.cfg.kafka.state_topic} holds {state.key}'s state written "
+            raise StateRefused(f"the state topic {self.state.cfg.kafka.state_topic} holds {state.key}'s state written "
                              f"by {state.learner} for another model (its {', '.join(what)} differ from this "
                              f"learner's): every learner of a group needs the same options, backbone and bundle. "
                              f"Start this one with the group's options, or use another --kafka.state_topic and "
@@ -193,7 +193,7 @@ class InGroup:
         s = self.state
         try:
             self._check(state)
-        except ValueError as e:
+        except ConfigError as e:
             self.refuse(str(e))
             return
         with s.lock:

@@ -40,6 +40,7 @@ from mepo_stream.anytime import AnytimeEvaluation
 from mepo_stream.backbone import device
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.data import list_files, load_split
+from mepo_stream.errors import StateRefused
 from mepo_stream.learner import OnlineLearner
 from mepo_stream.model import create_model
 from server.config import ServeConfig, model_config
@@ -81,7 +82,7 @@ def read_checkpoint(path: Path) -> dict:
     state = load_checkpoint(path)
     fmt = state.get("format", "mepo-checkpoint/1")
     if fmt not in READABLE_FORMATS:
-        raise ValueError(f"{path} is a checkpoint of format {fmt!r}; this version of mepo reads {READABLE_FORMATS}. "
+        raise StateRefused(f"{path} is a checkpoint of format {fmt!r}; this version of mepo reads {READABLE_FORMATS}. "
                          f"Run the version that wrote it, or move it away to start learning from scratch")
     return state
 
@@ -338,7 +339,11 @@ class Alone:
         if not self.path.is_file():
             return
         s, saved = self.state, read_checkpoint(self.path)
-        s.learner.load_state_dict(saved["learner"])
+        try:
+            s.learner.load_state_dict(saved["learner"])
+        except StateRefused as e:  # tensors of another model
+            raise StateRefused(f"{self.path} was written by another model than these options build (start with the "
+                               f"options that wrote it, or move it away to learn from scratch): {e}") from e
         s.monitor.load_state_dict(saved["monitor"])
         s.version, s.samples_seen = int(saved["version"]), s.learner.samples_seen
         s.intake.load_state_dict(saved)

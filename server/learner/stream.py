@@ -41,6 +41,7 @@ from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
+from mepo_stream.errors import ConfigError
 from mepo_stream.kafka import ensure_topics, open_producer
 from server.consumer import PROBE_EVERY_S, ConsumerThread, broker_answers
 from server.learner.arrival import Prediction
@@ -140,7 +141,7 @@ class LearnerLoop(ConsumerThread):
         that nothing adds up), then seek."""
         try:
             self.state.membership.assign([tp_key(tp) for tp in assigned])
-        except ValueError as e:
+        except ConfigError as e:
             self.refusal = str(e)
         except KafkaError as e:  # the partitions' states could not be read: reconnect, and be assigned again
             self._broken = e

@@ -37,6 +37,7 @@ from kafka import KafkaConsumer, TopicPartition
 from kafka.errors import KafkaError
 
 from mepo_stream.backbone import device
+from mepo_stream.errors import StateRefused
 from mepo_stream.methods.base import ContinualMethod
 from mepo_stream.model import BundleParts, ModelConfig, create_model
 from server.batching import MicroBatcher
@@ -124,7 +125,7 @@ class ReplicaModel:
                           f"(the backbone weights on this machine differ from the learner's)")
         try:
             model.load_trainable_state_dict(message.tensors)
-        except ValueError as e:
+        except StateRefused as e:
             raise Refused("incompatible", str(e)) from e
         return Snapshot(model.inference_copy(), message.exposed, message.version, message.samples_seen,
                         config.alignment.inference_mode)

@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mepo_stream import __version__
+from mepo_stream.errors import ConfigError
 from server.config import ServeConfig
 from server.grpc_service import serve_grpc
 from server.metrics import ServerMetrics
@@ -52,7 +53,7 @@ def create_app(settings: ServeConfig, start: Starter | None = None) -> FastAPI:
             return
         try:
             app.state.service = service = start(settings, metrics)
-        except ValueError as e:  # a configuration or a saved state this version refuses: one clear line
+        except ConfigError as e:  # a configuration or a saved state this version refuses: one clear line
             log.error("refused to start: %s", e)
             raise
         grpc = None if settings.grpc_port is None else serve_grpc(service, settings)
