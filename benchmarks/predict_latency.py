@@ -30,8 +30,10 @@ from urllib.parse import urlsplit
 import torch
 from PIL import Image
 
+from benchmarks.camera_streams import QUALITY, SIZES
+from benchmarks.decode import full_decode
 from benchmarks.learner_throughput import stream_batches
-from benchmarks.service import ServiceSpec, bare_learner, quantiles, running_service, seconds, write_result
+from benchmarks.service import ServiceSpec, bare_learner, quantiles, running_service, seconds, timed, write_result
 from mepo_stream.backbone import cls_feature
 from mepo_stream.data import list_files
 from mepo_stream.images import decode_image
@@ -72,11 +74,15 @@ def backbone_forward(spec: ServiceSpec, n_classes: int) -> Callable[[torch.Tenso
     return forward
 
 
-def sample_jpeg(spec: ServiceSpec) -> bytes:
-    """A test image of the dataset re-encoded as JPEG (what a client uploads)."""
+def sample_jpeg(spec: ServiceSpec, camera: str | None = None) -> bytes:
+    """A test image of the dataset re-encoded as JPEG (what a client uploads); ``camera`` ("1920x1080"): upscaled
+    to that size first, as ``benchmarks.camera_streams`` builds camera images (bicubic, quality 90)."""
     with Image.open(list_files(spec.data, "test").files[0]) as img:
+        img = img.convert("RGB")
+        if camera is not None:
+            img = img.resize(SIZES[camera], Image.Resampling.BICUBIC)
         buf = io.BytesIO()
-        img.convert("RGB").save(buf, format="JPEG", quality=95)
+        img.save(buf, format="JPEG", quality=95 if camera is None else QUALITY)
         return buf.getvalue()
 
 
@@ -115,7 +121,7 @@ def idle_latencies(service, jpeg: bytes, requests: int, block: int = 20) -> tupl
     return httpx_s, raw_s
 
 
-def main(spec: ServiceSpec = ServiceSpec(), requests: int = 300, idle_requests: int = 100,
+def main(spec: ServiceSpec = ServiceSpec(), requests: int = 300, idle_requests: int = 100, camera: str | None = None,
          work: Path = Path("benchmarks/results/work/latency"),
          out: Path = Path("benchmarks/results/predict_latency.json")) -> dict:
     """Measure p50/p99 of single-image predictions while the learner trains; write the JSON result.
@@ -125,15 +131,19 @@ def main(spec: ServiceSpec = ServiceSpec(), requests: int = 300, idle_requests: 
             requests stop early when it ends).
         requests: Requests to time while learning.
         idle_requests: Requests to time after the stream is learned.
+        camera: Upload the test image upscaled to this camera size (640x480, 1280x960, 1920x1080); the bare path
+            then includes the image's decode (the scaled decode the service runs, one thread), and the result also
+            times the full decode it replaced.
         work: Broker and service logs and the service's checkpoint.
         out: JSON result path.
     """
-    jpeg = sample_jpeg(spec)
+    jpeg = sample_jpeg(spec, camera)
     image = decode_image(jpeg, spec.limits)[None]  # [1, 3, S, S] uint8, as the service decodes it
     n_classes = len(list_files(spec.data, "train").classes)
     bare, backbone = bare_predictor(spec, n_classes), backbone_forward(spec, n_classes)
     idle = [bare(image) for _ in range(idle_requests + 5)][5:]
     floor = [backbone(image) for _ in range(idle_requests + 5)][5:]
+    decoding = camera_decodes(jpeg, spec, idle_requests) if camera is not None else None
     spec = replace(spec, extra=(*spec.extra, "--protocol.eval_period", "0"))
     http_s = []
     with running_service(spec, work) as service:
@@ -158,7 +168,32 @@ def main(spec: ServiceSpec = ServiceSpec(), requests: int = 300, idle_requests: 
         "http_idle_raw_client": ri, "backbone_forward_idle": fl,
         "ratio_idle_p50_backbone": ri["p50_s"] / fl["p50_s"],
         "ratio_idle_p50_backbone_httpx": hi["p50_s"] / fl["p50_s"],
+        **({} if decoding is None else camera_result(camera, jpeg, decoding, idle, ri)),
     }, out, *spec.placement())
+
+
+def camera_decodes(jpeg: bytes, spec: ServiceSpec, repeats: int) -> dict[str, list[float]]:
+    """Seconds of the service's scaled decode of ``jpeg`` and of the full decode it replaced (one thread each, the
+    first 5 of each left out)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        scaled = timed(lambda: decode_image(jpeg, spec.limits), repeats + 5, torch.device("cpu"))[5:]
+        full = timed(lambda: full_decode(jpeg, spec.limits.size), repeats + 5, torch.device("cpu"))[5:]
+    finally:
+        torch.set_num_threads(threads)
+    return {"scaled": scaled, "full": full}
+
+
+def camera_result(camera: str, jpeg: bytes, decoding: dict[str, list[float]], forward: list[float],
+                  raw_idle: dict) -> dict:
+    """The camera upload's bare paths (decode + the snapshot's forward, each quantile a sum of the parts'), and
+    the service's idle p50 against the scaled one."""
+    f = quantiles(forward)
+    bare = {name: {q: quantiles(times)[q] + f[q] for q in f} for name, times in decoding.items()}
+    return {"camera": camera, "camera_bytes": len(jpeg), "bare_scaled_decode_and_forward_idle": bare["scaled"],
+            "bare_full_decode_and_forward_idle": bare["full"],
+            "ratio_idle_p50_camera": raw_idle["p50_s"] / bare["scaled"]["p50_s"]}
 
 
 if __name__ == "__main__":

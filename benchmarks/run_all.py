@@ -42,7 +42,7 @@ START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 BENCHMARKS = ("model_arithmetic", "learning_quality", "learning_quality_tinyimagenet", "learner_throughput",
               "predict_latency", "predict_throughput", "protocol_latency", "replica_latency", "alignment_cost",
               "refine_throughput", "scale_out", "label_join_memory", "batch_invariance", "refine_frontier", "decode",
-              "camera_learner")
+              "camera_learner", "predict_latency_camera")
 LONG_BENCHMARKS = ("refine_frontier",)
 """Rows of hours at the full sizes (a dozen refines and their evaluations): the smoke run runs them, the full run
 only when ``--only`` names them (the table keeps their last result)."""
@@ -165,6 +165,8 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path) -> tuple[str, lis
                "--image", str(work / name / "refine_frontier.png")] if quick else [])]),  # full: runs/frontier
         "decode": lambda: ("decode", ["--size", str(spec.img_size), "--images", n(4, 40), "--rounds", n(1, 5),
                                       "--dataset", spec.dataset if quick else "tinyimagenet-downstream"]),
+        "predict_latency_camera": lambda: ("predict_latency", [*stream(spec, 10, 20), "--requests", n(5, 50),
+                                                               "--idle_requests", n(10, 100), "--camera", "1920x1080"]),
         "camera_learner": lambda: ("camera_learner", [
             *config_options(spec, "--spec."), "--images_per_class", n(3, 50), "--rounds", n(1, 3),
             "--bare_batches", n(2, 8), "--source", spec.dataset if quick else "tinyimagenet-downstream",
@@ -409,6 +411,15 @@ def _camera_learner_rows(r: dict) -> list[Row]:
     return rows
 
 
+def _camera_latency_rows(r: dict) -> list[Row]:
+    scaled, full = r["bare_scaled_decode_and_forward_idle"], r["bare_full_decode_and_forward_idle"]
+    ours, ratio = r["http_idle_raw_client"]["p50_s"], r["ratio_idle_p50_camera"]
+    return [(f"Predict latency p50, one {r['camera']} JPEG ({r['camera_bytes'] / 1024:.0f} KB), learner idle, stdlib "
+             f"client (bare: its scaled decode + the snapshot's forward; with the full decode it replaced: "
+             f"{_fmt(full['p50_s'], 'ms')})", _fmt(ours, "ms"), _fmt(scaled["p50_s"], "ms"), ratio, "≤ 1.3",
+             ratio <= 1.3)]
+
+
 def _gpu_decode_rows(r: dict) -> list[Row]:
     rows: list[Row] = []
     for name, stream in r["streams"].items():
@@ -435,7 +446,7 @@ ROWS: dict[str, Callable[[dict], list[Row]]] = {
     "predict_throughput": _throughput_rows, "replica_latency": _replica_rows,
     "alignment_cost": _alignment_rows, "refine_throughput": _refine_rows, "scale_out": _scale_out_rows,
     "label_join_memory": _join_rows, "batch_invariance": _invariance_rows, "refine_frontier": _frontier_rows,
-    "decode": _decode_rows, "camera_learner": _camera_learner_rows,
+    "decode": _decode_rows, "camera_learner": _camera_learner_rows, "predict_latency_camera": _camera_latency_rows,
     "gpu_learner_fp32": _learner_rows,
     "gpu_learner_bf16": _learner_rows, "gpu_predict_latency": _latency_rows, "gpu_vit_b16": _bare_learner_rows,
     "gpu_decode": _gpu_decode_rows, "gpu_camera_learner": lambda r: _camera_rows(r, "decoded on the GPU"),
