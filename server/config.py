@@ -99,8 +99,8 @@ class ServeConfig:
     decode_workers: int | None = None
     """Threads decoding and validating the images of one Kafka poll while the model learns the previous
     mini-batch (PIL releases the GIL while decoding); 0 decodes inline in the learner thread, between steps.
-    Default: 4 when the model runs on a GPU, 0 on a CPU, whose cores the model's forward already fills (decoding
-    beside it slowed a 2-core learner by 5–8 %: docs/performance.md, "Where the learner's time goes")."""
+    Default: 4 when the model runs on a GPU, 0 on a CPU, whose cores the model's forward already fills
+    (docs/performance.md measures both)."""
     gpu_decode: bool | None = None
     """Decode the JPEGs of each Kafka poll on the model's GPU (nvjpeg, batched) and resize them there, instead of
     in ``decode_workers`` threads; other formats, and JPEGs the GPU cannot take, still decode on the CPU. Default:
@@ -140,9 +140,7 @@ class DemoConfig(ServeConfig):
     protocol: ProtocolConfig = ProtocolConfig(eval_period=32)
     """Any-time evaluation every 32 samples: 15 points on the 500-sample stream's curve. A period that is a multiple
     of --learner.batch_size cuts no mini-batch short (a short one costs a whole padded forward), and the test images'
-    features are computed once: the demo's backbone ran the same 25 forwards of 32 rows as with 2 evaluations (every
-    250), each evaluation adding 2.3 ms of scoring; every 50 would have taken 32 forwards (+28 %). make demo's stream
-    on a quiet 2-core Xeon: 10.0 s against 9.9 s every 250 (mean of 6 runs each, medians 10.05 and 9.65 s)."""
+    features are computed once, so the curve costs little more than two evaluations would (docs/performance.md)."""
     checkpoint_dir: Path = Path("runs/demo/checkpoint")
     """The demo's checkpoint (removed at start: the embedded broker starts empty too); the broker log goes beside."""
     checkpoint_every: int = 256
