@@ -85,13 +85,20 @@ def learn(learner: OnlineLearner, images: torch.Tensor, labels: torch.Tensor, pr
         learner.observe(images, labels)
 
 
+WARM_UP_BATCHES = 3
+"""Untimed mini-batches before a bare run: a GPU's first ones set up its libraries. After a single one, the H200's
+first bare run in a process went at a third of the later runs' rate; three are not yet checked on a GPU."""
+
+
 def bare_rate(spec: ServiceSpec, batches: int, prequential: bool, decodes: bool = False) -> float:
-    """Samples/s of the bare learner over ``batches`` mini-batches, after one warm-up mini-batch; ``decodes``: each
+    """Samples/s of the bare learner over ``batches`` mini-batches, after ``WARM_UP_BATCHES``; ``decodes``: each
     mini-batch decoded from its bytes first, the decode timed with the learning."""
     learner = bare_learner(spec, len(list_files(spec.data, "train").classes))
     dev = learner.device
-    (warm_images, warm_labels), *timed = stream_batches(spec, batches + 1, dev, encoded=decodes)
-    learn(learner, decoded(spec, warm_images, dev), warm_labels, prequential)
+    drawn = stream_batches(spec, batches + WARM_UP_BATCHES, dev, encoded=decodes)
+    warm_up, timed = drawn[:WARM_UP_BATCHES], drawn[WARM_UP_BATCHES:]
+    for images, labels in warm_up:
+        learn(learner, decoded(spec, images, dev), labels, prequential)
 
     def run() -> None:
         for images, labels in timed:
