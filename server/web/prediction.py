@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from mepo_stream.images import ImageError, decode_image
+from mepo_stream.images import ImageError, ImageLimits, decode_image
 from server.config import ServeConfig
 from server.serving import ServingModel
 from server.snapshot import ranked
@@ -15,16 +15,15 @@ from server.web.dependencies import ApiError
 STATUS_BY_REASON = {"too_large": 413, "too_many_pixels": 413}
 
 
-def decode_all(items: list[tuple[str, bytes]], settings: ServeConfig, model_size: int) -> list[torch.Tensor]:
-    """uint8 images [3, S, S] each at the model's size unless --limits.size says otherwise (stacked in the model
-    thread, which runs every tensor op that PyTorch may parallelise); the first bad one fails the request with a 4xx
-    naming it."""
+def decode_all(items: list[tuple[str, bytes]], settings: ServeConfig, limits: ImageLimits) -> list[torch.Tensor]:
+    """uint8 images [3, S, S] each, S ``limits.size`` (stacked in the model thread, which runs every tensor op that
+    PyTorch may parallelise); the first bad one fails the request with a 4xx naming it."""
     if not items:
         raise ApiError(400, "no image in the request", "no_image")
     if len(items) > settings.max_files:
         raise ApiError(413, f"{len(items)} images in one request; the limit is {settings.max_files}",
                        "too_many_files")
-    images, limits = [], settings.limits.at(model_size)
+    images = []
     for name, data in items:
         try:
             images.append(decode_image(data, limits))
@@ -37,10 +36,17 @@ def predict_uploads(service: ServingModel, items: list[tuple[str, bytes]], setti
                     top_k: int) -> tuple[dict, list[list[dict]]]:
     """Decode and predict in one call: a route hands a request to a worker thread once, not once per step (each
     hand-over costs the event loop a wake-up)."""
+    return predict_images(service, decode_all(items, settings, upload_limits(service, settings)), top_k)
+
+
+def upload_limits(service: ServingModel, settings: ServeConfig) -> ImageLimits:
+    """The upload limits, their size the model's input size unless --limits.size gives one."""
+    if settings.limits.size is not None:
+        return settings.limits
     model = service.snapshot.model
     if model is None:  # a replica before its first snapshot
         raise ApiError(503, "the model has not learned any class yet", "no_classes_yet")
-    return predict_images(service, decode_all(items, settings, model.input_size), top_k)
+    return settings.limits.at(model.input_size)
 
 
 def predict_images(service: ServingModel, images: list[torch.Tensor], top_k: int) -> tuple[dict, list[list[dict]]]:
