@@ -107,10 +107,10 @@ class ImageSet:
 
 def data_dir(configured: Path | None = None) -> Path:
     """Where the bundled archives are: the argument, ``$MEPO_DATA_DIR``, or ``../shared/data``."""
-    candidates = [configured, os.environ.get("MEPO_DATA_DIR"),
+    candidates: list[str | Path | None] = [configured, os.environ.get("MEPO_DATA_DIR"),
                   Path(__file__).resolve().parents[2] / "shared" / "data", Path.cwd().parent / "shared" / "data"]
-    for c in filter(None, candidates):
-        if any((Path(c) / ARCHIVES[a].file).is_file() for a in ("cifar10", "tinyimagenet")):
+    for c in candidates:
+        if c is not None and any((Path(c) / ARCHIVES[a].file).is_file() for a in ("cifar10", "tinyimagenet")):
             return Path(c)
     raise FileNotFoundError(
         "bundled dataset archives not found: pass --data.data_dir or set MEPO_DATA_DIR to the folder holding "

@@ -35,6 +35,7 @@ class ScaleNormalize(torch.nn.Module):
         tensor([1., 1., 1.])
     """
 
+    scale: torch.Tensor
     shift: torch.Tensor
 
     def __init__(self, mean, std):

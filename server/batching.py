@@ -15,7 +15,7 @@ from server.snapshot import Snapshot
 class _Request:
     images: Sequence[torch.Tensor]  # n uint8 images [3, S, S] (a list, or a tensor [n, 3, S, S])
     done: threading.Event = field(default_factory=threading.Event)
-    result: tuple | None = None
+    result: tuple[Snapshot, torch.Tensor] | None = None
     error: Exception | None = None
 
 
@@ -44,13 +44,15 @@ class MicroBatcher:
                 if request.done.is_set():
                     break
                 with self._queue_lock:
-                    batch, size = [], 0
+                    batch: list[_Request] = []
+                    size = 0
                     while self._queue and (not batch or size + len(self._queue[0].images) <= self.max_batch):
                         batch.append(self._queue.pop(0))
                         size += len(batch[-1].images)
                 self._run(self._serve, snapshot, batch)
         if request.error is not None:
             raise request.error
+        assert request.result is not None  # done without an error: answered
         return request.result
 
     @staticmethod

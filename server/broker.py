@@ -68,6 +68,7 @@ class EmbeddedBroker:
 
     def _wait_listening(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        assert self.process is not None  # started
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the broker exited with code {self.process.returncode} (port {self.port} in use?)")

@@ -44,7 +44,7 @@ class Snapshot:
 
     def probabilities(self, images: torch.Tensor) -> torch.Tensor:
         """Class probabilities [B, n_seen] over the seen classes (in ``exposed`` order) for uint8 images."""
-        if not self.exposed:
+        if not self.exposed or self.model is None:
             raise LookupError("the model has not learned any class yet")
         return self.model.predict_proba(images, len(self.exposed), self.align_mode)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import threading
 
+from kafka import KafkaProducer
+
 from mepo_stream.kafka import KafkaConfig, open_producer
 from mepo_stream.records import upload_headers
 
@@ -28,7 +30,7 @@ class UploadForwarder:
 
     def __init__(self, kafka: KafkaConfig):
         self.kafka = kafka
-        self._producer = None
+        self._producer: KafkaProducer | None = None
         self._lock = threading.Lock()
 
     def send(self, id: str, image: bytes, content_type: str, prediction: int | None) -> None:
@@ -39,8 +41,9 @@ class UploadForwarder:
         with self._lock:
             if self._producer is None:
                 self._producer = open_producer(self.kafka, max_request_size=4 * 1024 * 1024)
+            producer = self._producer
         headers = upload_headers(id, prediction, content_type)
-        self._producer.send(self.kafka.topic, value=image, key=id.encode(), headers=headers).get(self.timeout_s)
+        producer.send(self.kafka.topic, value=image, key=id.encode(), headers=headers).get(self.timeout_s)
 
     def close(self) -> None:
         if self._producer is not None:
