@@ -154,12 +154,16 @@ class LearnerState:
     # --- serving ------------------------------------------------------------------------------------------
     @property
     def snapshot(self) -> Snapshot:
-        """What predictions use: the learner's newest version, made now (in the model thread) if the learner
-        moved on since the last one (a request during a learning turn gets the version after it: one thread
-        runs the model, ``server.model_thread``).
+        """What predictions use: ``refresh_snapshot``'s."""
+        return self.refresh_snapshot()
+
+    def refresh_snapshot(self) -> Snapshot:
+        """The learner's newest version, made now (in the model thread) if the learner moved on since the last one
+        (a request during a learning turn gets the version after it: one thread runs the model,
+        ``server.model_thread``).
 
         Why on demand: making one solves the LDA and copies the trainable state, a few ms that a learner taking
-        15 mini-batches a second would otherwise spend on every one of them, for snapshots nobody reads.
+        many mini-batches a second would otherwise spend on every one of them, for snapshots nobody reads.
         """
         if self._snapshot is not None and self._snapshot.version == self.version:
             return self._snapshot
@@ -276,7 +280,7 @@ class LearnerState:
     def on_idle(self) -> None:
         """The topic is drained: snapshot the newest version (requests then never wait for it), and measure the
         accuracy here (A_last of the stream so far) once per new stretch of learning."""
-        self.snapshot  # noqa: B018 (made now, in the model thread, if the learner moved on)
+        self.refresh_snapshot()
         if self.evaluator.idle_due(self.learner):
             self.model_thread.run(self._evaluate_now)
 
