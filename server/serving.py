@@ -63,11 +63,22 @@ Starter = Callable[[ServeConfig, ServerMetrics], ServingModel]
 _UPLOADS_LOCK = threading.Lock()
 
 
+class RoleState(Protocol):
+    """What ``Serving`` reads of a role's state (a learner's ``LearnerState``, a replica's ``ReplicaState``)."""
+
+    cfg: ServeConfig
+    metrics: ServerMetrics
+    class_names: dict[int, str]
+
+    @property
+    def snapshot(self) -> Snapshot: ...
+
+
 class Serving:
     """The ``ServingModel`` members both roles share, over their ``state`` (snapshot, class names, metrics,
     status), ``loop`` (the Kafka thread and its controls) and ``batcher``; each role adds ``readiness``."""
 
-    state: object
+    state: RoleState
     loop: ConsumerThread
     batcher: MicroBatcher
 
