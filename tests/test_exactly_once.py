@@ -120,7 +120,7 @@ def test_a_restart_restores_learned_ids_and_nothing_in_flight(tmp_path, monkeypa
         loop.accept([r])
         if len(state.intake.book.pending) == 16:
             loop.state.learn_pending()
-    loop.checkpoint()  # 0..15 learned, 16..19 in flight
+    loop.persist()  # 0..15 learned, 16..19 in flight
     saved = state.intake.book.state_dict()
     assert saved["offsets"] == {"images:0": 16} and saved["learned"][STREAM_ID].tolist() == list(range(16))
     restarted, loop2, learned = service(tmp_path)
@@ -226,20 +226,20 @@ def test_a_checkpoint_stores_the_offsets_before_the_pending_records_and_only_whe
         loop.accept([r])
         if len(state.intake.book.pending) == 16:
             loop.state.learn_pending()
-    loop.checkpoint()  # 0..15 learned, 16..19 pending
+    loop.persist()  # 0..15 learned, 16..19 pending
     saved = load_checkpoint(path)
     assert saved["offsets"] == {"images:0": 16} and saved["learned"][STREAM_ID].tolist() == list(range(16))
     assert saved["learner"]["samples_seen"] == 16 and saved["replays_skipped"] == 0
     loop.state.learn_pending()
     loop.accept([record(20, 3)])  # a replay: handled, nothing learned
     assert state.intake.book.offsets == {"images:0": 21} and state.intake.book.unsaved_keys()
-    loop.checkpoint()
+    loop.persist()
     saved = load_checkpoint(path)
     assert saved["offsets"] == {"images:0": 21} and saved["learner"]["samples_seen"] == 20
     assert torch.equal(saved["learned"][STREAM_ID], torch.arange(20)) and saved["replays_skipped"] == 1
     loop.accept([record(21, 4)])  # only a replay again: the offset moved, so it is saved
-    loop.checkpoint()
+    loop.persist()
     assert load_checkpoint(path)["offsets"] == {"images:0": 22}
     written = path.stat().st_mtime_ns
-    loop.checkpoint()  # nothing changed since
+    loop.persist()  # nothing changed since
     assert path.stat().st_mtime_ns == written and state.capture() is None

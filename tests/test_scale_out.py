@@ -368,7 +368,7 @@ def test_a_revoked_partitions_state_stands_at_the_offset_its_learner_handled_whe
     part1 = [record(offset, 100 + offset, partition=1) for offset in range(10)]
     loop.accept(part0[:20] + part1)
     a.learn_pending()
-    loop.checkpoint_for_handover()  # the last periodic write: images:0 at 20, images:1 at 10
+    loop.persist(commit=False)  # the last periodic write: images:0 at 20, images:1 at 10
     loop.accept(part0[20:24])
     a.learn_pending()  # learned after it
     loop.accept(part0[24:27])  # read, still pending
@@ -385,7 +385,7 @@ def test_a_revoked_partitions_state_stands_at_the_offset_its_learner_handled_whe
     assert b.offsets == {P0: 27} and torch.equal(b.membership.own[P0].sums, given.stats.sums)
     taker.accept(part0[24:])  # the taker reads from before the offset: what the giver learned is a replay
     b.learn_pending()
-    taker.checkpoint_for_handover()
+    taker.persist(commit=False)
     assert topic[P0].offset == 30 and topic[P0].learned == {STREAM_ID: list(range(30))}
     assert topic[P0].stats.samples == 30 and b.intake.book.replays_skipped == 3
     for learner in (a, b):
@@ -405,7 +405,7 @@ def test_a_revocation_waits_for_the_state_write_in_flight_before_letting_the_par
     loop.writer = writer = DeferredWriter()
     loop.accept([record(offset, offset) for offset in range(16)])
     a.learn_pending()
-    loop.checkpoint_in_background()  # the periodic write, in flight
+    loop.persist(wait=False)  # the periodic write, in flight
     assert P0 not in topic and not loop._writing.done()
     loop.accept([record(offset, offset) for offset in range(16, 16 + read_after)])
     revoke(loop, 0)
@@ -469,7 +469,7 @@ def test_a_failed_state_write_during_a_revocation_lets_the_partition_go_and_stop
     part0, part1 = [record(o, o) for o in range(16)], [record(o, 100 + o, partition=1) for o in range(8)]
     loop.accept(part0 + part1)
     a.learn_pending()
-    loop.checkpoint_in_background()  # the periodic write of both partitions, in flight
+    loop.persist(wait=False)  # the periodic write of both partitions, in flight
 
     def unacknowledged(self, states):
         raise KafkaTimeoutError("Timeout after waiting for 30000 ms")
@@ -501,7 +501,7 @@ def test_a_failed_state_write_during_a_revocation_lets_the_partition_go_and_stop
     assert b.offsets == {P0: 0, P1: 0}
     taker.accept(part0 + part1)
     b.learn_pending()
-    taker.checkpoint_for_handover()
+    taker.persist(commit=False)
     assert {k: (s.offset, s.stats.samples) for k, s in topic.items()} == {P0: (16, 16), P1: (8, 8)}
     for learner in (a, b):
         learner.model_thread.shutdown()

@@ -290,22 +290,20 @@ class LearnerState:
         self.reporter.export()
 
     # --- persisting -----------------------------------------------------------------------------------------
-    def capture(self, before: Callable[[], None] | None = None) -> dict | None:
-        """A copy of everything the membership persists, or None when it would equal the last one. ``before`` runs
-        first when a copy is taken (the loop flushes its dead letters: durable before the offsets that skip them).
+    def capture(self, due_only: bool = False, before: Callable[[], None] | None = None) -> dict | None:
+        """A copy of everything the membership persists, or None when it would equal the last one (or,
+        ``due_only``, when fewer than ``--checkpoint_every`` samples were learned since). ``before`` runs first when
+        a copy is taken (the loop flushes its dead letters: durable before the offsets that skip them).
 
         The copy is consistent (taken between two steps, in the model thread) and detached (learning on changes
         none of it), so ``write`` may run while the learner goes on; the book counts its offsets as saved from
         here (a failed write counts them unsaved again, and stops the loop)."""
-        if not (self.since_checkpoint > 0 or self.intake.book.unsaved_keys()):
+        due = self.since_checkpoint >= self.cfg.checkpoint_every
+        if (due_only and not due) or not (self.since_checkpoint > 0 or self.intake.book.unsaved_keys()):
             return None
         if before is not None:
             before()
         return self.model_thread.run(self._capture)
-
-    def capture_if_due(self, before: Callable[[], None] | None = None) -> dict | None:
-        """``capture``, once ``--checkpoint_every`` samples were learned since the last copy (else None)."""
-        return self.capture(before) if self.since_checkpoint >= self.cfg.checkpoint_every else None
 
     def _capture(self) -> dict:
         with self.lock:

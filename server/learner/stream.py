@@ -5,9 +5,9 @@ learns through the state (``server.learner.state``), sends the dead letters the 
 
 * One consumer in a group, ``enable_auto_commit=False``. On partition assignment the consumer seeks to the
   book's offsets (after a restart, those of the learner checkpoint, the source of truth). Offsets reach Kafka
-  only through the loop's ``checkpoint`` methods: checkpoint first, then commit the same offsets, for lag
-  monitoring and tools. A crash therefore rolls model and offsets back together: records after the checkpoint are
-  learned again once, none is lost or learned twice.
+  only through ``persist``: checkpoint first, then commit the same offsets, for lag monitoring and tools. A
+  crash therefore rolls model and offsets back together: records after the checkpoint are learned again once,
+  none is lost or learned twice.
 * A record that cannot be decoded or validated goes to the dead-letter topic with headers ``error``,
   ``error_message``, ``source_topic``, ``source_partition`` and ``source_offset``; it is counted, and the loop
   moves on. A replayed sample (already learned, or still waiting in a mini-batch) is skipped and counted
@@ -55,11 +55,6 @@ log = logging.getLogger(__name__)
 def parse_tp(key: str) -> TopicPartition:
     topic, partition = key.rsplit(":", 1)
     return TopicPartition(topic, int(partition))
-
-
-def _to_commit(offsets: dict[str, int]) -> dict:
-    """A checkpoint's offsets as kafka-python commits them."""
-    return {parse_tp(k): OffsetAndMetadata(v, "", -1) for k, v in offsets.items()}
 
 
 def _log_failed_commit(offsets: dict, result: object) -> None:
@@ -169,7 +164,7 @@ class LearnerLoop(ConsumerThread):
         try:
             if self.failure is None:  # after a failed write (the consumer closing), nothing more is written
                 self.state.learn_pending()
-                self.checkpoint_for_handover()
+                self.persist(commit=False)
         except KafkaError as e:  # the dead letters could not be flushed: nothing was captured
             self._broken = e
         except StateWriteFailed as e:
@@ -212,7 +207,7 @@ class LearnerLoop(ConsumerThread):
             if self._checkpoint_request.is_set():
                 self._checkpoint_request.clear()
                 self.state.learn_pending()
-                self.checkpoint_in_background()
+                self.persist(wait=False)
             if self._paused.is_set():
                 self.stop_event.wait(0.2)
                 continue
@@ -226,12 +221,12 @@ class LearnerLoop(ConsumerThread):
             self.accept(records, meanwhile=self.state.learn_pending if due or (pending and not records) else None)
             if not records and not self.state.intake.waiting():
                 self.state.on_idle()
-                self.checkpoint()
-            self.commit_written()
-            self.checkpoint_if_due()
+                self.persist()
+            self._finish_write(block=False)
+            self.persist(wait=False, due_only=True)
             self._update_lag()
         self.state.learn_pending()
-        self.checkpoint()
+        self.persist()
 
     def _check_rebalance(self) -> None:
         """Stop on a failed state write or a refusal (a rebalance callback or the state's), reconnect on a broker
@@ -276,79 +271,50 @@ class LearnerLoop(ConsumerThread):
         self.state.metrics.dead_lettered.labels(reason).inc()
         log.info("dead-lettered %s:%d@%d: %s", record.topic, record.partition, record.offset, reason)
 
-    # --- persisting: the one way offsets leave the loop -----------------------------------------------------------
-    # Model and offsets are checkpointed together, then the same offsets committed. Nothing is written when nothing
-    # changed since the last checkpoint. Dead letters are flushed first, so they are durable before the offsets that
-    # skip them. The commit never precedes the checkpoint, and its failure is only logged: the checkpoint is the
-    # source of truth, Kafka's offsets inform lag monitoring. One write is in flight at a time.
-    def checkpoint(self) -> None:
-        """Checkpoint now and wait for it, then commit its offsets (at a stop, when idle)."""
-        self._commit(self._settled())
-        if self._start_write(self.state.capture(before=self._flush)):
-            self._commit(self._settled())
+    def persist(self, commit: bool = True, wait: bool = True, due_only: bool = False) -> None:
+        """The one way offsets leave the loop: checkpoint model and offsets together, then commit the same offsets.
 
-    def checkpoint_for_handover(self) -> None:
-        """Checkpoint now and wait for it, committing nothing: on revocation, in the rebalance callback, where a
-        blocking consumer call would stall the very thread that serves it."""
-        self._settled()
-        if self._start_write(self.state.capture(before=self._flush)):
-            self._settled()
+        Nothing is written when nothing changed since the last checkpoint. Dead letters are flushed first, so
+        they are durable before the offsets that skip them. The commit never precedes the checkpoint, and its
+        failure is only logged: the checkpoint is the source of truth, Kafka's offsets inform lag monitoring.
+        Without ``wait`` (the periodic checkpoint) the file is written in the checkpoint thread while the loop
+        learns on, and its offsets are committed at the loop's first turn after it is on disk: writing and syncing
+        4 MB on the loop's own time cost the learner 5 % of its speed. One write is in flight at a time; with
+        ``due_only`` nothing is written before ``--checkpoint_every`` samples were learned since the last one.
+        """
+        if due_only and self._writing is not None:  # one write in flight at a time: the next turn asks again
+            return
+        self._finish_write(commit)
+        flush = self.producer.flush if self.producer is not None else None
+        if (state := self.state.capture(due_only, before=flush)) is None:
+            return
+        self._writing = self.writer.submit(self.state.write, state)
+        if wait:
+            self._finish_write(commit)
 
-    def checkpoint_in_background(self) -> None:
-        """Checkpoint in the checkpoint thread while the loop learns on (writing and syncing 4 MB on the loop's own
-        time cost the learner 5 % of its speed); its offsets are committed at the loop's first turn after it is on
-        disk (``commit_written``)."""
-        self._commit(self._settled())
-        self._start_write(self.state.capture(before=self._flush))
-
-    def checkpoint_if_due(self) -> None:
-        """``checkpoint_in_background`` once ``--checkpoint_every`` samples were learned since the last one, and no
-        write is in flight (the next turn asks again)."""
-        if self._writing is None:
-            self._start_write(self.state.capture_if_due(before=self._flush))
-
-    def commit_written(self) -> None:
-        """The loop's turn: if the checkpoint in flight is on disk, commit its offsets asynchronously (the
-        checkpoint already holds them, so the loop need not wait a broker round trip)."""
-        if self._writing is not None and self._writing.done():
-            offsets = self._settled()
-            if offsets and self.consumer is not None:
-                try:
-                    self.consumer.commit_async(_to_commit(offsets), callback=_log_failed_commit)
-                except KafkaError as e:
-                    _log_failed_commit(offsets, e)
-
-    def _flush(self) -> None:
-        if self.producer is not None:
-            self.producer.flush()
-
-    def _start_write(self, captured: dict | None) -> bool:
-        """Write what ``capture`` took in the checkpoint thread; False when it took nothing."""
-        if captured is None:
-            return False
-        self._writing = self.writer.submit(self.state.write, captured)
-        return True
-
-    def _settled(self) -> dict[str, int] | None:
-        """Wait for the write in flight, if any, and return its offsets. A failed write raises here, in the loop,
-        once: it is kept in ``failure``, and learning stops."""
-        if self._writing is None:
-            return None
+    def _finish_write(self, commit: bool = True, block: bool = True) -> None:
+        """Once the checkpoint in flight is on disk (waiting for it if ``block``), commit its offsets; a failed
+        write raises here, in the loop. The loop's own turns (``block=False``) commit asynchronously: the
+        checkpoint already holds the offsets, so the loop need not wait a broker round trip for them. A failed
+        write is waited for once: it is kept in ``failure``, and learning stops."""
+        if self._writing is None or not (block or self._writing.done()):
+            return
         writing, self._writing = self._writing, None
         try:
-            return writing.result()
+            offsets = writing.result()
         except StateWriteFailed as e:
             self.failure = e
             raise
-
-    def _commit(self, offsets: dict[str, int] | None) -> None:
-        """Commit a written checkpoint's offsets, waiting for the broker (never hanging on a stalled one)."""
-        if not offsets or self.consumer is None:
+        if not (commit and self.consumer is not None and offsets):
             return
+        to_commit = {parse_tp(k): OffsetAndMetadata(v, "", -1) for k, v in offsets.items()}
         try:
-            self.consumer.commit(_to_commit(offsets), timeout_ms=5000)
+            if block:
+                self.consumer.commit(to_commit, timeout_ms=5000)  # never hang on a stalled broker
+            else:
+                self.consumer.commit_async(to_commit, callback=_log_failed_commit)
         except KafkaError as e:
-            _log_failed_commit(offsets, e)
+            _log_failed_commit(to_commit, e)
 
     def _update_lag(self) -> None:
         """Records not yet learned per partition: those behind the high watermark and those read but waiting in
