@@ -78,14 +78,9 @@ def _jpeg_rgb(data: bytes, max_pixels: int | None, size: int | None = None) -> I
     With a ``size``, libjpeg decodes at the smallest of its fast DCT scales (1/2, 1/4, 1/8) whose image still
     covers ``size`` on both sides (``jpeg_scale``): a camera JPEG costs a fraction of its full decode, and the
     resize that follows starts from those pixels. An image under twice ``size`` decodes whole, as before."""
-    if not data.startswith(b"\xff\xd8\xff"):
+    if (header := _jpeg_size(data)) is None:
         return None
-    try:
-        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
-    except ValueError:
-        return None
-    if colorspace not in ("YCbCr", "Gray"):
-        return None
+    height, width = header
     if max_pixels is not None and width * height > max_pixels:
         raise ImageError("too_many_pixels", f"{width}x{height} exceeds the limit of {max_pixels} pixels")
     scale = jpeg_scale(width, height, size)
@@ -186,13 +181,21 @@ def _device_jpeg(data: bytes, limits: ImageLimits) -> bool:
     """Whether the GPU should decode ``data``: a whole (it ends with its EOI marker, so a truncated one takes the
     strict CPU path, which refuses it) YCbCr or grey JPEG within the limits. Anything else, including one over a
     limit, goes to ``decode_image``, which names the reason."""
-    if not data.startswith(b"\xff\xd8\xff") or not data.endswith(b"\xff\xd9") or len(data) > limits.max_bytes:
+    if not data.endswith(b"\xff\xd9") or len(data) > limits.max_bytes or (header := _jpeg_size(data)) is None:
         return False
+    return header[0] * header[1] <= limits.max_pixels
+
+
+def _jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """Height and width from the header of a YCbCr or grey JPEG, the kinds libjpeg and nvJPEG decode as PIL would
+    (PIL converts CMYK its own way); None for anything else."""
+    if not data.startswith(b"\xff\xd8\xff"):
+        return None
     try:
         height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError:
-        return False
-    return colorspace in ("YCbCr", "Gray") and width * height <= limits.max_pixels
+        return None
+    return (height, width) if colorspace in ("YCbCr", "Gray") else None
 
 
 def decode_jpegs(datas: list[bytes], size: int, device: torch.device) -> list[torch.Tensor | None]:
