@@ -96,12 +96,16 @@ def test_labels_delayed_by_50_to_200_records_teach_the_model_that_labels_attache
     assert status["attached"]["label_join"] is None and status["delayed"]["samples_seen"] == n
     assert join["images"] == {"received": n, "joined": n, "in_flight": 0, "waiting": 0, "expired": 0}
     assert join["labels"] == {"waiting": 0, "refused": 0}
-    assert 0 < join["scored"] < status["attached"]["prequential_accuracy"]["samples"]  # no class known 50+ records
-    assert 0 <= join["delayed_accuracy"] <= 1 and 0.2 < join["delay_p50_s"] <= join["delay_p99_s"]  # 250-1000 ms
+    # How many images arrive after the first join is timing: a learner that finds the stream already in the broker
+    # predicts all of it before the first label (tests/test_label_join.py scores arrivals deterministically).
+    assert join["scored"] < status["attached"]["prequential_accuracy"]["samples"]  # no class known 50+ records
+    accuracy = join["delayed_accuracy"]
+    assert (accuracy is None) == (join["scored"] == 0) and (accuracy is None or 0 <= accuracy <= 1)
+    assert 0.2 < join["delay_p50_s"] <= join["delay_p99_s"]  # 250-1000 ms
     assert status["delayed"]["prequential_accuracy"]["samples"] == join["scored"]  # scored at arrival
     assert 'mepo_label_join_images{state="joined"} 200.0' in metrics and "mepo_delayed_accuracy_ratio" in metrics
     print(f"\nprequential accuracy, labels attached: {status['attached']['prequential_accuracy']['cumulative']:.3f}; "
-          f"delayed (arrival predictions scored at the join): {join['delayed_accuracy']:.3f}")
+          f"delayed (arrival predictions scored at the join): {accuracy} of {join['scored']}")
 
     test = load_split(replace(DATA, load_size=32), "test")
     predictions = {}
