@@ -62,14 +62,17 @@ def flops_per_image(model: torch.nn.Module, img_size: int) -> int:
     return counter.get_total_flops()
 
 
-def variants(model: torch.nn.Module, dev: torch.device) -> dict[str, tuple[torch.nn.Module, torch.dtype]]:
-    """Each precision this device runs natively, and the candidates: the model and the autocast dtype."""
+def variants(model: torch.nn.Module, dev: torch.device, compiled: bool = True
+             ) -> dict[str, tuple[torch.nn.Module, torch.dtype]]:
+    """Each precision this device runs natively, and the candidates (``compiled``: with the compiled one): the model
+    and the autocast dtype."""
     out = {"fp32": (model, torch.float32)}
     if native_bf16(dev):
         bf16 = copy.deepcopy(model).to(torch.bfloat16)
         out["bf16_autocast"] = (model, torch.bfloat16)
         out["bf16_weights"] = (bf16, torch.bfloat16)
-        out["bf16_weights_compiled"] = (torch.compile(bf16), torch.bfloat16)
+        if compiled:
+            out["bf16_weights_compiled"] = (torch.compile(bf16), torch.bfloat16)
     if dev.type == "cpu":
         out["int8_dynamic"] = (quantize_int8(copy.deepcopy(model)), torch.float32)
     return out
@@ -125,7 +128,7 @@ def peak_flops(dev: torch.device, dtype: torch.dtype) -> float | None:
     return next((p[key] for n, p in PEAK_FLOPS.items() if n in name and key in p), None)
 
 
-def main(spec: ServiceSpec = ServiceSpec(), batch: int = 32, repeats: int = 10,
+def main(spec: ServiceSpec = ServiceSpec(), batch: int = 32, repeats: int = 10, compiled: bool = True,
          out: Path = Path("benchmarks/results/model_arithmetic.json")) -> dict:
     """Measure the backbone forward in every native precision; write the JSON result.
 
@@ -133,6 +136,8 @@ def main(spec: ServiceSpec = ServiceSpec(), batch: int = 32, repeats: int = 10,
         spec: Model and resolution (its learner settings are not used).
         batch: Images per batched forward (the learner's mini-batch).
         repeats: Timed batched forwards per precision (five times as many single-image ones).
+        compiled: Also time ``bf16_weights_compiled`` where bf16 is native (Inductor compiles for most of a minute on
+            two cores: the smoke run leaves it out).
         out: JSON result path.
     """
     torch.manual_seed(0)
@@ -140,7 +145,7 @@ def main(spec: ServiceSpec = ServiceSpec(), batch: int = 32, repeats: int = 10,
     model = create_backbone(BackboneConfig(name=spec.model, weights=spec.weights, img_size=spec.img_size))
     model = model.to(dev).eval()
     flops = flops_per_image(model, spec.img_size)
-    native = variants(model, dev)
+    native = variants(model, dev, compiled)
     images = test_images(spec, model, batch, dev)
     with torch.inference_mode():
         reference = model(images).float()  # [N, D] fp32 features

@@ -140,7 +140,8 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path) -> tuple[str, lis
         "learning_quality": lambda: quality(spec, 100, 50),
         "learning_quality_tinyimagenet": lambda: quality(  # at the smoke sizes, the spec's small dataset
             spec if quick else replace(spec, dataset="tinyimagenet-downstream"), 25, 10),
-        "model_arithmetic": lambda: ("model_arithmetic", [*config_options(spec, "--spec."), "--repeats", n(2, 20)]),
+        "model_arithmetic": lambda: ("model_arithmetic", [*config_options(spec, "--spec."), "--repeats", n(2, 20),
+                                                     "--compiled", str(not quick).lower()]),
         "learner_throughput": lambda: learner(spec),
         "predict_latency": latency,
         "predict_throughput": lambda: ("predict_throughput", [*stream(spec, 2, 10), "--seconds", n(3, 30),
