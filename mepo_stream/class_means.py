@@ -36,11 +36,12 @@ class ClassMeans(nn.Module):
         return int((self.counts > 0).sum())
 
     @torch.no_grad()
-    def update(self, features: torch.Tensor, labels: torch.Tensor) -> None:
-        """Add features [B, D] with labels [B] (class indices)."""
+    def update(self, features: torch.Tensor, labels: torch.Tensor, sign: float = 1.0) -> None:
+        """Add features [B, D] with labels [B] (class indices); ``sign`` -1 takes them out again, exactly as they
+        went in (a sum forgets a sample by subtracting it: no retraining)."""
         h, y = features.detach().to(self.sums.device, torch.float64), labels.to(self.counts.device)
-        self.counts.index_add_(0, y, torch.ones_like(y, dtype=torch.float64))
-        self.sums.index_add_(0, y, h)
+        self.counts.index_add_(0, y, torch.full_like(y, sign, dtype=torch.float64))
+        self.sums.index_add_(0, y, sign * h)
 
     def means(self) -> torch.Tensor:
         """Class means [C, D] (zero rows for unseen classes)."""

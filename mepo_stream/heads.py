@@ -80,9 +80,22 @@ class ClassStatistics(ClassMeans):
     @torch.no_grad()
     def update(self, h: torch.Tensor, y: torch.Tensor) -> None:
         """Add features [B, D] with head-order labels [B]."""
+        self._add(h, y, 1.0)
+
+    @torch.no_grad()
+    def remove(self, h: torch.Tensor, y: torch.Tensor) -> None:
+        """Take out features [B, D] learned with head-order labels [B]: the statistics of a learner that never saw
+        them (to float64 rounding). The prequential hits they scored stay: they are the stream's history."""
+        if bool((self.counts.index_add(0, y.to(self.counts.device), -torch.ones(len(y), dtype=torch.float64,
+                                                                                  device=self.counts.device)) < 0
+                 ).any()):
+            raise ValueError("removing more samples of a class than it has: these were never learned")
+        self._add(h, y, -1.0)
+
+    def _add(self, h: torch.Tensor, y: torch.Tensor, sign: float) -> None:
         h = h.detach().to(self.second.device, torch.float64)  # once, for the class sums and the second moment
-        super().update(h, y)
-        self.second += h.T @ h
+        super().update(h, y, sign)
+        self.second += sign * (h.T @ h)
         self._cache.clear()
 
     def unseen_mask(self, logits: torch.Tensor) -> torch.Tensor:

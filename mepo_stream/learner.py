@@ -216,6 +216,25 @@ class OnlineLearner:
         self._update_statistics(None, target, encoded)
         self.samples_seen += len(labels)
 
+    @property
+    def not_correctable(self) -> str | None:
+        """Why a learned sample cannot be taken out of this model exactly (None: it can, by ``forget_features``).
+        The same condition as merging parts: a model that is a sum of its samples' features forgets one by
+        subtracting it; one trained by gradient, or with running (EMA) statistics, has no such inverse."""
+        return self.not_mergeable
+
+    def forget_features(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        """Take samples learned with ``observe_features`` (the same features [B, D], original labels [B]) out of the
+        model: afterwards it is the model of a learner that never saw them. A class left with no sample is no longer
+        predicted. ``samples_seen`` keeps counting what was learned (the evaluation schedule follows it)."""
+        if (why := self.not_correctable) is not None:
+            raise ValueError(f"this learner cannot forget a sample exactly: {why}")
+        if unknown := sorted(set(labels.tolist()) - set(self._index)):
+            raise ValueError(f"labels {unknown} were never learned")
+        target = torch.tensor([self._index[y] for y in labels.tolist()], device=self.device)  # [B]
+        encoded = Encoded(features.to(self.device, torch.float32), torch.zeros((), device=self.device))
+        self.method.classifier.remove(self.method.aligned(encoded, "running"), target)
+
     def test_then_train(self, images: torch.Tensor, labels: torch.Tensor, align_mode: AlignMode = "running"
                         ) -> torch.Tensor | None:
         """Predict the batch's original labels [B] (None before any class is known), then learn it.

@@ -1,0 +1,204 @@
+"""The table of learned samples: per id, the feature it was learned from, its label and its record time, on disk.
+
+Why: a streaming-LDA model is a sum over its samples, so a sample can be taken out exactly (a deletion) or moved to
+another class (a correction) by subtracting what it added (``OnlineLearner.forget_features``). That needs what it
+added, long after its record was read: the table keeps it, in LMDB (an embedded, memory-mapped B+tree with
+transactions), so it is not held in memory. It is the learner's view of a KTable: the latest label of each id.
+
+It commits with the checkpoint. Changes since the last checkpoint wait in memory; ``commit(g)`` writes them in one
+transaction together with their undo records (each changed id's value before generation ``g``), and the checkpoint
+file that follows records ``g``. A restart reads the checkpoint's generation and ``restore`` undoes every later
+generation, so the table is again the one the model and offsets of the checkpoint saw: a kill -9 between the two
+writes neither loses nor doubles a change. ``settle(g)`` drops the undo records once checkpoint ``g`` is on disk.
+
+Ids older than ``retention_s`` of record time are dropped (``expire``): they stay in the model, but can no longer be
+corrected or deleted, which keeps the disk bounded.
+
+Key layout (one environment, three named databases): ``samples``: id -> entry; ``by_time``: 8-byte big-endian
+milliseconds + id -> b""; ``undo``: 8-byte generation + id -> b"\\x00" (absent before) or b"\\x01" + entry. The
+generation is ``meta`` key ``generation``.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+import torch
+
+from mepo_stream.errors import StateRefused
+
+MAP_SIZE = 1 << 40
+"""LMDB's address-space reservation (a sparse file: disk is used only as entries are written)."""
+_HEAD = struct.Struct("<id")  # label (int32), record time (float64 s)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What a learned sample added to the model, and when it came."""
+
+    label: int
+    time: float
+    """Its record's time (s): what retention measures."""
+    feature: torch.Tensor
+    """[D] float32: ``OnlineLearner.forget_features``'s input."""
+
+    def encode(self) -> bytes:
+        return _HEAD.pack(self.label, self.time) + self.feature.to(torch.float32).contiguous().numpy().tobytes()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Entry:
+        label, at = _HEAD.unpack_from(data)
+        feature = torch.frombuffer(bytearray(data[_HEAD.size:]), dtype=torch.float32)
+        return cls(label, at, feature)
+
+
+def _time_key(at: float, id: bytes) -> bytes:
+    return struct.pack(">Q", max(0, int(at * 1000))) + id
+
+
+class SampleTable:
+    """Learned samples by id; changed in memory by the learning step, committed with each checkpoint."""
+
+    def __init__(self, path: Path, retention_s: float):
+        path.mkdir(parents=True, exist_ok=True)
+        self.path, self.retention_s = path, retention_s
+        self.env = lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=4, metasync=True, sync=True)
+        self._samples = self.env.open_db(b"samples")
+        self._by_time = self.env.open_db(b"by_time")
+        self._undo = self.env.open_db(b"undo")
+        self._meta = self.env.open_db(b"meta")
+        self._changed: dict[bytes, Entry | None] = {}  # since the last commit (None: deleted)
+        self._lock = threading.Lock()  # the learning step changes, the loop's intake reads
+
+    # --- reading ---------------------------------------------------------------------------------------------
+    def get(self, id: str) -> Entry | None:
+        key = id.encode()
+        with self._lock:
+            if key in self._changed:
+                return self._changed[key]
+        return self._committed(key)
+
+    def __contains__(self, id: str) -> bool:
+        return self.get(id) is not None
+
+    def _committed(self, key: bytes) -> Entry | None:
+        with self.env.begin(db=self._samples) as txn:
+            data = txn.get(key)
+        return None if data is None else Entry.decode(bytes(data))
+
+    @property
+    def generation(self) -> int:
+        with self.env.begin(db=self._meta) as txn:
+            data = txn.get(b"generation")
+        return 0 if data is None else int(data)
+
+    def __len__(self) -> int:
+        """Ids in the table now (committed, with the changes since)."""
+        with self.env.begin(db=self._samples) as txn:
+            committed = txn.stat(self._samples)["entries"]
+            with self._lock:
+                changes = list(self._changed.items())
+            return committed + sum((value is not None) - (txn.get(key) is not None) for key, value in changes)
+
+    def bytes_on_disk(self) -> int:
+        """The pages in use (the data file is sparse beyond them)."""
+        info, stat = self.env.info(), self.env.stat()
+        return (info["last_pgno"] + 1) * stat["psize"]
+
+    # --- changing (the learning step) --------------------------------------------------------------------------
+    def put(self, id: str, entry: Entry) -> None:
+        with self._lock:
+            self._changed[id.encode()] = entry
+
+    def delete(self, id: str) -> None:
+        with self._lock:
+            self._changed[id.encode()] = None
+
+    def expire(self, now: float) -> int:
+        """Drop the ids whose record time is more than ``retention_s`` before ``now``; returns how many."""
+        cutoff = _time_key(now - self.retention_s, b"")
+        old: list[bytes] = []
+        with self.env.begin(db=self._by_time) as txn:
+            cursor = txn.cursor()
+            if cursor.first():
+                for key in cursor.iternext(values=False):
+                    if key >= cutoff:
+                        break
+                    old.append(bytes(key[8:]))
+        with self._lock:
+            old = [k for k in old if k not in self._changed]  # changed since: its new time decides
+            old += [k for k, v in self._changed.items() if v is not None and v.time < now - self.retention_s]
+            for key in old:
+                self._changed[key] = None
+        return len(old)
+
+    # --- persisting, with the checkpoint ------------------------------------------------------------------------
+    def commit(self, generation: int) -> None:
+        """Write the changes since the last commit as ``generation``, with what each changed id was before it."""
+        with self._lock:
+            changes = dict(self._changed)
+        prefix = struct.pack(">Q", generation)
+        with self.env.begin(write=True) as txn:
+            for key, value in changes.items():
+                before = txn.get(key, db=self._samples)
+                txn.put(prefix + key, b"\x00" if before is None else b"\x01" + bytes(before), db=self._undo,
+                        overwrite=False)  # the first change of a generation keeps the value before it
+                self._write(txn, key, before, value)
+            txn.put(b"generation", str(generation).encode(), db=self._meta)
+        with self._lock:
+            for key, value in changes.items():
+                if self._changed.get(key, ...) is value:
+                    del self._changed[key]
+
+    def _write(self, txn, key: bytes, before: bytes | None, value: Entry | None) -> None:
+        if before is not None:
+            txn.delete(_time_key(Entry.decode(bytes(before)).time, key), db=self._by_time)
+        if value is None:
+            txn.delete(key, db=self._samples)
+            return
+        txn.put(key, value.encode(), db=self._samples)
+        txn.put(_time_key(value.time, key), b"", db=self._by_time)
+
+    def settle(self, generation: int) -> None:
+        """Checkpoint ``generation`` is on disk: no restart goes back before it, so its undo records go."""
+        limit = struct.pack(">Q", generation + 1)
+        with self.env.begin(write=True, db=self._undo) as txn:
+            cursor = txn.cursor()
+            while cursor.first() and bytes(cursor.key()) < limit:
+                cursor.delete()
+
+    def restore(self, generation: int) -> None:
+        """Back to the table checkpoint ``generation`` saw: forget the changes in memory, undo later commits."""
+        with self._lock:
+            self._changed.clear()
+        if self.generation < generation:
+            raise StateRefused(f"the sample table {self.path} is at generation {self.generation}, older than the "
+                               f"checkpoint's {generation}: it is not the table this checkpoint was written with "
+                               f"(move both away to learn from scratch)")
+        with self.env.begin(write=True) as txn:
+            cursor = txn.cursor(db=self._undo)
+            later = [(bytes(k), bytes(v)) for k, v in cursor.iternext()
+                     if struct.unpack(">Q", bytes(k[:8]))[0] > generation]
+            for key, value in sorted(later, reverse=True):  # the newest generation first
+                id = key[8:]
+                now = txn.get(id, db=self._samples)
+                self._write(txn, id, None if now is None else bytes(now),
+                            None if value == b"\x00" else Entry.decode(value[1:]))
+                txn.delete(key, db=self._undo)
+            txn.put(b"generation", str(generation).encode(), db=self._meta)
+
+    def ids(self) -> list[str]:
+        """Every id in the table now (for tests and the admin's inspection)."""
+        with self.env.begin(db=self._samples) as txn:
+            committed = {bytes(k) for k in txn.cursor().iternext(values=False)}
+        with self._lock:
+            for key, value in self._changed.items():
+                (committed.add if value is not None else committed.discard)(key)
+        return sorted(k.decode() for k in committed)
+
+    def close(self) -> None:
+        self.env.close()

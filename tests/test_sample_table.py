@@ -1,0 +1,129 @@
+"""Forgetting a sample exactly (``OnlineLearner.forget_features``) and the table of learned samples that makes it
+possible (``server.learner.sample_table``): a model corrected and pruned is the model of a fresh learner fed the final
+table, and the table goes back to any checkpoint's generation after a crash."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from mepo_stream.errors import StateRefused
+from mepo_stream.learner import LearnerConfig, OnlineLearner
+from server.learner.sample_table import Entry, SampleTable
+from tests.helpers import learner_of
+
+SHRINKAGE = (0.05, 0.2, 0.6)
+
+
+def slda(n_classes: int = 6) -> OnlineLearner:
+    return learner_of("frozen", LearnerConfig(classifier="slda", slda_shrinkage=SHRINKAGE), n_classes)
+
+
+def features(n: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 5, (n,), generator=g)
+    centres = torch.randn(5, dim, generator=g) * 3
+    return centres[labels] + torch.randn(n, dim, generator=g), labels  # [N, D], [N]
+
+
+def assert_same_model(a: OnlineLearner, b: OnlineLearner, probe: torch.Tensor) -> None:
+    """Counts, class sums and second moments within 1e-9 relative (by label), and the same top-1 at every
+    shrinkage on ``probe`` features."""
+    sa, sb = a.statistics(), b.statistics()
+    for field in ("counts", "sums", "second"):
+        x, y = getattr(sa, field), getattr(sb, field)
+        assert torch.allclose(x, y, rtol=1e-9, atol=1e-9 * float(y.abs().max())), field
+    for k in range(len(SHRINKAGE)):
+        top = [learner.to_labels(learner.method.classifier.scores(probe, k).argmax(1)) for learner in (a, b)]
+        assert torch.equal(*top), f"shrinkage {SHRINKAGE[k]}"
+
+
+def test_corrections_and_deletions_leave_the_model_of_a_fresh_learner_fed_the_final_table():
+    dim = slda().method.classifier.second.shape[0]
+    x, y = features(300, dim, 0)
+    table = {i: (x[i], int(y[i])) for i in range(300)}
+    learner = slda()
+    for start in range(0, 300, 32):
+        learner.observe_features(x[start:start + 32], y[start:start + 32])
+    rng = random.Random(1)
+    for i in rng.sample(range(300), 60):  # relabel 40, delete 20, in a random order, some twice
+        feature, label = table[i]
+        learner.forget_features(feature[None], torch.tensor([label]))
+        if rng.random() < 0.67:
+            new = rng.choice([c for c in range(5) if c != label])
+            learner.observe_features(feature[None], torch.tensor([new]))
+            table[i] = (feature, new)
+        else:
+            del table[i]
+    gone = [i for i in table if table[i][1] == 4]
+    for i in gone:  # every sample of class 4 deleted: it is no longer predicted
+        learner.forget_features(table[i][0][None], torch.tensor([4]))
+        del table[i]
+    fresh = slda()
+    ids = sorted(table)
+    fresh.observe_features(torch.stack([table[i][0] for i in ids]), torch.tensor([table[i][1] for i in ids]))
+    assert_same_model(learner, fresh, x)
+    assert 4 not in learner.to_labels(learner.method.classifier(x).argmax(1)).tolist()
+
+
+def test_forgetting_what_was_never_learned_is_refused_and_changes_nothing():
+    dim = slda().method.classifier.second.shape[0]
+    x, y = features(20, dim, 2)
+    learner = slda()
+    learner.observe_features(x, y)
+    before = learner.statistics().clone()
+    with pytest.raises(ValueError, match="never learned"):
+        learner.forget_features(x[:1], torch.tensor([9]))
+    twice = torch.tensor([int(y[0])] * (int((y == y[0]).sum()) + 1))  # more samples of a class than it has
+    with pytest.raises(ValueError, match="more samples"):
+        learner.forget_features(x[:1].expand(len(twice), -1), twice)
+    assert torch.equal(learner.statistics().counts, before.counts)
+
+
+def test_a_learner_trained_by_gradient_cannot_forget():
+    learner = learner_of("mvp", LearnerConfig(classifier="linear"), 4)
+    assert "gradient" in learner.not_correctable
+    with pytest.raises(ValueError, match="cannot forget"):
+        learner.forget_features(torch.zeros(1, 8), torch.tensor([0]))
+
+
+def entry(label: int, at: float, value: float = 0.0) -> Entry:
+    return Entry(label, at, torch.full((4,), value))
+
+
+def test_the_table_goes_back_to_the_generation_of_the_checkpoint_even_after_a_restart(tmp_path):
+    table = SampleTable(tmp_path / "t", retention_s=1e9)
+    table.put("a", entry(0, 1.0, 1.0))
+    table.put("b", entry(1, 2.0, 2.0))
+    table.commit(1)  # checkpoint 1 written
+    table.settle(1)
+    table.put("a", entry(2, 3.0, 3.0))  # corrected
+    table.delete("b")
+    table.put("c", entry(0, 4.0))
+    table.commit(2)
+    table.put("a", entry(3, 5.0))  # and again, in generation 3
+    table.commit(3)  # neither checkpoint 2 nor 3 reached the disk: a kill -9
+    table.close()
+    reopened = SampleTable(tmp_path / "t", retention_s=1e9)
+    assert reopened.generation == 3 and reopened.ids() == ["a", "c"]
+    reopened.restore(1)
+    assert reopened.ids() == ["a", "b"] and reopened.generation == 1
+    assert reopened.get("a").label == 0 and torch.equal(reopened.get("b").feature, torch.full((4,), 2.0))
+    reopened.put("d", entry(1, 6.0))
+    reopened.restore(1)  # changes in memory are not in any checkpoint either
+    assert "d" not in reopened and len(reopened) == 2
+    with pytest.raises(StateRefused, match="older than the checkpoint"):
+        reopened.restore(2)
+
+
+def test_ids_past_retention_leave_the_table_by_record_time(tmp_path):
+    table = SampleTable(tmp_path / "t", retention_s=10.0)
+    for i in range(5):
+        table.put(f"id{i}", entry(0, 100.0 + i))
+    table.commit(1)
+    table.put("id0", entry(1, 120.0))  # corrected later: its new record time counts
+    assert table.expire(113.5) == 3 and table.ids() == ["id0", "id4"]
+    table.commit(2)
+    assert table.ids() == ["id0", "id4"] and table.expire(200.0) == 2 and len(table) == 0
