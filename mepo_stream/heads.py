@@ -92,6 +92,13 @@ class ClassStatistics(ClassMeans):
             raise ValueError("removing more samples of a class than it has: these were never learned")
         self._add(h, y, -1.0)
 
+    @torch.no_grad()
+    def move(self, h: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> None:
+        """Features [B, D] learned with head-order labels ``old`` [B] now belong to ``new`` [B] (a correction): out
+        of one class, into the other, unscored (they were scored when they came)."""
+        self.remove(h, old)
+        self._add(h, new, 1.0)
+
     def _add(self, h: torch.Tensor, y: torch.Tensor, sign: float) -> None:
         h = h.detach().to(self.second.device, torch.float64)  # once, for the class sums and the second moment
         super().update(h, y, sign)

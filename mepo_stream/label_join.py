@@ -35,7 +35,7 @@ Example:
     >>> join.confirm([join.add_image("b", torch.ones(2), prediction=0, now=7.0)])  # the label was there first
     >>> join.counts()
     {'images': 2, 'joined': 2, 'in_flight': 0, 'waiting_images': 0, 'waiting_labels': 0, 'expired_images': 0, \
-'refused_labels': 1}
+'refused_labels': 1, 'deleted_images': 0}
 """
 
 from __future__ import annotations
@@ -116,8 +116,9 @@ class _Label:
 class LabelJoin:
     """The images waiting for labels and the labels waiting for images, joined by id (one thread: the learner's)."""
 
-    def __init__(self, cfg: JoinConfig = JoinConfig()):
-        self.cfg = cfg
+    def __init__(self, cfg: JoinConfig = JoinConfig(), latest_wins: bool = False):
+        self.cfg, self.latest_wins = cfg, latest_wins
+        """``latest_wins``: a second label for a waiting id replaces the first (corrections), not refused."""
         self.images: OrderedDict[str, _Image] = OrderedDict()  # oldest first
         self.labels: OrderedDict[str, _Label] = OrderedDict()  # oldest first
         self.in_flight: dict[str, Joined] = {}  # joined, not learned yet
@@ -125,7 +126,7 @@ class LabelJoin:
         self.delays: deque[float] = deque(maxlen=cfg.delays_kept)
         self.evicted: list[str] = []  # images let go to keep ``max_images``, until ``expire`` reports them
         self.overflow: list[tuple[str, _Label]] = []  # labels let go to keep ``max_labels``, until ``expire``
-        self.hits = self.scored = self.joined = self.expired_images = self.refused_labels = 0
+        self.hits = self.scored = self.joined = self.expired_images = self.refused_labels = self.deleted_images = 0
 
     # --- the two halves ---------------------------------------------------------------------------------------
     def add_image(self, id: str, item: torch.Tensor, prediction: int | None, now: float) -> Joined | Refused | None:
@@ -144,6 +145,8 @@ class LabelJoin:
     def add_label(self, id: str, label: int, now: float, source: Source | None = None) -> Joined | Refused | None:
         """A label arrived: joined (in flight) if its image waits, refused if one was joined or waits already, else
         kept (None)."""
+        if self.latest_wins and id in self.labels:
+            self.labels.pop(id)
         if id in self.joined_ids or id in self.in_flight or id in self.labels:
             self.refused_labels += 1
             what = "waiting" if id in self.labels else "joined"
@@ -159,6 +162,15 @@ class LabelJoin:
     def _join(self, joined: Joined) -> Joined:
         self.in_flight[joined.id] = joined
         return joined
+
+    def forget(self, id: str) -> bool:
+        """A deletion: let go of the id's waiting image or label, and of its memory as joined (a later label for it
+        waits for a new image); True if an image or a label of it was waiting."""
+        self.joined_ids.pop(id, None)
+        if self.images.pop(id, None) is not None:
+            self.deleted_images += 1
+            return True
+        return self.labels.pop(id, None) is not None
 
     # --- after learning, or instead of it ---------------------------------------------------------------------
     def confirm(self, joined: list[Joined]) -> None:
@@ -219,11 +231,12 @@ class LabelJoin:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
     def counts(self) -> dict[str, int]:
-        """What became of every image and label: images = joined + in flight + waiting + expired."""
-        return {"images": self.joined + len(self.in_flight) + len(self.images) + self.expired_images,
+        """What became of every image and label: images = joined + in flight + waiting + expired + deleted."""
+        return {"images": self.joined + len(self.in_flight) + len(self.images) + self.expired_images
+                + self.deleted_images,
                 "joined": self.joined, "in_flight": len(self.in_flight), "waiting_images": len(self.images),
                 "waiting_labels": len(self.labels), "expired_images": self.expired_images,
-                "refused_labels": self.refused_labels}
+                "refused_labels": self.refused_labels, "deleted_images": self.deleted_images}
 
     # --- checkpoints ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -240,7 +253,8 @@ class LabelJoin:
                 "label_since": [w.since for w in labels.values()],
                 "label_sources": [list(w.source) if w.source else [] for w in labels.values()],
                 "joined_ids": list(self.joined_ids), "delays": list(self.delays),
-                "counters": [self.hits, self.scored, self.joined, self.expired_images, self.refused_labels]}
+                "counters": [self.hits, self.scored, self.joined, self.expired_images, self.refused_labels,
+                             self.deleted_images]}
 
     def load_state_dict(self, state: dict) -> None:
         """Back to a ``state_dict``: nothing in flight."""
@@ -256,4 +270,5 @@ class LabelJoin:
         self.in_flight, self.evicted, self.overflow = {}, [], []
         self.joined_ids = OrderedDict.fromkeys(state["joined_ids"])
         self.delays = deque(state["delays"], maxlen=self.cfg.delays_kept)
-        self.hits, self.scored, self.joined, self.expired_images, self.refused_labels = state["counters"]
+        counters = [*state["counters"], 0][:6]  # a checkpoint written before deletions has five
+        self.hits, self.scored, self.joined, self.expired_images, self.refused_labels, self.deleted_images = counters

@@ -227,13 +227,25 @@ class OnlineLearner:
         """Take samples learned with ``observe_features`` (the same features [B, D], original labels [B]) out of the
         model: afterwards it is the model of a learner that never saw them. A class left with no sample is no longer
         predicted. ``samples_seen`` keeps counting what was learned (the evaluation schedule follows it)."""
+        h, target = self._correctable(features, labels)
+        self.method.classifier.remove(h, target)
+
+    def relabel_features(self, features: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> None:
+        """Samples learned with labels ``old`` [B] (from these features [B, D]) were labelled wrong: the model of a
+        learner that learned them with ``new`` [B] (their prequential scores stay as they were)."""
+        h, before = self._correctable(features, old)
+        self._register(new)
+        self.method.classifier.move(h, before, torch.tensor([self._index[y] for y in new.tolist()], device=h.device))
+
+    def _correctable(self, features: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The classifier's inputs [B, D] and head-order labels [B] of samples this learner learned."""
         if (why := self.not_correctable) is not None:
             raise ValueError(f"this learner cannot forget a sample exactly: {why}")
         if unknown := sorted(set(labels.tolist()) - set(self._index)):
             raise ValueError(f"labels {unknown} were never learned")
         target = torch.tensor([self._index[y] for y in labels.tolist()], device=self.device)  # [B]
         encoded = Encoded(features.to(self.device, torch.float32), torch.zeros((), device=self.device))
-        self.method.classifier.remove(self.method.aligned(encoded, "running"), target)
+        return self.method.aligned(encoded, "running"), target
 
     def test_then_train(self, images: torch.Tensor, labels: torch.Tensor, align_mode: AlignMode = "running"
                         ) -> torch.Tensor | None:

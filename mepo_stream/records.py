@@ -131,6 +131,15 @@ def parse_headers(headers: list[tuple[str, bytes]] | None, n_classes: int, ids: 
     return RecordMeta(label, index, position, stream_id, record_id, prediction)
 
 
+def record_id(key: bytes | None) -> str:
+    """The id a tombstone deletes: its record key, checked as an ``id`` header is."""
+    if key is None:
+        raise RecordError("missing_id", "a tombstone (a record with a null value) needs the id it deletes as its key")
+    found = _id({"id": key})
+    assert found is not None
+    return found
+
+
 def parse_label(headers: list[tuple[str, bytes]] | None, n_classes: int) -> tuple[str, int]:
     """A labels-topic record's (id, label), validated like an image record's."""
     h = _table(headers)

@@ -36,6 +36,22 @@ class MonitorConfig:
 
 
 @dataclass(frozen=True)
+class CorrectionsConfig:
+    """Corrections and deletions of learned samples (docs/corrections.md): the model follows the latest label of
+    every id that still exists, as a Kafka Streams table follows its topic."""
+
+    enabled: bool = False
+    """A label for an id already learned corrects it; a tombstone (a null value keyed by the id) on the image or the
+    labels topic deletes it. Both are learned exactly (the sample's contribution is subtracted), so the model is
+    always that of a fresh learner fed the final table. Needs --kafka.labels_topic and a learner that is a sum of its
+    samples (the default); refused at start otherwise."""
+    retention_s: float = 7 * 86400.0
+    """How long an id stays correctable, in record time since its last label: its feature is kept on disk until then
+    (about 1.5 KiB an id at 384 dimensions); a correction or deletion after it is dead-lettered as
+    not_correctable."""
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     """Learn a Kafka stream of labelled images in one pass and serve predictions, status and metrics over HTTP.
 
@@ -84,6 +100,8 @@ class ServeConfig:
     join: JoinConfig = JoinConfig()
     """Labels that come later (with --kafka.labels_topic): how many images and labels may wait for each other, and
     for how long (in record time)."""
+    corrections: CorrectionsConfig = CorrectionsConfig()
+    """Corrections and deletions of learned samples (off by default)."""
     checkpoint_dir: Path = Path("runs/serve")
     """Where the learner checkpoint lives (it holds the Kafka offsets, so it is the source of truth)."""
     checkpoint_every: int = 512

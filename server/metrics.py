@@ -93,6 +93,12 @@ class ServerMetrics:
                                  "them (joined, in_flight, waiting, expired)", ["state"], registry=r)
         self.join_labels = Gauge("mepo_label_join_labels", "Labels waiting for their image, and labels refused",
                                  ["state"], registry=r)
+        self.changes = Gauge("mepo_sample_changes", "Corrections and deletions of learned samples, applied or "
+                             "refused (--corrections.enabled; checkpointed, so gauges)", ["kind", "outcome"],
+                             registry=r)
+        self.table_ids = Gauge("mepo_sample_table_ids", "Learned ids that can still be corrected or deleted",
+                               registry=r)
+        self.table_bytes = Gauge("mepo_sample_table_bytes", "Pages of the sample table in use", registry=r)
 
     def _publishing(self, r: CollectorRegistry | None) -> None:
         """The learner's snapshot publisher (``server.learner.publisher``)."""

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
+from kafka.producer.future import RecordMetadata
 
 from server.batching import MicroBatcher
 from server.config import ServeConfig
@@ -52,6 +53,8 @@ class ServingModel(Protocol):
     def request_checkpoint(self) -> None: ...
 
     def keep_for_label(self, id: str, image: bytes, content_type: str, prediction: int | None) -> None: ...
+
+    def write_label(self, id: str, label: int | None) -> RecordMetadata: ...
 
     def stop(self) -> None: ...
 
@@ -121,10 +124,17 @@ class Serving:
     def keep_for_label(self, id: str, image: bytes, content_type: str, prediction: int | None) -> None:
         """Write an upload answered with ``prediction`` to the image topic, where its label, when it comes on the
         labels topic, teaches the learner with it (``server.uploads``)."""
+        self._forwarder().send(id, image, content_type, prediction)
+
+    def write_label(self, id: str, label: int | None) -> RecordMetadata:
+        """Write a label for ``id`` (None: its deletion) to the labels topic, acknowledged (``server.uploads``)."""
+        return self._forwarder().send_label(id, label)
+
+    def _forwarder(self) -> UploadForwarder:
         with _UPLOADS_LOCK:
             if getattr(self, "_uploads", None) is None:
                 self._uploads = UploadForwarder(self.state.cfg.kafka)
-        self._uploads.send(id, image, content_type, prediction)
+        return self._uploads
 
     def _close_uploads(self) -> None:
         if getattr(self, "_uploads", None) is not None:

@@ -1,4 +1,6 @@
-"""HTTP uploads that a later label may teach (``POST /v1/predict?id=…``): the image goes to the image topic.
+"""Records written for HTTP clients: uploads that a later label may teach (``POST /v1/predict?id=…``: the image
+goes to the image topic), and labels and deletions from the admin routes (``POST /v1/labels/{id}``,
+``DELETE /v1/samples/{id}``: a label or a tombstone on the labels topic, as a labelling tool would write them).
 
 An upload with an id is answered at once, as any other, and then written to the image topic as an image without a
 label (``mepo_stream.records.upload_headers``): the id, and the top-1 label the answer gave. The learner reads it as
@@ -14,9 +16,10 @@ from __future__ import annotations
 import threading
 
 from kafka import KafkaProducer
+from kafka.producer.future import RecordMetadata
 
 from mepo_stream.kafka import KafkaConfig, open_producer
-from mepo_stream.records import upload_headers
+from mepo_stream.records import label_headers, upload_headers
 
 
 class LabelsOff(RuntimeError):
@@ -38,12 +41,24 @@ class UploadForwarder:
         if self.kafka.labels_topic is None:
             raise LabelsOff("an upload with an id waits for a label on the labels topic: start the learner with "
                             "--kafka.labels_topic")
+        headers = upload_headers(id, prediction, content_type)
+        self._producer_now().send(self.kafka.topic, value=image, key=id.encode(), headers=headers).get(self.timeout_s)
+
+    def send_label(self, id: str, label: int | None) -> RecordMetadata:
+        """Write a label for ``id`` to the labels topic (None: a tombstone, which deletes the id) and wait for the
+        broker to have it; where it landed."""
+        if self.kafka.labels_topic is None:
+            raise LabelsOff("labels and deletions by id go to the labels topic: start the learner with "
+                            "--kafka.labels_topic")
+        value, headers = (None, []) if label is None else (b"", label_headers(id, label))
+        future = self._producer_now().send(self.kafka.labels_topic, value=value, key=id.encode(), headers=headers)
+        return future.get(self.timeout_s)
+
+    def _producer_now(self) -> KafkaProducer:
         with self._lock:
             if self._producer is None:
                 self._producer = open_producer(self.kafka, max_request_size=4 * 1024 * 1024)
-            producer = self._producer
-        headers = upload_headers(id, prediction, content_type)
-        producer.send(self.kafka.topic, value=image, key=id.encode(), headers=headers).get(self.timeout_s)
+            return self._producer
 
     def close(self) -> None:
         if self._producer is not None:

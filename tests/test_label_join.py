@@ -35,7 +35,7 @@ def test_labels_delayed_by_50_to_200_records_join_every_image_and_score_the_arri
     assert join.delayed_accuracy == 1.0 and join.scored == 500  # half the images came with a prediction
     assert 50 <= join.delay_quantile(0.5) <= 200 and join.delay_quantile(0.99) <= 200 + 1000
     assert join.counts() == {"images": 1000, "joined": 1000, "in_flight": 0, "waiting_images": 0,
-                             "waiting_labels": 0, "expired_images": 0, "refused_labels": 0}
+                             "waiting_labels": 0, "expired_images": 0, "refused_labels": 0, "deleted_images": 0}
 
 
 def test_the_stores_stay_bounded_and_what_leaves_them_is_counted_with_a_reason():
@@ -99,7 +99,7 @@ def test_a_join_in_flight_is_checkpointed_and_rolled_back_as_before_the_record_t
         assert again.label == 5 and again.source == ("labels", 0, 7)
         state.confirm([state.in_flight["img-first"], state.in_flight["label-first"]])
         assert state.counts() == {"images": 2, "joined": 2, "in_flight": 0, "waiting_images": 0,
-                                  "waiting_labels": 0, "expired_images": 0, "refused_labels": 0}
+                                  "waiting_labels": 0, "expired_images": 0, "refused_labels": 0, "deleted_images": 0}
 
 
 def test_a_confirmed_join_survives_a_checkpoint_with_its_counts_and_id():

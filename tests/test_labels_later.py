@@ -94,7 +94,7 @@ def test_labels_delayed_by_50_to_200_records_teach_the_model_that_labels_attache
             metrics = http.get("/metrics").text
     join = status["delayed"]["label_join"]
     assert status["attached"]["label_join"] is None and status["delayed"]["samples_seen"] == n
-    assert join["images"] == {"received": n, "joined": n, "in_flight": 0, "waiting": 0, "expired": 0}
+    assert join["images"] == {"received": n, "joined": n, "in_flight": 0, "waiting": 0, "expired": 0, "deleted": 0}
     assert join["labels"] == {"waiting": 0, "refused": 0}
     # How many images arrive after the first join is timing: a learner that finds the stream already in the broker
     # predicts all of it before the first label (tests/test_label_join.py scores arrivals deterministically).
@@ -218,7 +218,7 @@ def test_kill_9_across_the_join_five_times_learns_every_label_once(broker, tmp_p
     assert label_counts(final) == coming_labels(LATE)
     join = final["join"]
     assert join["image_ids"] == [] and join["label_ids"] == [] and len(join["joined_ids"]) == n
-    assert join["counters"][2:] == [n, 0, 0]  # joined, expired, refused
+    assert join["counters"][2:] == [n, 0, 0, 0]  # joined, expired, refused, deleted
 
 
 def test_an_upload_with_an_id_is_answered_then_taught_by_its_later_label(broker, tmp_path):

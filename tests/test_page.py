@@ -158,7 +158,7 @@ def test_a_learner_in_a_group_shows_each_learners_partitions_rate_and_lag(browse
 
 def test_labels_that_come_later_show_the_delayed_accuracy_delay_and_backlog(browser):
     join = {"delayed_accuracy": 0.625, "scored": 8, "delay_p50_s": 12.0, "delay_p99_s": 95.5,
-            "images": {"received": 20, "joined": 8, "in_flight": 0, "waiting": 9, "expired": 3},
+            "images": {"received": 20, "joined": 8, "in_flight": 0, "waiting": 9, "expired": 3, "deleted": 0},
             "labels": {"waiting": 2, "refused": 1}}
     status = {**EMPTY_STATUS, "label_join": join}
     with serve_app(stub_app(status)) as url:

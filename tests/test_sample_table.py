@@ -12,6 +12,7 @@ import torch
 from mepo_stream.errors import StateRefused
 from mepo_stream.learner import LearnerConfig, OnlineLearner
 from server.learner.sample_table import Entry, SampleTable
+from tests.fakes import service
 from tests.helpers import learner_of
 
 SHRINKAGE = (0.05, 0.2, 0.6)
@@ -50,12 +51,12 @@ def test_corrections_and_deletions_leave_the_model_of_a_fresh_learner_fed_the_fi
     rng = random.Random(1)
     for i in rng.sample(range(300), 60):  # relabel 40, delete 20, in a random order, some twice
         feature, label = table[i]
-        learner.forget_features(feature[None], torch.tensor([label]))
         if rng.random() < 0.67:
-            new = rng.choice([c for c in range(5) if c != label])
-            learner.observe_features(feature[None], torch.tensor([new]))
+            new = rng.choice([c for c in range(6) if c != label])  # class 5: a class only corrections bring
+            learner.relabel_features(feature[None], torch.tensor([label]), torch.tensor([new]))
             table[i] = (feature, new)
         else:
+            learner.forget_features(feature[None], torch.tensor([label]))
             del table[i]
     gone = [i for i in table if table[i][1] == 4]
     for i in gone:  # every sample of class 4 deleted: it is no longer predicted
@@ -114,8 +115,12 @@ def test_the_table_goes_back_to_the_generation_of_the_checkpoint_even_after_a_re
     reopened.put("d", entry(1, 6.0))
     reopened.restore(1)  # changes in memory are not in any checkpoint either
     assert "d" not in reopened and len(reopened) == 2
-    with pytest.raises(StateRefused, match="older than the checkpoint"):
-        reopened.restore(2)
+    with pytest.raises(StateRefused, match="not the table this checkpoint was written with"):
+        reopened.restore(2)  # a checkpoint newer than the table
+    reopened.commit(2)
+    reopened.settle(2)
+    with pytest.raises(StateRefused, match="settled at 2"):
+        reopened.restore(0)  # the checkpoint was deleted, the table kept: its settled changes cannot be undone
 
 
 def test_ids_past_retention_leave_the_table_by_record_time(tmp_path):
@@ -127,3 +132,66 @@ def test_ids_past_retention_leave_the_table_by_record_time(tmp_path):
     assert table.expire(113.5) == 3 and table.ids() == ["id0", "id4"]
     table.commit(2)
     assert table.ids() == ["id0", "id4"] and table.expire(200.0) == 2 and len(table) == 0
+
+
+def _records(kafka, changes: list[tuple[str, str, int | None]], start: dict[str, int]) -> list:
+    """Fake records of (topic "images" or "labels", id, label; None: a tombstone), at offsets from ``start``."""
+    from mepo_stream.records import label_headers, record_headers
+    from tests.fakes import FakeRecord, jpeg
+
+    colours = ["red", "green", "blue", "yellow", "purple", "orange", "white", "black"]
+    out = []
+    for topic, id, label in changes:
+        name = kafka.topic if topic == "images" else kafka.labels_topic
+        offset = start[name] = start.get(name, -1) + 1
+        if label is None:
+            out.append(FakeRecord(name, 0, offset, [], None, id.encode()))
+        elif topic == "images":
+            headers = record_headers(None, 0, offset, "s", "cifar10", id=id)
+            out.append(FakeRecord(name, 0, offset, headers, jpeg(colours[label]), id.encode()))
+        else:
+            out.append(FakeRecord(name, 0, offset, label_headers(id, label), b"", id.encode()))
+    return out
+
+
+def test_a_change_is_applied_once_in_its_place_and_a_restart_before_its_checkpoint_undoes_it(tmp_path):
+    """Fast, without a broker: relabels (one id twice), a tombstone on each topic; learning again applies nothing
+    twice; a kill after the sample table committed but before the checkpoint file was written, then a replay of
+    the changes from the checkpoint's offsets, ends with the same model; and both are the final table's."""
+    from server.config import CorrectionsConfig
+    from tests.helpers import NO_BROKER, settings
+    from tests.test_labels_later import later
+
+    kafka = later(settings(NO_BROKER, tmp_path)).kafka
+    on = {"kafka": kafka, "corrections": CorrectionsConfig(enabled=True)}
+    images = [("images", f"i{k}", k % 4) for k in range(12)]  # colour k % 4 for label k % 4
+    stream = images + [("labels", id, label) for _, id, label in images]
+    changes = [("labels", "i0", 1), ("labels", "i1", None), ("labels", "i0", 2), ("images", "i2", None),
+               ("labels", "i5", 3)]
+    final = {id: label for _, id, label in images if id not in ("i1", "i2")} | {"i0": 2, "i5": 3}
+
+    def learned(state, loop, records) -> None:
+        loop.state.intake.accept(records, loop.decoder)
+        state.learn_pending()
+
+    state, loop, _ = service(tmp_path / "a", **on)
+    offsets: dict[str, int] = {}
+    learned(state, loop, _records(kafka, stream, offsets))
+    loop.persist()  # checkpoint 1: the stream, no change
+    learned(state, loop, _records(kafka, changes, dict(offsets)))
+    state.learn_pending()  # nothing is left to apply
+    assert state.intake.corrections.counts == {"corrections_applied": 3, "corrections_refused": 0,
+                                               "deletions_applied": 2, "deletions_refused": 0}
+    assert state.capture() is not None  # the table commits generation 2 ... and the process dies: no file
+    state.intake.corrections.table.close()
+
+    restarted, loop2, _ = service(tmp_path / "a", **on)  # back to checkpoint 1, its offsets, its table
+    assert sorted(restarted.intake.corrections.table.ids()) == sorted(id for _, id, _ in images)
+    learned(restarted, loop2, _records(kafka, changes, dict(offsets)))
+    fresh, loop3, _ = service(tmp_path / "b", **on)
+    learned(fresh, loop3, _records(kafka, [c for c in images if c[1] in final]
+                                   + [("labels", id, final[id]) for id in sorted(final)], {}))
+    probe = fresh.learner.statistics().sums.float()[[0, 1, 2, 3]]
+    for learner in (state.learner, restarted.learner):
+        assert_same_model(learner, fresh.learner, probe)
+    assert sorted(restarted.intake.corrections.table.ids()) == sorted(final)

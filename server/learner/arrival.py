@@ -52,6 +52,17 @@ def arrive(learner: OnlineLearner, images: torch.Tensor, top_k: int, class_names
 
 
 @dataclass(frozen=True)
+class Retraction:
+    """A tombstone for the predictions topic: the image with this id was deleted, and so is its prediction (a
+    compacted predictions topic then forgets it)."""
+
+    id: str
+
+    def value(self) -> None:
+        return None
+
+
+@dataclass(frozen=True)
 class Prediction:
     """A prediction record for the predictions topic: keyed by the image's id, a JSON value."""
 

@@ -41,6 +41,7 @@ import torch
 
 from mepo_stream.label_join import Joined
 from mepo_stream.records import RecordMeta
+from server.learner.corrections import Change
 
 
 def tp_key(tp) -> str:
@@ -58,6 +59,7 @@ class Sample:
     feature: torch.Tensor | None = None  # [D], ``OnlineLearner.observe_features``'s input
     prediction: int | None = None  # made when the image arrived (labels that come later; None: none was made)
     joined: Joined | None = None  # its label came later: the join to confirm once it is learned
+    change: Change | None = None  # not a sample: a correction or deletion of one (``server.learner.corrections``)
 
     @property
     def id(self) -> tuple[str, int]:
@@ -139,7 +141,7 @@ class StreamBook:
         first one still pending (records added during the learning step stay pending)."""
         learned = {id(s) for s in batch}
         with self._lock:
-            for stream_id, index in (s.id for s in batch if s.joined is None):
+            for stream_id, index in (s.id for s in batch if s.joined is None and s.change is None):
                 self._in_flight.get(stream_id, set()).discard(index)
                 self._learned.setdefault(stream_id, set()).add(index)
             if self.by_partition:

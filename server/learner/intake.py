@@ -28,10 +28,11 @@ from mepo_stream.errors import ConfigError
 from mepo_stream.images import ImageError, decode_image, decode_images
 from mepo_stream.label_join import Joined, LabelJoin, Refused
 from mepo_stream.learner import OnlineLearner
-from mepo_stream.records import RecordError, RecordMeta, parse_headers, parse_label
+from mepo_stream.records import RecordError, RecordMeta, parse_headers, parse_label, record_id
 from server.config import ServeConfig
-from server.learner.arrival import Arrival, Prediction, arrive, kept_label
+from server.learner.arrival import Arrival, Prediction, Retraction, arrive, kept_label
 from server.learner.book import Sample, StreamBook, tp_key
+from server.learner.corrections import Change, Corrections, Forget, Relabel
 from server.metrics import ServerMetrics
 from server.model_thread import ModelThread
 
@@ -75,8 +76,34 @@ def gpu_decode_device(gpu_decode: bool | None, model_device: torch.device) -> to
     return model_device if gpu_decode else None
 
 
-Outgoing = DeadLetter | Prediction
-"""What ``accept`` hands back for the loop to send: dead letters, and predictions of images without a label."""
+def open_corrections(cfg: ServeConfig, learner: OnlineLearner, by_partition: bool) -> Corrections | None:
+    """The corrections of ``--corrections.enabled`` (None: off), refused at start where they cannot be exact."""
+    if not cfg.corrections.enabled:
+        return None
+    if cfg.kafka.labels_topic is None:
+        raise ConfigError("--corrections.enabled needs --kafka.labels_topic: corrections and deletions name samples "
+                          "by id, which images get where labels come on their own topic")
+    if by_partition:
+        raise ConfigError("--corrections.enabled is not supported for learners in a group (--kafka.state_topic) yet: "
+                          "the sample table does not move with its partition; run one learner")
+    return Corrections(cfg.corrections, learner, cfg.checkpoint_dir)
+
+
+def book_change(book: StreamBook, record, change: Change) -> None:
+    """A correction or deletion of a learned sample waits for its turn, after the samples read before it."""
+    meta = RecordMeta(None, -1, -1, "", change.id)
+    book.add_pending(tp_key(record), record.offset, Sample(None, meta, change=change))
+
+
+def refuse(book: StreamBook, record, why: str) -> DeadLetter:
+    """A correction or deletion that cannot be applied: a dead letter (``not_correctable``)."""
+    book.skip(tp_key(record), record.offset, dead_letter=True)
+    return DeadLetter(record, "not_correctable", why)
+
+
+Outgoing = DeadLetter | Prediction | Retraction
+"""What ``accept`` hands back for the loop to send: dead letters, predictions of images without a label, and the
+tombstones that retract the predictions of deleted ids."""
 
 
 @dataclass
@@ -95,6 +122,13 @@ class _Label:
     label: int
 
 
+@dataclass(frozen=True)
+class _Tombstone:
+    """A record with a null value keyed by an id (``--corrections.enabled``): delete that id."""
+
+    id: str
+
+
 class Intake:
     """Claims, decodes and books the records of each poll; the one owner of the ``StreamBook`` and the label join.
 
@@ -106,8 +140,10 @@ class Intake:
         self.cfg, self.learner, self.class_names, self.metrics = cfg, learner, class_names, metrics
         self.model_thread, self.lock, self.version = model_thread, lock, version
         self.book = StreamBook(learn_replays=cfg.learn_replays, by_partition=by_partition)
-        self.join = LabelJoin(cfg.join) if cfg.kafka.labels_topic is not None else None
+        self.join = LabelJoin(cfg.join, cfg.corrections.enabled) if cfg.kafka.labels_topic is not None else None
         """Images waiting for labels that come later and labels waiting for images (None: labels come attached)."""
+        self.corrections = open_corrections(cfg, learner, by_partition)
+        """The sample table and its changes (None: ``--corrections.enabled`` is off)."""
         self.stream_time = 0.0  # the newest record timestamp read (s): the join's clock
         self.limits = cfg.limits.at(learner.method.input_size)
         """What a record's image may be, and the model's size it is decoded to."""
@@ -150,7 +186,8 @@ class Intake:
         return dict(zip(images, decoded, strict=True))
 
     def _claim(self, record, decoder: Executor, decoding: dict[tuple[str, int | str], Future],
-               ready: torch.Tensor | ImageError | None = None) -> _Claimed | _Label | RecordError | None:
+               ready: torch.Tensor | ImageError | None = None
+               ) -> _Claimed | _Label | _Tombstone | RecordError | None:
         """Parse the headers and claim the sample id before decoding (None: a replay); a label record is only
         parsed, and an image without a label claims nothing (the join refuses a second image of its id).
         ``ready``: the image (or its error) when the poll was decoded on the GPU.
@@ -160,6 +197,8 @@ class Intake:
         """
         n_classes = len(self.class_names)
         try:
+            if self.corrections is not None and record.value is None:
+                return _Tombstone(record_id(record.key))
             if self.join is not None and record.topic == self.cfg.kafka.labels_topic:
                 return _Label(*parse_label(record.headers, n_classes))
             meta = parse_headers(record.headers, n_classes, ids=self.join is not None)
@@ -195,7 +234,7 @@ class Intake:
                 self.book.release(meta.stream_id, meta.sample_index)
             raise
 
-    def _book(self, record, outcome: _Claimed | _Label | RecordError | None, arrival: Arrival | None
+    def _book(self, record, outcome: _Claimed | _Label | _Tombstone | RecordError | None, arrival: Arrival | None
               ) -> Outgoing | None:
         """Book one record, in offset order: pending, a skipped replay, or a dead letter with its reason; where
         labels come later, a label or an image without one goes to the join (``_book_join``)."""
@@ -205,7 +244,16 @@ class Intake:
             self.metrics.replays_skipped.inc()
             self.book.skip(key, record.offset)
             return None
+        if isinstance(outcome, _Tombstone):
+            return self._book_tombstone(record, outcome.id)
         if isinstance(outcome, _Label):
+            if self.corrections is not None:
+                kind = self.corrections.kind_of_label(outcome.id, self.join, self._clock(record))
+                if kind == "correction":
+                    return book_change(self.book, record, Relabel(outcome.id, outcome.label, self._clock(record)))
+                if kind == "not_correctable":
+                    return refuse(self.book, record, f"{outcome.id} was learned more than --corrections.retention_s "
+                                                     f"ago")
             source = (record.topic, record.partition, record.offset)
             return self._book_join(record, self.join.add_label(outcome.id, outcome.label, self._clock(record), source))
         try:
@@ -228,6 +276,19 @@ class Intake:
         if dead is not None or answered:
             return dead
         return Prediction(meta.id, arrival.top_k, self.version(), time.time())
+
+    def _book_tombstone(self, record, id: str) -> Outgoing | None:
+        """A deletion: pending in its place if the id is learned (or about to be), done now if it only waited in the
+        join; either way its prediction is retracted. Refused if nothing of it is kept."""
+        kind = self.corrections.kind_of_tombstone(id, self.join, self._clock(record))
+        if kind == "not_correctable":
+            return refuse(self.book, record, f"no sample with id {id} can be deleted: none was received, or it was "
+                                             f"learned more than --corrections.retention_s ago")
+        if kind == "forget":
+            book_change(self.book, record, Forget(id))
+        else:
+            self.book.skip(tp_key(record), record.offset)
+        return Retraction(id)
 
     def _book_join(self, record, joined: Joined | Refused | None) -> DeadLetter | None:
         """Book a record the join took: refused (a dead letter), waiting in the join (handled: the join's state
@@ -283,7 +344,13 @@ class Intake:
         return [DeadLetter(kept_label(r), r.reason, r.message) for r in refused]
 
     def learned(self, batch: list[Sample]) -> None:
-        """A mini-batch was learned: its samples are learned in the book, and the joins it completed confirmed."""
+        """A mini-batch was learned: its samples are learned in the book (and kept in the sample table), and the
+        joins it completed confirmed."""
+        if self.corrections is not None:
+            for s in batch:
+                if s.change is None and (id := s.joined.id if s.joined is not None else s.meta.id) is not None:
+                    at = s.joined.since + s.joined.delay_s if s.joined is not None else self.stream_time
+                    self.corrections.keep(id, s.label, at, s.feature)
         self.book.mark_learned(batch)
         if self.join is not None:
             self.join.confirm([s.joined for s in batch if s.joined is not None])

@@ -60,6 +60,12 @@ class StateReporter:
             m.last_learned.set(v.last_learned_time)
         if (join := v.label_join) is not None:
             self._export_join(join)
+        if (corrections := v.corrections) is not None:
+            for kind in ("corrections", "deletions"):
+                for outcome in ("applied", "refused"):
+                    m.changes.labels(kind, outcome).set(corrections[f"{kind}_{outcome}"])
+            m.table_ids.set(corrections["ids"])
+            m.table_bytes.set(corrections["bytes_on_disk"])
         if v.group is not None:
             for key, n in v.group.partition_samples.items():
                 m.partition_samples.labels(key.rsplit(":", 1)[1]).set(n)
@@ -71,7 +77,7 @@ class StateReporter:
         for q in ("p50", "p99"):
             if join[f"delay_{q}_s"] is not None:
                 m.label_delay.labels(f"0.{q[1:]}").set(join[f"delay_{q}_s"])
-        for state in ("joined", "in_flight", "waiting", "expired"):
+        for state in ("joined", "in_flight", "waiting", "expired", "deleted"):
             m.join_images.labels(state).set(join["images"][state])
         for state in ("waiting", "refused"):
             m.join_labels.labels(state).set(join["labels"][state])
@@ -98,6 +104,7 @@ class StateReporter:
             "idle_seconds": None if math.isnan(v.last_learned_time) else round(time.time() - v.last_learned_time, 1),
             "class_accuracy": {v.class_names.get(c, str(c)): acc for c, acc in sorted(v.class_accuracy.items())},
             "label_join": v.label_join,
+            "corrections": v.corrections,
         }
         if v.group is not None:  # each learner's partitions, rate and lag, and each partition's samples
             status |= {"learner_id": v.group.learner_id, "learners": v.group.learners,

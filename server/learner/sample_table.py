@@ -92,9 +92,8 @@ class SampleTable:
 
     @property
     def generation(self) -> int:
-        with self.env.begin(db=self._meta) as txn:
-            data = txn.get(b"generation")
-        return 0 if data is None else int(data)
+        """The last commit's."""
+        return self._meta_int(b"generation")
 
     def __len__(self) -> int:
         """Ids in the table now (committed, with the changes since)."""
@@ -170,15 +169,22 @@ class SampleTable:
             cursor = txn.cursor()
             while cursor.first() and bytes(cursor.key()) < limit:
                 cursor.delete()
+            txn.put(b"settled", str(generation).encode(), db=self._meta)
+
+    def _meta_int(self, key: bytes) -> int:
+        with self.env.begin(db=self._meta) as txn:
+            data = txn.get(key)
+        return 0 if data is None else int(data)
 
     def restore(self, generation: int) -> None:
         """Back to the table checkpoint ``generation`` saw: forget the changes in memory, undo later commits."""
         with self._lock:
             self._changed.clear()
-        if self.generation < generation:
-            raise StateRefused(f"the sample table {self.path} is at generation {self.generation}, older than the "
-                               f"checkpoint's {generation}: it is not the table this checkpoint was written with "
-                               f"(move both away to learn from scratch)")
+        at, settled = self.generation, self._meta_int(b"settled")
+        if at < generation or settled > generation:
+            raise StateRefused(f"the sample table {self.path} is at generation {at} (settled at {settled}), not one "
+                               f"that goes back to the checkpoint's {generation}: it is not the table this checkpoint "
+                               f"was written with (move both away to learn from scratch)")
         with self.env.begin(write=True) as txn:
             cursor = txn.cursor(db=self._undo)
             later = [(bytes(k), bytes(v)) for k, v in cursor.iternext()

@@ -98,6 +98,17 @@ def partition_groups(pending: list[Pending], per_partition: bool) -> list[list[P
     return list(groups.values())
 
 
+def runs_of_samples(samples: list[Sample]) -> list[list[Sample]]:
+    """The pending samples in order, cut into runs of samples to learn in mini-batches and single changes."""
+    out: list[list[Sample]] = []
+    for s in samples:
+        if s.change is None and out and out[-1][0].change is None:
+            out[-1].append(s)
+        else:
+            out.append([s])
+    return out
+
+
 def build_learner(cfg: ServeConfig, n_classes: int) -> OnlineLearner:
     """The learner around the model the factory builds from ``cfg`` (every part of the MePo bundle it has)."""
     return OnlineLearner(create_model(model_config(cfg), n_classes, device()), cfg.learner)
@@ -182,7 +193,8 @@ class LearnerState:
             self.samples_seen, self.version, len(self.learner.exposed), self.class_names, self.evaluator.curve,
             dict(self.evaluator.class_accuracy), self.evaluator.idle_due(self.learner), m.total, m.cumulative,
             m.rolling, list(m.events), book.dead_lettered, book.replays_skipped, self.last_checkpoint_time,
-            self.last_learned_time, join_summary(self.intake.join), self.membership.group_view())
+            self.last_learned_time, join_summary(self.intake.join), self.membership.group_view(),
+            None if self.intake.corrections is None else self.intake.corrections.summary())
 
     def merge_remote(self, remote: PartitionState) -> None:
         """Another learner's newer state of a partition (the follower thread of a learner in a group)."""
@@ -212,18 +224,30 @@ class LearnerState:
 
     def _learn_pending(self) -> None:
         for group in partition_groups(self.intake.book.pending, self.membership.scales_out):
-            waiting = [p.sample for p in group]
-            while waiting:
-                limit = self.batch_limit
-                batch, waiting = waiting[:limit], waiting[limit:]
-                self.learn(batch)
+            for run in runs_of_samples([p.sample for p in group]):
+                while run:
+                    limit = self.batch_limit
+                    batch, run = run[:limit], run[limit:]
+                    self.learn(batch)
+        if (corrections := self.intake.corrections) is not None:  # the disk stays bounded without any correction
+            corrections.expire(self.intake.stream_time)
 
     def learn(self, batch: list[Sample]) -> None:
         """Test-then-train one mini-batch and run a due evaluation, then show the new version: ``version`` and
         ``samples_seen`` move only once the step is whole, so a reader who sees them sees the model behind them.
+        A batch of one correction or deletion (``Sample.change``) applies it, as a version of its own.
 
         It runs in the calling thread: ``learn_pending`` calls it in the model thread (a test that drives a
         learner with no loop may call it from its own)."""
+        if (change := batch[0].change) is not None:
+            assert self.intake.corrections is not None and self.intake.join is not None and len(batch) == 1
+            with self.lock:
+                self.intake.corrections.apply(change, self.intake.join)
+                self.intake.learned(batch)
+                self.since_checkpoint += 1
+                self.changed()
+            self.announce(0)
+            return
         labels = torch.tensor([s.label for s in batch])
         features = batch[0].feature is not None  # kept at arrival (labels that come later): all or none are
         images = None if features else stack_images([s.image for s in batch], self.learner.device)  # [B, 3, S, S]
@@ -339,8 +363,10 @@ class Alone:
         self.state = state
 
     def restore(self) -> None:
-        """Load the checkpoint file, if there is one: model, monitor, book, join, curve and the RNG."""
+        """Load the checkpoint file, if there is one: model, monitor, book, join, sample table, curve and the RNG."""
         if not self.path.is_file():
+            if self.state.intake.corrections is not None:
+                self.state.intake.corrections.restore(None)
             return
         s, saved = self.state, read_checkpoint(self.path)
         try:
@@ -351,6 +377,8 @@ class Alone:
         s.monitor.load_state_dict(saved["monitor"])
         s.version, s.samples_seen = int(saved["version"]), s.learner.samples_seen
         s.intake.load_state_dict(saved)
+        if s.intake.corrections is not None:
+            s.intake.corrections.restore(saved.get("corrections"))
         s.evaluator.load_state_dict(saved["anytime"])
         torch.set_rng_state(saved["rng"])
         s.last_checkpoint_time = float(saved["time"])
@@ -368,12 +396,16 @@ class Alone:
             "version": s.version, **s.intake.state_dict(), "time": time.time(), "anytime": s.evaluator.state_dict(),
             "rng": torch.get_rng_state(),  # the augmentation draws continue as if nothing had happened
         })
+        if s.intake.corrections is not None:  # the table's changes are on disk before the checkpoint that names them
+            captured["corrections"] = s.intake.corrections.checkpoint()
         s.intake.book.mark_saved(captured["offsets"])
         return captured
 
     def write(self, captured: dict) -> dict[str, int]:
         """Write the copy atomically (temporary file, fsync, rename); returns its offsets."""
         save_checkpoint(self.path, captured)
+        if (corrections := self.state.intake.corrections) is not None:
+            corrections.settle(captured["corrections"])
         return captured["offsets"]
 
     def assign(self, keys: list[str]) -> None:

@@ -44,7 +44,7 @@ from kafka.structs import OffsetAndMetadata
 from mepo_stream.errors import ConfigError
 from mepo_stream.kafka import ensure_topics, open_producer
 from server.consumer import PROBE_EVERY_S, ConsumerThread, broker_answers
-from server.learner.arrival import Prediction
+from server.learner.arrival import Prediction, Retraction
 from server.learner.book import tp_key
 from server.learner.intake import DeadLetter, InlineExecutor
 from server.learner.state import LearnerState, StateWriteFailed
@@ -249,16 +249,17 @@ class LearnerLoop(ConsumerThread):
         """Hand one poll's records (in offset order) to the intake, which claims, decodes and books them while
         ``meanwhile`` learns; send the dead letters and predictions it returns."""
         for out in self.state.intake.accept(records, self.decoder, meanwhile):
-            if isinstance(out, Prediction):
+            if isinstance(out, Prediction | Retraction):
                 self._predicted(out)
             else:
                 self._dead_letter(out)
 
-    def _predicted(self, prediction: Prediction) -> None:
-        """Send the prediction of an image that came without its label to the predictions topic."""
+    def _predicted(self, prediction: Prediction | Retraction) -> None:
+        """Send the prediction of an image that came without its label to the predictions topic (a retraction: the
+        tombstone of a deleted id's)."""
         assert self.producer is not None
         self.producer.send(self.cfg.kafka.predictions_topic, value=prediction.value(), key=prediction.id.encode())
-        self.state.metrics.predictions_published.inc()
+        self.state.metrics.predictions_published.inc(isinstance(prediction, Prediction))
 
     def _dead_letter(self, dead: DeadLetter) -> None:
         """Send a record that cannot be learned to the dead-letter topic, with its reason and where it came from."""

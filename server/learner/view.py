@@ -49,6 +49,8 @@ class LearnerView:
     """Labels that come later (``join_summary``); None where labels come with their images."""
     group: GroupView | None
     """None for a learner alone."""
+    corrections: dict | None = None
+    """Corrections and deletions applied and refused, and the sample table's size (None: not enabled)."""
 
 
 def join_summary(join: LabelJoin | None) -> dict | None:
@@ -60,5 +62,5 @@ def join_summary(join: LabelJoin | None) -> dict | None:
             "delay_p50_s": join.delay_quantile(0.5), "delay_p99_s": join.delay_quantile(0.99),
             "images": {"received": counts["images"], "joined": counts["joined"],
                        "in_flight": counts["in_flight"], "waiting": counts["waiting_images"],
-                       "expired": counts["expired_images"]},
+                       "expired": counts["expired_images"], "deleted": counts["deleted_images"]},
             "labels": {"waiting": counts["waiting_labels"], "refused": counts["refused_labels"]}}

@@ -35,7 +35,7 @@ from server.metrics import ServerMetrics
 from server.serving import Starter
 from server.web.dependencies import error_response
 from server.web.middleware import BodyLimit, PredictCounter
-from server.web.routers import inference_v2, ops, page, predict
+from server.web.routers import inference_v2, ops, page, predict, samples
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ def create_app(settings: ServeConfig, start: Starter | None = None) -> FastAPI:
     app.include_router(predict.router)
     app.include_router(inference_v2.router)
     app.include_router(ops.router)
+    app.include_router(samples.router)
     app.include_router(page.router)
 
     @app.get("/metrics", include_in_schema=False)

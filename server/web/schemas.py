@@ -64,7 +64,8 @@ class DriftEvent(BaseModel):
 
 
 class JoinImages(BaseModel):
-    """What became of the images that came without a label: received = joined + in_flight + waiting + expired."""
+    """What became of the images that came without a label: received = joined + in_flight + waiting + expired +
+    deleted."""
 
     received: int
     joined: int = Field(description="Learned with their label")
@@ -72,6 +73,7 @@ class JoinImages(BaseModel):
     waiting: int = Field(description="Kept (feature or image) until their label comes")
     expired: int = Field(description="Let go unlearned: their label did not come within --join.image_ttl_s, or "
                                      "--join.max_images newer images waited")
+    deleted: int = Field(description="Deleted by a tombstone while they waited (--corrections.enabled)")
 
 
 class JoinLabels(BaseModel):
@@ -90,6 +92,21 @@ class LabelJoinStatus(BaseModel):
     delay_p99_s: float | None
     images: JoinImages
     labels: JoinLabels
+
+
+class CorrectionsStatus(BaseModel):
+    """Corrections and deletions of learned samples (``--corrections.enabled``): the model as the view of the table
+    of the latest label of every id that still exists."""
+
+    corrections_applied: int = Field(description="Learned samples moved to their corrected label")
+    corrections_refused: int = Field(description="Corrections of ids not correctable (past --corrections.retention_s"
+                                                 ", or deleted first): dead-lettered as not_correctable")
+    deletions_applied: int = Field(description="Learned samples taken out of the model, and waiting images or labels "
+                                               "let go, by a tombstone")
+    deletions_refused: int = Field(description="Tombstones of ids not correctable: dead-lettered as not_correctable")
+    ids: int = Field(description="Learned ids that can still be corrected or deleted (the sample table's)")
+    bytes_on_disk: int = Field(description="The sample table's pages in use")
+    retention_s: float
 
 
 class GroupLearner(BaseModel):
@@ -131,6 +148,7 @@ class Status(BaseModel):
     idle_seconds: float | None = None
     class_accuracy: dict[str, float] | None = None
     label_join: LabelJoinStatus | None = None
+    corrections: CorrectionsStatus | None = None
     learner_id: str | None = None
     learners: dict[str, GroupLearner] | None = None
     partition_samples: dict[str, int] | None = None

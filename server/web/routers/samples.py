@@ -1,0 +1,69 @@
+"""Corrections and deletions over HTTP, for people who do not write Kafka records (admin token).
+
+``POST /v1/labels/{id}`` writes a label for the id to the labels topic, ``DELETE /v1/samples/{id}`` a tombstone;
+each answers 202 once the broker has the record, with where it landed. The learner reads them as it reads every
+label: a label for an id it learned corrects it, a tombstone deletes it (``server.learner.corrections``), so an
+HTTP change has the stream's guarantees (ordered with the stream's other changes to that id, never lost, applied
+once).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Path
+from kafka.errors import KafkaError
+from pydantic import BaseModel, Field
+
+from mepo_stream.records import MAX_ID
+from server.config import ServeConfig
+from server.serving import ServingModel
+from server.uploads import LabelsOff
+from server.web.dependencies import ApiError, errors, get_service, get_settings, require_admin
+
+router = APIRouter(tags=["samples"])
+Id = Annotated[str, Path(min_length=1, max_length=MAX_ID, description="The sample's id, as its image record named it")]
+
+
+class NewLabel(BaseModel):
+    label: int = Field(ge=0, description="The label the sample should have")
+
+
+class Written(BaseModel):
+    """Where the broker put the record; the learner applies it in its place in the labels topic."""
+
+    id: str
+    topic: str
+    partition: int
+    offset: int
+
+
+@router.post("/v1/labels/{id:path}", dependencies=[Depends(require_admin)], status_code=202,
+             responses=errors(401, 403, 409, 422, 503),
+             summary="Label a sample by id, or correct its label (a record on the labels topic)")
+def label(id: Id, body: NewLabel, service: Annotated[ServingModel, Depends(get_service)]) -> Written:
+    if body.label >= len(service.class_names):
+        raise ApiError(422, f"label {body.label} is outside the label space [0, {len(service.class_names)})",
+                       "label_out_of_range")
+    return _write(service, id, body.label)
+
+
+@router.delete("/v1/samples/{id:path}", dependencies=[Depends(require_admin)], status_code=202,
+               responses=errors(401, 403, 409, 422, 503),
+               summary="Delete a sample by id from the model and every store (a tombstone on the labels topic)")
+def delete(id: Id, service: Annotated[ServingModel, Depends(get_service)],
+           settings: Annotated[ServeConfig, Depends(get_settings)]) -> Written:
+    if not settings.corrections.enabled:
+        raise ApiError(409, "deletions need the learner started with --corrections.enabled", "corrections_off")
+    return _write(service, id, None)
+
+
+def _write(service: ServingModel, id: str, label: int | None) -> Written:
+    try:
+        meta = service.write_label(id, label)
+    except LabelsOff as e:
+        raise ApiError(409, str(e), "labels_not_later") from e
+    except KafkaError as e:
+        raise ApiError(503, f"the broker did not take the record: {e}", "kafka_unavailable",
+                       headers={"Retry-After": "1"}) from e
+    return Written(id=id, topic=meta.topic, partition=meta.partition, offset=meta.offset)
