@@ -41,8 +41,8 @@ from mepo_stream.data import DataConfig
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 BENCHMARKS = ("model_arithmetic", "learning_quality", "learning_quality_tinyimagenet", "learner_throughput",
               "predict_latency", "predict_throughput", "protocol_latency", "replica_latency", "alignment_cost",
-              "refine_throughput", "scale_out", "label_join_memory", "batch_invariance", "refine_frontier", "decode",
-              "camera_learner", "predict_latency_camera")
+              "refine_throughput", "scale_out", "label_join_memory", "corrections", "batch_invariance",
+              "refine_frontier", "decode", "camera_learner", "predict_latency_camera")
 LONG_BENCHMARKS = ("refine_frontier",)
 """Rows of hours at the full sizes (a dozen refines and their evaluations): the smoke run runs them, the full run
 only when ``--only`` names them (the table keeps their last result)."""
@@ -160,6 +160,10 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path) -> tuple[str, lis
             "--feature_model", spec.model, "--img_size", str(spec.img_size), "--n", n(200, 5000),
             "--max_images", n(50, 2000), "--sample_every", n(50, 1000), "--delay_min", n(10, 50),
             "--delay_max", n(40, 200)]),
+        "corrections": lambda: ("corrections", [
+            "--feature_model", spec.model, "--img_size", str(spec.img_size), "--n", n(400, 5000),
+            *(["--long_img_size", str(spec.img_size)] if quick else []),  # full: one patch of ViT-S/14 per image
+            "--long", n(2000, 100_000), "--sample_every", n(200, 1000)]),
         "refine_frontier": lambda: ("refine_frontier", [
             "--model", spec.model, "--weights", spec.weights or "null", "--img_size", str(spec.img_size),
             *(["--quick", "true", "--arms", "finetune", "--budgets", "1", "--runs", str(work / name), "--page", "null",
@@ -368,6 +372,25 @@ def _join_rows(r: dict) -> list[Row]:
              f"{long['store_max']:,}", f"{r['max_images']:,} (the bound)", None, "≤ the bound", r["store_bounded"])]
 
 
+def _corrections_rows(r: dict) -> list[Row]:
+    """Corrections and deletions (``benchmarks.corrections``): the learner's rate, the tombstone's wait, the disk
+    and the memory over a long stream."""
+    w, wo, long = r["with_changes"], r["without"], r["long"]
+    wait = r["tombstone_to_model_s"] or long["tombstone_to_model_s"]
+    return [(f"Corrections and deletions: learner state rate with {100 * w['change_share']:.1f} % of records changes "
+             f"(corrections 5 : deletions 1), {w['images']:,} images, {r['feature_model']} @ {r['img_size']} px, "
+             f"against the same images without", _fmt(w["images_per_s"], "/s"), _fmt(wo["images_per_s"], "/s"),
+             r["ratio"], "≥ 0.9", r["ratio"] >= 0.9),
+            ("Corrections and deletions: a tombstone read to the model without it (p50 / p99; the poll after, no "
+             "broker)", f"{_fmt(wait['p50'], 'ms')} / {_fmt(wait['p99'], 'ms')}", "–", None, "–", None),
+            (f"Corrections and deletions: sample table on disk per id ({long['table_ids']:,} ids)",
+             f"{r['table_bytes_per_id']:,.0f} B", "–", None, "–", None),
+            (f"Corrections and deletions: learner memory (anonymous RSS) at {r['memory_at_tenth']['images']:,} → "
+             f"{r['memory_at_end']['images']:,} images",
+             f"{_fmt(r['memory_at_tenth']['anon_bytes'], 'MB')} → {_fmt(r['memory_at_end']['anon_bytes'], 'MB')}",
+             "–", r["anon_growth_after_tenth"], "growth < 0.05", r["anon_growth_after_tenth"] < 0.05)]
+
+
 def _frontier_rows(r: dict) -> list[Row]:
     """Each stream's most accurate refine on the frontier against the untouched backbone (docs/refine.md has all)."""
     base = next(p for p in r["points"] if p["budget"] == 0)
@@ -446,7 +469,8 @@ ROWS: dict[str, Callable[[dict], list[Row]]] = {
     "predict_latency": _latency_rows, "protocol_latency": _protocol_rows,
     "predict_throughput": _throughput_rows, "replica_latency": _replica_rows,
     "alignment_cost": _alignment_rows, "refine_throughput": _refine_rows, "scale_out": _scale_out_rows,
-    "label_join_memory": _join_rows, "batch_invariance": _invariance_rows, "refine_frontier": _frontier_rows,
+    "label_join_memory": _join_rows, "corrections": _corrections_rows, "batch_invariance": _invariance_rows,
+    "refine_frontier": _frontier_rows,
     "decode": _decode_rows, "camera_learner": _camera_learner_rows, "predict_latency_camera": _camera_latency_rows,
     "gpu_learner_fp32": _learner_rows,
     "gpu_learner_bf16": _learner_rows, "gpu_predict_latency": _latency_rows, "gpu_vit_b16": _bare_learner_rows,

@@ -247,17 +247,20 @@ class OnlineLearner:
         encoded = Encoded(features.to(self.device, torch.float32), torch.zeros((), device=self.device))
         return self.method.aligned(encoded, "running"), target
 
-    def test_then_train(self, images: torch.Tensor, labels: torch.Tensor, align_mode: AlignMode = "running"
-                        ) -> torch.Tensor | None:
-        """Predict the batch's original labels [B] (None before any class is known), then learn it.
+    def test_then_train(self, images: torch.Tensor, labels: torch.Tensor, align_mode: AlignMode = "running",
+                        encoded: Encoded | None = None) -> torch.Tensor | None:
+        """Predict the batch's original labels [B] (None before any class is known), then learn it. ``encoded``:
+        the batch's encoding, where the caller keeps its features (a learner that takes no gradient step).
 
         Why one method: a learner that takes no gradient step (a frozen host with a statistics classifier) feeds
         the prediction's encoding to the statistics update, so the batch costs one backbone forward, not two.
         """
+        if encoded is not None and self.trains_by_gradient:
+            raise ValueError("a learner that trains by gradient encodes its batch after its steps, not before")
         if not self.exposed:
-            self.observe(images, labels)
+            self.observe(images, labels, encoded)
             return None
-        encoded = self.encode(images)
+        encoded = self.encode(images) if encoded is None else encoded
         logits = self.logits(encoded, (align_mode,))[align_mode]
         self.observe(images, labels, None if self.trains_by_gradient else encoded)
         return self.to_labels(logits.argmax(1))

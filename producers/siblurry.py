@@ -74,8 +74,8 @@ def produce(
         for position, index in enumerate(tqdm(order, desc=f"produce {sid}", unit="img")):
             path, label = listing.files[index], listing.targets[index]
             content_type = CONTENT_TYPES.get(path.suffix.lower(), "application/octet-stream")
-            headers = record_headers(label, index, position, sid, data.dataset, content_type) if labels_later is None \
-                else record_headers(None, index, position, sid, data.dataset, content_type, id=f"{sid}/{index}")
+            headers = record_headers(None if labels_later is not None else label, index, position, sid, data.dataset,
+                                     content_type, id=f"{sid}/{index}")  # the id a correction or deletion names
             producer.send(kafka.topic, value=path.read_bytes(), headers=headers,
                           key=record_key(sid, label if replay.partition_by == "label" else None),
                           partition=position % n_partitions if replay.partition_by == "position" else None)

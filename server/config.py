@@ -41,10 +41,11 @@ class CorrectionsConfig:
     every id that still exists, as a Kafka Streams table follows its topic."""
 
     enabled: bool = False
-    """A label for an id already learned corrects it; a tombstone (a null value keyed by the id) on the image or the
-    labels topic deletes it. Both are learned exactly (the sample's contribution is subtracted), so the model is
-    always that of a fresh learner fed the final table. Needs --kafka.labels_topic and a learner that is a sum of its
-    samples (the default); refused at start otherwise."""
+    """A label for an id already learned corrects it (on the labels topic; with labels inline, a record with an empty
+    value and id and label headers on the image topic); a tombstone (a null value keyed by the id) on the image or
+    the labels topic deletes it. Both are learned exactly (the sample's contribution is subtracted), so the model is
+    always that of a fresh learner fed the final table. Needs a learner that is a sum of its samples (the default);
+    refused at start otherwise."""
     retention_s: float = 7 * 86400.0
     """How long an id stays correctable, in record time since its last label: its feature is kept on disk until then
     (about 1.5 KiB an id at 384 dimensions); a correction or deletion after it is dead-lettered as

@@ -102,6 +102,9 @@ def test_run_all_smoke_writes_every_result_and_the_performance_table(tmp_path):
     assert {"1280x960 JPEG", "1920x1080 JPEG", "1280x960 PNG", "1280x960 WEBP"} <= set(decode)
     assert all(s["pixels_apart_mean"] < 2 and s["pixels_apart_max"] <= 32 for s in decode.values())
     assert decode["1280x960 PNG"]["pixels_apart_max"] == decode["1280x960 WEBP"]["pixels_apart_max"] == 0
+    changes = results["corrections"]  # corrections and deletions applied, none refused; the table on disk
+    assert changes["long"]["counts"]["deletions_applied"] > 0 and changes["long"]["counts"]["corrections_refused"] == 0
+    assert changes["table_bytes_per_id"] > 0 and changes["memory_at_end"]["anon_bytes"] > 0 and changes["ratio"] > 0
     join = results["label_join_memory"]  # the bound holds, and every image is joined, expired or waiting
     assert join["store_bounded"] and join["long"]["images"] == 10 * join["short"]["images"]
     assert join["long"]["counts"]["expired_images"] > 0 and join["long"]["counts"]["joined"] > 0

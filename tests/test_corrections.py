@@ -204,7 +204,7 @@ def test_kill_9_twice_while_changes_are_applied_ends_with_the_final_tables_model
 
 def test_a_learner_that_cannot_forget_exactly_refuses_corrections_at_start(tmp_path):
     """The paper's recipe trains its prompts by gradient: a sample cannot be subtracted from it, so corrections are
-    refused in one line before anything is read, and so is a stream without ids."""
+    refused in one line before anything is read."""
     from server.learner.state import open_learner
     from tests.helpers import NO_BROKER
 
@@ -213,8 +213,6 @@ def test_a_learner_that_cannot_forget_exactly_refuses_corrections_at_start(tmp_p
     with pytest.raises(ConfigError, match="can take a sample out exactly, and it trains by gradient") as e:
         open_learner(paper, ServerMetrics())
     assert "\n" not in str(e.value)
-    with pytest.raises(ConfigError, match="needs --kafka.labels_topic"):
-        open_learner(replace(base, corrections=CorrectionsConfig(enabled=True)), ServerMetrics())
 
 
 def test_a_correction_past_retention_is_dead_lettered_as_not_correctable(broker, tmp_path):

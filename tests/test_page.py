@@ -173,6 +173,22 @@ def test_labels_that_come_later_show_the_delayed_accuracy_delay_and_backlog(brow
         wait_until(browser, lambda d: not d.find_element(By.ID, "labels-panel").is_displayed(), "no labels panel")
 
 
+def test_corrections_and_deletions_show_what_was_applied_and_refused(browser):
+    corrections = {"corrections_applied": 40, "corrections_refused": 1, "deletions_applied": 25,
+                   "deletions_refused": 2, "ids": 175, "bytes_on_disk": 409600, "retention_s": 604800.0}
+    status = {**EMPTY_STATUS, "corrections": corrections}
+    with serve_app(stub_app(status)) as url:
+        browser.get(url)
+        wait_until(browser, lambda d: d.find_element(By.ID, "corrections-panel").is_displayed(), "the panel")
+        shown = {i: text(browser, i) for i in ("corrections-applied", "corrections-refused", "deletions-applied",
+                                               "deletions-refused", "correctable-ids")}
+        assert shown == {"corrections-applied": "40", "corrections-refused": "1", "deletions-applied": "25",
+                         "deletions-refused": "2", "correctable-ids": "175"}
+        assert script_errors(browser) == []
+        status["corrections"] = None
+        wait_until(browser, lambda d: not d.find_element(By.ID, "corrections-panel").is_displayed(), "no panel")
+
+
 def test_the_pill_says_idle_when_nothing_is_learned_and_live_when_learning(browser):
     status = {**EMPTY_STATUS, "kafka_connected": True, "samples_seen": 64, "idle_seconds": 30.0}
     with serve_app(stub_app(status)) as url:

@@ -154,16 +154,22 @@ def _records(kafka, changes: list[tuple[str, str, int | None]], start: dict[str,
     return out
 
 
-def test_a_change_is_applied_once_in_its_place_and_a_restart_before_its_checkpoint_undoes_it(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "auto"])
+def test_a_change_is_applied_once_in_its_place_and_a_restart_before_its_checkpoint_undoes_it(tmp_path, precision):
     """Fast, without a broker: relabels (one id twice), a tombstone on each topic; learning again applies nothing
     twice; a kill after the sample table committed but before the checkpoint file was written, then a replay of
-    the changes from the checkpoint's offsets, ends with the same model; and both are the final table's."""
+    the changes from the checkpoint's offsets, ends with the same model; and both are the final table's. In fp32 and
+    in the default precision (bf16 where the CPU has it)."""
+    from dataclasses import replace
+
     from server.config import CorrectionsConfig
     from tests.helpers import NO_BROKER, settings
     from tests.test_labels_later import later
 
-    kafka = later(settings(NO_BROKER, tmp_path)).kafka
-    on = {"kafka": kafka, "corrections": CorrectionsConfig(enabled=True)}
+    base = later(settings(NO_BROKER, tmp_path))
+    on = {"kafka": base.kafka, "corrections": CorrectionsConfig(enabled=True),
+          "learner": replace(base.learner, precision=precision)}
+    kafka = base.kafka
     images = [("images", f"i{k}", k % 4) for k in range(12)]  # colour k % 4 for label k % 4
     stream = images + [("labels", id, label) for _, id, label in images]
     changes = [("labels", "i0", 1), ("labels", "i1", None), ("labels", "i0", 2), ("images", "i2", None),
@@ -195,3 +201,39 @@ def test_a_change_is_applied_once_in_its_place_and_a_restart_before_its_checkpoi
     for learner in (state.learner, restarted.learner):
         assert_same_model(learner, fresh.learner, probe)
     assert sorted(restarted.intake.corrections.table.ids()) == sorted(final)
+
+
+def test_labels_inline_are_corrected_and_deleted_on_the_image_topic(tmp_path):
+    """A stream with its labels inline and ids: a record with an empty value and ``id`` and ``label`` headers on the
+    image topic corrects a sample, a tombstone deletes one, one for an id never learned is refused; the model is the
+    final table's, with the features each sample was learned from kept at learning."""
+    from mepo_stream.records import label_headers, record_headers
+    from server.config import CorrectionsConfig
+    from tests.fakes import FakeRecord, jpeg
+    from tests.helpers import NO_BROKER, settings
+
+    base = settings(NO_BROKER, tmp_path)
+    on = {"kafka": base.kafka, "corrections": CorrectionsConfig(enabled=True)}
+    colours = ["red", "green", "blue", "yellow"]
+    images = [FakeRecord(base.kafka.topic, 0, k, record_headers(k % 4, k, k, "s", "cifar10", id=f"s/{k}"),
+                         jpeg(colours[k % 4]), None) for k in range(12)]
+    changes = [FakeRecord(base.kafka.topic, 0, 12, label_headers("s/0", 2), b"", b"s/0"),
+               FakeRecord(base.kafka.topic, 0, 13, [], None, b"s/5"),
+               FakeRecord(base.kafka.topic, 0, 14, label_headers("s/99", 1), b"", b"s/99")]
+    state, loop, _ = service(tmp_path / "a", **on)
+    loop.state.intake.accept(images[:8], loop.decoder)  # the first changes name a sample still pending
+    dead = loop.state.intake.accept(images[8:] + changes, loop.decoder)
+    state.learn_pending()
+    assert [d.reason for d in dead] == ["not_correctable"] and state.offsets == {f"{base.kafka.topic}:0": 15}
+    assert state.intake.corrections.counts == {"corrections_applied": 1, "corrections_refused": 1,
+                                               "deletions_applied": 1, "deletions_refused": 0}
+    final = [r for r in images if r.offset != 5]
+    fresh, loop2, _ = service(tmp_path / "b", **on)
+    loop2.state.intake.accept(final, loop2.decoder)
+    fresh.learn_pending()
+    relabelled = fresh.learner.statistics()
+    fresh.learner.relabel_features(fresh.intake.corrections.table.get("s/0").feature[None], torch.tensor([0]),
+                                   torch.tensor([2]))
+    assert not torch.equal(relabelled.counts, fresh.learner.statistics().counts)
+    assert_same_model(state.learner, fresh.learner, fresh.learner.statistics().sums.float()[:4])
+    assert sorted(state.intake.corrections.table.ids()) == sorted(f"s/{k}" for k in range(12) if k != 5)

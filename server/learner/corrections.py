@@ -64,26 +64,28 @@ class Corrections:
                        "deletions_refused": 0}
 
     # --- what a record is, when it is read ------------------------------------------------------------------------
-    def kind_of_label(self, id: str, join: LabelJoin, now: float) -> Literal["correction", "not_correctable", "join"]:
-        """A label for ``id`` read at record time ``now``: a correction of a sample learned or about to be (its join
-        in flight), refused for one learned but no longer in the table, else a label for the join. The join is asked
-        first: the learning step writes a sample to the table before it lets go of its join."""
+    def kind_of_label(self, id: str, join: LabelJoin | None, now: float, pending: bool
+                      ) -> Literal["correction", "not_correctable", "join"]:
+        """A label for ``id`` read at record time ``now``: a correction of a sample learned or about to be (``pending``
+        in the book, or its join in flight), refused for one learned but no longer in the table (or, with labels
+        inline, one never learned), else a label for the join. The join is asked first: the learning step writes a
+        sample to the table before it lets go of its join."""
         self.expire(now)
-        if id in join.in_flight or id in self.table:
+        if pending or (join is not None and id in join.in_flight) or id in self.table:
             return "correction"
-        if id in join.joined_ids:
+        if join is None or id in join.joined_ids:
             self.counts["corrections_refused"] += 1
             return "not_correctable"
         return "join"
 
-    def kind_of_tombstone(self, id: str, join: LabelJoin, now: float
+    def kind_of_tombstone(self, id: str, join: LabelJoin | None, now: float, pending: bool
                           ) -> Literal["forget", "waiting", "not_correctable"]:
-        """A tombstone for ``id`` read at record time ``now``: a sample to take out (learned, or in flight), an image
-        or label let go from the join now, or refused (never learned, or past retention)."""
+        """A tombstone for ``id`` read at record time ``now``: a sample to take out (learned, ``pending`` or in
+        flight), an image or label let go from the join now, or refused (never learned, or past retention)."""
         self.expire(now)
-        if id in join.in_flight or id in self.table:
+        if pending or (join is not None and id in join.in_flight) or id in self.table:
             return "forget"
-        if join.forget(id):
+        if join is not None and join.forget(id):
             self.counts["deletions_applied"] += 1
             return "waiting"
         self.counts["deletions_refused"] += 1
@@ -94,7 +96,7 @@ class Corrections:
         """A sample was learned: keep what it added, until it is corrected, deleted or past retention."""
         self.table.put(id, Entry(label, time, feature.detach().to("cpu", torch.float32)))
 
-    def apply(self, change: Change, join: LabelJoin) -> bool:
+    def apply(self, change: Change, join: LabelJoin | None) -> bool:
         """Learn one change in its place in the stream; False if its id left the table since it was read (a
         deletion or retention came first), counted as refused."""
         entry = self.table.get(change.id)
@@ -111,7 +113,8 @@ class Corrections:
         else:
             self.learner.forget_features(entry.feature[None], torch.tensor([entry.label]))
             self.table.delete(change.id)
-            join.forget(change.id)
+            if join is not None:
+                join.forget(change.id)
         self.counts[f"{kind}_applied"] += 1
         return True
 

@@ -80,9 +80,6 @@ def open_corrections(cfg: ServeConfig, learner: OnlineLearner, by_partition: boo
     """The corrections of ``--corrections.enabled`` (None: off), refused at start where they cannot be exact."""
     if not cfg.corrections.enabled:
         return None
-    if cfg.kafka.labels_topic is None:
-        raise ConfigError("--corrections.enabled needs --kafka.labels_topic: corrections and deletions name samples "
-                          "by id, which images get where labels come on their own topic")
     if by_partition:
         raise ConfigError("--corrections.enabled is not supported for learners in a group (--kafka.state_topic) yet: "
                           "the sample table does not move with its partition; run one learner")
@@ -199,6 +196,8 @@ class Intake:
         try:
             if self.corrections is not None and record.value is None:
                 return _Tombstone(record_id(record.key))
+            if self.corrections is not None and record.value == b"" and record.topic == self.cfg.kafka.topic:
+                return _Label(*parse_label(record.headers, n_classes))  # a correction inline: a label, no image
             if self.join is not None and record.topic == self.cfg.kafka.labels_topic:
                 return _Label(*parse_label(record.headers, n_classes))
             meta = parse_headers(record.headers, n_classes, ids=self.join is not None)
@@ -248,12 +247,14 @@ class Intake:
             return self._book_tombstone(record, outcome.id)
         if isinstance(outcome, _Label):
             if self.corrections is not None:
-                kind = self.corrections.kind_of_label(outcome.id, self.join, self._clock(record))
+                kind = self.corrections.kind_of_label(outcome.id, self.join, self._clock(record),
+                                                      self._pending(outcome.id))
                 if kind == "correction":
                     return book_change(self.book, record, Relabel(outcome.id, outcome.label, self._clock(record)))
                 if kind == "not_correctable":
-                    return refuse(self.book, record, f"{outcome.id} was learned more than --corrections.retention_s "
-                                                     f"ago")
+                    return refuse(self.book, record, f"no sample with id {outcome.id} can be corrected: it was learned "
+                                                     f"more than --corrections.retention_s ago, or (labels inline) "
+                                                     f"never")
             source = (record.topic, record.partition, record.offset)
             return self._book_join(record, self.join.add_label(outcome.id, outcome.label, self._clock(record), source))
         try:
@@ -280,7 +281,7 @@ class Intake:
     def _book_tombstone(self, record, id: str) -> Outgoing | None:
         """A deletion: pending in its place if the id is learned (or about to be), done now if it only waited in the
         join; either way its prediction is retracted. Refused if nothing of it is kept."""
-        kind = self.corrections.kind_of_tombstone(id, self.join, self._clock(record))
+        kind = self.corrections.kind_of_tombstone(id, self.join, self._clock(record), self._pending(id))
         if kind == "not_correctable":
             return refuse(self.book, record, f"no sample with id {id} can be deleted: none was received, or it was "
                                              f"learned more than --corrections.retention_s ago")
@@ -288,7 +289,12 @@ class Intake:
             book_change(self.book, record, Forget(id))
         else:
             self.book.skip(tp_key(record), record.offset)
-        return Retraction(id)
+        return Retraction(id) if self.join is not None else None  # predictions are written where labels come later
+
+    def _pending(self, id: str) -> bool:
+        """A sample with this id waits for its mini-batch: a change to it comes after it, as the book's order says."""
+        return any(p.sample.change is None and (p.sample.meta.id == id or p.sample.joined is not None
+                                                and p.sample.joined.id == id) for p in self.book.pending)
 
     def _book_join(self, record, joined: Joined | Refused | None) -> DeadLetter | None:
         """Book a record the join took: refused (a dead letter), waiting in the join (handled: the join's state
@@ -343,14 +349,14 @@ class Intake:
             log.info("%d images expired without their labels (%s ...)", len(expired), expired[0])
         return [DeadLetter(kept_label(r), r.reason, r.message) for r in refused]
 
-    def learned(self, batch: list[Sample]) -> None:
-        """A mini-batch was learned: its samples are learned in the book (and kept in the sample table), and the
-        joins it completed confirmed."""
+    def learned(self, batch: list[Sample], features: torch.Tensor | None = None) -> None:
+        """A mini-batch was learned: its samples are learned in the book (and kept in the sample table, with their
+        ``features`` [B, D] where they were learned from images), and the joins it completed confirmed."""
         if self.corrections is not None:
-            for s in batch:
+            for i, s in enumerate(batch):
                 if s.change is None and (id := s.joined.id if s.joined is not None else s.meta.id) is not None:
                     at = s.joined.since + s.joined.delay_s if s.joined is not None else self.stream_time
-                    self.corrections.keep(id, s.label, at, s.feature)
+                    self.corrections.keep(id, s.label, at, s.feature if features is None else features[i])
         self.book.mark_learned(batch)
         if self.join is not None:
             self.join.confirm([s.joined for s in batch if s.joined is not None])

@@ -42,6 +42,7 @@ from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.data import list_files, load_split
 from mepo_stream.errors import StateRefused
 from mepo_stream.learner import OnlineLearner
+from mepo_stream.methods.base import Encoded
 from mepo_stream.model import create_model
 from server.config import ServeConfig, model_config
 from server.learner.book import Pending, Sample
@@ -240,7 +241,7 @@ class LearnerState:
         It runs in the calling thread: ``learn_pending`` calls it in the model thread (a test that drives a
         learner with no loop may call it from its own)."""
         if (change := batch[0].change) is not None:
-            assert self.intake.corrections is not None and self.intake.join is not None and len(batch) == 1
+            assert self.intake.corrections is not None and len(batch) == 1
             with self.lock:
                 self.intake.corrections.apply(change, self.intake.join)
                 self.intake.learned(batch)
@@ -249,6 +250,7 @@ class LearnerState:
             self.announce(0)
             return
         labels = torch.tensor([s.label for s in batch])
+        encoded: Encoded | None = None
         features = batch[0].feature is not None  # kept at arrival (labels that come later): all or none are
         images = None if features else stack_images([s.image for s in batch], self.learner.device)  # [B, 3, S, S]
         with self.lock:
@@ -257,26 +259,28 @@ class LearnerState:
                 self.learner.observe_features(torch.stack([s.feature for s in batch]), labels)  # [B, D]
                 scored = [(s.label, s.prediction) for s in batch if s.prediction is not None]
                 labels, pred = torch.tensor(scored).T if scored else (labels, None)  # the predictions at arrival
-            else:
-                pred = self._update(images, labels, batch)
+            else:  # corrections keep each sample's feature: encoded here, the same forward learns it
+                encoded = None if self.intake.corrections is None else self.learner.encode(images)
+                pred = self._update(images, labels, batch, encoded)
             if self.cfg.prequential:
                 self._monitor(labels, pred, seen_before)
-            self.intake.learned(batch)
+            self.intake.learned(batch, None if features or encoded is None else encoded.feature)
             self.since_checkpoint += len(batch)
             self.metrics.step_seconds.observe(time.perf_counter() - start)
             self.changed()
         self.announce(len(batch))
 
-    def _update(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample]) -> torch.Tensor | None:
-        """The model update; its test-then-train predictions (None: not prequential) feed the drift monitor. A
-        learner alone folds the batch into its model here; in a group the membership adds it to its partition's
-        sums and loads their total (``InGroup.step``)."""
+    def _update(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample], encoded: Encoded | None
+                ) -> torch.Tensor | None:
+        """The model update (from ``encoded``, the batch's encoding, where the caller has it); its test-then-train
+        predictions (None: not prequential) feed the drift monitor. A learner alone folds the batch into its model
+        here; in a group the membership adds it to its partition's sums and loads their total (``InGroup.step``)."""
         if self.membership.scales_out:
             return self.membership.step(images, labels, batch)
         if not self.cfg.prequential:
-            self.learner.observe(images, labels)
+            self.learner.observe(images, labels, encoded)
             return None
-        return self.learner.test_then_train(images, labels, self.cfg.alignment.inference_mode)
+        return self.learner.test_then_train(images, labels, self.cfg.alignment.inference_mode, encoded)
 
     def changed(self) -> None:
         """The model changed: run the evaluations now due, then move ``version`` and ``samples_seen``."""

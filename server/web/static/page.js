@@ -163,6 +163,16 @@ function renderLabels(join) {
   $("labels-refused").textContent = fmt(join.labels.refused);
 }
 
+/** Corrections and deletions (null: not enabled): what was applied and refused, and the ids still correctable. */
+function renderCorrections(c) {
+  $("corrections-panel").hidden = !c;
+  if (!c) return;
+  for (const id of ["corrections-applied", "corrections-refused", "deletions-applied", "deletions-refused"]) {
+    $(id).textContent = fmt(c[id.replace("-", "_")]);
+  }
+  $("correctable-ids").textContent = fmt(c.ids);
+}
+
 /** The header pill: live, idle (nothing learned for IDLE_AFTER_S), paused, disconnected from Kafka, or the
  *  learner's error. */
 function renderConnection(s) {
@@ -190,6 +200,7 @@ async function poll() {
     renderTable("replicas", "replica", s.replicas);
     renderTable("learners", "learner", s.learners);
     renderLabels(s.label_join);
+    renderCorrections(s.corrections);
     renderConnection(s);
   } catch (err) {
     $("connection").className = "pill bad";
