@@ -68,7 +68,7 @@ def rgb_array(img: Image.Image, size: int | None) -> np.ndarray:
     return np.asarray(img).transpose(2, 0, 1)  # [3, H, W]
 
 
-def _jpeg_rgb(data: bytes, max_pixels: int | None, size: int | None = None) -> Image.Image | None:
+def jpeg_rgb(data: bytes, max_pixels: int | None, size: int | None = None) -> Image.Image | None:
     """A JPEG decoded by libjpeg-turbo directly (``simplejpeg``: the same pixels as PIL's plugin machinery, at a
     fraction of its cost on small images), as an RGB image; None for anything it does not take (not a
     JPEG, not YCbCr or grey (PIL converts CMYK its own way), corrupt, truncated: ``strict`` refuses what libjpeg
@@ -108,7 +108,7 @@ def jpeg_scale(width: int, height: int, size: int | None) -> int:
 def decode_file(path: Path, size: int | None) -> np.ndarray:
     """A dataset file as uint8 [3, H, W], through the same decoder as a record's bytes (``decode_image``)."""
     data = path.read_bytes()
-    if (img := _jpeg_rgb(data, None, size)) is not None:
+    if (img := jpeg_rgb(data, None, size)) is not None:
         return rgb_array(img, size)
     with Image.open(io.BytesIO(data)) as img:
         return rgb_array(img, size)
@@ -141,7 +141,7 @@ def decode_image(data: bytes, limits: ImageLimits) -> torch.Tensor:
         raise ImageError("too_large", f"{len(data)} bytes exceeds the limit of {limits.max_bytes}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own pixel limit decides
-        if (img := _jpeg_rgb(data, limits.max_pixels, limits.size)) is None:
+        if (img := jpeg_rgb(data, limits.max_pixels, limits.size)) is None:
             img = _open(data, limits.max_pixels)
         try:
             pixels = rgb_array(img, limits.size)

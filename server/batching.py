@@ -34,6 +34,12 @@ class MicroBatcher:
         self._queue_lock = threading.Lock()
         self._queue: list[_Request] = []
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting for the next forward."""
+        with self._queue_lock:
+            return len(self._queue)
+
     def run(self, snapshot: Callable[[], Snapshot], images: Sequence[torch.Tensor]) -> tuple[Snapshot, torch.Tensor]:
         """The snapshot used and the class probabilities [n, n_seen] of ``images``."""
         request = _Request(images)

@@ -65,6 +65,10 @@ class ConsumerThread:
     def start(self) -> None:
         self.thread.start()
 
+    def run(self) -> None:
+        """Run the loop here, in the calling thread, until it stops (``start`` runs it in a thread of its own)."""
+        self._run()
+
     def stop(self, timeout: float | None = None) -> None:
         """Ask the loop to finish what it holds and wait for it."""
         self.stop_event.set()

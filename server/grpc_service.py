@@ -88,7 +88,7 @@ class InferenceService(pbg.GRPCInferenceServiceServicer):
         if request.model_name != self.settings.model_name:
             raise ApiError(404, f"unknown model {request.model_name!r}; this server serves "
                                 f"{self.settings.model_name!r}", "unknown_model")
-        items = self._images(request)
+        items = self.images_of(request)
         top_k = self._top_k(request)
         meta, rows = predict_uploads(self.service, [(f"{INPUT_NAME}[{i}]", d) for i, d in enumerate(items)],
                                      self.settings, top_k)
@@ -104,7 +104,7 @@ class InferenceService(pbg.GRPCInferenceServiceServicer):
             raw_output_contents=[arrays[n].tobytes() for n in names])
 
     @staticmethod
-    def _images(request) -> list[bytes]:
+    def images_of(request) -> list[bytes]:
         """The encoded images of the one BYTES input, raw or in ``contents``; INVALID_ARGUMENT when its parts
         disagree."""
         if len(request.inputs) != 1:

@@ -164,6 +164,6 @@ def run_loop(monkeypatch, loop: LearnerLoop, log: list[FakeRecord], events: list
     monkeypatch.setattr(stream, "ensure_topics", lambda kafka, *topics: None)
     monkeypatch.setattr(stream, "open_producer", lambda kafka, **_: FakeProducer(consumer.events))
     monkeypatch.setattr(stream, "KafkaConsumer", lambda **options: consumer.options.update(options) or consumer)
-    loop._run()
+    loop.run()
     assert loop.error is None
     return consumer

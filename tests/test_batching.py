@@ -70,7 +70,7 @@ class Requests:
 
 
 def queued(batcher: MicroBatcher, n: int):
-    return wait_for(lambda: len(batcher._queue) == n, 30, f"{n} requests queued behind the running forward")
+    return wait_for(lambda: batcher.queued == n, 30, f"{n} requests queued behind the running forward")
 
 
 def test_a_lone_request_runs_at_once_and_gets_its_own_rows():
@@ -78,7 +78,7 @@ def test_a_lone_request_runs_at_once_and_gets_its_own_rows():
     batcher = MicroBatcher()
     used, probs = batcher.run(lambda: snap, images(3, 4))
     assert used is snap and probs[:, 0].tolist() == pytest.approx([3.1, 4.1]) and snap.forwards == [[3, 4]]
-    assert batcher._queue == []
+    assert batcher.queued == 0
 
 
 def test_requests_queued_during_a_forward_share_the_next_one_and_each_gets_its_rows():

@@ -68,7 +68,7 @@ def run_stream(tmp_path, monkeypatch, workers: int, **kw) -> dict:
     monkeypatch.setattr(stream, "ensure_topics", lambda kafka, *topics: None)
     monkeypatch.setattr(stream, "open_producer", lambda kafka, **_: producer)  # kept: the loop drops it on closing
     monkeypatch.setattr(stream, "KafkaConsumer", lambda **_: consumer)
-    loop._run()
+    loop.run()
     assert loop.error is None
     letters = [(dict(m["headers"])["error"], dict(m["headers"])["source_offset"]) for m in producer.sent]
     book = state.intake.book

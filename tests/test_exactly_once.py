@@ -8,17 +8,15 @@ its original is still pending in a partial mini-batch, or inside the learning st
 from __future__ import annotations
 
 from collections import Counter
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-import server.learner.stream as stream
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.records import RecordMeta
 from server.learner.book import Sample, StreamBook
 from server.learner.state import CHECKPOINT, LearnerState
-from tests.fakes import STREAM_ID, FakeProducer, jpeg, record, records, run_loop, service
+from tests.fakes import STREAM_ID, jpeg, record, records, run_loop, service
 
 
 def assert_each_learned_once(state: LearnerState, learned: list[tuple[str, int]], indices: range) -> None:
@@ -100,10 +98,7 @@ def test_a_reconnect_drops_pending_records_and_their_claims_so_they_are_learned_
     state, loop, learned = service(tmp_path)
     for r in records([0, 1, 2]):
         loop.accept([r])
-    monkeypatch.setattr(stream, "ensure_topics", lambda kafka, *topics: None)
-    monkeypatch.setattr(stream, "open_producer", lambda kafka, **_: FakeProducer())
-    monkeypatch.setattr(stream, "KafkaConsumer", lambda **_: SimpleNamespace(subscribe=lambda *a, **k: None))
-    loop._connect()  # the broker went away: the pending records are read again from the book's offsets
+    state.intake.reread()  # the broker went away, the loop reconnects: the pending records are read again
     assert state.intake.book.pending == [] and state.intake.book.offsets == {}
     for r in records([0, 1, 2]):
         loop.accept([r])

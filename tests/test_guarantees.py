@@ -116,7 +116,7 @@ def test_a_failed_checkpoint_commits_nothing(tmp_path, monkeypatch, first_in_fli
     monkeypatch.setattr("server.learner.stream.ensure_topics", lambda kafka, *topics: None)
     monkeypatch.setattr("server.learner.stream.open_producer", lambda kafka, **_: loop.producer)
     monkeypatch.setattr("server.learner.stream.KafkaConsumer", lambda **_: consumer)
-    loop._run()
+    loop.run()
     assert failed == [40] if first_in_flight_at_32 else failed in ([32], [40])
     assert loop.error == (f"StateWriteFailed: the state write of {TOPIC}:0 at offset {failed[0]} failed (OSError: "
                           "disk full); the learner stops: nothing was committed past its last written state, a "
@@ -445,15 +445,15 @@ def test_lag_counts_the_records_read_but_not_yet_learned(tmp_path):
     loop.consumer = consumer = FakeConsumer(loop, records(list(range(8))))
     polled = consumer.poll(timeout_ms=0, max_records=5)
     loop.accept(next(iter(polled.values())))
-    loop._update_lag()
+    loop.update_lag()
     assert loop.lag == {f"{TOPIC}:0": 8}  # 3 unread + 5 waiting in the mini-batch
     loop.state.learn_pending()
-    loop._update_lag()
-    metric = state.metrics.lag.labels("0")._value.get()
+    loop.update_lag()
+    metric = state.metrics.registry.get_sample_value("mepo_kafka_consumer_lag_records", {"partition": "0"})
     assert loop.lag == {f"{TOPIC}:0": 3} and metric == 3
     loop.accept(next(iter(consumer.poll(timeout_ms=0, max_records=5).values())))
     loop.state.learn_pending()
-    loop._update_lag()
+    loop.update_lag()
     assert loop.lag == {f"{TOPIC}:0": 0}  # drained and learned
 
 

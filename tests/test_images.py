@@ -53,8 +53,8 @@ def test_a_jpeg_decodes_to_the_pixels_pil_gives(mode, options, monkeypatch):
     noise(mode).save(buf, format="JPEG", quality=90, **options)
     data = buf.getvalue()
     fast_path_taken = []
-    jpeg_rgb = images._jpeg_rgb
-    monkeypatch.setattr(images, "_jpeg_rgb", lambda *a: fast_path_taken.append(r := jpeg_rgb(*a)) or r)
+    jpeg_rgb = images.jpeg_rgb
+    monkeypatch.setattr(images, "jpeg_rgb", lambda *a: fast_path_taken.append(r := jpeg_rgb(*a)) or r)
     out = decode_image(data, ImageLimits(size=40))
     assert torch.equal(out, torch.from_numpy(rgb_array(Image.open(io.BytesIO(data)), 40).copy()))
     assert (fast_path_taken[0] is not None) == (mode != "CMYK")
@@ -102,7 +102,7 @@ def test_a_camera_jpeg_decodes_at_the_smallest_scale_that_still_covers_the_model
     model's size, and the resized pixels stay within a few levels of a full decode's."""
     assert images.jpeg_scale(1280, 960, 121) == 4 and images.jpeg_scale(1280, 960, 120) == 8  # 120 still covers
     data = camera_jpeg(1280, 960)
-    decoded = images._jpeg_rgb(data, None, size)
+    decoded = images.jpeg_rgb(data, None, size)
     assert decoded.size == {84: (160, 120), 224: (320, 240)}[size]
     full = torch.from_numpy(rgb_array(Image.open(io.BytesIO(data)), size).copy())
     scaled = decode_image(data, ImageLimits(size=size))
@@ -113,7 +113,7 @@ def test_a_camera_jpeg_decodes_at_the_smallest_scale_that_still_covers_the_model
 
 def test_an_image_under_twice_the_models_size_decodes_whole_as_before():
     data = camera_jpeg(150, 100)
-    assert images._jpeg_rgb(data, None, 84).size == (150, 100)
+    assert images.jpeg_rgb(data, None, 84).size == (150, 100)
     assert torch.equal(decode_image(data, ImageLimits(size=84)),
                        torch.from_numpy(rgb_array(Image.open(io.BytesIO(data)), 84).copy()))
 

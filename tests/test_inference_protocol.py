@@ -302,12 +302,13 @@ def test_raw_bytes_with_more_elements_than_the_shape_says_are_refused_with_400_o
                                                                                    shape=[2])],
                                    raw_input_contents=[raw])
     with pytest.raises(ApiError) as grpc_error:
-        InferenceService._images(request)
+        InferenceService.images_of(request)
     assert grpc_error.value.status_code == 400 and f"{extra} bytes follow" in grpc_error.value.detail
     as_said = serialize_bytes([jpeg("red"), jpeg("green")])  # the same request with the shape's two: accepted
     header = header.replace(str(len(raw)).encode(), str(len(as_said)).encode())
     assert len(parse_infer(header + as_said, str(len(header)))[1]) == 2
-    assert len(InferenceService._images(pb.ModelInferRequest(inputs=request.inputs, raw_input_contents=[as_said]))) == 2
+    said = pb.ModelInferRequest(inputs=request.inputs, raw_input_contents=[as_said])
+    assert len(InferenceService.images_of(said)) == 2
 
 
 class NoModel:

@@ -224,3 +224,32 @@ def test_no_import_cycle_not_even_under_type_checking():
     graph = {module: {name if name in files else name.rsplit(".", 1)[0] for name in module_imports(path)}
              & set(files) - {module} for module, path in files.items()}
     assert not import_cycles(graph)
+
+
+def production_private_names() -> set[str]:
+    """Every private name the production packages define: functions, classes, and attributes set on ``self``."""
+    names = set()
+    for package in ("mepo_stream", "offline", "server", "producers", "benchmarks"):
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                    names.add(node.name)
+                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                    names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_no_test_uses_a_private_name_of_the_production_code():
+    """Tests go through public surfaces: ``x._name`` (``x`` not ``self`` or ``cls``) and ``from m import _name`` are
+    refused in ``tests/`` for every private name the production code defines, so a refactoring of internals never
+    breaks a test, and a test never pins how the code is built."""
+    private = production_private_names()
+    reaches = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in private and ast.unparse(node.value) not in ("self",
+                                                                                                         "cls"):
+                reaches.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+            if isinstance(node, ast.ImportFrom) and not (node.module or "").startswith("tests"):
+                reaches += [f"{path.name}:{node.lineno}: import {a.name}" for a in node.names if a.name in private]
+    assert not reaches

@@ -158,9 +158,9 @@ def test_coda_p_inference_uses_only_the_groups_trained_so_far(tiny_backbone):
     from mepo_stream.methods.coda import CodaConfig, CodaPrompt
 
     method = CodaPrompt(tiny_backbone, 4, cfg=CodaConfig(components=10, groups=5, length=2))
-    assert method._active(method.keys, None).shape[0] == 2  # nothing trained yet: group 0
-    method._active(method.keys, 3)
-    assert method._active(method.keys, None).shape[0] == 8  # groups 0-3
+    assert method.active(method.keys, None).shape[0] == 2  # nothing trained yet: group 0
+    method.active(method.keys, 3)
+    assert method.active(method.keys, None).shape[0] == 8  # groups 0-3
 
 
 def test_mvp_mask_suppresses_unseen_classes():

@@ -46,7 +46,7 @@ from server.learner.book import Sample
 from server.learner.changelog import Changelog
 from server.learner.partitioned import migrated_state, open_group_learner
 from server.learner.state import CHECKPOINT, LearnerState, open_learner
-from server.learner.stream import LearnerLoop, _SeekToHandled
+from server.learner.stream import LearnerLoop, SeekToHandled
 from server.metrics import ServerMetrics
 from server.snapshot_topic import Origin
 from server.state_topic import FORMAT, PartitionState, StateFormatError, decode, encode
@@ -161,8 +161,7 @@ def test_a_second_learner_in_the_group_of_one_without_a_state_topic_stops_learni
     state, loop, _ = service(tmp_path)
     loop.consumer = SimpleNamespace(partitions_for_topic=lambda topic: {0, 1}, seek=lambda tp, offset: None)
     loop.take_over([TopicPartition(state.cfg.kafka.topic, 0)])
-    with pytest.raises(RuntimeError, match="another learner joined.*--kafka.state_topic"):
-        loop._check_rebalance()
+    assert re.search("another learner joined.*--kafka.state_topic", loop.refusal)  # the loop stops at its next turn
 
 
 def test_a_state_of_another_model_is_never_merged(tmp_path, monkeypatch):
@@ -253,7 +252,7 @@ def test_a_partition_handed_over_is_restored_from_its_last_state_and_every_model
     written = state("images:0", a.membership.own["images:0"].clone(), 11, a)
     a.membership.write({"states": [written], "offsets": {"images:0": 11}, "time": written.written_at})
     b.membership.merge_remote(written)
-    a.membership._load_total()  # what a step does once it has added to its sums
+    a.membership.load_total()  # what a step does once it has added to its sums
     assert_the_sum_of_the_topic(a, b)
     a.membership.own["images:0"].add(torch.randn(3, shape[1], generator=rng), torch.tensor([1, 2, 3]),
                                      torch.zeros(shape[2]))  # learned after the last write: not kept
@@ -351,7 +350,7 @@ def group_loop(root: Path, topic: dict[str, PartitionState], events: list, keys:
 
 def revoke(loop: LearnerLoop, *partitions: int) -> None:
     """What kafka-python does in a rebalance that takes ``partitions`` away: the loop's listener is told."""
-    _SeekToHandled(loop).on_partitions_revoked([TopicPartition(TOPIC, p) for p in partitions])
+    SeekToHandled(loop).on_partitions_revoked([TopicPartition(TOPIC, p) for p in partitions])
 
 
 def test_a_revoked_partitions_state_stands_at_the_offset_its_learner_handled_when_it_is_let_go(tmp_path,
@@ -406,7 +405,7 @@ def test_a_revocation_waits_for_the_state_write_in_flight_before_letting_the_par
     loop.accept([record(offset, offset) for offset in range(16)])
     a.learn_pending()
     loop.persist(wait=False)  # the periodic write, in flight
-    assert P0 not in topic and not loop._writing.done()
+    assert P0 not in topic and not loop.writing.done()
     loop.accept([record(offset, offset) for offset in range(16, 16 + read_after)])
     revoke(loop, 0)
     handled = 16 + read_after
@@ -487,13 +486,13 @@ def test_a_failed_state_write_during_a_revocation_lets_the_partition_go_and_stop
     monkeypatch.setattr(stream, "ensure_topics", lambda kafka, *topics: None)
     monkeypatch.setattr(stream, "open_producer", lambda kafka, **_: FakeProducer())
     monkeypatch.setattr(stream, "KafkaConsumer", lambda **_: connects.append(1) or consumer)
-    loop._run()
+    loop.run()
     assert len(connects) == 1 and consumer.polls == 1  # stopped at the turn after the revocation, no reconnection
     assert loop.error is not None and re.search(rf"{P0} at offset 16\b", loop.error), loop.error
     assert "KafkaTimeoutError" in loop.error and "Timeout after waiting" in loop.error
     assert seen == [([P0], [P0, P1]), ([P1], [P1])]  # the failed capture is not counted as saved
     assert [e[:2] for e in events] == [("let go", [P0]), ("let go", [P1])] and topic == {}
-    assert a.membership.own == {} and a.offsets == {} and loop._writing is None
+    assert a.membership.own == {} and a.offsets == {} and loop.writing is None
     assert a.learner.samples_seen == 0  # no unwritten sums of a partition let go stay in the model
 
     monkeypatch.setattr(Changelog, "write", acknowledged)  # the broker is back

@@ -59,7 +59,7 @@ class CodaPrompt(ContinualMethod):
         self.attention = nn.Parameter(_orthogonal(m, dim))
         self.register_buffer("last_slot", torch.zeros((), dtype=torch.long))  # the newest group trained so far
 
-    def _active(self, tensor: torch.Tensor, slot: int | None) -> torch.Tensor:
+    def active(self, tensor: torch.Tensor, slot: int | None) -> torch.Tensor:
         """Components of the groups in use: in training the current group learns and earlier ones are frozen;
         at inference every group trained so far is used (later ones are still at their initialisation)."""
         size = tensor.shape[0] // self.groups
@@ -72,7 +72,7 @@ class CodaPrompt(ContinualMethod):
     def encode(self, x: torch.Tensor, slot: int | None = None) -> Encoded:
         with torch.no_grad():
             query = cls_feature(self.backbone, x)  # [B, D]
-        keys, attn, comps = (self._active(t, slot) for t in (self.keys, self.attention, self.components))
+        keys, attn, comps = (self.active(t, slot) for t in (self.keys, self.attention, self.components))
         weighted = query[:, None, :] * attn[None]  # [B, M', D]
         alpha = nn.functional.cosine_similarity(weighted, keys[None], dim=-1)  # [B, M']
         prompt = torch.einsum("bm,mlktd->blktd", alpha, comps)  # [B, n_layers, 2, L, D]

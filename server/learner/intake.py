@@ -59,9 +59,8 @@ def finished(fn: Callable, *args, **kwargs) -> Future:
 
 
 class InlineExecutor(Executor):
-    """``decode_workers`` 0: no decode pool. The intake then decodes each image itself as it claims it, a direct
-    call, so the record is handed to no executor on its way; to any other caller this runs each task as it is
-    submitted, in the caller's thread."""
+    """``decode_workers`` 0: no decode pool; each task runs as it is submitted, in the caller's thread (the intake
+    then decodes each image as it claims it)."""
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         return finished(fn, *args, **kwargs)
@@ -90,6 +89,12 @@ def book_change(book: StreamBook, record, change: Change) -> None:
     """A correction or deletion of a learned sample waits for its turn, after the samples read before it."""
     meta = RecordMeta(None, -1, -1, "", change.id)
     book.add_pending(tp_key(record), record.offset, Sample(None, meta, change=change))
+
+
+def waits_for(id: str, book: StreamBook) -> bool:
+    """A sample with this id (an image's, or a join's) waits for its mini-batch: a change to it comes after it."""
+    return any(p.sample.change is None and id in (p.sample.meta.id, p.sample.joined and p.sample.joined.id)
+               for p in book.pending)
 
 
 def refuse(book: StreamBook, record, why: str) -> DeadLetter:
@@ -216,9 +221,9 @@ class Intake:
 
     def _decoding(self, record, meta: RecordMeta, decoder: Executor, ready: torch.Tensor | ImageError | None
                   ) -> Future:
-        """The record's image being decoded: by ``decoder``'s threads, or here and now when it has none (an
-        ``InlineExecutor``: a direct call, not a hand-off) or the GPU decoded it already (``ready``)."""
-        if isinstance(decoder, InlineExecutor) or ready is not None:
+        """The record's image being decoded: by ``decoder`` (a pool's threads, or an ``InlineExecutor`` here and
+        now), or already, where the GPU decoded the poll (``ready``)."""
+        if ready is not None:
             return finished(self._decode, record, meta, ready)
         return decoder.submit(self._decode, record, meta)
 
@@ -248,13 +253,12 @@ class Intake:
         if isinstance(outcome, _Label):
             if self.corrections is not None:
                 kind = self.corrections.kind_of_label(outcome.id, self.join, self._clock(record),
-                                                      self._pending(outcome.id))
+                                                      waits_for(outcome.id, self.book))
                 if kind == "correction":
                     return book_change(self.book, record, Relabel(outcome.id, outcome.label, self._clock(record)))
                 if kind == "not_correctable":
-                    return refuse(self.book, record, f"no sample with id {outcome.id} can be corrected: it was learned "
-                                                     f"more than --corrections.retention_s ago, or (labels inline) "
-                                                     f"never")
+                    return refuse(self.book, record, f"{outcome.id} is not correctable: learned more than "
+                                                     f"--corrections.retention_s ago, or (labels inline) never")
             source = (record.topic, record.partition, record.offset)
             return self._book_join(record, self.join.add_label(outcome.id, outcome.label, self._clock(record), source))
         try:
@@ -281,7 +285,7 @@ class Intake:
     def _book_tombstone(self, record, id: str) -> Outgoing | None:
         """A deletion: pending in its place if the id is learned (or about to be), done now if it only waited in the
         join; either way its prediction is retracted. Refused if nothing of it is kept."""
-        kind = self.corrections.kind_of_tombstone(id, self.join, self._clock(record), self._pending(id))
+        kind = self.corrections.kind_of_tombstone(id, self.join, self._clock(record), waits_for(id, self.book))
         if kind == "not_correctable":
             return refuse(self.book, record, f"no sample with id {id} can be deleted: none was received, or it was "
                                              f"learned more than --corrections.retention_s ago")
@@ -290,11 +294,6 @@ class Intake:
         else:
             self.book.skip(tp_key(record), record.offset)
         return Retraction(id) if self.join is not None else None  # predictions are written where labels come later
-
-    def _pending(self, id: str) -> bool:
-        """A sample with this id waits for its mini-batch: a change to it comes after it, as the book's order says."""
-        return any(p.sample.change is None and (p.sample.meta.id == id or p.sample.joined is not None
-                                                and p.sample.joined.id == id) for p in self.book.pending)
 
     def _book_join(self, record, joined: Joined | Refused | None) -> DeadLetter | None:
         """Book a record the join took: refused (a dead letter), waiting in the join (handled: the join's state

@@ -117,7 +117,7 @@ class InGroup:
             self._check(state)
             self.remote[state.key] = state
         self._remote_total = None
-        self._load_total()
+        self.load_total()
         s.version = s.samples_seen = s.learner.samples_seen
 
     def _check(self, state: PartitionState) -> None:
@@ -162,7 +162,7 @@ class InGroup:
                 if state is not None:
                     self.written[key] = state
             self._remote_total = None
-            self._load_total()
+            self.load_total()
             s.changed()
         s.metrics.partitions_owned.set(len(self.own))
         log.info("learning partitions %s from offsets %s", sorted(self.own), s.offsets)
@@ -181,7 +181,7 @@ class InGroup:
                 if key in self.written:
                     self.remote[key] = self.written[key]
             self._remote_total = None
-            self._load_total()
+            self.load_total()
         s.metrics.partitions_owned.set(len(self.own))
         s.reporter.export()
 
@@ -199,7 +199,7 @@ class InGroup:
         with s.lock:
             if not self._newer_remote(state):
                 return
-            self._load_total()
+            self.load_total()
             s.changed()
         s.metrics.state_merges.inc()
         s.announce(0)
@@ -224,7 +224,7 @@ class InGroup:
             self._remote_total, self._replaced = None, 0
         return True
 
-    def _load_total(self) -> None:
+    def load_total(self) -> None:
         """The classifier becomes the sum of every partition's sums. The remote partitions' total is kept: a newer
         state replaces its partition's part in it (two additions, whatever the number of partitions), and it is
         summed afresh once every ``len(remote)`` replacements, so a merge costs O(1) parts amortised."""
@@ -243,7 +243,7 @@ class InGroup:
         (key,) = {p.key for p in self.state.intake.book.pending if id(p.sample) in in_batch}  # one partition a step
         pred, h, hits = self.state.learner.statistics_step(images, labels)
         self.own[key].add(h, labels, hits)
-        self._load_total()
+        self.load_total()
         self.learned_here += len(labels)
         return pred
 

@@ -11,9 +11,8 @@ Kafka Streams splits a stateful task the same way (StreamTask, RecordCollector, 
   in the state topic. The state consults it (``scales_out``) to cut mini-batches per partition and to hand each
   one to a group's ``step``; a learner alone is never handed a record.
 
-A record's walk from the poll to the model update passes through five objects (docs/architecture.md): the loop,
-the intake, its book, this state (which the model thread runs, taking its mini-batches from the book itself) and
-the learner.
+A record goes from the poll to the model update through the loop, the intake, its book, this state (which the model
+thread runs, taking its mini-batches from the book itself) and the learner (docs/architecture.md).
 
 A checkpoint holds the trainable state, optimizer, seen classes, running alignment statistics, monitor state,
 any-time history, the learned sample ids per stream, the label join, and the next offset per partition, so model

@@ -72,7 +72,7 @@ def decode_executor(workers: int | None, dev: torch.device) -> Executor:
     return ThreadPoolExecutor(workers, thread_name_prefix="mepo-decode") if workers > 0 else InlineExecutor()
 
 
-class _SeekToHandled(ConsumerRebalanceListener):
+class SeekToHandled(ConsumerRebalanceListener):
     """Runs on kafka-python's IO thread while the learner thread waits inside ``poll()`` or ``close()``."""
 
     def __init__(self, loop: LearnerLoop):
@@ -105,6 +105,8 @@ class LearnerLoop(ConsumerThread):
         self._broken: KafkaError | None = None  # a broker error in a rebalance callback: reconnect
         super().__init__("mepo-learner")
 
+    writing = property(lambda self: self._writing, doc="The checkpoint being written (None: none in flight).")
+
     def request_checkpoint(self) -> None:
         """Learn the records in hand and persist at the loop's next turn (in its own thread, like every write)."""
         self._checkpoint_request.set()
@@ -122,7 +124,7 @@ class LearnerLoop(ConsumerThread):
             max_poll_records=self.cfg.learner.batch_size, fetch_max_bytes=16 * 1024 * 1024,
         )
         topics = [k.topic] if k.labels_topic is None else [k.topic, k.labels_topic]
-        self.consumer.subscribe(topics, listener=_SeekToHandled(self))
+        self.consumer.subscribe(topics, listener=SeekToHandled(self))
 
     def _close(self) -> None:
         for client in (self.consumer, self.producer):
@@ -224,7 +226,7 @@ class LearnerLoop(ConsumerThread):
                 self.persist()
             self._finish_write(block=False)
             self.persist(wait=False, due_only=True)
-            self._update_lag()
+            self.update_lag()
         self.state.learn_pending()
         self.persist()
 
@@ -255,8 +257,7 @@ class LearnerLoop(ConsumerThread):
                 self._dead_letter(out)
 
     def _predicted(self, prediction: Prediction | Retraction) -> None:
-        """Send the prediction of an image that came without its label to the predictions topic (a retraction: the
-        tombstone of a deleted id's)."""
+        """Send an unlabelled image's prediction (or a deleted id's retraction) to the predictions topic."""
         assert self.producer is not None
         self.producer.send(self.cfg.kafka.predictions_topic, value=prediction.value(), key=prediction.id.encode())
         self.state.metrics.predictions_published.inc(isinstance(prediction, Prediction))
@@ -317,7 +318,7 @@ class LearnerLoop(ConsumerThread):
         except KafkaError as e:
             _log_failed_commit(to_commit, e)
 
-    def _update_lag(self) -> None:
+    def update_lag(self) -> None:
         """Records not yet learned per partition: those behind the high watermark and those read but waiting in
         the mini-batch."""
         assert self.consumer is not None
