@@ -237,3 +237,25 @@ def test_labels_inline_are_corrected_and_deleted_on_the_image_topic(tmp_path):
     assert not torch.equal(relabelled.counts, fresh.learner.statistics().counts)
     assert_same_model(state.learner, fresh.learner, fresh.learner.statistics().sums.float()[:4])
     assert sorted(state.intake.corrections.table.ids()) == sorted(f"s/{k}" for k in range(12) if k != 5)
+
+
+def test_changes_wait_for_the_samples_of_their_poll_unless_one_names_a_later_sample():
+    """The samples of a learning turn are learned in whole mini-batches and the changes applied after them; where a
+    change names an id received again after it (deleted, then sent anew), everything stays in order."""
+    from mepo_stream.records import RecordMeta
+    from server.learner.book import Sample
+    from server.learner.corrections import Forget, Relabel
+    from server.learner.state import runs_of_samples
+
+    def sample(id: str) -> Sample:
+        return Sample(torch.zeros(1), RecordMeta(0, 0, 0, "s", id))
+
+    def change(c) -> Sample:
+        return Sample(None, RecordMeta(None, -1, -1, "", c.id), change=c)
+
+    a, b, c = sample("a"), sample("b"), sample("c")
+    relabel, forget = change(Relabel("a", 1, 0.0)), change(Forget("x"))
+    assert runs_of_samples([a, relabel, b, forget, c]) == [[a, b, c], [relabel, forget]]
+    again = sample("x")
+    assert runs_of_samples([a, forget, again, relabel]) == [[a], [forget], [again], [relabel]]
+    assert runs_of_samples([a, b]) == [[a, b]] and runs_of_samples([forget]) == [[forget]]

@@ -66,13 +66,14 @@ class SampleTable:
     def __init__(self, path: Path, retention_s: float):
         path.mkdir(parents=True, exist_ok=True)
         self.path, self.retention_s = path, retention_s
-        self.env = lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=4, metasync=True, sync=True)
+        self.env = lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=4, metasync=True, sync=True, readahead=False)
         self._samples = self.env.open_db(b"samples")
         self._by_time = self.env.open_db(b"by_time")
         self._undo = self.env.open_db(b"undo")
         self._meta = self.env.open_db(b"meta")
         self._changed: dict[bytes, Entry | None] = {}  # since the last commit (None: deleted)
         self._lock = threading.Lock()  # the learning step changes, the loop's intake reads
+        self._count = self._committed_count()  # ids now, kept as they are put and deleted
 
     # --- reading ---------------------------------------------------------------------------------------------
     def get(self, id: str) -> Entry | None:
@@ -97,11 +98,11 @@ class SampleTable:
 
     def __len__(self) -> int:
         """Ids in the table now (committed, with the changes since)."""
+        return self._count
+
+    def _committed_count(self) -> int:
         with self.env.begin(db=self._samples) as txn:
-            committed = txn.stat(self._samples)["entries"]
-            with self._lock:
-                changes = list(self._changed.items())
-            return committed + sum((value is not None) - (txn.get(key) is not None) for key, value in changes)
+            return txn.stat(self._samples)["entries"]
 
     def bytes_on_disk(self) -> int:
         """The pages in use (the data file is sparse beyond them)."""
@@ -110,12 +111,19 @@ class SampleTable:
 
     # --- changing (the learning step) --------------------------------------------------------------------------
     def put(self, id: str, entry: Entry) -> None:
-        with self._lock:
-            self._changed[id.encode()] = entry
+        self._change(id.encode(), entry)
 
     def delete(self, id: str) -> None:
+        self._change(id.encode(), None)
+
+    def _change(self, key: bytes, value: Entry | None) -> None:
         with self._lock:
-            self._changed[id.encode()] = None
+            had = self._changed[key] is not None if key in self._changed else None
+        if had is None:
+            had = self._committed(key) is not None
+        with self._lock:
+            self._changed[key] = value
+            self._count += (value is not None) - had
 
     def expire(self, now: float) -> int:
         """Drop the ids whose record time is more than ``retention_s`` before ``now``; returns how many."""
@@ -133,6 +141,7 @@ class SampleTable:
             old += [k for k, v in self._changed.items() if v is not None and v.time < now - self.retention_s]
             for key in old:
                 self._changed[key] = None
+            self._count -= len(old)
         return len(old)
 
     # --- persisting, with the checkpoint ------------------------------------------------------------------------
@@ -196,6 +205,7 @@ class SampleTable:
                             None if value == b"\x00" else Entry.decode(value[1:]))
                 txn.delete(key, db=self._undo)
             txn.put(b"generation", str(generation).encode(), db=self._meta)
+        self._count = self._committed_count()
 
     def ids(self) -> list[str]:
         """Every id in the table now (for tests and the admin's inspection)."""

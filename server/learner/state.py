@@ -99,10 +99,21 @@ def partition_groups(pending: list[Pending], per_partition: bool) -> list[list[P
 
 
 def runs_of_samples(samples: list[Sample]) -> list[list[Sample]]:
-    """The pending samples in order, cut into runs of samples to learn in mini-batches and single changes."""
+    """The pending samples cut into runs of samples (to learn in mini-batches) and runs of changes.
+
+    Why not simply in order: a change between two samples would cut their mini-batch in two, and each mini-batch
+    costs its test-then-train solves. The model is a sum, so the samples can be learned first and the changes
+    applied after, unless a change names a sample that comes after it (an id deleted, then received again): then
+    in order."""
+    changes = [s for s in samples if s.change is not None]
+    named = {s.change.id for s in changes if s.change is not None}
+    first = next((i for i, s in enumerate(samples) if s.change is not None), len(samples))
+    later = {s.joined.id if s.joined is not None else s.meta.id for s in samples[first:] if s.change is None}
+    if not named & later:
+        return [run for run in ([s for s in samples if s.change is None], changes) if run]
     out: list[list[Sample]] = []
     for s in samples:
-        if s.change is None and out and out[-1][0].change is None:
+        if out and (s.change is None) == (out[-1][0].change is None):
             out[-1].append(s)
         else:
             out.append([s])
@@ -225,6 +236,9 @@ class LearnerState:
     def _learn_pending(self) -> None:
         for group in partition_groups(self.intake.book.pending, self.membership.scales_out):
             for run in runs_of_samples([p.sample for p in group]):
+                if run[0].change is not None:  # corrections and deletions in a row: one version
+                    self.learn(run)
+                    continue
                 while run:
                     limit = self.batch_limit
                     batch, run = run[:limit], run[limit:]
@@ -235,14 +249,15 @@ class LearnerState:
     def learn(self, batch: list[Sample]) -> None:
         """Test-then-train one mini-batch and run a due evaluation, then show the new version: ``version`` and
         ``samples_seen`` move only once the step is whole, so a reader who sees them sees the model behind them.
-        A batch of one correction or deletion (``Sample.change``) applies it, as a version of its own.
+        A batch of corrections and deletions (``Sample.change``) applies them in order, as one version.
 
         It runs in the calling thread: ``learn_pending`` calls it in the model thread (a test that drives a
         learner with no loop may call it from its own)."""
-        if (change := batch[0].change) is not None:
-            assert self.intake.corrections is not None and len(batch) == 1
+        if batch[0].change is not None:
+            assert self.intake.corrections is not None
             with self.lock:
-                self.intake.corrections.apply(change, self.intake.join)
+                for s in batch:
+                    self.intake.corrections.apply(s.change, self.intake.join)
                 self.intake.learned(batch)
                 self.since_checkpoint += 1
                 self.changed()
