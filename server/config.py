@@ -50,6 +50,9 @@ class CorrectionsConfig:
     """How long an id stays correctable, in record time since its last label: its feature is kept on disk until then
     (about 1.5 KiB an id at 384 dimensions); a correction or deletion after it is dead-lettered as
     not_correctable."""
+    compact_every_s: float = 3600.0
+    """A deleted sample's bytes leave the sample table's files at the first checkpoint this many seconds after the
+    last compaction (the table is copied without its free pages, where the old bytes stay until reused)."""
 
 
 @dataclass(frozen=True)

@@ -259,3 +259,24 @@ def test_changes_wait_for_the_samples_of_their_poll_unless_one_names_a_later_sam
     again = sample("x")
     assert runs_of_samples([a, forget, again, relabel]) == [[a], [forget], [again], [relabel]]
     assert runs_of_samples([a, b]) == [[a, b]] and runs_of_samples([forget]) == [[forget]]
+
+
+def test_a_deleted_ids_bytes_leave_the_files_at_the_next_compaction_and_a_cut_swap_is_finished(tmp_path):
+    table = SampleTable(tmp_path / "t", retention_s=1e9, compact_every_s=0.0)
+    for i in range(50):
+        table.put(f"user-{i:03d}", entry(1, 1.0, float(i)))
+    table.commit(1)
+    table.settle(1)
+    for i in range(0, 50, 2):
+        table.delete(f"user-{i:03d}")
+    table.commit(2)
+    on_disk = (tmp_path / "t" / "data.mdb").read_bytes()
+    assert b"user-000" in on_disk  # deleted, yet its bytes stay (and its undo record) until the compaction
+    table.settle(2)
+    on_disk = (tmp_path / "t" / "data.mdb").read_bytes()
+    assert not [i for i in range(0, 50, 2) if f"user-{i:03d}".encode() in on_disk]
+    assert b"user-001" in on_disk and len(table) == 25 and table.get("user-049").label == 1
+    table.close()
+    (tmp_path / "t").rename(tmp_path / "t.compact")  # a crash between the two renames of the swap
+    reopened = SampleTable(tmp_path / "t", retention_s=1e9)
+    assert len(reopened) == 25 and reopened.generation == 2 and not (tmp_path / "t.compact").exists()

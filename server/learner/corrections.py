@@ -59,7 +59,7 @@ class Corrections:
         if (why := learner.not_correctable) is not None:
             raise ConfigError(f"--corrections.enabled needs a learner that can take a sample out exactly, and {why}")
         self.learner = learner
-        self.table = SampleTable(checkpoint_dir / TABLE, cfg.retention_s)
+        self.table = SampleTable(checkpoint_dir / TABLE, cfg.retention_s, cfg.compact_every_s)
         self.counts = {"corrections_applied": 0, "corrections_refused": 0, "deletions_applied": 0,
                        "deletions_refused": 0}
 

@@ -12,18 +12,25 @@ generation, so the table is again the one the model and offsets of the checkpoin
 writes neither loses nor doubles a change. ``settle(g)`` drops the undo records once checkpoint ``g`` is on disk.
 
 Ids older than ``retention_s`` of record time are dropped (``expire``): they stay in the model, but can no longer be
-corrected or deleted, which keeps the disk bounded.
+corrected or deleted, which keeps the disk bounded. LMDB writes copy-on-write, so a deleted entry's bytes stay in
+the data file until its page is reused: at most ``compact_every_s`` after a deletion, a settle copies the table
+without its free pages and swaps the copy in, and the bytes are gone from the disk.
 
-Key layout (one environment, three named databases): ``samples``: id -> entry; ``by_time``: 8-byte big-endian
-milliseconds + id -> b""; ``undo``: 8-byte generation + id -> b"\\x00" (absent before) or b"\\x01" + entry. The
-generation is ``meta`` key ``generation``.
+Key layout (one environment, four named databases): ``samples``: the id's 16-byte hash -> entry (the id is in the
+entry); ``by_time``: 8-byte big-endian milliseconds + hash -> b""; ``undo``: 8-byte generation + hash -> b"\\x00"
+(absent before) or b"\\x01" + entry; ``meta``: ``generation`` and ``settled``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import shutil
 import struct
 import threading
-from dataclasses import dataclass
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import lmdb
@@ -33,7 +40,7 @@ from mepo_stream.errors import StateRefused
 
 MAP_SIZE = 1 << 40
 """LMDB's address-space reservation (a sparse file: disk is used only as entries are written)."""
-_HEAD = struct.Struct("<id")  # label (int32), record time (float64 s)
+_HEAD = struct.Struct("<idH")  # label (int32), record time (float64 s), the id's length in bytes (uint16)
 
 
 @dataclass(frozen=True)
@@ -45,15 +52,25 @@ class Entry:
     """Its record's time (s): what retention measures."""
     feature: torch.Tensor
     """[D] float32: ``OnlineLearner.forget_features``'s input."""
+    id: str = ""
+    """The sample's id (the table sets it)."""
 
     def encode(self) -> bytes:
-        return _HEAD.pack(self.label, self.time) + self.feature.to(torch.float32).contiguous().numpy().tobytes()
+        id = self.id.encode()
+        return (_HEAD.pack(self.label, self.time, len(id)) + id
+                + self.feature.to(torch.float32).contiguous().numpy().tobytes())
 
     @classmethod
     def decode(cls, data: bytes) -> Entry:
-        label, at = _HEAD.unpack_from(data)
-        feature = torch.frombuffer(bytearray(data[_HEAD.size:]), dtype=torch.float32)
-        return cls(label, at, feature)
+        label, at, n = _HEAD.unpack_from(data)
+        feature = torch.frombuffer(bytearray(data[_HEAD.size + n:]), dtype=torch.float32)
+        return cls(label, at, feature, data[_HEAD.size:_HEAD.size + n].decode())
+
+
+def _key(id: str) -> bytes:
+    """An id's key: a hash, so the id itself is only in its entry's value. A B+tree keeps copies of keys in its
+    branch pages, which a deletion need not update: a hash there names no one once the entry is gone."""
+    return hashlib.blake2b(id.encode(), digest_size=16).digest()
 
 
 def _time_key(at: float, id: bytes) -> bytes:
@@ -63,21 +80,40 @@ def _time_key(at: float, id: bytes) -> bytes:
 class SampleTable:
     """Learned samples by id; changed in memory by the learning step, committed with each checkpoint."""
 
-    def __init__(self, path: Path, retention_s: float):
-        path.mkdir(parents=True, exist_ok=True)
-        self.path, self.retention_s = path, retention_s
-        self.env = lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=4, metasync=True, sync=True, readahead=False)
+    def __init__(self, path: Path, retention_s: float, compact_every_s: float = 3600.0):
+        self.path, self.retention_s, self.compact_every_s = path, retention_s, compact_every_s
+        self._env_lock = threading.RLock()  # held by every transaction, and by a compaction's swap of the files
+        self._open()
+        self._changed: dict[bytes, Entry | None] = {}  # since the last commit (None: deleted)
+        self._lock = threading.Lock()  # the learning step changes, the loop's intake reads
+        self._count = self._committed_count()  # ids now, kept as they are put and deleted
+        self._deleted = False  # a commit deleted an id since the last compaction
+        self._compacted_at = time.monotonic()
+
+    def _open(self) -> None:
+        """Open the environment, first finishing a compaction's swap that a crash cut short."""
+        copy, old = self.path.with_name(self.path.name + ".compact"), self.path.with_name(self.path.name + ".old")
+        if copy.is_dir() and not self.path.is_dir():  # the copy was whole: only then is the table moved away
+            copy.rename(self.path)
+        for leftover in (copy, old):
+            if leftover.is_dir():
+                shutil.rmtree(leftover)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.env = lmdb.open(str(self.path), map_size=MAP_SIZE, max_dbs=4, metasync=True, sync=True,
+                             readahead=False)
         self._samples = self.env.open_db(b"samples")
         self._by_time = self.env.open_db(b"by_time")
         self._undo = self.env.open_db(b"undo")
         self._meta = self.env.open_db(b"meta")
-        self._changed: dict[bytes, Entry | None] = {}  # since the last commit (None: deleted)
-        self._lock = threading.Lock()  # the learning step changes, the loop's intake reads
-        self._count = self._committed_count()  # ids now, kept as they are put and deleted
+
+    @contextmanager
+    def _txn(self, write: bool = False, db=None) -> Iterator:
+        with self._env_lock, self.env.begin(write=write, db=db) as txn:
+            yield txn
 
     # --- reading ---------------------------------------------------------------------------------------------
     def get(self, id: str) -> Entry | None:
-        key = id.encode()
+        key = _key(id)
         with self._lock:
             if key in self._changed:
                 return self._changed[key]
@@ -87,7 +123,7 @@ class SampleTable:
         return self.get(id) is not None
 
     def _committed(self, key: bytes) -> Entry | None:
-        with self.env.begin(db=self._samples) as txn:
+        with self._txn(db=self._samples) as txn:
             data = txn.get(key)
         return None if data is None else Entry.decode(bytes(data))
 
@@ -101,20 +137,21 @@ class SampleTable:
         return self._count
 
     def _committed_count(self) -> int:
-        with self.env.begin(db=self._samples) as txn:
+        with self._txn(db=self._samples) as txn:
             return txn.stat(self._samples)["entries"]
 
     def bytes_on_disk(self) -> int:
         """The pages in use (the data file is sparse beyond them)."""
-        info, stat = self.env.info(), self.env.stat()
+        with self._env_lock:
+            info, stat = self.env.info(), self.env.stat()
         return (info["last_pgno"] + 1) * stat["psize"]
 
     # --- changing (the learning step) --------------------------------------------------------------------------
     def put(self, id: str, entry: Entry) -> None:
-        self._change(id.encode(), entry)
+        self._change(_key(id), replace(entry, id=id))
 
     def delete(self, id: str) -> None:
-        self._change(id.encode(), None)
+        self._change(_key(id), None)
 
     def _change(self, key: bytes, value: Entry | None) -> None:
         with self._lock:
@@ -129,7 +166,7 @@ class SampleTable:
         """Drop the ids whose record time is more than ``retention_s`` before ``now``; returns how many."""
         cutoff = _time_key(now - self.retention_s, b"")
         old: list[bytes] = []
-        with self.env.begin(db=self._by_time) as txn:
+        with self._txn(db=self._by_time) as txn:
             cursor = txn.cursor()
             if cursor.first():
                 for key in cursor.iternext(values=False):
@@ -150,9 +187,10 @@ class SampleTable:
         with self._lock:
             changes = dict(self._changed)
         prefix = struct.pack(">Q", generation)
-        with self.env.begin(write=True) as txn:
+        with self._txn(write=True) as txn:
             for key, value in changes.items():
                 before = txn.get(key, db=self._samples)
+                self._deleted |= value is None and before is not None
                 txn.put(prefix + key, b"\x00" if before is None else b"\x01" + bytes(before), db=self._undo,
                         overwrite=False)  # the first change of a generation keeps the value before it
                 self._write(txn, key, before, value)
@@ -174,14 +212,33 @@ class SampleTable:
     def settle(self, generation: int) -> None:
         """Checkpoint ``generation`` is on disk: no restart goes back before it, so its undo records go."""
         limit = struct.pack(">Q", generation + 1)
-        with self.env.begin(write=True, db=self._undo) as txn:
+        with self._txn(write=True, db=self._undo) as txn:
             cursor = txn.cursor()
             while cursor.first() and bytes(cursor.key()) < limit:
                 cursor.delete()
             txn.put(b"settled", str(generation).encode(), db=self._meta)
+        if self._deleted and time.monotonic() - self._compacted_at >= self.compact_every_s:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Copy the table without its free pages, and swap the copy in: LMDB writes copy-on-write, so a deleted
+        entry's bytes (and its undo record's) stay in the data file until a page is reused; in the copy they are
+        gone. Only after a settle: no undo record is needed then."""
+        copy, old = self.path.with_name(self.path.name + ".compact"), self.path.with_name(self.path.name + ".old")
+        with self._env_lock:
+            if copy.is_dir():
+                shutil.rmtree(copy)
+            copy.mkdir()
+            self.env.copy(str(copy), compact=True)
+            self.env.close()
+            self.path.rename(old)
+            copy.rename(self.path)
+            shutil.rmtree(old)
+            self._open()
+        self._deleted, self._compacted_at = False, time.monotonic()
 
     def _meta_int(self, key: bytes) -> int:
-        with self.env.begin(db=self._meta) as txn:
+        with self._txn(db=self._meta) as txn:
             data = txn.get(key)
         return 0 if data is None else int(data)
 
@@ -194,7 +251,7 @@ class SampleTable:
             raise StateRefused(f"the sample table {self.path} is at generation {at} (settled at {settled}), not one "
                                f"that goes back to the checkpoint's {generation}: it is not the table this checkpoint "
                                f"was written with (move both away to learn from scratch)")
-        with self.env.begin(write=True) as txn:
+        with self._txn(write=True) as txn:
             cursor = txn.cursor(db=self._undo)
             later = [(bytes(k), bytes(v)) for k, v in cursor.iternext()
                      if struct.unpack(">Q", bytes(k[:8]))[0] > generation]
@@ -209,12 +266,16 @@ class SampleTable:
 
     def ids(self) -> list[str]:
         """Every id in the table now (for tests and the admin's inspection)."""
-        with self.env.begin(db=self._samples) as txn:
-            committed = {bytes(k) for k in txn.cursor().iternext(values=False)}
+        with self._txn(db=self._samples) as txn:
+            committed = {bytes(k): Entry.decode(bytes(v)).id for k, v in txn.cursor().iternext()}
         with self._lock:
             for key, value in self._changed.items():
-                (committed.add if value is not None else committed.discard)(key)
-        return sorted(k.decode() for k in committed)
+                if value is None:
+                    committed.pop(key, None)
+                else:
+                    committed[key] = value.id
+        return sorted(committed.values())
 
     def close(self) -> None:
-        self.env.close()
+        with self._env_lock:
+            self.env.close()
