@@ -58,8 +58,8 @@ def meta_epoch_plan(targets: Sequence[int], cfg: PseudoTaskConfig, seed: int, me
     """The groups of one meta-epoch over a dataset with labels ``targets`` (sample indices in the plan)."""
     if not 0.0 < cfg.val_ratio < 1.0:
         raise ValueError(f"val_ratio must be in (0, 1), got {cfg.val_ratio}")
-    targets = torch.as_tensor(targets)
-    n_classes = int(targets.max()) + 1
+    labels = torch.as_tensor(targets)
+    n_classes = int(labels.max()) + 1
     if cfg.classes_per_group > n_classes or cfg.n_tasks > cfg.classes_per_group:
         raise ValueError(f"need n_tasks <= classes_per_group <= #classes, got {cfg.n_tasks}, "
                          f"{cfg.classes_per_group}, {n_classes}")
@@ -71,7 +71,7 @@ def meta_epoch_plan(targets: Sequence[int], cfg: PseudoTaskConfig, seed: int, me
         seq: dict[int, list[int]] = {}
         joint: list[int] = []
         for c in classes:
-            pool = (targets == c).nonzero().squeeze(1)
+            pool = (labels == c).nonzero().squeeze(1)
             take = pool[torch.randperm(len(pool), generator=g)[: cfg.samples_per_class]].tolist()
             n_val = max(1, round(len(take) * cfg.val_ratio))
             seq[c], joint = take[n_val:], joint + take[:n_val]

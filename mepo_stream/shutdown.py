@@ -118,7 +118,7 @@ def stop_process(process: subprocess.Popen, timeout: float = 10.0) -> None:
     try:
         process.wait(timeout)
     except subprocess.TimeoutExpired:
-        log.warning("%s did not stop within %.0f s of SIGTERM: killed", process.args[0], timeout)
+        log.warning("%s did not stop within %.0f s of SIGTERM: killed", process.args, timeout)
     finally:
         if process.poll() is None:
             process.kill()

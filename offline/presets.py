@@ -15,10 +15,13 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 PresetName = Literal["demo", "balanced", "best", "paper"]
-C = TypeVar("C")
+C = TypeVar("C", bound="DataclassInstance")
 
 # AdamW with layer-wise decay and a cosine schedule, trained at 56 px (served at the bundle's 84 px), every image
 # its own crop (half the batches through a lower resolution and back), a cosine training head, one pass over all

@@ -66,6 +66,7 @@ def produce(
     labels_later = _labels_later(kafka, replay, [(i, listing.targets[i]) for i in order], stream.seed)
     ensure_topics(kafka, kafka.topic, partitions=replay.partitions)
     if labels_later is not None:
+        assert kafka.labels_topic is not None  # _labels_later refuses a label delay without one
         ensure_topics(kafka, kafka.labels_topic)
     producer = open_producer(kafka, linger_ms=10, batch_size=262_144, max_request_size=4 * 1024 * 1024)
     n_partitions = len(producer.partitions_for(kafka.topic))
@@ -84,8 +85,8 @@ def produce(
                 _send_labels(producer, kafka, sid, labels_later.pop(position, []))
             if replay.rate:
                 time.sleep(max(0.0, start + sent / replay.rate - time.monotonic()))
-        for due in sorted(labels_later or {}):  # labels due after the last image
-            _send_labels(producer, kafka, sid, labels_later[due])
+        for _, labelled in sorted((labels_later or {}).items()):  # labels due after the last image
+            _send_labels(producer, kafka, sid, labelled)
         producer.flush()
     except Stopped as stop:  # SIGINT or SIGTERM (mepo_stream.shutdown): what was sent reaches the broker first
         producer.flush()

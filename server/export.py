@@ -148,6 +148,7 @@ def export(cfg: ExportConfig) -> Path:
     snapshot, names = (from_snapshot if cfg.source == "snapshot" else from_checkpoint)(cfg)
     if not snapshot.exposed:
         raise ConfigError("the model has not learned any class yet: nothing to export")
+    assert snapshot.model is not None  # a snapshot with classes has its model
     graph = ProbabilityGraph(snapshot.model, len(snapshot.exposed), snapshot.align_mode)
     labels = [names[y] for y in snapshot.exposed]
     model = onnx_model(graph, labels_metadata(labels, list(snapshot.exposed), snapshot.version,

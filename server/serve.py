@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-import math
+import shutil
 import subprocess
 import sys
 import threading
@@ -28,6 +28,7 @@ from mepo_stream.shutdown import Stopped, child_process
 from server.allocator import keep_freed_memory
 from server.broker import EmbeddedBroker
 from server.config import DemoConfig, ServeConfig
+from server.learner.corrections import TABLE
 from server.learner.service import Service
 from server.learner.state import CHECKPOINT
 from server.metrics import ServerMetrics
@@ -79,7 +80,8 @@ def _producer_command(cfg: DemoConfig) -> list[str]:
 def expected_samples(cfg: DemoConfig) -> int:
     """The samples the demo's stream teaches: every image, or, with labels that come later, those whose label
     comes (``mepo_stream.label_delay``, drawn as the producer draws it)."""
-    n = min(len(list_files(cfg.data, "train").files), cfg.replay.limit or math.inf)
+    files = len(list_files(cfg.data, "train").files)
+    n = files if cfg.replay.limit is None else min(files, cfg.replay.limit)
     if cfg.replay.label_delay is None:
         return n
     schedule = label_schedule(n, cfg.replay.label_delay, cfg.replay.label_delay_max, cfg.replay.label_loss,
@@ -117,10 +119,11 @@ def demo(cfg: DemoConfig = DemoConfig()) -> None:
     cfg = labels_later(cfg)
     cfg.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     (cfg.checkpoint_dir / CHECKPOINT).unlink(missing_ok=True)  # the in-memory broker starts empty too
+    shutil.rmtree(cfg.checkpoint_dir / TABLE, ignore_errors=True)  # and the sample table with the checkpoint
     broker = EmbeddedBroker(log_path=cfg.checkpoint_dir.parent / "broker.log") if cfg.embedded_broker \
         else nullcontext()
     with broker:
-        if cfg.embedded_broker:
+        if isinstance(broker, EmbeddedBroker):
             cfg = replace(cfg, kafka=replace(cfg.kafka, bootstrap_servers=broker.bootstrap))
         ensure_topics(cfg.kafka)
         with child_process(_producer_command(cfg)) as producer:  # stopped on every way out, as the broker is

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from mepo_stream.alignment import AlignMode
 from mepo_stream.label_join import Refused
 from mepo_stream.learner import OnlineLearner
 from server.snapshot import ranked
@@ -38,12 +39,12 @@ class Arrival:
 
 @torch.no_grad()
 def arrive(learner: OnlineLearner, images: torch.Tensor, top_k: int, class_names: dict[int, str],
-           align_mode: str = "running") -> list[Arrival]:
+           align_mode: AlignMode = "running") -> list[Arrival]:
     """Predict uint8 images [B, 3, S, S] with the learner's current model; keep each one's feature (cloned: a row
     must not hold the batch's storage alive while it waits) or, for a learner that needs it, its image."""
     encoded = learner.encode(images)
     n_seen = len(learner.exposed)
-    rows = [[] for _ in range(len(images))]
+    rows: list[list[dict]] = [[] for _ in range(len(images))]
     if n_seen:
         probs = learner.logits(encoded, (align_mode,))[align_mode][:, :n_seen].softmax(1).cpu()  # [B, n_seen]
         rows = ranked(best(probs, learner.exposed, top_k), class_names)

@@ -69,7 +69,9 @@ class Sample:
 
     @property
     def label(self) -> int:
-        return self.joined.label if self.joined is not None else self.meta.label
+        label = self.joined.label if self.joined is not None else self.meta.label
+        assert label is not None, "a sample waits for its mini-batch only once its label is known"
+        return label
 
 
 class Pending(NamedTuple):

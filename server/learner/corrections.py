@@ -71,7 +71,7 @@ class Corrections:
         inline, one never learned), else a label for the join. The join is asked first: the learning step writes a
         sample to the table before it lets go of its join."""
         self.expire(now)
-        if pending or (join is not None and id in join.in_flight) or id in self.table:
+        if pending or (join is not None and id in join.in_flight) or self.table.get(id) is not None:
             return "correction"
         if join is None or id in join.joined_ids:
             self.counts["corrections_refused"] += 1
@@ -83,7 +83,7 @@ class Corrections:
         """A tombstone for ``id`` read at record time ``now``: a sample to take out (learned, ``pending`` or in
         flight), an image or label let go from the join now, or refused (never learned, or past retention)."""
         self.expire(now)
-        if pending or (join is not None and id in join.in_flight) or id in self.table:
+        if pending or (join is not None and id in join.in_flight) or self.table.get(id) is not None:
             return "forget"
         if join is not None and join.forget(id):
             self.counts["deletions_applied"] += 1

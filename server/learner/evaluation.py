@@ -8,6 +8,7 @@ at its scheduled sample count, and calls ``after_batch`` once the step is whole.
 
 from __future__ import annotations
 
+from mepo_stream.alignment import AlignMode
 from mepo_stream.anytime import AnytimeCurve, AnytimeEvaluation
 from mepo_stream.learner import OnlineLearner
 
@@ -15,7 +16,7 @@ from mepo_stream.learner import OnlineLearner
 class Evaluator:
     """The any-time curve of one learner and the latest per-class accuracy; read through ``LearnerView``."""
 
-    def __init__(self, evaluation: AnytimeEvaluation | None, mode: str):
+    def __init__(self, evaluation: AnytimeEvaluation | None, mode: AlignMode):
         self.evaluation, self.mode = evaluation, mode
         self.class_accuracy: dict[int, float] = {}  # per class id, of the latest evaluation
         self.idle_evaluated_at = -1  # samples seen at the last evaluation where the stream went idle
@@ -42,6 +43,7 @@ class Evaluator:
 
     def evaluate_idle(self, learner: OnlineLearner) -> None:
         """Measure the accuracy of the stream so far, as at the end of a task."""
+        assert self.evaluation is not None  # idle_due says there is one
         self.class_accuracy = self.evaluation.end_of_task(learner)[self.mode][1]
         self.idle_evaluated_at = learner.samples_seen
 

@@ -21,6 +21,8 @@ Example:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from river import drift, metrics, utils
@@ -29,7 +31,8 @@ from mepo_stream.errors import ConfigError
 from server.config import MonitorConfig
 
 MAX_REPLAY = 20_000  # most errors replayed into a restored detector
-DETECTORS = {"ADWIN": drift.ADWIN, "PageHinkley": drift.PageHinkley, "KSWIN": drift.KSWIN}
+DETECTORS: dict[str, Callable[[], Any]] = {"ADWIN": drift.ADWIN, "PageHinkley": drift.PageHinkley,
+                                           "KSWIN": drift.KSWIN}
 
 
 class StreamMonitor:
@@ -37,6 +40,11 @@ class StreamMonitor:
         if cfg.detector not in DETECTORS:
             raise ConfigError(f"unknown drift detector {cfg.detector!r}; use one of {sorted(DETECTORS)}")
         self.cfg = cfg
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """Nothing seen yet."""
+        cfg = self.cfg
         self.accuracy = metrics.Accuracy()
         self.rolling_accuracy = utils.Rolling(metrics.Accuracy, window_size=cfg.rolling_window)
         self.detector = DETECTORS[cfg.detector]()
@@ -52,7 +60,7 @@ class StreamMonitor:
 
     @property
     def rolling(self) -> float:
-        return self.rolling_accuracy.get()
+        return self.rolling_accuracy.get()  # type: ignore[operator]  # river types Rolling.get as an object
 
     def _observe(self, correct: int) -> bool:
         self.accuracy.update(1, correct)
@@ -84,7 +92,7 @@ class StreamMonitor:
                 "errors": torch.tensor(list(self.errors), dtype=torch.int8), "events": self.events}
 
     def load_state_dict(self, state: dict) -> None:
-        self.__init__(self.cfg)
+        self._fresh()
         correct, total = int(state["correct"]), int(state["total"])
         if correct:  # the cumulative accuracy with the same counts, as two weighted updates
             self.accuracy.update(1, 1, w=correct)

@@ -113,6 +113,7 @@ class SnapshotPublisher:
     def _publish(self, snapshot: Snapshot) -> None:
         """Encode, send every part, and wait until the broker has acknowledged them all."""
         start = time.perf_counter()
+        assert snapshot.model is not None  # the learner's snapshots always hold its model
         blob = self.run(encode, snapshot.model.trainable_state_dict(), self.origin, snapshot.version,
                         snapshot.samples_seen, snapshot.exposed, time.time())
         producer = self._connect()

@@ -77,6 +77,18 @@ def _time_key(at: float, id: bytes) -> bytes:
     return struct.pack(">Q", max(0, int(at * 1000))) + id
 
 
+def _write(txn, dbs: tuple, key: bytes, before: bytes | None, value: Entry | None) -> None:
+    """Replace ``before`` (its entry and its time index key; None: absent) by ``value`` (None: delete)."""
+    samples, by_time = dbs
+    if before is not None:
+        txn.delete(_time_key(Entry.decode(bytes(before)).time, key), db=by_time)
+    if value is None:
+        txn.delete(key, db=samples)
+        return
+    txn.put(key, value.encode(), db=samples)
+    txn.put(_time_key(value.time, key), b"", db=by_time)
+
+
 class SampleTable:
     """Learned samples by id; changed in memory by the learning step, committed with each checkpoint."""
 
@@ -118,9 +130,6 @@ class SampleTable:
             if key in self._changed:
                 return self._changed[key]
         return self._committed(key)
-
-    def __contains__(self, id: str) -> bool:
-        return self.get(id) is not None
 
     def _committed(self, key: bytes) -> Entry | None:
         with self._txn(db=self._samples) as txn:
@@ -193,21 +202,12 @@ class SampleTable:
                 self._deleted |= value is None and before is not None
                 txn.put(prefix + key, b"\x00" if before is None else b"\x01" + bytes(before), db=self._undo,
                         overwrite=False)  # the first change of a generation keeps the value before it
-                self._write(txn, key, before, value)
+                _write(txn, (self._samples, self._by_time), key, before, value)
             txn.put(b"generation", str(generation).encode(), db=self._meta)
         with self._lock:
             for key, value in changes.items():
                 if self._changed.get(key, ...) is value:
                     del self._changed[key]
-
-    def _write(self, txn, key: bytes, before: bytes | None, value: Entry | None) -> None:
-        if before is not None:
-            txn.delete(_time_key(Entry.decode(bytes(before)).time, key), db=self._by_time)
-        if value is None:
-            txn.delete(key, db=self._samples)
-            return
-        txn.put(key, value.encode(), db=self._samples)
-        txn.put(_time_key(value.time, key), b"", db=self._by_time)
 
     def settle(self, generation: int) -> None:
         """Checkpoint ``generation`` is on disk: no restart goes back before it, so its undo records go."""
@@ -258,7 +258,7 @@ class SampleTable:
             for key, value in sorted(later, reverse=True):  # the newest generation first
                 id = key[8:]
                 now = txn.get(id, db=self._samples)
-                self._write(txn, id, None if now is None else bytes(now),
+                _write(txn, (self._samples, self._by_time), id, None if now is None else bytes(now),
                             None if value == b"\x00" else Entry.decode(value[1:]))
                 txn.delete(key, db=self._undo)
             txn.put(b"generation", str(generation).encode(), db=self._meta)

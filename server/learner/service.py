@@ -53,9 +53,9 @@ class Service(Serving):
     def stop(self) -> None:
         """Learn the records in hand, checkpoint and commit, then stop learning; publish the last snapshot."""
         self.loop.stop()
-        if self.follower is not None:
+        if self.follower is not None and isinstance(group := self.state.membership, InGroup):
             self.follower.stop()
-            self.state.membership.changelog.close()
+            group.changelog.close()
         if self.publisher is not None:
             self.publisher.stop()
         self.state.model_thread.shutdown()

@@ -120,9 +120,9 @@ class ReplicaModel:
         config = self.config(message.origin)
         model = self._model(config, len(message.origin.class_names))
         if model.backbone_sha256 != message.origin.backbone_sha256:
-            raise Refused("backbone_mismatch", f"the learner's backbone has sha256 "
-                          f"{message.origin.backbone_sha256[:12]}…, this replica's {model.backbone_sha256[:12]}… "
-                          f"(the backbone weights on this machine differ from the learner's)")
+            theirs, mine = message.origin.backbone_sha256 or "?", model.backbone_sha256 or "?"
+            raise Refused("backbone_mismatch", f"the learner's backbone has sha256 {theirs[:12]}…, this replica's "
+                          f"{mine[:12]}… (the backbone weights on this machine differ from the learner's)")
         try:
             model.load_trainable_state_dict(message.tensors)
         except StateRefused as e:
@@ -265,6 +265,7 @@ class SnapshotFollower(ConsumerThread):
             if self._paused.is_set():
                 self.stop_event.wait(0.2)
                 continue
+            assert self.consumer is not None  # connected before the loop
             polled = self.consumer.poll(timeout_ms=500)
             self._probe(bool(polled))
             records = sorted((r for rs in polled.values() for r in rs), key=lambda r: (r.partition, r.offset))

@@ -81,7 +81,8 @@ def create_app(settings: ServeConfig, start: Starter | None = None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), getattr(exc, "reason", "http_error"), exc.headers)
+        return error_response(exc.status_code, str(exc.detail), getattr(exc, "reason", "http_error"),
+                              dict(exc.headers) if exc.headers else None)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -15,7 +15,7 @@ from server.serving import ServingModel
 from server.uploads import LabelsOff
 from server.web.dependencies import ApiError, errors, get_service, get_settings
 from server.web.prediction import predict_uploads
-from server.web.schemas import PredictResponse
+from server.web.schemas import FilePrediction, Label, PredictResponse
 
 router = APIRouter(tags=["predict"])
 
@@ -82,5 +82,5 @@ async def predict(
     if id is not None:
         content_type = request.headers["content-type"] if items[0][0] == "body" else "application/octet-stream"
         await run_in_threadpool(keep_for_label, service, id, items[0][1], content_type, rows[0][0]["label"])
-    return PredictResponse(**meta, predictions=[{"filename": name, "top_k": row}
+    return PredictResponse(**meta, predictions=[FilePrediction(filename=name, top_k=[Label(**c) for c in row])
                                                 for (name, _), row in zip(items, rows, strict=True)])
