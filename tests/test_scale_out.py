@@ -174,11 +174,11 @@ def test_a_state_of_another_model_is_never_merged(tmp_path, monkeypatch):
     foreign = replace(state.origin, backbone_sha256="0" * 64)
     stats = LabelStatistics.zeros(*state.learner.statistics().shape)
     stats.add(torch.ones(3, stats.shape[1]), torch.tensor([1, 1, 2]), torch.zeros(stats.shape[2]))
-    state.merge_remote(PartitionState("images:1", stats, 3, {}, foreign, "other:1", 0.0, 0.0, 0))
+    state.membership.merge_remote(PartitionState("images:1", stats, 3, {}, foreign, "other:1", 0.0, 0.0, 0))
     assert "another model (its backbone_sha256 differ" in state.refusal and state.learner.samples_seen == 0
-    state.refusal = None
-    state.merge_remote(PartitionState("images:1", stats, 3, {}, state.origin, "other:1", 0.0, 0.0, 0))
-    assert state.refusal is None and state.learner.samples_seen == 3 and state.learner.exposed == [1, 2]
+    state.membership.merge_remote(PartitionState("images:1", stats, 3, {}, state.origin, "other:1", 0.0, 0.0, 0))
+    assert state.learner.samples_seen == 3 and state.learner.exposed == [1, 2]  # its own model's state merges
+    assert "another model" in state.refusal  # and the refusal stays: learning stops at the loop's next turn
     state.model_thread.shutdown()
 
 
@@ -195,7 +195,7 @@ def test_newer_states_replace_their_partitions_part_of_the_model(tmp_path, monke
             stats = LabelStatistics.zeros(*shape)
             stats.add(torch.randn(offset, shape[1], generator=rng), torch.randint(0, 10, (offset,), generator=rng),
                       torch.zeros(shape[2]))
-            state.merge_remote(PartitionState(key, stats, offset, {}, state.origin, "other:1", 0.0, 0.0, 0))
+            state.membership.merge_remote(PartitionState(key, stats, offset, {}, state.origin, "other:1", 0.0, 0.0, 0))
             if offset >= newest.get(key, (-1,))[0]:
                 newest[key] = (offset, stats)
             expected = LabelStatistics.total(s for _, s in newest.values())

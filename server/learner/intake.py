@@ -75,11 +75,11 @@ def gpu_decode_device(gpu_decode: bool | None, model_device: torch.device) -> to
     return model_device if gpu_decode else None
 
 
-def open_corrections(cfg: ServeConfig, learner: OnlineLearner, by_partition: bool) -> Corrections | None:
+def open_corrections(cfg: ServeConfig, learner: OnlineLearner, book: StreamBook) -> Corrections | None:
     """The corrections of ``--corrections.enabled`` (None: off), refused at start where they cannot be exact."""
     if not cfg.corrections.enabled:
         return None
-    if by_partition:
+    if book.by_partition:
         raise ConfigError("--corrections.enabled is not supported for learners in a group (--kafka.state_topic) yet: "
                           "the sample table does not move with its partition; run one learner")
     return Corrections(cfg.corrections, learner, cfg.checkpoint_dir)
@@ -138,13 +138,13 @@ class Intake:
     learning step holds while it changes the model (an arrival's forward reads it)."""
 
     def __init__(self, cfg: ServeConfig, learner: OnlineLearner, class_names: dict[int, str], metrics: ServerMetrics,
-                 model_thread: ModelThread, lock: threading.Lock, version: Callable[[], int], by_partition: bool):
+                 model_thread: ModelThread, lock: threading.Lock, version: Callable[[], int], book: StreamBook):
         self.cfg, self.learner, self.class_names, self.metrics = cfg, learner, class_names, metrics
         self.model_thread, self.lock, self.version = model_thread, lock, version
-        self.book = StreamBook(learn_replays=cfg.learn_replays, by_partition=by_partition)
+        self.book = book
         self.join = LabelJoin(cfg.join, cfg.corrections.enabled) if cfg.kafka.labels_topic is not None else None
         """Images waiting for labels that come later and labels waiting for images (None: labels come attached)."""
-        self.corrections = open_corrections(cfg, learner, by_partition)
+        self.corrections = open_corrections(cfg, learner, book)
         """The sample table and its changes (None: ``--corrections.enabled`` is off)."""
         self.stream_time = 0.0  # the newest record timestamp read (s): the join's clock
         self.limits = cfg.limits.at(learner.method.input_size)

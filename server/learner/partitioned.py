@@ -38,10 +38,11 @@ from kafka.errors import KafkaError
 
 from mepo_stream.errors import ConfigError, StateRefused
 from mepo_stream.label_statistics import LabelStatistics
+from mepo_stream.methods.base import Encoded
 from server.config import ServeConfig
-from server.learner.book import Sample
+from server.learner.book import Pending, Sample, StreamBook
 from server.learner.changelog import Changelog
-from server.learner.state import CHECKPOINT, LearnerState, open_learner, read_checkpoint
+from server.learner.state import CHECKPOINT, LearnerState, Restored, open_learner, read_checkpoint
 from server.learner.view import GroupView
 from server.metrics import ServerMetrics
 from server.model_thread import ModelThread
@@ -76,11 +77,17 @@ def migrated_state(path: Path, origin: Origin, learner_id: str, shape: tuple[int
                           0.0, 0)
 
 
+def partition_groups(pending: list[Pending]) -> list[list[Pending]]:
+    """The pending records, one group per partition, in the order the partitions first appear."""
+    groups: dict[str, list[Pending]] = {}
+    for p in pending:
+        groups.setdefault(p.key, []).append(p)
+    return list(groups.values())
+
+
 class InGroup:
     """A learner in a group: sums per owned partition in ``own``, the others' newest states in ``remote``; the
     learner's classifier always holds their total."""
-
-    scales_out = True
 
     def __init__(self, changelog: Changelog, learner_id: str, checkpoint_path: Path):
         self.changelog, self.learner_id, self.checkpoint_path = changelog, learner_id, checkpoint_path
@@ -94,12 +101,13 @@ class InGroup:
         self.rate_mark = (time.monotonic(), 0)  # (when, learned_here) at the last persist
         self.learned_here = 0  # samples this learner learned (not merged from others)
         self.state: LearnerState | None = None
+        self.refusal: str | None = None  # a state on the topic this learner cannot use: learning stops
 
     def bind(self, state: LearnerState) -> None:
         self.state = state
 
     # --- start ------------------------------------------------------------------------------------------------
-    def restore(self) -> None:
+    def restore(self) -> Restored | None:
         """Refuse what cannot be merged, prepare a migration, and load every partition's newest state."""
         s = self.state
         if (why := s.learner.not_mergeable) is not None:
@@ -112,13 +120,13 @@ class InGroup:
             states = self.changelog.read_all()
         except KafkaError as e:  # the follower and the assignment read the topic once the broker is back
             log.warning("could not read the state topic at start (%s); the partitions' states come later", e)
-            return
+            return None
         for state in states.values():
             self._check(state)
             self.remote[state.key] = state
         self._remote_total = None
         self.load_total()
-        s.version = s.samples_seen = s.learner.samples_seen
+        return Restored(s.learner.samples_seen)
 
     def _check(self, state: PartitionState) -> None:
         """Refuse a partition state of another model: its sums mean something else."""
@@ -207,7 +215,7 @@ class InGroup:
     def refuse(self, why: str) -> None:
         """Stop learning (the loop raises it at its next turn): a state on the topic this learner cannot use."""
         log.error("refused: %s", why)
-        self.state.refusal = why
+        self.refusal = why
 
     def _newer_remote(self, state: PartitionState) -> bool:
         """Keep ``state`` as a partition's remote sums if it is not owned here and is newer than the kept one (the
@@ -236,9 +244,20 @@ class InGroup:
         self.state.metrics.merge_seconds.observe(time.perf_counter() - start)
 
     # --- learning ---------------------------------------------------------------------------------------------
-    def step(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample]) -> torch.Tensor | None:
+    def new_book(self, learn_replays: bool) -> StreamBook:
+        """A book that keeps the ids learned from each partition: a partition's state carries them."""
+        return StreamBook(learn_replays=learn_replays, by_partition=True)
+
+    groups = staticmethod(partition_groups)  # one partition's records a mini-batch: each adds to its partition's sums
+
+    def check_assignment(self, images: set[int], everything: set[int] | None) -> None:
+        """Any share of the partitions: the group's states add up to the model."""
+        return None
+
+    def update(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample], encoded: Encoded | None
+               ) -> torch.Tensor | None:
         """Predict with the merged model, add the batch to its partition's sums, load the new total (the state cuts
-        each mini-batch from one partition: ``partition_groups``)."""
+        each mini-batch from one partition: ``groups``); ``encoded`` is not used (the step encodes)."""
         in_batch = {id(s) for s in batch}
         (key,) = {p.key for p in self.state.intake.book.pending if id(p.sample) in in_batch}  # one partition a step
         pred, h, hits = self.state.learner.statistics_step(images, labels)

@@ -8,8 +8,9 @@ Kafka Streams splits a stateful task the same way (StreamTask, RecordCollector, 
 * the **evaluation** (``server.learner.evaluation``) runs the any-time evaluations at their sample counts;
 * the **persistence** is a strategy handed in (``Membership``): ``Alone`` here, a learner with a checkpoint file
   of its own, or ``InGroup`` (``server.learner.partitioned``), a learner in a group whose partitions' states are
-  in the state topic. The state consults it (``scales_out``) to cut mini-batches per partition and to hand each
-  one to a group's ``step``; a learner alone is never handed a record.
+  in the state topic. Both answer the same verbs (``new_book``, ``restore``, ``groups``, ``update``,
+  ``check_assignment``, ``capture``, ``write``, ...): they return typed values and never write this state's
+  fields, and nothing asks which one it is.
 
 A record goes from the poll to the model update through the loop, the intake, its book, this state (which the model
 thread runs, taking its mini-batches from the book itself) and the learner (docs/architecture.md).
@@ -29,7 +30,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -44,7 +45,7 @@ from mepo_stream.learner import OnlineLearner
 from mepo_stream.methods.base import Encoded
 from mepo_stream.model import create_model
 from server.config import ServeConfig, model_config
-from server.learner.book import Pending, Sample
+from server.learner.book import Pending, Sample, StreamBook
 from server.learner.evaluation import Evaluator
 from server.learner.intake import Intake
 from server.learner.monitor import StreamMonitor
@@ -87,15 +88,12 @@ def read_checkpoint(path: Path) -> dict:
     return state
 
 
-def partition_groups(pending: list[Pending], per_partition: bool) -> list[list[Pending]]:
-    """The pending records a mini-batch may mix: all of them, or (``per_partition``: a learner in a group, whose
-    step learns one partition's sums) one group per partition, in the order the partitions first appear."""
-    if not per_partition:
-        return [pending]
-    groups: dict[str, list[Pending]] = {}
-    for p in pending:
-        groups.setdefault(p.key, []).append(p)
-    return list(groups.values())
+@dataclass(frozen=True)
+class Restored:
+    """What a membership's restore brings back beside the model, for the state to show."""
+
+    version: int
+    last_checkpoint_time: float = math.nan
 
 
 def runs_of_samples(samples: list[Sample]) -> list[list[Sample]]:
@@ -130,15 +128,16 @@ class Membership(Protocol):
 
     ``bind`` hands it the state it serves; ``capture`` runs in the model thread with the state's lock held."""
 
-    scales_out: bool
-    """A learner in a group keeps what it learned per partition: the state cuts its mini-batches per partition and
-    hands each one to ``step``, which adds it to its partition's sums. A learner alone is only consulted (the
-    state folds its batches into the model itself), so a record's walk never passes through it."""
+    refusal: str | None
+    """Why learning must stop (a learner in a group: another model's state on the topic); None while it may go on."""
 
     def bind(self, state: LearnerState) -> None: ...
-    def restore(self) -> None: ...
-    def step(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample]  # where ``scales_out``
-             ) -> torch.Tensor | None: ...
+    def new_book(self, learn_replays: bool) -> StreamBook: ...
+    def restore(self) -> Restored | None: ...
+    def groups(self, pending: list[Pending]) -> list[list[Pending]]: ...
+    def update(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample], encoded: Encoded | None
+               ) -> torch.Tensor | None: ...
+    def check_assignment(self, images: set[int], everything: set[int] | None) -> str | None: ...
     def next_version(self) -> int: ...
     def capture(self) -> dict: ...
     def write(self, captured: dict) -> dict[str, int]: ...
@@ -146,7 +145,6 @@ class Membership(Protocol):
     def revoke(self, keys: list[str]) -> None: ...
     def group_view(self) -> GroupView | None: ...
     def merge_remote(self, remote: PartitionState) -> None: ...
-
 
 class LearnerState:
     """The learning step over its intake, evaluation and persistence; shared by the learner thread (writes) and
@@ -159,14 +157,13 @@ class LearnerState:
         """``origin``: what this learner's snapshots and partition states share, and what a reader must match."""
         self.lock = threading.Lock()  # one writer at a time: the learner thread, or kafka-python's in a rebalance
         self.intake = Intake(cfg, learner, class_names, metrics, model_thread, self.lock, lambda: self.version,
-                             by_partition=membership.scales_out)
+                             membership.new_book(cfg.learn_replays))
         self.monitor = StreamMonitor(cfg.monitor)
         self.version = 0
         self.samples_seen = 0  # of the last whole step (``learner.samples_seen`` moves inside the step)
         self.since_checkpoint = 0  # samples learned since the last capture
         self.last_checkpoint_time = math.nan
         self.last_learned_time = math.nan  # wall time of the last learned mini-batch (not checkpointed)
-        self.refusal: str | None = None  # why learning must stop (a learner in a group: another model's state)
         self.on_learned: Callable[[], None] | None = None  # told of every new version (the publisher)
         self.reporter = StateReporter(self.view, metrics)
         self.membership = membership
@@ -207,10 +204,6 @@ class LearnerState:
             self.last_learned_time, join_summary(self.intake.join), self.membership.group_view(),
             None if self.intake.corrections is None else self.intake.corrections.summary())
 
-    def merge_remote(self, remote: PartitionState) -> None:
-        """Another learner's newer state of a partition (the follower thread of a learner in a group)."""
-        self.membership.merge_remote(remote)
-
     @property
     def offsets(self) -> dict[str, int]:
         """Next offset per partition with every record before it handled: where a consumer seeks."""
@@ -234,7 +227,7 @@ class LearnerState:
         self.model_thread.run(self._learn_pending)
 
     def _learn_pending(self) -> None:
-        for group in partition_groups(self.intake.book.pending, self.membership.scales_out):
+        for group in self.membership.groups(self.intake.book.pending):
             for run in runs_of_samples([p.sample for p in group]):
                 if run[0].change is not None:  # corrections and deletions in a row: one version
                     self.learn(run)
@@ -275,7 +268,7 @@ class LearnerState:
                 labels, pred = torch.tensor(scored).T if scored else (labels, None)  # the predictions at arrival
             else:  # corrections keep each sample's feature: encoded here, the same forward learns it
                 encoded = None if self.intake.corrections is None else self.learner.encode(images)
-                pred = self._update(images, labels, batch, encoded)
+                pred = self.membership.update(images, labels, batch, encoded)
             if self.cfg.prequential:
                 self._monitor(labels, pred, seen_before)
             self.intake.learned(batch, None if features or encoded is None else encoded.feature)
@@ -284,17 +277,16 @@ class LearnerState:
             self.changed()
         self.announce(len(batch))
 
-    def _update(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample], encoded: Encoded | None
-                ) -> torch.Tensor | None:
-        """The model update (from ``encoded``, the batch's encoding, where the caller has it); its test-then-train
-        predictions (None: not prequential) feed the drift monitor. A learner alone folds the batch into its model
-        here; in a group the membership adds it to its partition's sums and loads their total (``InGroup.step``)."""
-        if self.membership.scales_out:
-            return self.membership.step(images, labels, batch)
-        if not self.cfg.prequential:
-            self.learner.observe(images, labels, encoded)
-            return None
-        return self.learner.test_then_train(images, labels, self.cfg.alignment.inference_mode, encoded)
+    @property
+    def refusal(self) -> str | None:
+        """Why learning must stop (the membership's: a learner in a group refuses another model's state)."""
+        return self.membership.refusal
+
+    def restore(self) -> None:
+        """Restore what the membership persisted, and show its version."""
+        if (restored := self.membership.restore()) is not None:
+            self.version, self.samples_seen = restored.version, self.learner.samples_seen
+            self.last_checkpoint_time = restored.last_checkpoint_time
 
     def changed(self) -> None:
         """The model changed: run the evaluations now due, then move ``version`` and ``samples_seen``."""
@@ -371,7 +363,7 @@ class LearnerState:
 class Alone:
     """One learner over the whole topic: its checkpoint file holds model, offsets and learned ids together."""
 
-    scales_out = False
+    refusal = None  # nothing another learner writes reaches it
 
     def __init__(self, path: Path):
         self.path = path
@@ -380,12 +372,39 @@ class Alone:
     def bind(self, state: LearnerState) -> None:
         self.state = state
 
-    def restore(self) -> None:
+    def new_book(self, learn_replays: bool) -> StreamBook:
+        return StreamBook(learn_replays=learn_replays)
+
+    def groups(self, pending: list[Pending]) -> list[list[Pending]]:
+        """Mini-batches may mix every partition's records."""
+        return [pending]
+
+    def update(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample], encoded: Encoded | None
+               ) -> torch.Tensor | None:
+        """Fold the batch into the model (from ``encoded``, its encoding, where the caller has it); its
+        test-then-train predictions (None: not prequential) feed the drift monitor."""
+        s = self.state
+        if not s.cfg.prequential:
+            s.learner.observe(images, labels, encoded)
+            return None
+        return s.learner.test_then_train(images, labels, s.cfg.alignment.inference_mode, encoded)
+
+    def check_assignment(self, images: set[int], everything: set[int] | None) -> str | None:
+        """A learner alone must have the whole topic: a second one in its group would split the stream between two
+        models that nothing adds up (None: it has; also while the partitions are not known yet)."""
+        if not everything or images == everything:
+            return None
+        kafka = self.state.cfg.kafka
+        return (f"another learner joined consumer group {kafka.group_id!r} and took some of {kafka.topic}'s "
+                f"partitions: each would learn a part of the stream into a model of its own. Learning in several "
+                f"processes needs --kafka.state_topic (docs: Scale-out), and a model whose sums add up")
+
+    def restore(self) -> Restored | None:
         """Load the checkpoint file, if there is one: model, monitor, book, join, sample table, curve and the RNG."""
         if not self.path.is_file():
             if self.state.intake.corrections is not None:
                 self.state.intake.corrections.restore(None)
-            return
+            return None
         s, saved = self.state, read_checkpoint(self.path)
         try:
             s.learner.load_state_dict(saved["learner"])
@@ -393,15 +412,14 @@ class Alone:
             raise StateRefused(f"{self.path} was written by another model than these options build (start with the "
                                f"options that wrote it, or move it away to learn from scratch): {e}") from e
         s.monitor.load_state_dict(saved["monitor"])
-        s.version, s.samples_seen = int(saved["version"]), s.learner.samples_seen
         s.intake.load_state_dict(saved)
         if s.intake.corrections is not None:
             s.intake.corrections.restore(saved.get("corrections"))
         s.evaluator.load_state_dict(saved["anytime"])
         torch.set_rng_state(saved["rng"])
-        s.last_checkpoint_time = float(saved["time"])
         log.info("restored checkpoint %s: %d samples learned, offsets %s", self.path, s.learner.samples_seen,
                  s.offsets)
+        return Restored(int(saved["version"]), float(saved["time"]))
 
     def next_version(self) -> int:
         return self.state.version + 1
@@ -459,7 +477,7 @@ def open_learner(cfg: ServeConfig, metrics: ServerMetrics, model_thread: ModelTh
     state = LearnerState(cfg, metrics, model_thread or ModelThread(), learner, class_names, origin,
                          Evaluator(evaluation, cfg.alignment.inference_mode),
                          membership or Alone(cfg.checkpoint_dir / CHECKPOINT))
-    state.membership.restore()
+    state.restore()
     metrics.info.info({"backbone": cfg.backbone.name, "mepo_bundle": str(cfg.mepo or ""), "method": cfg.method,
                        "n_classes": str(len(class_names))})
     state.reporter.export()

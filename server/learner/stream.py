@@ -147,14 +147,10 @@ class LearnerLoop(ConsumerThread):
             self.refusal = str(e)
         except KafkaError as e:  # the partitions' states could not be read: reconnect, and be assigned again
             self._broken = e
-        if self.refusal is None and not self.state.membership.scales_out and self.consumer is not None:
+        if self.refusal is None and self.consumer is not None:
             everything = self.consumer.partitions_for_topic(self.cfg.kafka.topic)  # None: not known yet
             images = {tp.partition for tp in assigned if tp.topic != self.cfg.kafka.labels_topic}
-            if everything and images != everything:
-                self.refusal = (f"another learner joined consumer group {self.cfg.kafka.group_id!r} and took some "
-                                f"of {self.cfg.kafka.topic}'s partitions: each would learn a part of the stream "
-                                f"into a model of its own. Learning in several processes needs "
-                                f"--kafka.state_topic (docs: Scale-out), and a model whose sums add up")
+            self.refusal = self.state.membership.check_assignment(images, everything)
         self.seek_to_handled(assigned)
 
     def let_go(self, keys: list[str]) -> None:

@@ -39,7 +39,7 @@ class Written(BaseModel):
 
 
 @router.post("/v1/labels/{id:path}", dependencies=[Depends(require_admin)], status_code=202,
-             responses=errors(401, 403, 409, 422, 503),
+             responses=errors(400, 401, 403, 409, 422, 503),
              summary="Label a sample by id, or correct its label (a record on the labels topic)")
 def label(id: Id, body: NewLabel, service: Annotated[ServingModel, Depends(get_service)]) -> Written:
     if body.label >= len(service.class_names):
