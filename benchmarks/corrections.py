@@ -139,7 +139,7 @@ def _turn(state: LearnerState, poll: list[Record], decoder, tombstones: dict[str
             tombstones[r.key.decode()] = now
     state.intake.accept(poll, decoder, meanwhile=state.learn_pending)
     table = state.intake.corrections.table if state.intake.corrections else None
-    for id in [i for i in tombstones if table is not None and i not in table]:
+    for id in [i for i in tombstones if table is not None and table.get(i) is None]:
         latencies.append(time.perf_counter() - tombstones.pop(id))
     if (captured := state.capture(due_only=True)) is None:
         return 0
