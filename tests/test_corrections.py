@@ -11,6 +11,7 @@ import struct
 import time
 from dataclasses import dataclass, replace
 
+import httpx
 import pytest
 import torch
 from kafka import KafkaProducer
@@ -265,3 +266,33 @@ def test_the_admin_routes_write_a_correction_and_a_deletion_that_the_learner_app
     fresh = fresh_model(cfg, table)
     test = load_split(replace(DATA, load_size=32), "test")
     assert_same_model(learned_model(cfg), fresh, fresh.encode(test.images).feature)
+
+
+def test_a_replica_follows_a_deletion_and_no_longer_answers_with_the_deleted_class(broker, tmp_path):
+    """Changes are model versions like any other: a replica loads the version without class 7 (every one of its
+    images deleted) and answers as the learner does."""
+    from tests.test_replica import jpeg, learner_settings, predict, replica_of, version_of
+
+    cfg = corrected(learner_settings(broker, tmp_path))
+    n = produce(DATA, STREAM, cfg.kafka, LATE)
+    gone = [("labels", id, None) for id, label in scenario(56).labels.items() if label == 7]
+    follower = replica_of(cfg)
+    replica, server = serve_process(follower, tmp_path / "replica.log"), LiveServer(cfg)
+    try:
+        with server as http:
+            wait_for(lambda: http.get("/v1/status").json()["samples_seen"] >= n, what="the stream")
+            send_changes(cfg, gone)
+            learner = wait_for(lambda: (s := http.get("/v1/status").json())["corrections"]["deletions_applied"]
+                               == len(gone) and s, what="the deletions")
+            version = learner["model_version"]
+            wait_for(lambda: replica.running() and version_of(follower.port) == version, 60,
+                     f"the replica at version {version}", ignore=(httpx.TransportError,))
+            answer = predict(follower.port)
+            assert answer == predict(server.port) and answer["model_version"] == version
+            every = httpx.post(f"http://127.0.0.1:{follower.port}/v1/predict", params={"top_k": 10},
+                               content=jpeg("red"), headers={"content-type": "image/jpeg"}).json()
+            sevens = [c["probability"] for c in every["predictions"][0]["top_k"] if c["label"] == 7]
+            assert sevens == [0.0]  # still a head output, its class emptied: never predicted
+    finally:
+        replica.terminate()
+        replica.wait(60)
