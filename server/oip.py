@@ -27,7 +27,7 @@ from server.config import ServeConfig
 INPUT_NAME = "image"
 OUTPUTS = {"label": "INT64", "probability": "FP32"}
 """Each output's OIP datatype."""
-NUMPY = {"INT64": np.dtype("<i8"), "FP32": np.dtype("<f4")}
+NUMPY: dict[str, np.dtype] = {"INT64": np.dtype("<i8"), "FP32": np.dtype("<f4")}
 TRITON_TYPES = {"BYTES": "TYPE_STRING", "INT64": "TYPE_INT64", "FP32": "TYPE_FP32"}
 """The datatype names of Triton's model-configuration extension."""
 
@@ -44,7 +44,8 @@ def serialize_bytes(items: list[bytes]) -> bytes:
 
 def deserialize_bytes(raw: bytes | memoryview, count: int) -> list[bytes]:
     """The ``count`` elements of a raw ``BYTES`` tensor; ``TensorError`` if the bytes do not hold exactly them."""
-    view, items, at = memoryview(raw), [], 0
+    view, at = memoryview(raw), 0
+    items: list[bytes] = []
     for i in range(count):
         if at + 4 > len(view):
             raise TensorError(f"BYTES element {i} is missing: the raw data ends after {len(items)} of {count}")
