@@ -86,9 +86,8 @@ class ClassStatistics(ClassMeans):
     def remove(self, h: torch.Tensor, y: torch.Tensor) -> None:
         """Take out features [B, D] learned with head-order labels [B]: the statistics of a learner that never saw
         them (to float64 rounding). The prequential hits they scored stay: they are the stream's history."""
-        if bool((self.counts.index_add(0, y.to(self.counts.device), -torch.ones(len(y), dtype=torch.float64,
-                                                                                  device=self.counts.device)) < 0
-                 ).any()):
+        taken = torch.bincount(y.to(self.counts.device), minlength=len(self.counts))  # [C]
+        if bool((taken > self.counts).any()):
             raise ValueError("removing more samples of a class than it has: these were never learned")
         self._add(h, y, -1.0)
 

@@ -145,7 +145,7 @@ class OnlineLearner:
         pred = self.to_labels(self.logits(encoded)["running"].argmax(1)) if self.exposed else None
         self._register(labels)
         h = self.method.aligned(encoded, "running")  # [B, D]
-        target = torch.tensor([self._index[y] for y in labels.tolist()], device=h.device)  # [B]
+        target = self._targets(labels, h.device)  # [B]
         return pred, h, self.method.classifier.prequential_hits(h, target)
 
     def load_statistics(self, stats: LabelStatistics) -> None:
@@ -171,6 +171,14 @@ class OnlineLearner:
                 self._index[y] = len(self.exposed)
                 self.exposed.append(y)
 
+    def _targets(self, labels: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+        """Head outputs [B] of registered original labels [B]."""
+        return torch.tensor([self._index[y] for y in labels.tolist()], device=device or self.device)
+
+    def _as_encoded(self, features: torch.Tensor) -> Encoded:
+        """Eval-mode features [B, D] kept since their images were encoded, as the encoding they came from."""
+        return Encoded(features.to(self.device, torch.float32), torch.zeros((), device=self.device))
+
     def _train_mask(self, target: torch.Tensor) -> torch.Tensor | None:
         if self.cfg.train_mask == "none":
             return None
@@ -190,7 +198,7 @@ class OnlineLearner:
         of the gradient steps (0 when the learner takes none). ``encoded``: the batch's prediction encoding, when
         the caller already has it and no gradient step will change the model before the statistics update."""
         self._register(labels)
-        target = torch.tensor([self._index[y] for y in labels.tolist()], device=self.device)  # [B]
+        target = self._targets(labels)
         images = images.to(self.device, non_blocking=True)
         loss = self._gradient_steps(images, target) if self.trains_by_gradient else 0.0
         if self.method.classifier is not None:
@@ -211,8 +219,7 @@ class OnlineLearner:
         if not self.learns_from_features:
             raise ValueError("this learner trains by gradient: it needs the images, not their features")
         self._register(labels)
-        target = torch.tensor([self._index[y] for y in labels.tolist()], device=self.device)  # [B]
-        encoded = Encoded(features.to(self.device, torch.float32), torch.zeros((), device=self.device))
+        target, encoded = self._targets(labels), self._as_encoded(features)
         self._update_statistics(None, target, encoded)
         self.samples_seen += len(labels)
 
@@ -235,7 +242,7 @@ class OnlineLearner:
         learner that learned them with ``new`` [B] (their prequential scores stay as they were)."""
         h, before = self._correctable(features, old)
         self._register(new)
-        self.method.classifier.move(h, before, torch.tensor([self._index[y] for y in new.tolist()], device=h.device))
+        self.method.classifier.move(h, before, self._targets(new, h.device))
 
     def _correctable(self, features: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The classifier's inputs [B, D] and head-order labels [B] of samples this learner learned."""
@@ -243,8 +250,7 @@ class OnlineLearner:
             raise ValueError(f"this learner cannot forget a sample exactly: {why}")
         if unknown := sorted(set(labels.tolist()) - set(self._index)):
             raise ValueError(f"labels {unknown} were never learned")
-        target = torch.tensor([self._index[y] for y in labels.tolist()], device=self.device)  # [B]
-        encoded = Encoded(features.to(self.device, torch.float32), torch.zeros((), device=self.device))
+        target, encoded = self._targets(labels), self._as_encoded(features)
         return self.method.aligned(encoded, "running"), target
 
     def test_then_train(self, images: torch.Tensor, labels: torch.Tensor, align_mode: AlignMode = "running",

@@ -70,8 +70,7 @@ class Corrections:
         in the book, or its join in flight), refused for one learned but no longer in the table (or, with labels
         inline, one never learned), else a label for the join. The join is asked first: the learning step writes a
         sample to the table before it lets go of its join."""
-        self.expire(now)
-        if pending or (join is not None and id in join.in_flight) or self.table.get(id) is not None:
+        if self._learned(id, join, now, pending):
             return "correction"
         if join is None or id in join.joined_ids:
             self.counts["corrections_refused"] += 1
@@ -82,8 +81,7 @@ class Corrections:
                           ) -> Literal["forget", "waiting", "not_correctable"]:
         """A tombstone for ``id`` read at record time ``now``: a sample to take out (learned, ``pending`` or in
         flight), an image or label let go from the join now, or refused (never learned, or past retention)."""
-        self.expire(now)
-        if pending or (join is not None and id in join.in_flight) or self.table.get(id) is not None:
+        if self._learned(id, join, now, pending):
             return "forget"
         if join is not None and join.forget(id):
             self.counts["deletions_applied"] += 1
@@ -91,20 +89,25 @@ class Corrections:
         self.counts["deletions_refused"] += 1
         return "not_correctable"
 
+    def _learned(self, id: str, join: LabelJoin | None, now: float, pending: bool) -> bool:
+        """The id's sample is learned and still correctable at record time ``now``, or about to be learned."""
+        self.expire(now)
+        return pending or (join is not None and id in join.in_flight) or self.table.get(id) is not None
+
     # --- in the learning step ---------------------------------------------------------------------------------------
     def keep(self, id: str, label: int, time: float, feature: torch.Tensor) -> None:
         """A sample was learned: keep what it added, until it is corrected, deleted or past retention."""
         self.table.put(id, Entry(label, time, feature.detach().to("cpu", torch.float32)))
 
-    def apply(self, change: Change, join: LabelJoin | None) -> bool:
-        """Learn one change in its place in the stream; False if its id left the table since it was read (a
-        deletion or retention came first), counted as refused."""
+    def apply(self, change: Change, join: LabelJoin | None) -> None:
+        """Learn one change in its place in the stream; one whose id left the table since it was read (a deletion
+        or retention came first) is counted as refused."""
         entry = self.table.get(change.id)
         kind = "corrections" if isinstance(change, Relabel) else "deletions"
         if entry is None:
             self.counts[f"{kind}_refused"] += 1
             log.info("%s of %s not applied: it is no longer in the sample table", kind[:-1], change.id)
-            return False
+            return
         if isinstance(change, Relabel):
             if change.label != entry.label:
                 self.learner.relabel_features(entry.feature[None], torch.tensor([entry.label]),
@@ -116,7 +119,6 @@ class Corrections:
             if join is not None:
                 join.forget(change.id)
         self.counts[f"{kind}_applied"] += 1
-        return True
 
     def expire(self, now: float) -> None:
         """Let the ids past retention at record time ``now`` go (they stay learned, no longer correctable)."""

@@ -201,10 +201,9 @@ class Intake:
         try:
             if self.corrections is not None and record.value is None:
                 return _Tombstone(record_id(record.key))
-            if self.corrections is not None and record.value == b"" and record.topic == self.cfg.kafka.topic:
-                return _Label(*parse_label(record.headers, n_classes))  # a correction inline: a label, no image
-            if self.join is not None and record.topic == self.cfg.kafka.labels_topic:
-                return _Label(*parse_label(record.headers, n_classes))
+            inline = self.corrections is not None and record.value == b"" and record.topic == self.cfg.kafka.topic
+            if inline or (self.join is not None and record.topic == self.cfg.kafka.labels_topic):
+                return _Label(*parse_label(record.headers, n_classes))  # inline: a correction, a label and no image
             meta = parse_headers(record.headers, n_classes, ids=self.join is not None)
         except RecordError as e:
             return e
