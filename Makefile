@@ -43,9 +43,10 @@ test: setup
 	$(BIN)/python -m pytest -q -n $(WORKERS) --durations=25
 
 # The edit loop: no broker, no live server, no process, no browser (tests/conftest.py marks those tests by the
-# fixtures and helpers they use), nothing slow. Minutes, where `make test` (what CI runs) takes many more.
+# fixtures and helpers they use), nothing slow, on the same two workers. Minutes, where `make test` (what CI runs)
+# takes many more.
 test-fast: setup
-	$(BIN)/python -m pytest -q --durations=10 -m "not slow and not broker and not server and not subprocess and not browser"
+	$(BIN)/python -m pytest -q -n $(WORKERS) --durations=10 -m "not slow and not broker and not server and not subprocess and not browser"
 
 bench: setup
 	$(BIN)/python -m benchmarks.run_all
