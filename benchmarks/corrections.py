@@ -137,7 +137,7 @@ def _turn(state: LearnerState, poll: list[Record], decoder, tombstones: dict[str
     for r in poll:
         if r.value is None:
             tombstones[r.key.decode()] = now
-    state.intake.accept(poll, decoder, meanwhile=state.learn_pending)
+    state.intake.accept(poll, decoder, state.start_learning())
     table = state.intake.corrections.table if state.intake.corrections else None
     for id in [i for i in tombstones if table is not None and table.get(i) is None]:
         latencies.append(time.perf_counter() - tombstones.pop(id))

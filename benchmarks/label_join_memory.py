@@ -95,7 +95,7 @@ def run(cfg: ServeConfig, n: int, sample_every: int, delay: tuple[int, int], los
         poll.append(record)
         images += record.topic == IMAGES
         if len(poll) == cfg.learner.batch_size:
-            state.intake.accept(poll, decoder, meanwhile=state.learn_pending)
+            state.intake.accept(poll, decoder, state.start_learning())
             poll = []
             if images % sample_every < cfg.learner.batch_size:
                 trace.append({"images": images, "rss_bytes": rss_bytes(), "store": len(state.intake.join.images),

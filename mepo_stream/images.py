@@ -59,18 +59,24 @@ class ImageError(ValueError):
         self.reason, self.message = reason, message
 
 
-def rgb_array(img: Image.Image, size: int | None) -> np.ndarray:
+def rgb_array(img: Image.Image | np.ndarray, size: int | None) -> np.ndarray:
     """The one conversion every image takes, a dataset file or a record's bytes: RGB, resized (bicubic) to a
-    ``size`` square unless it is that already (None: as it is), as uint8 [3, H, W]."""
-    img = img.convert("RGB")
+    ``size`` square unless it is that already (None: as it is), as contiguous uint8 [3, H, W]. ``img``: a PIL
+    image, or RGB pixels [H, W, 3] as libjpeg gives them (an image already at ``size`` never goes through PIL)."""
+    if isinstance(img, Image.Image):
+        img = img.convert("RGB")
+    elif size is None or img.shape[:2] == (size, size):
+        return np.ascontiguousarray(img.transpose(2, 0, 1))  # [3, H, W]
+    else:
+        img = Image.fromarray(img)
     if size is not None and img.size != (size, size):
         img = img.resize((size, size), Image.Resampling.BICUBIC)
-    return np.asarray(img).transpose(2, 0, 1)  # [3, H, W]
+    return np.ascontiguousarray(np.asarray(img).transpose(2, 0, 1))  # [3, H, W]
 
 
-def jpeg_rgb(data: bytes, max_pixels: int | None, size: int | None = None) -> Image.Image | None:
+def jpeg_rgb(data: bytes, max_pixels: int | None, size: int | None = None) -> np.ndarray | None:
     """A JPEG decoded by libjpeg-turbo directly (``simplejpeg``: the same pixels as PIL's plugin machinery, at a
-    fraction of its cost on small images), as an RGB image; None for anything it does not take (not a
+    fraction of its cost on small images), as RGB pixels [H, W, 3]; None for anything it does not take (not a
     JPEG, not YCbCr or grey (PIL converts CMYK its own way), corrupt, truncated: ``strict`` refuses what libjpeg
     only warns about), which PIL then decodes or refuses with its reason. Its pixel limit is checked from the
     header, before any pixel is decoded.
@@ -85,9 +91,8 @@ def jpeg_rgb(data: bytes, max_pixels: int | None, size: int | None = None) -> Im
         raise ImageError("too_many_pixels", f"{width}x{height} exceeds the limit of {max_pixels} pixels")
     scale = jpeg_scale(width, height, size)
     try:
-        pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True, min_height=-(-height // scale),
-                                        min_width=-(-width // scale))  # [H / scale, W / scale, 3]
-        return Image.fromarray(pixels)
+        return simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True, min_height=-(-height // scale),
+                                      min_width=-(-width // scale))  # [H / scale, W / scale, 3]
     except ValueError:
         return None
 
@@ -108,8 +113,8 @@ def jpeg_scale(width: int, height: int, size: int | None) -> int:
 def decode_file(path: Path, size: int | None) -> np.ndarray:
     """A dataset file as uint8 [3, H, W], through the same decoder as a record's bytes (``decode_image``)."""
     data = path.read_bytes()
-    if (img := jpeg_rgb(data, None, size)) is not None:
-        return rgb_array(img, size)
+    if (pixels := jpeg_rgb(data, None, size)) is not None:
+        return rgb_array(pixels, size)
     with Image.open(io.BytesIO(data)) as img:
         return rgb_array(img, size)
 
@@ -139,15 +144,15 @@ def decode_image(data: bytes, limits: ImageLimits) -> torch.Tensor:
         raise ImageError("empty", "the image is empty")
     if len(data) > limits.max_bytes:
         raise ImageError("too_large", f"{len(data)} bytes exceeds the limit of {limits.max_bytes}")
+    if (pixels := jpeg_rgb(data, limits.max_pixels, limits.size)) is not None:
+        return torch.from_numpy(rgb_array(pixels, limits.size))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own pixel limit decides
-        if (img := jpeg_rgb(data, limits.max_pixels, limits.size)) is None:
-            img = _open(data, limits.max_pixels)
+        img = _open(data, limits.max_pixels)
         try:
-            pixels = rgb_array(img, limits.size)
+            return torch.from_numpy(rgb_array(img, limits.size))
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # truncated or corrupt
             raise ImageError("corrupt_image", str(e) or type(e).__name__) from e
-    return torch.from_numpy(pixels.copy())
 
 
 def decode_images(datas: list[bytes], limits: ImageLimits, device: torch.device | str = "cpu"

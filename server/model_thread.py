@@ -23,10 +23,20 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 T = TypeVar("T")
+
+
+def finished(fn: Callable[..., T], *args, **kwargs) -> Future[T]:
+    """``fn(*args, **kwargs)`` run here and now, as a finished future: its result, or the exception it raised."""
+    future: Future[T] = Future()
+    try:
+        future.set_result(fn(*args, **kwargs))
+    except BaseException as e:  # handed to whoever reads the result, as a pool would
+        future.set_exception(e)
+    return future
 
 
 class ModelThread:
@@ -43,9 +53,14 @@ class ModelThread:
 
     def run(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """``fn(*args, **kwargs)`` in the model thread: its result, or its exception raised here."""
-        if threading.get_ident() == self._ident:
-            return fn(*args, **kwargs)
-        return self._pool.submit(fn, *args, **kwargs).result()
+        return self.submit(fn, *args, **kwargs).result()
+
+    def submit(self, fn: Callable[..., T], *args, **kwargs) -> Future[T]:
+        """``fn(*args, **kwargs)`` handed to the model thread without waiting for it: its future (already finished
+        when called from the model thread itself, which runs it inline)."""
+        if threading.get_ident() != self._ident:
+            return self._pool.submit(fn, *args, **kwargs)
+        return finished(fn, *args, **kwargs)
 
     def shutdown(self) -> None:
         """Finish the work handed in, then end the thread."""

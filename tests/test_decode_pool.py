@@ -89,6 +89,35 @@ def test_the_pool_decides_exactly_as_inline_decoding(tmp_path, monkeypatch):
     assert pooled == inline
 
 
+@pytest.mark.parametrize("workers", [0, 4])
+def test_the_next_poll_is_read_and_decoded_while_the_model_thread_learns_the_waiting_mini_batch(
+        tmp_path, monkeypatch, workers):
+    """The interleaving forced: the first learning step waits until the next poll's first image is being decoded,
+    and that decode waits until the step has begun. Decoding first and learning after (as the inline decoder
+    did) meets neither: the decode gives up after 10 s. Every sample is still learned once, in order."""
+    state, loop, learned = service(tmp_path, decode_workers=workers)
+    step_begun, next_poll_decoding, met = threading.Event(), threading.Event(), []
+    decode, learn = intake.decode_image, state.learn
+
+    def decode_once_the_step_begins(data, limits):
+        if data == noisy_jpeg(16):  # the first image of the second poll (batch size 16)
+            next_poll_decoding.set()
+            met.append(("decode", step_begun.wait(10)))
+        return decode(data, limits)
+
+    def step_once_the_next_poll_decodes(batch):
+        if not learned:
+            step_begun.set()
+            met.append(("step", next_poll_decoding.wait(10)))
+        learn(batch)
+
+    monkeypatch.setattr(intake, "decode_image", decode_once_the_step_begins)
+    state.learn = step_once_the_next_poll_decodes
+    consumer = run_loop(monkeypatch, loop, [sample(i, i) for i in range(32)])
+    assert sorted(met) == [("decode", True), ("step", True)]
+    assert learned == [(STREAM_ID, i) for i in range(32)] and consumer.committed == {"images:0": 32}
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_decoding_each_poll_on_the_gpu_decides_exactly_as_inline_decoding(tmp_path, monkeypatch):

@@ -103,7 +103,7 @@ def test_a_camera_jpeg_decodes_at_the_smallest_scale_that_still_covers_the_model
     assert images.jpeg_scale(1280, 960, 121) == 4 and images.jpeg_scale(1280, 960, 120) == 8  # 120 still covers
     data = camera_jpeg(1280, 960)
     decoded = images.jpeg_rgb(data, None, size)
-    assert decoded.size == {84: (160, 120), 224: (320, 240)}[size]
+    assert decoded.shape == {84: (120, 160, 3), 224: (240, 320, 3)}[size]
     full = torch.from_numpy(rgb_array(Image.open(io.BytesIO(data)), size).copy())
     scaled = decode_image(data, ImageLimits(size=size))
     assert scaled.shape == full.shape == (3, size, size)
@@ -113,7 +113,7 @@ def test_a_camera_jpeg_decodes_at_the_smallest_scale_that_still_covers_the_model
 
 def test_an_image_under_twice_the_models_size_decodes_whole_as_before():
     data = camera_jpeg(150, 100)
-    assert images.jpeg_rgb(data, None, 84).size == (150, 100)
+    assert images.jpeg_rgb(data, None, 84).shape == (100, 150, 3)
     assert torch.equal(decode_image(data, ImageLimits(size=84)),
                        torch.from_numpy(rgb_array(Image.open(io.BytesIO(data)), 84).copy()))
 

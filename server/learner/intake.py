@@ -34,7 +34,7 @@ from server.learner.arrival import Arrival, Prediction, Retraction, arrive, kept
 from server.learner.book import Sample, StreamBook, tp_key
 from server.learner.corrections import Change, Corrections, Forget, Relabel
 from server.metrics import ServerMetrics
-from server.model_thread import ModelThread
+from server.model_thread import ModelThread, finished
 
 log = logging.getLogger(__name__)
 
@@ -46,16 +46,6 @@ class DeadLetter:
     record: object  # a kafka-python ConsumerRecord
     reason: str
     message: str
-
-
-def finished(fn: Callable, *args, **kwargs) -> Future:
-    """``fn(*args, **kwargs)`` run here and now, as a finished future: its result, or the exception it raised."""
-    future: Future = Future()
-    try:
-        future.set_result(fn(*args, **kwargs))
-    except BaseException as e:  # handed to whoever reads the result, as a pool would
-        future.set_exception(e)
-    return future
 
 
 class InlineExecutor(Executor):
@@ -152,30 +142,30 @@ class Intake:
         self.decode_device = gpu_decode_device(cfg.gpu_decode, learner.device)
         """Where each poll's JPEGs decode in one batch (None: one at a time, on the CPU)."""
 
-    def accept(self, records: list, decoder: Executor, meanwhile: Callable[[], None] | None = None
-               ) -> list[Outgoing]:
+    def accept(self, records: list, decoder: Executor, learning: Future | None = None) -> list[Outgoing]:
         """Claim the records' sample ids in offset order, decode their images (in ``decoder``'s threads, or here as
         each is claimed where it is an ``InlineExecutor``), book the outcomes in offset order (pending, a skipped
         replay, or a dead letter); returns the dead letters (and, where labels come later, the predictions of
         images without one), for the loop to send before its next checkpoint.
 
-        ``meanwhile`` (learning the pending mini-batch) runs while the pool decodes: the images of the next
-        mini-batch are ready when the step ends. It learns only samples booked before these records, so the order,
-        the claims and the offsets are those of decoding first and learning after. Every decode has finished
-        before this returns, even on an error, so no late claim release can race a reconnect's ``reread``.
+        ``learning`` (the pending mini-batch being learned in the model thread) runs while these records are claimed
+        and decoded, so the images of the next mini-batch are ready when the step ends; it is waited for before
+        anything is booked. It learns only samples booked before these records, so the order, the claims and the
+        offsets are those of decoding first and learning after. Every decode has finished before this returns,
+        even on an error, so no late claim release can race a reconnect's ``reread``.
         """
         decoding: dict[tuple[str, int], Future] = {}
-        ready = self._decode_on_device(records)
         try:
+            ready = self._decode_on_device(records)
             claimed = [self._claim(record, decoder, decoding, ready.get(i)) for i, record in enumerate(records)]
-            if meanwhile is not None:
-                meanwhile()
+            if learning is not None:
+                learning.result()
             arrivals = self._arrive(claimed) if self.join is not None else {}
             booked = [self._book(record, outcome, arrivals.get(i))
                       for i, (record, outcome) in enumerate(zip(records, claimed, strict=True))]
             return [out for out in booked if out is not None] + self._expire()
         finally:
-            wait(decoding.values())
+            wait([*decoding.values(), *([learning] if learning is not None else [])])
 
     def _decode_on_device(self, records: list) -> dict[int, torch.Tensor | ImageError]:
         """Where JPEGs decode on the GPU: the images of the poll by index, decoded in one batch before any claim.

@@ -30,6 +30,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -146,6 +147,16 @@ class Membership(Protocol):
     def group_view(self) -> GroupView | None: ...
     def merge_remote(self, remote: PartitionState) -> None: ...
 
+def watch_drift(monitor: StreamMonitor, metrics: ServerMetrics, labels: torch.Tensor, pred: torch.Tensor | None,
+                seen_before: int) -> None:
+    """Feed the test-then-train predictions (None before any class is known) to the drift monitor."""
+    if pred is None:
+        return
+    for event in monitor.update(labels.tolist(), pred.tolist(), seen_before):
+        metrics.drift.labels(event["detector"]).inc()
+        log.warning("drift detected at %d samples by %s", event["samples_seen"], event["detector"])
+
+
 class LearnerState:
     """The learning step over its intake, evaluation and persistence; shared by the learner thread (writes) and
     request handlers (read the snapshot)."""
@@ -224,7 +235,12 @@ class LearnerState:
         thread to another. A prediction asked for meanwhile runs after the turn: a mini-batch's worth of samples at
         most (the loop polls no more than ``batch_limit``), in more than one step only at an evaluation's cut or,
         in a group, across partitions."""
-        self.model_thread.run(self._learn_pending)
+        self.start_learning().result()
+
+    def start_learning(self) -> Future:
+        """``learn_pending`` handed to the model thread without waiting: the loop reads and decodes the next records
+        while it runs, and books them once it is done (``Intake.accept``)."""
+        return self.model_thread.submit(self._learn_pending)
 
     def _learn_pending(self) -> None:
         for group in self.membership.groups(self.intake.book.pending):
@@ -270,7 +286,7 @@ class LearnerState:
                 encoded = None if self.intake.corrections is None else self.learner.encode(images)
                 pred = self.membership.update(images, labels, batch, encoded)
             if self.cfg.prequential:
-                self._monitor(labels, pred, seen_before)
+                watch_drift(self.monitor, self.metrics, labels, pred, seen_before)
             self.intake.learned(batch, None if features or encoded is None else encoded.feature)
             self.since_checkpoint += len(batch)
             self.metrics.step_seconds.observe(time.perf_counter() - start)
@@ -302,14 +318,6 @@ class LearnerState:
             self.metrics.learn_steps.inc()
             self.metrics.samples_learned.inc(learned)
         self.reporter.export()
-
-    def _monitor(self, labels: torch.Tensor, pred: torch.Tensor | None, seen_before: int) -> None:
-        """Feed the test-then-train predictions (None before any class is known) to the drift monitor."""
-        if pred is None:
-            return
-        for event in self.monitor.update(labels.tolist(), pred.tolist(), seen_before):
-            self.metrics.drift.labels(event["detector"]).inc()
-            log.warning("drift detected at %d samples by %s", event["samples_seen"], event["detector"])
 
     def on_idle(self) -> None:
         """The topic is drained: snapshot the newest version (requests then never wait for it), and measure the

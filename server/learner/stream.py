@@ -32,8 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 
 import torch
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
@@ -62,6 +61,20 @@ def _log_failed_commit(offsets: dict, result: object) -> None:
     commit is only logged, the checkpoint holds the offsets."""
     if isinstance(result, Exception):
         log.warning("offset commit failed (the checkpoint holds them): %s", result)
+
+
+def dead_letter_headers(dead: DeadLetter) -> list[tuple[str, bytes]]:
+    """A dead letter's headers: its reason and where it came from, then the record's own."""
+    record = dead.record
+    return [("error", dead.reason.encode()), ("error_message", dead.message[:500].encode("utf-8", "replace")),
+            ("source_topic", record.topic.encode()), ("source_partition", str(record.partition).encode()),
+            ("source_offset", str(record.offset).encode()), *(record.headers or [])]
+
+
+def in_order(polled: dict, labels_topic: str | None) -> list:
+    """A poll's records, images first (by partition and offset), then labels."""
+    return sorted((r for rs in polled.values() for r in rs), key=lambda r: (r.topic == labels_topic, r.partition,
+                                                                             r.offset))
 
 
 def decode_executor(workers: int | None, dev: torch.device) -> Executor:
@@ -156,9 +169,8 @@ class LearnerLoop(ConsumerThread):
     def let_go(self, keys: list[str]) -> None:
         """On revocation: learn what is pending and persist before another consumer takes the partitions over, then
         let them go whatever happened, so the membership no longer claims them and the model keeps only their last
-        written state. No commit here: a blocking consumer call would stall the very thread that serves it. Nothing
-        raises either (kafka-python would make ``poll`` raise a KafkaError of it, and the loop reconnect forever): a
-        failed write stops the loop at its next turn, a broker error reconnects it."""
+        written state. No commit (a blocking consumer call would stall the thread that serves it), and nothing raises
+        (``poll`` would, and the loop reconnect forever): a failed write stops the loop, a broker error reconnects."""
         try:
             if self.failure is None:  # after a failed write (the consumer closing), nothing more is written
                 self.state.learn_pending()
@@ -209,14 +221,7 @@ class LearnerLoop(ConsumerThread):
             if self._paused.is_set():
                 self.stop_event.wait(0.2)
                 continue
-            pending, limit = sum(self.state.intake.waiting().values()), self.state.batch_limit
-            due = pending >= limit  # a whole mini-batch is waiting: learn it while the next poll decodes
-            polled = self.consumer.poll(timeout_ms=0 if due else 500, max_records=limit if due else limit - pending)
-            self._check_rebalance()  # before a record of a partition whose state is not restored is accepted
-            self._probe()
-            records = sorted((r for rs in polled.values() for r in rs),  # images first, then labels
-                             key=lambda r: (r.topic == self.cfg.kafka.labels_topic, r.partition, r.offset))
-            self.accept(records, meanwhile=self.state.learn_pending if due or (pending and not records) else None)
+            records = self._read_while_learning()
             if not records and not self.state.intake.waiting():
                 self.state.on_idle()
                 self.persist()
@@ -225,6 +230,24 @@ class LearnerLoop(ConsumerThread):
             self.update_lag()
         self.state.learn_pending()
         self.persist()
+
+    def _read_while_learning(self) -> list:
+        """One turn's records, polled and decoded while the model thread learns the whole mini-batch waiting (or,
+        the topic gone quiet, the partial one), then booked. The learning is waited for whatever happens."""
+        assert self.consumer is not None
+        pending, limit = sum(self.state.intake.waiting().values()), self.state.batch_limit
+        learning = self.state.start_learning() if (due := pending >= limit) else None
+        try:
+            polled = self.consumer.poll(timeout_ms=0 if due else 500, max_records=limit if due else limit - pending)
+            self._check_rebalance()  # before a record of a partition whose state is not restored is accepted
+            self._probe()
+            records = in_order(polled, self.cfg.kafka.labels_topic)
+            if learning is None and pending and not records:
+                learning = self.state.start_learning()
+            self.accept(records, learning)
+            return records
+        finally:
+            wait([learning] if learning is not None else [])
 
     def _check_rebalance(self) -> None:
         """Stop on a failed state write or a refusal (a rebalance callback or the state's), reconnect on a broker
@@ -243,10 +266,10 @@ class LearnerLoop(ConsumerThread):
             self.connected, self._probed_at = broker_answers(self.consumer), time.monotonic()
             self.state.metrics.learner_up.set(int(self.connected))
 
-    def accept(self, records: list, meanwhile: Callable[[], None] | None = None) -> None:
-        """Hand one poll's records (in offset order) to the intake, which claims, decodes and books them while
-        ``meanwhile`` learns; send the dead letters and predictions it returns."""
-        for out in self.state.intake.accept(records, self.decoder, meanwhile):
+    def accept(self, records: list, learning: Future | None = None) -> None:
+        """Hand one poll's records (in offset order) to the intake, which claims and decodes them while
+        ``learning`` runs, and books them after; send the dead letters and predictions it returns."""
+        for out in self.state.intake.accept(records, self.decoder, learning):
             if isinstance(out, Prediction | Retraction):
                 self._predicted(out)
             else:
@@ -260,26 +283,22 @@ class LearnerLoop(ConsumerThread):
 
     def _dead_letter(self, dead: DeadLetter) -> None:
         """Send a record that cannot be learned to the dead-letter topic, with its reason and where it came from."""
-        record, reason = dead.record, dead.reason
-        headers = [("error", reason.encode()), ("error_message", dead.message[:500].encode("utf-8", "replace")),
-                   ("source_topic", record.topic.encode()), ("source_partition", str(record.partition).encode()),
-                   ("source_offset", str(record.offset).encode()), *(record.headers or [])]
+        record = dead.record
         assert self.producer is not None
-        self.producer.send(self.cfg.kafka.dead_letter_topic, value=record.value, key=record.key, headers=headers)
-        self.state.metrics.dead_lettered.labels(reason).inc()
-        log.info("dead-lettered %s:%d@%d: %s", record.topic, record.partition, record.offset, reason)
+        self.producer.send(self.cfg.kafka.dead_letter_topic, value=record.value, key=record.key,
+                           headers=dead_letter_headers(dead))
+        self.state.metrics.dead_lettered.labels(dead.reason).inc()
+        log.info("dead-lettered %s:%d@%d: %s", record.topic, record.partition, record.offset, dead.reason)
 
     def persist(self, commit: bool = True, wait: bool = True, due_only: bool = False) -> None:
         """The one way offsets leave the loop: checkpoint model and offsets together, then commit the same offsets.
 
         Nothing is written when nothing changed since the last checkpoint. Dead letters are flushed first, so
         they are durable before the offsets that skip them. The commit never precedes the checkpoint, and its
-        failure is only logged: the checkpoint is the source of truth, Kafka's offsets inform lag monitoring.
-        Without ``wait`` (the periodic checkpoint) the file is written in the checkpoint thread while the loop
-        learns on, and its offsets are committed at the loop's first turn after it is on disk: writing and syncing
-        4 MB on the loop's own time cost the learner 5 % of its speed. One write is in flight at a time; with
-        ``due_only`` nothing is written before ``--checkpoint_every`` samples were learned since the last one.
-        """
+        failure is only logged: the checkpoint is the source of truth. Without ``wait`` (the periodic checkpoint)
+        the file is written in the checkpoint thread while the loop learns on, its offsets committed at the first
+        turn after it is on disk. One write is in flight at a time; ``due_only``: not before ``--checkpoint_every``
+        samples were learned since the last one."""
         if due_only and self._writing is not None:  # one write in flight at a time: the next turn asks again
             return
         self._finish_write(commit)
