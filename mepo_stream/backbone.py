@@ -245,6 +245,11 @@ def provenance(cfg: BackboneConfig) -> dict:
     return {**asdict(cfg), "weights_path": None if path is None else str(path), "weights_sha256": digest}
 
 
+def input_size(backbone: VisionTransformer) -> int:
+    """The side of the square images the backbone takes (its patch embedding's)."""
+    return int(backbone.patch_embed.img_size[0])
+
+
 def normalization(model: VisionTransformer) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """The (mean, std) the backbone was pretrained with (ImageNet statistics for DINOv2)."""
     cfg = model.pretrained_cfg

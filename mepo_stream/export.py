@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mepo_stream.alignment import AlignMode
+from mepo_stream.backbone import input_size
 from mepo_stream.files import atomic_path
 from mepo_stream.heads import StreamingLDA
 from mepo_stream.methods.base import ContinualMethod, Encoded
@@ -105,7 +106,7 @@ class ProbabilityGraph(nn.Module):
 
     @property
     def image_size(self) -> int:
-        return self.model.backbone.patch_embed.img_size[0]
+        return input_size(self.model.backbone)
 
     def logits(self, encoded: Encoded) -> torch.Tensor:
         """The classifier's logits [B, C], as ``ContinualMethod.logits`` gives them in eval mode."""

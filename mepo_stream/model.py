@@ -40,7 +40,7 @@ from mepo_stream.artifacts import (
     load_sigma_pre,
     read_manifest,
 )
-from mepo_stream.backbone import BackboneConfig, create_backbone, normalization, sized
+from mepo_stream.backbone import BackboneConfig, create_backbone, input_size, normalization, sized
 from mepo_stream.errors import ConfigError
 from mepo_stream.files import sha256_file
 from mepo_stream.heads import NearestClassMean, RunningStandardize, StreamingLDA
@@ -175,7 +175,7 @@ def readout(cfg: LearnerConfig, backbone: VisionTransformer, n_classes: int, ali
     return Readout(
         classifier=make_classifier(cfg, dim, n_classes, alignment),
         standardize=RunningStandardize(dim) if cfg.standardize else None,
-        transform=test_transform(backbone.patch_embed.img_size[0], *normalization(backbone)),
+        transform=test_transform(input_size(backbone), *normalization(backbone)),
         dtype=resolve_precision(cfg.precision, device), eval_mask=cfg.eval_mask,
         backbone_sha256=weights_sha256(backbone), forward_batch=cfg.batch_size,
         invariant_predictions=cfg.invariant_predictions)

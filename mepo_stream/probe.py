@@ -19,9 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from mepo_stream.backbone import cls_feature, normalization
+from mepo_stream.backbone import cls_feature, input_size, normalization
 from mepo_stream.heads import StreamingLDA
 from mepo_stream.transforms import test_transform
 
@@ -43,12 +44,12 @@ class ProbeConfig:
 
 
 @torch.inference_mode()
-def extract_features(backbone: nn.Module, images: torch.Tensor, batch_size: int = 128,
+def extract_features(backbone: VisionTransformer, images: torch.Tensor, batch_size: int = 128,
                      device: torch.device | None = None) -> torch.Tensor:
     """Frozen CLS features [N, D] (fp32, on the CPU) of uint8 images [N, 3, H, W], un-augmented."""
     device = device or next(backbone.parameters()).device
     mean, std = normalization(backbone)
-    transform = test_transform(backbone.patch_embed.img_size[0], mean, std)
+    transform = test_transform(input_size(backbone), mean, std)
     backbone.eval()
     out = [cls_feature(backbone, transform(images[i : i + batch_size].to(device))).float().cpu()
            for i in range(0, len(images), batch_size)]
@@ -112,7 +113,7 @@ def lda_accuracy(x: torch.Tensor, y: torch.Tensor, x_test: torch.Tensor, y_test:
     return max((lda.scores(x_test, k).argmax(1) == y_test).float().mean().item() for k in range(len(shrinkage)))
 
 
-def offline_ceiling(backbone: nn.Module, train_images: torch.Tensor, train_targets: torch.Tensor,
+def offline_ceiling(backbone: VisionTransformer, train_images: torch.Tensor, train_targets: torch.Tensor,
                     test_images: torch.Tensor, test_targets: torch.Tensor, n_classes: int,
                     cfg: ProbeConfig = ProbeConfig()) -> dict[str, float]:
     """Test accuracy of the offline heads trained on every training image's frozen features: the logistic probe,

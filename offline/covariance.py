@@ -16,10 +16,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from timm.models.vision_transformer import VisionTransformer
 from tqdm import tqdm
 
 from mepo_stream.artifacts import SIGMA_PRE, library_versions, write_bundle
-from mepo_stream.backbone import BackboneConfig, cls_feature, create_backbone, device, normalization, provenance
+from mepo_stream.backbone import (
+    BackboneConfig,
+    cls_feature,
+    create_backbone,
+    device,
+    input_size,
+    normalization,
+    provenance,
+)
 from mepo_stream.class_means import ClassMeans
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.transforms import test_transform, train_transform
@@ -42,12 +51,12 @@ class CovarianceConfig:
 
 
 @torch.no_grad()
-def sigma_pre(backbone: torch.nn.Module, images: ImageSet, cfg: CovarianceConfig, desc: str = "Sigma_pre"
+def sigma_pre(backbone: VisionTransformer, images: ImageSet, cfg: CovarianceConfig, desc: str = "Sigma_pre"
               ) -> torch.Tensor:
     """Sigma_pre [D, D] float64 of ``backbone`` over ``images`` (class means of CLS features)."""
     torch.manual_seed(cfg.seed)
     dev = next(backbone.parameters()).device
-    img_size, (mean, std) = backbone.patch_embed.img_size[0], normalization(backbone)
+    img_size, (mean, std) = input_size(backbone), normalization(backbone)
     tf = train_transform(img_size, mean, std, None) if cfg.augment else test_transform(img_size, mean, std)
     backbone.eval()
     means = ClassMeans(len(images.classes), backbone.num_features)

@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from timm.models.vision_transformer import VisionTransformer
 
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.probe import extract_features, fit_probe, lda_accuracy, probe_accuracy
@@ -57,7 +57,7 @@ class HeldOutProbe:
             rank[idx] = torch.arange(len(idx))
         return cls(subset(images, rank % 2 == 0), subset(images, rank % 2 == 1))
 
-    def measure(self, backbone: nn.Module) -> dict[str, float]:
+    def measure(self, backbone: VisionTransformer) -> dict[str, float]:
         """Held-out accuracy (0-1) of the logistic probe and of LDA on ``backbone``'s frozen features."""
         was_training = backbone.training
         x_fit, x_score = extract_features(backbone, self.fit.images), extract_features(backbone, self.score.images)
@@ -85,14 +85,14 @@ class Guard:
     best: float = float("-inf")
     best_state: dict[str, torch.Tensor] | None = None
 
-    def resume(self, history: list[dict], backbone: nn.Module) -> None:
+    def resume(self, history: list[dict], backbone: VisionTransformer) -> None:
         """Continue a resumed refine: the base from the history's meta-epoch 0, the restored backbone as the best."""
         measured = [h["held_out"]["probe"] for h in history if "held_out" in h]
         if measured:
             self.base, self.best = measured[0], max(measured)
             self.best_state = {k: v.detach().cpu().clone() for k, v in backbone.state_dict().items()}
 
-    def check(self, backbone: nn.Module, epoch: int) -> tuple[dict[str, float], bool]:
+    def check(self, backbone: VisionTransformer, epoch: int) -> tuple[dict[str, float], bool]:
         """Measure ``backbone`` after ``epoch`` (0: before refining); returns the scores and whether it fired."""
         scores = self.probe.measure(backbone)
         if epoch == 0:

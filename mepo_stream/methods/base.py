@@ -23,6 +23,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from mepo_stream.alignment import AlignMode, FeatureAlignment
+from mepo_stream.backbone import input_size
 from mepo_stream.errors import StateRefused
 from mepo_stream.fixed_shape import in_blocks, pad_rows
 from mepo_stream.precision import autocast
@@ -101,7 +102,7 @@ class ContinualMethod(nn.Module):
     @property
     def input_size(self) -> int:
         """The side of the square images the backbone takes: what a camera image is decoded and resized to."""
-        return self.backbone.patch_embed.img_size[0]
+        return input_size(self.backbone)
 
     def encode(self, x: torch.Tensor, slot: int | None = None) -> Encoded:
         raise NotImplementedError
