@@ -90,31 +90,42 @@ def test_the_pool_decides_exactly_as_inline_decoding(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("workers", [0, 4])
-def test_the_next_poll_is_read_and_decoded_while_the_model_thread_learns_the_waiting_mini_batch(
+def test_the_next_poll_is_read_while_the_model_thread_learns_and_decoded_beside_it_only_by_a_pool(
         tmp_path, monkeypatch, workers):
-    """The interleaving forced: the first learning step waits until the next poll's first image is being decoded,
-    and that decode waits until the step has begun. Decoding first and learning after (as the inline decoder
-    did) meets neither: the decode gives up after 10 s. Every sample is still learned once, in order."""
+    """The interleaving forced: the first learning step waits until the next poll is read (a pool: until its first
+    image is being decoded, and that decode waits until the step has begun). Reading after learning, as the loop
+    did, never gets there: the step gives up after 10 s. Decoding inline comes after the step, beside a CPU
+    forward it would slow. Every sample is still learned once, in order."""
     state, loop, learned = service(tmp_path, decode_workers=workers)
-    step_begun, next_poll_decoding, met = threading.Event(), threading.Event(), []
-    decode, learn = intake.decode_image, state.learn
+    step_begun, step_done, next_poll, met = threading.Event(), threading.Event(), threading.Event(), []
+    decode, learn, poll = intake.decode_image, state.learn, FakeConsumer.poll
 
-    def decode_once_the_step_begins(data, limits):
-        if data == noisy_jpeg(16):  # the first image of the second poll (batch size 16)
-            next_poll_decoding.set()
-            met.append(("decode", step_begun.wait(10)))
+    def poll_and_tell(consumer, timeout_ms, max_records):
+        records = poll(consumer, timeout_ms, max_records)
+        if consumer.pos > 16 and not workers and step_begun.wait(10):  # the second poll, read during the step
+            next_poll.set()
+        return records
+
+    def decode_and_tell(data, limits):
+        if data == noisy_jpeg(16) and workers:  # the first image of the second poll (batch size 16)
+            next_poll.set()
+            met.append(("decoded beside the step", step_begun.wait(10) and not step_done.is_set()))
+        elif data == noisy_jpeg(16):
+            met.append(("decoded after the step", step_done.is_set()))
         return decode(data, limits)
 
-    def step_once_the_next_poll_decodes(batch):
+    def step_once_the_next_poll_is_read(batch):
         if not learned:
             step_begun.set()
-            met.append(("step", next_poll_decoding.wait(10)))
+            met.append(("step waited", next_poll.wait(10)))
         learn(batch)
+        step_done.set()
 
-    monkeypatch.setattr(intake, "decode_image", decode_once_the_step_begins)
-    state.learn = step_once_the_next_poll_decodes
+    monkeypatch.setattr(FakeConsumer, "poll", poll_and_tell)
+    monkeypatch.setattr(intake, "decode_image", decode_and_tell)
+    state.learn = step_once_the_next_poll_is_read
     consumer = run_loop(monkeypatch, loop, [sample(i, i) for i in range(32)])
-    assert sorted(met) == [("decode", True), ("step", True)]
+    assert sorted(met) == [(f"decoded {'beside' if workers else 'after'} the step", True), ("step waited", True)]
     assert learned == [(STREAM_ID, i) for i in range(32)] and consumer.committed == {"images:0": 32}
 
 

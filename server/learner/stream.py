@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 
 import torch
@@ -77,6 +78,22 @@ def in_order(polled: dict, labels_topic: str | None) -> list:
                                                                              r.offset))
 
 
+def unread(consumer: KafkaConsumer, labels_topic: str | None, waiting: Counter[str]) -> dict[str, int]:
+    """Per image partition: records behind the high watermark plus those read but ``waiting`` for a mini-batch
+    (a partition without a position or a high watermark yet is left out). The labels topic's lag is the join's
+    backlog, not learning's."""
+    lags = {}
+    for tp in consumer.assignment():
+        if tp.topic == labels_topic or (high := consumer.highwater(tp)) is None:
+            continue
+        try:
+            position = consumer.position(tp, timeout_ms=1000)
+        except KafkaError:  # no position yet, or the broker is stalled: keep the last lag
+            continue
+        lags[tp_key(tp)] = max(0, high - position) + waiting[tp_key(tp)]
+    return lags
+
+
 def decode_executor(workers: int | None, dev: torch.device) -> Executor:
     """A pool of ``workers`` decode threads; for 0, an ``InlineExecutor`` that decodes in the learner thread;
     for None, a pool of 4 beside a GPU model and inline beside a CPU one (whose forward uses every core)."""
@@ -111,6 +128,7 @@ class LearnerLoop(ConsumerThread):
         self.consumer: KafkaConsumer | None = None
         self.producer: KafkaProducer | None = None
         self.decoder = decode_executor(self.cfg.decode_workers, state.learner.device)
+        self.decodes_between_steps = isinstance(self.decoder, InlineExecutor)  # see _read_while_learning
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="mepo-checkpoint")
         self._writing: Future | None = None  # the checkpoint being written, to its offsets
         self.refusal: str | None = None  # why learning must stop (set in a rebalance callback)
@@ -232,8 +250,9 @@ class LearnerLoop(ConsumerThread):
         self.persist()
 
     def _read_while_learning(self) -> list:
-        """One turn's records, polled and decoded while the model thread learns the whole mini-batch waiting (or,
-        the topic gone quiet, the partial one), then booked. The learning is waited for whatever happens."""
+        """One turn's records, polled (and decoded, by a pool) while the model thread learns the mini-batch waiting
+        (or, the topic gone quiet, the partial one), then booked. Decoding inline waits for the step: beside a CPU
+        forward it costs two to three times its own time (docs/performance.md)."""
         assert self.consumer is not None
         pending, limit = sum(self.state.intake.waiting().values()), self.state.batch_limit
         learning = self.state.start_learning() if (due := pending >= limit) else None
@@ -244,6 +263,8 @@ class LearnerLoop(ConsumerThread):
             records = in_order(polled, self.cfg.kafka.labels_topic)
             if learning is None and pending and not records:
                 learning = self.state.start_learning()
+            if learning is not None and self.decodes_between_steps:
+                wait([learning])
             self.accept(records, learning)
             return records
         finally:
@@ -337,15 +358,6 @@ class LearnerLoop(ConsumerThread):
         """Records not yet learned per partition: those behind the high watermark and those read but waiting in
         the mini-batch."""
         assert self.consumer is not None
-        waiting = self.state.intake.waiting()
-        for tp in self.consumer.assignment():
-            if tp.topic == self.cfg.kafka.labels_topic:  # its lag is the join's backlog, not learning's
-                continue
-            high = self.consumer.highwater(tp)
-            if high is not None:
-                try:
-                    position = self.consumer.position(tp, timeout_ms=1000)
-                except KafkaError:  # no position yet, or the broker is stalled: keep the last lag
-                    continue
-                self.lag[tp_key(tp)] = max(0, high - position) + waiting[tp_key(tp)]
-                self.state.metrics.lag.labels(str(tp.partition)).set(self.lag[tp_key(tp)])
+        for key, lag in unread(self.consumer, self.cfg.kafka.labels_topic, self.state.intake.waiting()).items():
+            self.lag[key] = lag
+            self.state.metrics.lag.labels(key.rsplit(":", 1)[1]).set(lag)
