@@ -46,7 +46,7 @@ from mepo_stream.files import sha256_file
 from mepo_stream.heads import NearestClassMean, RunningStandardize, StreamingLDA
 from mepo_stream.learner import LearnerConfig
 from mepo_stream.methods import MethodsConfig, create_method
-from mepo_stream.methods.base import ContinualMethod, Readout
+from mepo_stream.methods.base import ContinualMethod, PromptHost, Readout
 from mepo_stream.precision import quantize_int8, resolve_precision
 from mepo_stream.transforms import test_transform
 
@@ -275,6 +275,6 @@ def create_model(cfg: ModelConfig, n_classes: int, device: torch.device | None =
     alignment = meta_cov(cfg.mepo, backbone, cfg.alignment)
     method = create_method(cfg.method, backbone, n_classes, alignment, cfg.method_config,
                            readout(cfg.learner, backbone, n_classes, alignment, device))
-    if cfg.mepo.prompts is not None and hasattr(method, "load_initial_prompts"):  # hosts without prompts: none
+    if cfg.mepo.prompts is not None and isinstance(method, PromptHost):  # hosts without prompts: none
         method.load_initial_prompts(load_part(cfg.mepo.prompts, PROMPTS))
     return place(method, cfg.learner, device)

@@ -47,7 +47,7 @@ from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.fam import FAM
 from mepo_stream.learner import LearnerConfig
 from mepo_stream.methods import METHODS, MethodsConfig
-from mepo_stream.methods.base import ContinualMethod
+from mepo_stream.methods.base import ContinualMethod, PromptHost
 from mepo_stream.model import BundleParts, ModelConfig, backbone_config, create_model
 from mepo_stream.transforms import AUTOAUGMENT_POLICIES, Transform, train_transform
 
@@ -112,7 +112,7 @@ class ResidualProjector(nn.Module):
 
 
 def prompt_hosts() -> list[str]:
-    return sorted(name for name, (cls, _) in METHODS.items() if hasattr(cls, "initial_prompts"))
+    return sorted(name for name, (cls, _) in METHODS.items() if issubclass(cls, PromptHost))
 
 
 def build_host(n_classes: int, cfg: ISAConfig, method: str, method_config: MethodsConfig, backbone: BackboneConfig,

@@ -16,7 +16,7 @@ import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 from timm.models.vision_transformer import VisionTransformer
@@ -64,6 +64,15 @@ class Readout:
     ``encode_images``; every readout of features (``predict_logits``) on exactly this many rows."""
     invariant_predictions: bool = False
     """Predictions (``predict_proba``) encode their images in the learning path's fixed shape too."""
+
+
+@runtime_checkable
+class PromptHost(Protocol):
+    """A host with prompts that ISA warms up and a bundle carries (MISA's): anything else has none to load."""
+
+    def initial_prompts(self) -> dict[str, torch.Tensor]: ...
+
+    def load_initial_prompts(self, tensors: dict[str, torch.Tensor]) -> None: ...
 
 
 class ContinualMethod(nn.Module):
