@@ -148,11 +148,12 @@ class Intake:
         replay, or a dead letter); returns the dead letters (and, where labels come later, the predictions of
         images without one), for the loop to send before its next checkpoint.
 
-        ``learning`` (the pending mini-batch being learned in the model thread) runs while these records are claimed
-        and decoded, so the images of the next mini-batch are ready when the step ends; it is waited for before
-        anything is booked. It learns only samples booked before these records, so the order, the claims and the
-        offsets are those of decoding first and learning after. Every decode has finished before this returns,
-        even on an error, so no late claim release can race a reconnect's ``reread``.
+        ``learning`` (the pending mini-batch being learned in the model thread) runs while a pool claims and decodes
+        these records, so the images of the next mini-batch are ready when the step ends (the loop lets an inline
+        decoder start only after it); it is waited for before anything is booked. It learns only samples booked before
+        these records, so the order, the claims and the offsets are those of decoding first and learning after. Every
+        decode has finished before this returns, even on an error, so no late claim release can race a reconnect's
+        ``reread``.
         """
         decoding: dict[tuple[str, int], Future] = {}
         try:
