@@ -97,12 +97,14 @@ class ReplayConfig:
     """With --replay.label_delay: each label's delay is drawn uniformly from label_delay..label_delay_max records."""
     label_loss: float = 0.0
     """With --replay.label_delay: the share of labels that never come (drawn with the stream's seed)."""
-    partition_by: Literal["stream", "position", "label"] = "stream"
+    partition_by: Literal["stream", "position", "label", "id"] = "stream"
     """How records spread over the topic's partitions: ``stream`` keys every record by the stream id (the whole
     stream on one partition, in order); ``position`` deals them round-robin by stream position (record i to
     partition i mod P: learners in a group share the work evenly); ``label`` keys them by stream id and label
-    (a stand-in for a key of your own, such as a camera id: each key's records stay in order on one partition).
-    Each partition keeps its records in stream order."""
+    (a stand-in for a key of your own, such as a camera id: each key's records stay in order on one partition);
+    ``id`` keys each record by its sample id, as a table's records are, so a correction or deletion keyed by the
+    id lands on its image's partition (what learners in a group need to correct samples). Each partition keeps
+    its records in stream order."""
 
 
 def record_key(stream_id: str, label: int | None = None) -> bytes:

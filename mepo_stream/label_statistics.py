@@ -56,12 +56,29 @@ class LabelStatistics:
     @torch.no_grad()
     def add(self, h: torch.Tensor, labels: torch.Tensor, hits: torch.Tensor) -> None:
         """Fold features [B, D] with original labels [B] and the batch's prequential hits [K] in."""
-        h = h.detach().to("cpu", torch.float64)
-        labels = labels.to("cpu", torch.long)
-        self.counts.index_add_(0, labels, torch.ones_like(labels, dtype=torch.float64))
-        self.sums.index_add_(0, labels, h)
-        self.second += h.T @ h
+        self._fold(h, labels, 1.0)
         self.hits += hits.to("cpu", torch.float64)
+
+    @torch.no_grad()
+    def remove(self, h: torch.Tensor, labels: torch.Tensor) -> None:
+        """Take features [B, D] learned with original labels [B] out (a deletion): the sums of a part that never had
+        them. Their prequential hits stay, as the stream's history."""
+        taken = torch.bincount(labels.to("cpu", torch.long), minlength=len(self.counts))  # [L]
+        if bool((taken > self.counts).any()):
+            raise ValueError("removing more samples of a label than this part has: these were never learned here")
+        self._fold(h, labels, -1.0)
+
+    def move(self, h: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> None:
+        """Features [B, D] learned with original labels ``old`` [B] belong to ``new`` [B] (a correction)."""
+        self.remove(h, old)
+        self._fold(h, new, 1.0)
+
+    def _fold(self, h: torch.Tensor, labels: torch.Tensor, sign: float) -> None:
+        h = h.detach().to("cpu", torch.float64)  # [B, D]
+        labels = labels.to("cpu", torch.long)
+        self.counts.index_add_(0, labels, torch.full(labels.shape, sign, dtype=torch.float64))
+        self.sums.index_add_(0, labels, h, alpha=sign)
+        self.second += sign * (h.T @ h)
 
     @classmethod
     def total(cls, parts: Iterable[LabelStatistics], like: LabelStatistics | None = None) -> LabelStatistics:

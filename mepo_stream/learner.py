@@ -135,13 +135,14 @@ class OnlineLearner:
                     "use a bundle without Sigma_pre")
         return None
 
-    def statistics_step(self, images: torch.Tensor, labels: torch.Tensor
+    def statistics_step(self, images: torch.Tensor, labels: torch.Tensor, encoded: Encoded | None = None
                         ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """Test-then-train of a mergeable learner without folding the batch into its model: the prediction of
         each image (original labels [B]; None before any class is known), the classifier's features [B, D] and
         each shrinkage candidate's prequential hits [K], for a caller that keeps the sums and loads their total
-        back (``load_statistics``). Why: the sums are kept per partition of a topic and added up."""
-        encoded = self.encode(images)
+        back (``load_statistics``). Why: the sums are kept per partition of a topic and added up. ``encoded``: the
+        batch's encoding, where the caller keeps its features (``forget_features`` takes them back out)."""
+        encoded = self.encode(images) if encoded is None else encoded
         pred = self.to_labels(self.logits(encoded)["running"].argmax(1)) if self.exposed else None
         self._register(labels)
         h = self.method.aligned(encoded, "running")  # [B, D]
@@ -246,12 +247,17 @@ class OnlineLearner:
 
     def _correctable(self, features: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The classifier's inputs [B, D] and head-order labels [B] of samples this learner learned."""
-        if (why := self.not_correctable) is not None:
-            raise ValueError(f"this learner cannot forget a sample exactly: {why}")
+        h = self.classifier_inputs(features)
         if unknown := sorted(set(labels.tolist()) - set(self._index)):
             raise ValueError(f"labels {unknown} were never learned")
-        target, encoded = self._targets(labels), self._as_encoded(features)
-        return self.method.aligned(encoded, "running"), target
+        return h, self._targets(labels)
+
+    def classifier_inputs(self, features: torch.Tensor) -> torch.Tensor:
+        """What a statistics step added for kept eval-mode features [B, D]: the classifier's inputs [B, D] (the
+        features aligned), for a caller that keeps the sums (``statistics_step``) and takes samples back out."""
+        if (why := self.not_correctable) is not None:
+            raise ValueError(f"this learner cannot forget a sample exactly: {why}")
+        return self.method.aligned(self._as_encoded(features), "running")
 
     def test_then_train(self, images: torch.Tensor, labels: torch.Tensor, align_mode: AlignMode = "running",
                         encoded: Encoded | None = None) -> torch.Tensor | None:

@@ -78,7 +78,8 @@ def produce(
             headers = record_headers(None if labels_later is not None else label, index, position, sid, data.dataset,
                                      content_type, id=f"{sid}/{index}")  # the id a correction or deletion names
             producer.send(kafka.topic, value=path.read_bytes(), headers=headers,
-                          key=record_key(sid, label if replay.partition_by == "label" else None),
+                          key=f"{sid}/{index}".encode() if replay.partition_by == "id" else
+                          record_key(sid, label if replay.partition_by == "label" else None),
                           partition=position % n_partitions if replay.partition_by == "position" else None)
             sent += 1
             if labels_later is not None:

@@ -9,7 +9,9 @@ partition's learner state is, written together so it can never be seen half:
 * its next offset (every record before it handled) and the sample ids it learned, per stream;
 * the ``Origin`` of the model (configuration, class names, backbone and bundle sha256): sums of another model
   cannot be added to these;
-* who wrote it and when, its learning rate and lag (for ``/v1/status``).
+* who wrote it and when, its learning rate and lag (for ``/v1/status``);
+* with ``--corrections.enabled``: how many changes it took, and which writes of its sample table's changelog
+  (``server.learner.table_changelog``) this state includes.
 
 Records are keyed ``<topic>:<partition>/<part>`` and carry ``format`` (``FORMAT``); a record of another format
 is refused, never loaded half (``StateFormatError``). The topic has one partition, so every reader sees every
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from safetensors.torch import load as load_tensors
@@ -60,6 +62,14 @@ class PartitionState:
     written_at: float  # Unix time
     rate: float  # samples per second the writer learned lately (all its partitions)
     lag: int  # records of the partition not learned yet when written
+    steps: int | None = None  # samples learned and changes applied ever (None: a state from before changes: samples)
+    table: dict[str, int] = field(default_factory=dict)  # the sample changelog's committed writes: epoch -> last seq
+    changes: dict[str, int] = field(default_factory=dict)  # corrections and deletions applied and refused, by kind
+
+    @property
+    def moves(self) -> int:
+        """How often the partition's part of the model changed: a model version is the sum over partitions."""
+        return self.stats.samples if self.steps is None else self.steps
 
 
 def ensure_state_topic(kafka: KafkaConfig) -> None:
@@ -75,7 +85,8 @@ def encode(state: PartitionState) -> bytes:
                **{f"learned.{i}": torch.tensor(v, dtype=torch.long) for i, v in enumerate(state.learned.values())}}
     meta = {"format": FORMAT, "key": state.key, "offset": str(state.offset), "streams": json.dumps(list(state.learned)),
             "origin": json.dumps(asdict(state.origin)), "learner": state.learner,
-            "written_at": repr(state.written_at), "rate": repr(state.rate), "lag": str(state.lag)}
+            "written_at": repr(state.written_at), "rate": repr(state.rate), "lag": str(state.lag),
+            "steps": str(state.moves), "table": json.dumps(state.table), "changes": json.dumps(state.changes)}
     return save_tensors({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata=meta)
 
 
@@ -98,7 +109,9 @@ def decode(blob: bytes) -> PartitionState:
             meta["key"], LabelStatistics.from_tensors(tensors, "stats."), int(meta["offset"]),
             {s: tensors[f"learned.{i}"].tolist() for i, s in enumerate(streams)},
             Origin(**{**origin, "class_names": tuple(origin["class_names"])}), meta["learner"],
-            float(meta["written_at"]), float(meta["rate"]), int(meta["lag"]))
+            float(meta["written_at"]), float(meta["rate"]), int(meta["lag"]),
+            int(meta["steps"]) if "steps" in meta else None, json.loads(meta.get("table", "{}")),
+            json.loads(meta.get("changes", "{}")))
     except Exception as e:  # missing keys, wrong types: a state we cannot trust
         raise StateFormatError(f"not a readable partition state: {type(e).__name__}: {e}") from e
 

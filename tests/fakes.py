@@ -147,9 +147,9 @@ def service(tmp_path, **kw) -> tuple[LearnerState, LearnerLoop, list[tuple[str, 
     learned: list[tuple[str, int]] = []
     learn = state.learn
 
-    def learn_and_log(batch):
+    def learn_and_log(batch, key=None):
         learned.extend((s.meta.stream_id, s.meta.sample_index) for s in batch)
-        learn(batch)
+        learn(batch, key)
 
     state.learn = learn_and_log
     loop = LearnerLoop(state)

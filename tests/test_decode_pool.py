@@ -59,9 +59,9 @@ def run_stream(tmp_path, monkeypatch, workers: int, **kw) -> dict:
     images: list[torch.Tensor] = []
     learn = state.learn
 
-    def learn_and_keep(batch):
+    def learn_and_keep(batch, key=None):
         images.extend(s.image for s in batch)
-        learn(batch)
+        learn(batch, key)
 
     state.learn = learn_and_keep
     consumer, producer = FakeConsumer(loop, mixed_log()), FakeProducer()
@@ -114,11 +114,11 @@ def test_the_next_poll_is_read_while_the_model_thread_learns_and_decoded_beside_
             met.append(("decoded after the step", step_done.is_set()))
         return decode(data, limits)
 
-    def step_once_the_next_poll_is_read(batch):
+    def step_once_the_next_poll_is_read(batch, key=None):
         if not learned:
             step_begun.set()
             met.append(("step waited", next_poll.wait(10)))
-        learn(batch)
+        learn(batch, key)
         step_done.set()
 
     monkeypatch.setattr(FakeConsumer, "poll", poll_and_tell)
@@ -159,7 +159,7 @@ def test_a_camera_record_reaches_the_backbone_decoded_from_the_source_at_the_bac
     hook = state.learner.method.backbone.patch_embed.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
     images: list[torch.Tensor] = []
     learn = state.learn
-    state.learn = lambda batch: images.extend(s.image for s in batch) or learn(batch)
+    state.learn = lambda batch, key=None: images.extend(s.image for s in batch) or learn(batch, key)
     run_loop(monkeypatch, loop, [sample(i, i, data) for i in range(16)])
     hook.remove()
     expected = decode_image(data, ImageLimits(size=size))

@@ -197,7 +197,7 @@ def test_a_partial_batch_is_learned_as_soon_as_the_topic_goes_idle(tmp_path, mon
     state, loop, _ = service(tmp_path)  # batch size 16
     events: list = []
     learn = state.learn
-    state.learn = lambda batch: events.append(("learn", len(batch))) or learn(batch)
+    state.learn = lambda batch, key=None: events.append(("learn", len(batch))) or learn(batch, key)
     run_loop(monkeypatch, loop, records(list(range(5))), events, idle_polls=1)
     idle = [i for i, e in enumerate(events) if e == ("idle poll",)]
     assert events[idle[0] + 1] == ("learn", 5) and idle[1] > idle[0] + 1  # learned before the loop stopped

@@ -186,13 +186,13 @@ def test_a_change_is_applied_once_in_its_place_and_a_restart_before_its_checkpoi
     loop.persist()  # checkpoint 1: the stream, no change
     learned(state, loop, _records(kafka, changes, dict(offsets)))
     state.learn_pending()  # nothing is left to apply
-    assert state.intake.corrections.counts == {"corrections_applied": 3, "corrections_refused": 0,
+    assert state.intake.corrections.counts[None] == {"corrections_applied": 3, "corrections_refused": 0,
                                                "deletions_applied": 2, "deletions_refused": 0}
     assert state.capture() is not None  # the table commits generation 2 ... and the process dies: no file
-    state.intake.corrections.table.close()
+    state.intake.corrections.table(None).close()
 
     restarted, loop2, _ = service(tmp_path / "a", **on)  # back to checkpoint 1, its offsets, its table
-    assert sorted(restarted.intake.corrections.table.ids()) == sorted(id for _, id, _ in images)
+    assert sorted(restarted.intake.corrections.table(None).ids()) == sorted(id for _, id, _ in images)
     learned(restarted, loop2, _records(kafka, changes, dict(offsets)))
     fresh, loop3, _ = service(tmp_path / "b", **on)
     learned(fresh, loop3, _records(kafka, [c for c in images if c[1] in final]
@@ -200,7 +200,7 @@ def test_a_change_is_applied_once_in_its_place_and_a_restart_before_its_checkpoi
     probe = fresh.learner.statistics().sums.float()[[0, 1, 2, 3]]
     for learner in (state.learner, restarted.learner):
         assert_same_model(learner, fresh.learner, probe)
-    assert sorted(restarted.intake.corrections.table.ids()) == sorted(final)
+    assert sorted(restarted.intake.corrections.table(None).ids()) == sorted(final)
 
 
 def test_labels_inline_are_corrected_and_deleted_on_the_image_topic(tmp_path):
@@ -225,18 +225,18 @@ def test_labels_inline_are_corrected_and_deleted_on_the_image_topic(tmp_path):
     dead = loop.state.intake.accept(images[8:] + changes, loop.decoder)
     state.learn_pending()
     assert [d.reason for d in dead] == ["not_correctable"] and state.offsets == {f"{base.kafka.topic}:0": 15}
-    assert state.intake.corrections.counts == {"corrections_applied": 1, "corrections_refused": 1,
+    assert state.intake.corrections.counts[None] == {"corrections_applied": 1, "corrections_refused": 1,
                                                "deletions_applied": 1, "deletions_refused": 0}
     final = [r for r in images if r.offset != 5]
     fresh, loop2, _ = service(tmp_path / "b", **on)
     loop2.state.intake.accept(final, loop2.decoder)
     fresh.learn_pending()
     relabelled = fresh.learner.statistics()
-    fresh.learner.relabel_features(fresh.intake.corrections.table.get("s/0").feature[None], torch.tensor([0]),
+    fresh.learner.relabel_features(fresh.intake.corrections.table(None).get("s/0").feature[None], torch.tensor([0]),
                                    torch.tensor([2]))
     assert not torch.equal(relabelled.counts, fresh.learner.statistics().counts)
     assert_same_model(state.learner, fresh.learner, fresh.learner.statistics().sums.float()[:4])
-    assert sorted(state.intake.corrections.table.ids()) == sorted(f"s/{k}" for k in range(12) if k != 5)
+    assert sorted(state.intake.corrections.table(None).ids()) == sorted(f"s/{k}" for k in range(12) if k != 5)
 
 
 def test_changes_wait_for_the_samples_of_their_poll_unless_one_names_a_later_sample():

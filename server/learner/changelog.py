@@ -69,6 +69,19 @@ class _Reassembly:
                 yield decode(blob)
 
 
+def read_to_end(consumer: KafkaConsumer, tp: TopicPartition, timeout_s: float) -> Iterator[dict]:
+    """The polls of ``consumer`` (assigned ``tp`` alone) until its position reaches the end ``tp`` had once the
+    call started: the high watermark of a fetch, never ``end_offsets`` (see the module's docstring)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        yield consumer.poll(timeout_ms=200)
+        high = consumer.highwater(tp)
+        if high is not None and consumer.position(tp) >= high:
+            return
+        if time.monotonic() > deadline:
+            raise KafkaError(f"could not read {tp.topic}:{tp.partition} to its end in {timeout_s:.0f} s")
+
+
 class Changelog:
     """Reads and writes one learner group's state topic."""
 
@@ -80,16 +93,12 @@ class Changelog:
         """Every partition's newest state, read to the end of the topic as it is now."""
         consumer, tp = _consumer(self.kafka)
         latest: dict[str, PartitionState] = {}
-        reassembly, deadline = _Reassembly(), time.monotonic() + timeout_s
+        reassembly = _Reassembly()
         try:
-            while True:
-                for state in reassembly.states(consumer.poll(timeout_ms=200)):
+            for polled in read_to_end(consumer, tp, timeout_s):
+                for state in reassembly.states(polled):
                     latest[state.key] = state
-                high = consumer.highwater(tp)
-                if high is not None and consumer.position(tp) >= high:
-                    return latest
-                if time.monotonic() > deadline:
-                    raise KafkaError(f"could not read {self.kafka.state_topic} to its end in {timeout_s:.0f} s")
+            return latest
         finally:
             consumer.close()
 

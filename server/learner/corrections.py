@@ -15,9 +15,10 @@ The intake (``server.learner.intake``) decides what a record is when it reads it
 from __future__ import annotations
 
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -30,6 +31,8 @@ from server.learner.sample_table import Entry, SampleTable
 log = logging.getLogger(__name__)
 TABLE = "samples"
 """The sample table's folder in the checkpoint directory."""
+PARTITION_TABLES = "partition-samples"
+"""In a group, the folder of the owned partitions' tables (rebuilt from the changelog at each assignment)."""
 
 
 @dataclass(frozen=True)
@@ -52,95 +55,145 @@ class Forget:
 Change = Relabel | Forget
 
 
-class Corrections:
-    """The sample table and what changed it, for one learner alone."""
+class ModelEdits(Protocol):
+    """Where a change is learned: the learner's model (alone), or a partition's part of it (in a group)."""
 
-    def __init__(self, cfg: CorrectionsConfig, learner: OnlineLearner, checkpoint_dir: Path):
+    def forget_features(self, features: torch.Tensor, labels: torch.Tensor) -> None: ...
+    def relabel_features(self, features: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> None: ...
+
+
+COUNTS = ("corrections_applied", "corrections_refused", "deletions_applied", "deletions_refused")
+
+
+class Corrections:
+    """The sample table and what changed it: one table for a learner alone, one per owned partition in a group
+    (``by_partition``: an id is corrected by the owner of its partition, from that partition's table)."""
+
+    def __init__(self, cfg: CorrectionsConfig, learner: OnlineLearner, checkpoint_dir: Path,
+                 by_partition: bool = False):
         if (why := learner.not_correctable) is not None:
             raise ConfigError(f"--corrections.enabled needs a learner that can take a sample out exactly, and {why}")
-        self.learner = learner
-        self.table = SampleTable(checkpoint_dir / TABLE, cfg.retention_s, cfg.compact_every_s)
-        self.counts = {"corrections_applied": 0, "corrections_refused": 0, "deletions_applied": 0,
-                       "deletions_refused": 0}
+        self.cfg, self.checkpoint_dir, self.by_partition = cfg, checkpoint_dir, by_partition
+        self.tables: dict[str | None, SampleTable] = {}
+        self.counts: dict[str | None, dict[str, int]] = {}
+        if by_partition:  # tables of partitions owned before a restart: their owners now rebuild them
+            shutil.rmtree(checkpoint_dir / PARTITION_TABLES, ignore_errors=True)
+        else:
+            self.adopt(None, self.new_table(None), {})
+
+    def table(self, key: str | None) -> SampleTable:
+        """The table of a record of partition ``key``."""
+        return self.tables[key if self.by_partition else None]
+
+    def _count(self, key: str | None, what: str) -> None:
+        self.counts[key if self.by_partition else None][what] += 1
+
+    # --- a group's partitions come and go -------------------------------------------------------------------------
+    def new_table(self, key: str | None) -> SampleTable:
+        """The table of the learner alone (``key`` None), as on disk; or partition ``key``'s, empty, for its new
+        owner to fill from the changelog (``server.learner.table_changelog``)."""
+        if key is None:
+            path = self.checkpoint_dir / TABLE
+        else:
+            path = self.checkpoint_dir / PARTITION_TABLES / key.replace(":", "-")
+            shutil.rmtree(path, ignore_errors=True)
+        return SampleTable(path, self.cfg.retention_s, self.cfg.compact_every_s)
+
+    def adopt(self, key: str | None, table: SampleTable, counts: dict[str, int]) -> None:
+        """Take ``table`` and the ``counts`` of its changes as partition ``key``'s (None: the learner alone's)."""
+        self.tables[key] = table
+        self.counts[key] = {k: int(counts.get(k, 0)) for k in COUNTS}
+
+    def drop(self, key: str) -> None:
+        """A partition let go: its table is the next owner's to rebuild."""
+        self.counts.pop(key, None)
+        if (table := self.tables.pop(key, None)) is not None:
+            table.close()
+            shutil.rmtree(table.path, ignore_errors=True)
 
     # --- what a record is, when it is read ------------------------------------------------------------------------
-    def kind_of_label(self, id: str, join: LabelJoin | None, now: float, pending: bool
+    def kind_of_label(self, id: str, join: LabelJoin | None, now: float, pending: bool, key: str | None = None
                       ) -> Literal["correction", "not_correctable", "join"]:
-        """A label for ``id`` read at record time ``now``: a correction of a sample learned or about to be (``pending``
-        in the book, or its join in flight), refused for one learned but no longer in the table (or, with labels
-        inline, one never learned), else a label for the join. The join is asked first: the learning step writes a
-        sample to the table before it lets go of its join."""
-        if self._learned(id, join, now, pending):
+        """A label for ``id`` read at record time ``now`` from partition ``key``: a correction of a sample learned or
+        about to be (``pending`` in the book, or its join in flight), refused for one learned but no longer in the
+        table (or, with labels inline, one never learned), else a label for the join. The join is asked first: the
+        learning step writes a sample to the table before it lets go of its join."""
+        if self._learned(id, join, now, pending, key):
             return "correction"
         if join is None or id in join.joined_ids:
-            self.counts["corrections_refused"] += 1
+            self._count(key, "corrections_refused")
             return "not_correctable"
         return "join"
 
-    def kind_of_tombstone(self, id: str, join: LabelJoin | None, now: float, pending: bool
+    def kind_of_tombstone(self, id: str, join: LabelJoin | None, now: float, pending: bool, key: str | None = None
                           ) -> Literal["forget", "waiting", "not_correctable"]:
-        """A tombstone for ``id`` read at record time ``now``: a sample to take out (learned, ``pending`` or in
-        flight), an image or label let go from the join now, or refused (never learned, or past retention)."""
-        if self._learned(id, join, now, pending):
+        """A tombstone for ``id`` read at record time ``now`` from partition ``key``: a sample to take out (learned,
+        ``pending`` or in flight), an image or label let go from the join now, or refused (never learned, or past
+        retention)."""
+        if self._learned(id, join, now, pending, key):
             return "forget"
         if join is not None and join.forget(id):
-            self.counts["deletions_applied"] += 1
+            self._count(key, "deletions_applied")
             return "waiting"
-        self.counts["deletions_refused"] += 1
+        self._count(key, "deletions_refused")
         return "not_correctable"
 
-    def _learned(self, id: str, join: LabelJoin | None, now: float, pending: bool) -> bool:
+    def _learned(self, id: str, join: LabelJoin | None, now: float, pending: bool, key: str | None) -> bool:
         """The id's sample is learned and still correctable at record time ``now``, or about to be learned."""
         self.expire(now)
-        return pending or (join is not None and id in join.in_flight) or self.table.get(id) is not None
+        return pending or (join is not None and id in join.in_flight) or self.table(key).get(id) is not None
 
     # --- in the learning step ---------------------------------------------------------------------------------------
-    def keep(self, id: str, label: int, time: float, feature: torch.Tensor) -> None:
+    def keep(self, id: str, label: int, time: float, feature: torch.Tensor, key: str | None = None) -> None:
         """A sample was learned: keep what it added, until it is corrected, deleted or past retention."""
-        self.table.put(id, Entry(label, time, feature.detach().to("cpu", torch.float32)))
+        self.table(key).put(id, Entry(label, time, feature.detach().to("cpu", torch.float32)))
 
-    def apply(self, change: Change, join: LabelJoin | None) -> None:
-        """Learn one change in its place in the stream; one whose id left the table since it was read (a deletion
-        or retention came first) is counted as refused."""
-        entry = self.table.get(change.id)
+    def apply(self, change: Change, join: LabelJoin | None, model: ModelEdits, key: str | None = None) -> None:
+        """Learn one change of partition ``key`` in its place in the stream, in ``model``; one whose id left the table
+        since it was read (a deletion or retention came first) is counted as refused."""
+        table = self.table(key)
+        entry = table.get(change.id)
         kind = "corrections" if isinstance(change, Relabel) else "deletions"
         if entry is None:
-            self.counts[f"{kind}_refused"] += 1
+            self._count(key, f"{kind}_refused")
             log.info("%s of %s not applied: it is no longer in the sample table", kind[:-1], change.id)
             return
         if isinstance(change, Relabel):
             if change.label != entry.label:
-                self.learner.relabel_features(entry.feature[None], torch.tensor([entry.label]),
-                                              torch.tensor([change.label]))
-            self.table.put(change.id, Entry(change.label, change.time, entry.feature))
+                model.relabel_features(entry.feature[None], torch.tensor([entry.label]), torch.tensor([change.label]))
+            table.put(change.id, Entry(change.label, change.time, entry.feature))
         else:
-            self.learner.forget_features(entry.feature[None], torch.tensor([entry.label]))
-            self.table.delete(change.id)
+            model.forget_features(entry.feature[None], torch.tensor([entry.label]))
+            table.delete(change.id)
             if join is not None:
                 join.forget(change.id)
-        self.counts[f"{kind}_applied"] += 1
+        self._count(key, f"{kind}_applied")
 
     def expire(self, now: float) -> None:
         """Let the ids past retention at record time ``now`` go (they stay learned, no longer correctable)."""
-        if n := self.table.expire(now):
+        if n := sum(table.expire(now) for table in self.tables.values()):
             log.info("%d ids past --corrections.retention_s left the sample table", n)
 
-    # --- with the checkpoint ------------------------------------------------------------------------------------
+    # --- with the checkpoint of a learner alone ---------------------------------------------------------------------
     def checkpoint(self) -> dict:
         """Commit the table's changes as the next generation; what the checkpoint keeps of the corrections."""
-        generation = self.table.generation + 1
-        self.table.commit(generation)
-        return {"generation": generation, **self.counts}
+        table = self.tables[None]
+        generation = table.generation + 1
+        table.commit(generation)
+        return {"generation": generation, **self.counts[None]}
 
     def settle(self, saved: dict) -> None:
         """The checkpoint holding ``saved`` (``checkpoint``'s) is on disk."""
-        self.table.settle(saved["generation"])
+        self.tables[None].settle(saved["generation"])
 
     def restore(self, saved: dict | None) -> None:
         """Back to a checkpoint's corrections (None: no checkpoint, or one written without them)."""
-        self.table.restore(0 if saved is None else saved["generation"])
-        self.counts = {k: int(saved[k]) if saved else 0 for k in self.counts}
+        self.tables[None].restore(0 if saved is None else saved["generation"])
+        self.counts[None] = {k: int(saved[k]) if saved else 0 for k in COUNTS}
 
     def summary(self) -> dict:
-        return {**self.counts, "ids": len(self.table), "bytes_on_disk": self.table.bytes_on_disk(),
-                "retention_s": self.table.retention_s}
+        """The counts and the table(s): this learner's, or the partitions it owns."""
+        counts, tables = list(self.counts.values()), list(self.tables.values())  # a rebalance may change them
+        return {**{k: sum(c[k] for c in counts) for k in COUNTS}, "ids": sum(len(t) for t in tables),
+                "bytes_on_disk": sum(t.bytes_on_disk() for t in tables),
+                "retention_s": self.cfg.retention_s}

@@ -69,10 +69,7 @@ def open_corrections(cfg: ServeConfig, learner: OnlineLearner, book: StreamBook)
     """The corrections of ``--corrections.enabled`` (None: off), refused at start where they cannot be exact."""
     if not cfg.corrections.enabled:
         return None
-    if book.by_partition:
-        raise ConfigError("--corrections.enabled is not supported for learners in a group (--kafka.state_topic) yet: "
-                          "the sample table does not move with its partition; run one learner")
-    return Corrections(cfg.corrections, learner, cfg.checkpoint_dir)
+    return Corrections(cfg.corrections, learner, cfg.checkpoint_dir, by_partition=book.by_partition)
 
 
 def book_change(book: StreamBook, record, change: Change) -> None:
@@ -234,6 +231,7 @@ class Intake:
         labels come later, a label or an image without one goes to the join (``_book_join``)."""
         key = tp_key(record)
         self.metrics.records_consumed.inc()
+        self._clock(record)  # every record moves the stream's clock: what a sample table's entry is timed by
         if outcome is None:
             self.metrics.replays_skipped.inc()
             self.book.skip(key, record.offset)
@@ -243,12 +241,13 @@ class Intake:
         if isinstance(outcome, _Label):
             if self.corrections is not None:
                 kind = self.corrections.kind_of_label(outcome.id, self.join, self._clock(record),
-                                                      waits_for(outcome.id, self.book))
+                                                      waits_for(outcome.id, self.book), key)
                 if kind == "correction":
                     return book_change(self.book, record, Relabel(outcome.id, outcome.label, self._clock(record)))
                 if kind == "not_correctable":
                     return refuse(self.book, record, f"{outcome.id} is not correctable: learned more than "
-                                                     f"--corrections.retention_s ago, or (labels inline) never")
+                                                     f"--corrections.retention_s ago, or (labels inline) never"
+                                                     f"{self._elsewhere(key)}")
             source = (record.topic, record.partition, record.offset)
             return self._book_join(record, self.join.add_label(outcome.id, outcome.label, self._clock(record), source))
         try:
@@ -275,15 +274,22 @@ class Intake:
     def _book_tombstone(self, record, id: str) -> Outgoing | None:
         """A deletion: pending in its place if the id is learned (or about to be), done now if it only waited in the
         join; either way its prediction is retracted. Refused if nothing of it is kept."""
-        kind = self.corrections.kind_of_tombstone(id, self.join, self._clock(record), waits_for(id, self.book))
+        key = tp_key(record)
+        kind = self.corrections.kind_of_tombstone(id, self.join, self._clock(record), waits_for(id, self.book), key)
         if kind == "not_correctable":
             return refuse(self.book, record, f"no sample with id {id} can be deleted: none was received, or it was "
-                                             f"learned more than --corrections.retention_s ago")
+                                             f"learned more than --corrections.retention_s ago{self._elsewhere(key)}")
         if kind == "forget":
             book_change(self.book, record, Forget(id))
         else:
             self.book.skip(tp_key(record), record.offset)
         return Retraction(id) if self.join is not None else None  # predictions are written where labels come later
+
+    def _elsewhere(self, key: str) -> str:
+        """What else a refusal may mean in a group: the change was not sent to its image's partition."""
+        if not self.book.by_partition:
+            return ""
+        return f", or its image is not on {key} (in a group, key images and their changes by id)"
 
     def _book_join(self, record, joined: Joined | Refused | None) -> DeadLetter | None:
         """Book a record the join took: refused (a dead letter), waiting in the join (handled: the join's state
@@ -338,14 +344,15 @@ class Intake:
             log.info("%d images expired without their labels (%s ...)", len(expired), expired[0])
         return [DeadLetter(kept_label(r), r.reason, r.message) for r in refused]
 
-    def learned(self, batch: list[Sample], features: torch.Tensor | None = None) -> None:
-        """A mini-batch was learned: its samples are learned in the book (and kept in the sample table, with their
-        ``features`` [B, D] where they were learned from images), and the joins it completed confirmed."""
+    def learned(self, batch: list[Sample], features: torch.Tensor | None = None, key: str | None = None) -> None:
+        """A mini-batch (of partition ``key``, in a group) was learned: its samples are learned in the book (and kept
+        in the sample table, with their ``features`` [B, D] where they were learned from images), and the joins it
+        completed confirmed."""
         if self.corrections is not None:
             for i, s in enumerate(batch):
                 if s.change is None and (id := s.joined.id if s.joined is not None else s.meta.id) is not None:
                     at = s.joined.since + s.joined.delay_s if s.joined is not None else self.stream_time
-                    self.corrections.keep(id, s.label, at, s.feature if features is None else features[i])
+                    self.corrections.keep(id, s.label, at, s.feature if features is None else features[i], key)
         self.book.mark_learned(batch)
         if self.join is not None:
             self.join.confirm([s.joined for s in batch if s.joined is not None])

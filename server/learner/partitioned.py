@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,7 +43,9 @@ from mepo_stream.methods.base import Encoded
 from server.config import ServeConfig
 from server.learner.book import Pending, Sample, StreamBook
 from server.learner.changelog import Changelog
+from server.learner.sample_table import SampleTable
 from server.learner.state import CHECKPOINT, LearnerState, Restored, open_learner, read_checkpoint
+from server.learner.table_changelog import TableChangelog, Write, new_epoch, partition_of
 from server.learner.view import GroupView
 from server.metrics import ServerMetrics
 from server.model_thread import ModelThread
@@ -60,6 +63,10 @@ def migrated_state(path: Path, origin: Origin, learner_id: str, shape: tuple[int
     if not path.is_file():
         return None
     state = read_checkpoint(path)
+    if "corrections" in state:
+        raise StateRefused(f"{path} is the checkpoint of one learner with --corrections.enabled: its sample table "
+                           f"cannot move into a group's changelog. Keep learning alone, or move the checkpoint "
+                           f"and its samples/ folder away to learn the stream again in a group")
     keys = sorted(state["offsets"])
     if len(keys) > 1:
         raise StateRefused(f"{path} is the checkpoint of one learner over {len(keys)} partitions ({keys}): its "
@@ -77,21 +84,43 @@ def migrated_state(path: Path, origin: Origin, learner_id: str, shape: tuple[int
                           0.0, 0)
 
 
-def partition_groups(pending: list[Pending]) -> list[list[Pending]]:
-    """The pending records, one group per partition, in the order the partitions first appear."""
-    groups: dict[str, list[Pending]] = {}
+def partition_groups(pending: list[Pending]) -> list[tuple[str | None, list[Pending]]]:
+    """The pending records, one group per partition (with its key), in the order the partitions first appear."""
+    groups: dict[str | None, list[Pending]] = {}
     for p in pending:
         groups.setdefault(p.key, []).append(p)
-    return list(groups.values())
+    return list(groups.items())
+
+
+@dataclass(frozen=True)
+class PartitionEdits:
+    """A change is learned in its partition's part of the model: the sums the partition's state carries."""
+
+    group: InGroup
+    key: str
+
+    def forget_features(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        self.group.own[self.key].remove(self.group.state.learner.classifier_inputs(features), labels)
+        self.group.moved(self.key, len(labels))
+
+    def relabel_features(self, features: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> None:
+        self.group.own[self.key].move(self.group.state.learner.classifier_inputs(features), old, new)
+        self.group.moved(self.key, len(old))
 
 
 class InGroup:
     """A learner in a group: sums per owned partition in ``own``, the others' newest states in ``remote``; the
     learner's classifier always holds their total."""
 
-    def __init__(self, changelog: Changelog, learner_id: str, checkpoint_path: Path):
+    def __init__(self, changelog: Changelog, learner_id: str, checkpoint_path: Path,
+                 tables: TableChangelog | None = None):
         self.changelog, self.learner_id, self.checkpoint_path = changelog, learner_id, checkpoint_path
+        self.tables = tables
+        """The owned partitions' sample tables on Kafka (``--corrections.enabled``; None: off)."""
         self.own: dict[str, LabelStatistics] = {}
+        self.steps: dict[str, int] = {}  # per owned partition: samples learned and changes applied, ever
+        self.writes: dict[str, tuple[str, dict[str, int]]] = {}  # per owned partition: (this owner's epoch, the
+        # table changelog's writes its state includes: epoch -> last seq)
         self.remote: dict[str, PartitionState] = {}
         self.written: dict[str, PartitionState] = {}  # the last state this learner wrote, per partition
         self.lag: dict[str, int] = {}  # the loop's, per partition (``Service.start`` shares it)
@@ -126,7 +155,7 @@ class InGroup:
             self.remote[state.key] = state
         self._remote_total = None
         self.load_total()
-        return Restored(s.learner.samples_seen)
+        return Restored(self.next_version())
 
     def _check(self, state: PartitionState) -> None:
         """Refuse a partition state of another model: its sums mean something else."""
@@ -154,9 +183,24 @@ class InGroup:
             log.info("migrated %s into %s's state on %s", self.checkpoint_path, migrated.key,
                      self.state.cfg.kafka.state_topic)
             states[migrated.key], self._migration = migrated, None
-        self.state.model_thread.run(self._assign, keys, states)
+        self.state.model_thread.run(self._assign, keys, states, self._restore_tables(keys, states))
 
-    def _assign(self, keys: list[str], states: dict[str, PartitionState]) -> None:
+    def _restore_tables(self, keys: list[str], states: dict[str, PartitionState]
+                        ) -> dict[str, tuple[SampleTable, bool]]:
+        """Each assigned partition's sample table, rebuilt from the changelog writes its state includes (and whether
+        the changelog holds writes it does not include); none without corrections."""
+        if self.tables is None:
+            return {}
+        out = {}
+        for key in keys:
+            table = self.state.intake.corrections.new_table(key)
+            stale = self.tables.restore(partition_of(key), {} if key not in states else states[key].table, table)
+            table.rewrite(stale)
+            out[key] = (table, bool(stale))
+        return out
+
+    def _assign(self, keys: list[str], states: dict[str, PartitionState],
+                tables: dict[str, tuple[SampleTable, bool]]) -> None:
         s = self.state
         with s.lock:
             for key, state in states.items():
@@ -165,8 +209,16 @@ class InGroup:
             for key in keys:
                 state = states.get(key)
                 self.own[key] = self._empty.clone() if state is None else state.stats.clone()
-                s.intake.book.adopt(key, *((0, {}) if state is None else (state.offset, state.learned)))
+                offset = 0 if state is None else state.offset
+                s.intake.book.adopt(key, offset, {} if state is None else state.learned)
                 self.remote.pop(key, None)
+                self.steps[key] = 0 if state is None else state.moves
+                self.writes[key] = (new_epoch(), {} if state is None else dict(state.table))
+                if key in tables:
+                    table, stale = tables[key]
+                    s.intake.corrections.adopt(key, table, {} if state is None else state.changes)
+                    if stale:  # written out again at the next capture, under this owner's epoch
+                        s.intake.book.mark_saved({key: offset}, failed=True)
                 if state is not None:
                     self.written[key] = state
             self._remote_total = None
@@ -186,6 +238,10 @@ class InGroup:
             for key in keys:
                 s.intake.book.drop(key)
                 self.own.pop(key, None)
+                self.steps.pop(key, None)
+                self.writes.pop(key, None)
+                if s.intake.corrections is not None:
+                    s.intake.corrections.drop(key)
                 if key in self.written:
                     self.remote[key] = self.written[key]
             self._remote_total = None
@@ -254,21 +310,32 @@ class InGroup:
         """Any share of the partitions: the group's states add up to the model."""
         return None
 
-    def update(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample], encoded: Encoded | None
-               ) -> torch.Tensor | None:
-        """Predict with the merged model, add the batch to its partition's sums, load the new total (the state cuts
-        each mini-batch from one partition: ``groups``); ``encoded`` is not used (the step encodes)."""
-        in_batch = {id(s) for s in batch}
-        (key,) = {p.key for p in self.state.intake.book.pending if id(p.sample) in in_batch}  # one partition a step
-        pred, h, hits = self.state.learner.statistics_step(images, labels)
+    def update(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample], encoded: Encoded | None,
+               key: str | None) -> torch.Tensor | None:
+        """Predict with the merged model, add the batch to its partition's sums (``key``: the state cuts each
+        mini-batch from one partition, ``groups``), load the new total. ``encoded``: the batch's encoding, where the
+        sample table keeps its features."""
+        assert key is not None
+        pred, h, hits = self.state.learner.statistics_step(images, labels, encoded)
         self.own[key].add(h, labels, hits)
-        self.load_total()
+        self.moved(key, len(labels))
         self.learned_here += len(labels)
         return pred
 
+    def edits(self, key: str | None) -> PartitionEdits:
+        """A change is learned in its partition's sums."""
+        assert key is not None
+        return PartitionEdits(self, key)
+
+    def moved(self, key: str, n: int) -> None:
+        """``n`` samples or changes moved partition ``key``'s sums: the classifier loads the new total."""
+        self.steps[key] += n
+        self.load_total()
+
     def next_version(self) -> int:
-        """The merged model's sample count: the same on every learner once they have the same states."""
-        return self.state.learner.samples_seen
+        """How often the merged model moved, summed over partitions (samples learned, changes applied): the same on
+        every learner once they have the same states, and growing whatever a change takes out."""
+        return sum(self.steps.values()) + sum(state.moves for state in self.remote.values())
 
     # --- persisting: the state topic instead of a checkpoint file --------------------------------------------
     def capture(self) -> dict:
@@ -278,13 +345,32 @@ class InGroup:
         rate, self.rate_mark = (self.learned_here - learned) / max(rate_mark[0] - then, 1e-3), rate_mark
         moved = [(key, *book.partition(key)) for key in book.unsaved_keys()]
         book.mark_saved(book.offsets)
+        tables = [write for key, _, _ in moved if (write := self._table_write(key)) is not None]
+        corrections = self.state.intake.corrections
         states = [PartitionState(key, self.own[key].clone(), offset, learned, self.state.origin, self.learner_id,
-                                 now, rate, int(self.lag.get(key, 0))) for key, offset, learned in moved]
-        return {"states": states, "offsets": {s.key: s.offset for s in states}, "time": now}
+                                 now, rate, int(self.lag.get(key, 0)), self.steps[key], dict(self.writes[key][1]),
+                                 {} if corrections is None else dict(corrections.counts[key]))
+                  for key, offset, learned in moved]
+        return {"states": states, "tables": tables, "offsets": {s.key: s.offset for s in states}, "time": now}
+
+    def _table_write(self, key: str) -> Write | None:
+        """The partition's table changes since its last capture, as this owner's next write (None: none)."""
+        if self.tables is None:
+            return None
+        epoch, included = self.writes[key]
+        table, seq = self.state.intake.corrections.tables[key], included.get(epoch, 0) + 1
+        changes = table.commit(seq)
+        table.settle(seq)  # the changelog, not this file, is what a restore reads: no undo is needed
+        if not changes:
+            return None
+        included[epoch] = seq
+        return Write(partition_of(key), epoch, seq, changes)
 
     def write(self, captured: dict) -> dict[str, int]:
-        """Write the captured partition states to the state topic, acknowledged; returns their offsets."""
-        written = self.changelog.write(captured["states"]) if captured["states"] else 0
+        """Write the captured table changes to the sample changelog, then the partition states that include them
+        to the state topic, each acknowledged; returns their offsets."""
+        written = self.tables.write(captured["tables"]) if captured["tables"] else 0
+        written += self.changelog.write(captured["states"]) if captured["states"] else 0
         with self.state.lock:
             self.written.update({s.key: s for s in captured["states"]})
         self.state.metrics.state_writes.inc(len(captured["states"]))
@@ -316,5 +402,7 @@ def open_group_learner(cfg: ServeConfig, metrics: ServerMetrics, model_thread: M
         raise ConfigError("--kafka.labels_topic with --kafka.state_topic: a label must reach the learner that "
                           "holds its image, which a group's partitioning does not promise yet; learn labels "
                           "that come later with one learner")
-    membership = InGroup(Changelog(cfg.kafka), f"{socket.gethostname()}:{cfg.port}", cfg.checkpoint_dir / CHECKPOINT)
+    tables = TableChangelog(cfg.kafka) if cfg.corrections.enabled else None
+    membership = InGroup(Changelog(cfg.kafka), f"{socket.gethostname()}:{cfg.port}", cfg.checkpoint_dir / CHECKPOINT,
+                         tables)
     return open_learner(cfg, metrics, model_thread, membership)

@@ -111,6 +111,7 @@ class SampleTable:
             if leftover.is_dir():
                 shutil.rmtree(leftover)
         self.path.mkdir(parents=True, exist_ok=True)
+        self.closed = False
         self.env = lmdb.open(str(self.path), map_size=MAP_SIZE, max_dbs=4, metasync=True, sync=True,
                              readahead=False)
         self._samples = self.env.open_db(b"samples")
@@ -150,8 +151,10 @@ class SampleTable:
             return txn.stat(self._samples)["entries"]
 
     def bytes_on_disk(self) -> int:
-        """The pages in use (the data file is sparse beyond them)."""
+        """The pages in use (the data file is sparse beyond them); 0 once closed (a group's partition let go)."""
         with self._env_lock:
+            if self.closed:
+                return 0
             info, stat = self.env.info(), self.env.stat()
         return (info["last_pgno"] + 1) * stat["psize"]
 
@@ -191,8 +194,9 @@ class SampleTable:
         return len(old)
 
     # --- persisting, with the checkpoint ------------------------------------------------------------------------
-    def commit(self, generation: int) -> None:
-        """Write the changes since the last commit as ``generation``, with what each changed id was before it."""
+    def commit(self, generation: int) -> dict[bytes, Entry | None]:
+        """Write the changes since the last commit as ``generation``, with what each changed id was before it;
+        returns them (by key; None: deleted) for a changelog."""
         with self._lock:
             changes = dict(self._changed)
         prefix = struct.pack(">Q", generation)
@@ -208,6 +212,29 @@ class SampleTable:
             for key, value in changes.items():
                 if self._changed.get(key, ...) is value:
                     del self._changed[key]
+        return changes
+
+    def load(self, changes: list[tuple[bytes, Entry | None]]) -> None:
+        """Write committed changes read back from a changelog (by key; None: deleted), in order, as they are."""
+        with self._txn(write=True) as txn:
+            for key, value in changes:
+                before = txn.get(key, db=self._samples)
+                self._deleted |= value is None and before is not None
+                _write(txn, (self._samples, self._by_time), key, None if before is None else bytes(before), value)
+        self._count = self._committed_count()
+
+    def erase_freed(self) -> None:
+        """Compact now if an entry was deleted since the last compaction: a table rebuilt from a changelog wrote,
+        then deleted, the entries of ids deleted long ago, and their bytes must not wait ``compact_every_s``."""
+        if self._deleted:
+            self._compact()
+
+    def rewrite(self, keys: set[bytes]) -> None:
+        """Count these keys' committed values as changed again, so the next commit writes them out once more (a
+        changelog whose last records of them are writes no state includes)."""
+        with self._lock:
+            for key in keys - self._changed.keys():
+                self._changed[key] = self._committed(key)
 
     def settle(self, generation: int) -> None:
         """Checkpoint ``generation`` is on disk: no restart goes back before it, so its undo records go."""
@@ -278,4 +305,5 @@ class SampleTable:
 
     def close(self) -> None:
         with self._env_lock:
+            self.closed = True
             self.env.close()

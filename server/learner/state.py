@@ -47,6 +47,7 @@ from mepo_stream.methods.base import Encoded
 from mepo_stream.model import create_model
 from server.config import ServeConfig, model_config
 from server.learner.book import Pending, Sample, StreamBook
+from server.learner.corrections import ModelEdits
 from server.learner.evaluation import Evaluator
 from server.learner.intake import Intake
 from server.learner.monitor import StreamMonitor
@@ -135,9 +136,10 @@ class Membership(Protocol):
     def bind(self, state: LearnerState) -> None: ...
     def new_book(self, learn_replays: bool) -> StreamBook: ...
     def restore(self) -> Restored | None: ...
-    def groups(self, pending: list[Pending]) -> list[list[Pending]]: ...
-    def update(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample], encoded: Encoded | None
-               ) -> torch.Tensor | None: ...
+    def groups(self, pending: list[Pending]) -> list[tuple[str | None, list[Pending]]]: ...
+    def update(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample], encoded: Encoded | None,
+               key: str | None) -> torch.Tensor | None: ...
+    def edits(self, key: str | None) -> ModelEdits: ...
     def check_assignment(self, images: set[int], everything: set[int] | None) -> str | None: ...
     def next_version(self) -> int: ...
     def capture(self) -> dict: ...
@@ -243,30 +245,32 @@ class LearnerState:
         return self.model_thread.submit(self._learn_pending)
 
     def _learn_pending(self) -> None:
-        for group in self.membership.groups(self.intake.book.pending):
+        for key, group in self.membership.groups(self.intake.book.pending):
             for run in runs_of_samples([p.sample for p in group]):
                 if run[0].change is not None:  # corrections and deletions in a row: one version
-                    self.learn(run)
+                    self.learn(run, key)
                     continue
                 while run:
                     limit = self.batch_limit
                     batch, run = run[:limit], run[limit:]
-                    self.learn(batch)
+                    self.learn(batch, key)
         if (corrections := self.intake.corrections) is not None:  # the disk stays bounded without any correction
             corrections.expire(self.intake.stream_time)
 
-    def learn(self, batch: list[Sample]) -> None:
-        """Test-then-train one mini-batch and run a due evaluation, then show the new version: ``version`` and
-        ``samples_seen`` move only once the step is whole, so a reader who sees them sees the model behind them.
-        A batch of corrections and deletions (``Sample.change``) applies them in order, as one version.
+    def learn(self, batch: list[Sample], key: str | None = None) -> None:
+        """Test-then-train one mini-batch (of partition ``key``, in a group) and run a due evaluation, then show the
+        new version: ``version`` and ``samples_seen`` move only once the step is whole, so a reader who sees them
+        sees the model behind them. A batch of corrections and deletions (``Sample.change``) applies them in order,
+        as one version.
 
         It runs in the calling thread: ``learn_pending`` calls it in the model thread (a test that drives a
         learner with no loop may call it from its own)."""
         if batch[0].change is not None:
             assert self.intake.corrections is not None
             with self.lock:
+                model = self.membership.edits(key)
                 for s in batch:
-                    self.intake.corrections.apply(s.change, self.intake.join)
+                    self.intake.corrections.apply(s.change, self.intake.join, model, key)
                 self.intake.learned(batch)
                 self.since_checkpoint += 1
                 self.changed()
@@ -284,10 +288,10 @@ class LearnerState:
                 labels, pred = torch.tensor(scored).T if scored else (labels, None)  # the predictions at arrival
             else:  # corrections keep each sample's feature: encoded here, the same forward learns it
                 encoded = None if self.intake.corrections is None else self.learner.encode(images)
-                pred = self.membership.update(images, labels, batch, encoded)
+                pred = self.membership.update(images, labels, batch, encoded, key)
             if self.cfg.prequential:
                 watch_drift(self.monitor, self.metrics, labels, pred, seen_before)
-            self.intake.learned(batch, None if features or encoded is None else encoded.feature)
+            self.intake.learned(batch, None if features or encoded is None else encoded.feature, key)
             self.since_checkpoint += len(batch)
             self.metrics.step_seconds.observe(time.perf_counter() - start)
             self.changed()
@@ -383,12 +387,16 @@ class Alone:
     def new_book(self, learn_replays: bool) -> StreamBook:
         return StreamBook(learn_replays=learn_replays)
 
-    def groups(self, pending: list[Pending]) -> list[list[Pending]]:
+    def groups(self, pending: list[Pending]) -> list[tuple[str | None, list[Pending]]]:
         """Mini-batches may mix every partition's records."""
-        return [pending]
+        return [(None, pending)]
 
-    def update(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample], encoded: Encoded | None
-               ) -> torch.Tensor | None:
+    def edits(self, key: str | None) -> ModelEdits:
+        """Changes are learned in the model itself."""
+        return self.state.learner
+
+    def update(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample], encoded: Encoded | None,
+               key: str | None = None) -> torch.Tensor | None:
         """Fold the batch into the model (from ``encoded``, its encoding, where the caller has it); its
         test-then-train predictions (None: not prequential) feed the drift monitor."""
         s = self.state

@@ -1,0 +1,131 @@
+"""A partition's sample table on Kafka, for learners in a group: the table moves with its partition.
+
+Kafka Streams backs a state store with a changelog topic co-partitioned with its input: partition p of the
+changelog holds the changes of the store of input partition p, and whoever is assigned p rebuilds the store by
+reading that partition from its beginning to its end. Here the store is the sample table
+(``server.learner.sample_table``) of one partition of the image topic, and the changelog is ``<state topic>.samples``:
+a record per changed id, keyed by the id's hash (the id itself is only in the value), valued by its entry (None:
+the id left the table), with headers ``epoch`` and ``seq``.
+
+Why the headers: a learner writes a partition's table changes, then the partition's state (its sums and offset)
+that includes them (``server.learner.partitioned``), and a kill -9 may fall between the two. Each owner of a
+partition writes under an epoch of its own (a new one at every assignment) and numbers its writes; the state names
+the last write it includes per epoch (``PartitionState.table``). A restore applies only the records of writes its
+state includes, so the restored table is exactly the one the state's sums were learned with; the ids of records
+it skipped are written out again by the new owner (``SampleTable.rewrite``), so a compaction that keeps a key's
+last record keeps a record of a write some state includes.
+
+Example:
+    >>> Write(2, "e1", 3, {b"k" * 16: None}).headers()
+    [('epoch', b'e1'), ('seq', b'3')]
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+
+from mepo_stream.errors import StateRefused
+from mepo_stream.kafka import KafkaConfig, ensure_topics, open_producer
+from server.learner.changelog import ACK_TIMEOUT_S, read_to_end
+from server.learner.sample_table import Entry, SampleTable
+from server.snapshot_topic import close_quietly
+
+TOPIC_CONFIGS = {"cleanup.policy": "compact", "min.compaction.lag.ms": str(24 * 3600 * 1000)}
+"""Kafka keeps each id's last record; not within a day of its write, so a record no state includes is written over
+by the partition's next owner before a compaction can drop the one before it (Tansu keeps every record)."""
+
+
+def table_changelog_topic(kafka: KafkaConfig) -> str:
+    return f"{kafka.state_topic}.samples"
+
+
+def new_epoch() -> str:
+    """A new owner's epoch: unique, so no two owners' writes of a partition are ever taken for each other."""
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class Write:
+    """One capture's changes of one partition's table: the ``seq``-th write of ``epoch``."""
+
+    partition: int
+    epoch: str
+    seq: int
+    changes: dict[bytes, Entry | None]
+
+    def headers(self) -> list[tuple[str, bytes]]:
+        return [("epoch", self.epoch.encode()), ("seq", str(self.seq).encode())]
+
+
+def partition_of(key: str) -> int:
+    """The image topic partition of a book key ``topic:partition``: the changelog partition of its table."""
+    return int(key.rsplit(":", 1)[1])
+
+
+class TableChangelog:
+    """Writes partitions' table changes, and rebuilds a partition's table from them."""
+
+    def __init__(self, kafka: KafkaConfig):
+        self.kafka, self.topic = kafka, table_changelog_topic(kafka)
+        self._producer: KafkaProducer | None = None
+
+    def write(self, writes: list[Write]) -> int:
+        """Send the writes and wait until the broker has them all; returns the bytes sent."""
+        if self._producer is None:
+            self._producer = open_producer(self.kafka, linger_ms=5)
+        sent, futures = 0, []
+        for write in writes:
+            for key, entry in write.changes.items():
+                value = None if entry is None else entry.encode()
+                sent += len(key) + len(value or b"")
+                futures.append(self._producer.send(self.topic, key=key, value=value, headers=write.headers(),
+                                                   partition=write.partition))
+        for future in futures:
+            future.get(timeout=ACK_TIMEOUT_S)
+        return sent
+
+    def restore(self, partition: int, committed: dict[str, int], table: SampleTable, timeout_s: float = 120.0
+                ) -> set[bytes]:
+        """Fill ``table`` (empty) with the partition's records of the writes ``committed`` names (epoch -> last seq),
+        in order; returns the keys of the records it skipped (writes no state includes)."""
+        consumer = KafkaConsumer(**self.kafka.client_options(), group_id=None, enable_auto_commit=False,
+                                 auto_offset_reset="earliest", fetch_max_bytes=64 * 1024 * 1024)
+        tp = TopicPartition(self.topic, partition)
+        try:
+            self._ensure(consumer, partition)
+        except StateRefused:
+            consumer.close()
+            raise
+        consumer.assign([tp])
+        consumer.seek_to_beginning(tp)
+        skipped: set[bytes] = set()
+        try:
+            for polled in read_to_end(consumer, tp, timeout_s):
+                kept: list[tuple[bytes, Entry | None]] = []
+                for record in polled.get(tp, []):
+                    head = {k: v.decode() for k, v in record.headers or []}
+                    if int(head["seq"]) <= committed.get(head["epoch"], 0):
+                        kept.append((record.key, None if record.value is None else Entry.decode(record.value)))
+                    else:
+                        skipped.add(record.key)
+                table.load(kept)
+        finally:
+            consumer.close()
+        table.erase_freed()
+        return skipped
+
+    def _ensure(self, consumer: KafkaConsumer, partition: int) -> None:
+        """Create the changelog with the image topic's partitions (the first time); refuse one without ``partition``
+        (made for a topic with fewer partitions)."""
+        ensure_topics(self.kafka, self.topic, partitions=len(consumer.partitions_for_topic(self.kafka.topic) or ()),
+                      configs=TOPIC_CONFIGS)
+        if partition not in (consumer.partitions_for_topic(self.topic) or set()):
+            raise StateRefused(f"{self.topic} has no partition {partition}: it needs as many partitions as "
+                               f"{self.kafka.topic} (add them, or start over with a new --kafka.state_topic)")
+
+    def close(self) -> None:
+        close_quietly(self._producer, "sample changelog")
+        self._producer = None
