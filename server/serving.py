@@ -127,8 +127,9 @@ class Serving:
         self._forwarder().send(id, image, content_type, prediction)
 
     def write_label(self, id: str, label: int | None) -> RecordMetadata:
-        """Write a label for ``id`` (None: its deletion) to the labels topic, acknowledged (``server.uploads``)."""
-        return self._forwarder().send_label(id, label)
+        """Write a label for ``id`` (None: its deletion) to the labels topic (with labels inline and corrections on:
+        the image topic), acknowledged (``server.uploads``)."""
+        return self._forwarder().send_label(id, label, inline=self.state.cfg.corrections.enabled)
 
     def _forwarder(self) -> UploadForwarder:
         with _UPLOADS_LOCK:

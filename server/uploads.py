@@ -1,6 +1,7 @@
 """Records written for HTTP clients: uploads that a later label may teach (``POST /v1/predict?id=…``: the image
 goes to the image topic), and labels and deletions from the admin routes (``POST /v1/labels/{id}``,
-``DELETE /v1/samples/{id}``: a label or a tombstone on the labels topic, as a labelling tool would write them).
+``DELETE /v1/samples/{id}``: a label or a tombstone on the labels topic, as a labelling tool would write them, or,
+where labels come with their images, a correction or a tombstone on the image topic).
 
 An upload with an id is answered at once, as any other, and then written to the image topic as an image without a
 label (``mepo_stream.records.upload_headers``): the id, and the top-1 label the answer gave. The learner reads it as
@@ -44,15 +45,17 @@ class UploadForwarder:
         headers = upload_headers(id, prediction, content_type)
         self._producer_now().send(self.kafka.topic, value=image, key=id.encode(), headers=headers).get(self.timeout_s)
 
-    def send_label(self, id: str, label: int | None) -> RecordMetadata:
+    def send_label(self, id: str, label: int | None, inline: bool = False) -> RecordMetadata:
         """Write a label for ``id`` to the labels topic (None: a tombstone, which deletes the id) and wait for the
-        broker to have it; where it landed."""
-        if self.kafka.labels_topic is None:
-            raise LabelsOff("labels and deletions by id go to the labels topic: start the learner with "
-                            "--kafka.labels_topic")
+        broker to have it; where it landed. Without a labels topic, ``inline`` (corrections on, labels with their
+        images) writes it to the image topic instead, keyed by the id: on its image's partition, where the image
+        was keyed by its id too (``--replay.partition_by id``)."""
+        topic = self.kafka.labels_topic or (self.kafka.topic if inline else None)
+        if topic is None:
+            raise LabelsOff("labels and deletions by id go to the labels topic (--kafka.labels_topic), or, with "
+                            "--corrections.enabled, to the image topic")
         value, headers = (None, []) if label is None else (b"", label_headers(id, label))
-        future = self._producer_now().send(self.kafka.labels_topic, value=value, key=id.encode(), headers=headers)
-        return future.get(self.timeout_s)
+        return self._producer_now().send(topic, value=value, key=id.encode(), headers=headers).get(self.timeout_s)
 
     def _producer_now(self) -> KafkaProducer:
         with self._lock:

@@ -3,8 +3,9 @@
 The pieces: a part of the sums takes a sample out exactly; a partition's state carries its table's changelog
 writes; a table restored from the changelog holds exactly the writes its state includes (a kill -9 between the
 table's write and the state's leaves writes no state includes). Against the real broker: two ``mepo serve``
-learners on four partitions, images keyed by id and their changes inline, one learner killed with SIGKILL twice
-while the changes come; the group's model is then a fresh learner's fed only the final table."""
+learners on four partitions, images keyed by id and their changes inline (from Kafka and from the admin routes),
+one learner killed with SIGKILL twice while the changes come; the group's model is then a fresh learner's fed only
+the final table."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from server.learner.sample_table import Entry, SampleTable
 from server.learner.table_changelog import TableChangelog, Write
 from server.snapshot_topic import Origin
 from server.state_topic import PartitionState, decode, encode
-from tests.helpers import DATA, settings, wait_for
+from tests.helpers import DATA, http_client, settings, wait_for
 from tests.test_corrections import STREAM, Scenario, fresh_model, scenario, send_changes, stored_id
 from tests.test_labels_later import read_topic
 from tests.test_scale_out import PARTITIONS, assert_same_model, group_member, owns_partitions, start, stop, total
@@ -154,7 +155,13 @@ def test_two_learners_one_killed_twice_while_changes_come_end_with_the_final_tab
             procs[1].send_signal(signal.SIGKILL)
             procs[1].wait()
             procs[1:] = start([pair[1]], tmp_path)
-        send_changes(pair[0], [("images", "never-sent", None)])
+        kept = sorted(plan.final())[0]  # through the admin routes: a correction, a tombstone of an id never sent
+        plan.changes.append(("images", kept, (plan.final()[kept] + 1) % 7))
+        admin = {"authorization": f"Bearer {pair[0].admin_token}"}
+        with http_client(pair[0]) as http:
+            relabel = http.post(f"/v1/labels/{kept}", json={"label": plan.changes[-1][2]}, headers=admin)
+            never = http.delete("/v1/samples/never-sent", headers=admin)
+        assert relabel.status_code == never.status_code == 202 and never.json()["topic"] == base.kafka.topic
         states = wait_for(lambda: handled(pair[0], n + len(plan.changes) + 1), 240, "every record handled")
         files = b"".join(f.read_bytes() for cfg in pair for f in (cfg.checkpoint_dir / PARTITION_TABLES).rglob("*")
                          if f.is_file())  # the owned partitions' tables (a learner let go removes them)

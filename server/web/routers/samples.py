@@ -1,7 +1,8 @@
 """Corrections and deletions over HTTP, for people who do not write Kafka records (admin token).
 
-``POST /v1/labels/{id}`` writes a label for the id to the labels topic, ``DELETE /v1/samples/{id}`` a tombstone;
-each answers 202 once the broker has the record, with where it landed. The learner reads them as it reads every
+``POST /v1/labels/{id}`` writes a label for the id to the labels topic, ``DELETE /v1/samples/{id}`` a tombstone
+(where labels come with their images, both go to the image topic, keyed by the id); each answers 202 once the
+broker has the record, with where it landed. The learner reads them as it reads every
 label: a label for an id it learned corrects it, a tombstone deletes it (``server.learner.corrections``), so an
 HTTP change has the stream's guarantees (ordered with the stream's other changes to that id, never lost, applied
 once).
