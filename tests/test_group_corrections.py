@@ -136,9 +136,11 @@ def test_two_learners_one_killed_twice_while_changes_come_end_with_the_final_tab
     (its partitions' tables are rebuilt from the changelog, by it or by the other learner). At the end the states'
     sums equal a fresh learner's fed the final table (1e-9, identical top-1 at every shrinkage), class 7 (every
     image deleted) is never predicted, the changes are counted once, a tombstone of an id never sent is dead-lettered
-    as ``not_correctable``, and no deleted id is in a learner's table files."""
-    base = replace(settings(broker, tmp_path, protocol=ProtocolConfig(eval_period=0)),
-                   corrections=CorrectionsConfig(enabled=True, compact_every_s=0.0))
+    as ``not_correctable``, and no deleted id is in a learner's table files. In fp32 (the learner alone's live tests
+    run in the default precision)."""
+    base = settings(broker, tmp_path, protocol=ProtocolConfig(eval_period=0))
+    base = replace(base, corrections=CorrectionsConfig(enabled=True, compact_every_s=0.0),
+                   learner=replace(base.learner, precision="fp32"))  # the learner alone's tests: the default
     ensure_topics(base.kafka, base.kafka.topic, partitions=PARTITIONS)
     pair = [group_member(base, tmp_path, "pair") for _ in range(2)]
     plan = inline(scenario(57, after_delete=False))
