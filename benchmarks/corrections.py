@@ -108,8 +108,9 @@ def run(cfg: ServeConfig, records: Iterator[Record], sample_every: int) -> dict:
             checkpoints += _turn(state, poll, decoder, tombstones, latencies)
             poll = []
             if images % sample_every < cfg.learner.batch_size:
+                corrections = state.intake.corrections
                 trace.append({"images": images, **memory(),
-                              "table_ids": len(state.intake.corrections.table) if state.intake.corrections else 0})
+                              "table_ids": 0 if corrections is None else len(corrections.table(None))})
     _turn(state, poll, decoder, tombstones, latencies)
     state.learn_pending()
     seconds = time.perf_counter() - start
@@ -118,14 +119,14 @@ def run(cfg: ServeConfig, records: Iterator[Record], sample_every: int) -> dict:
            "samples_learned": state.learner.samples_seen, "checkpoints": checkpoints, "trace": trace}
     if corrections is not None:
         corrections.checkpoint()
-        changes = corrections.counts["corrections_applied"] + corrections.counts["deletions_applied"]
-        out |= {"counts": corrections.counts, "table_ids": len(corrections.table),
-                "change_share": round(changes / (2 * images + changes), 4),
-                "table_bytes_on_disk": corrections.table.bytes_on_disk(),
+        counts, table = corrections.counts[None], corrections.table(None)
+        changes = counts["corrections_applied"] + counts["deletions_applied"]
+        out |= {"counts": counts, "table_ids": len(table), "change_share": round(changes / (2 * images + changes), 4),
+                "table_bytes_on_disk": table.bytes_on_disk(),
                 "tombstone_to_model_s": {"p50": statistics.median(latencies),
                                          "p99": statistics.quantiles(latencies, n=100)[98]} if len(latencies) > 1
                 else None}
-        corrections.table.close()
+        table.close()
     return out
 
 
@@ -138,7 +139,7 @@ def _turn(state: LearnerState, poll: list[Record], decoder, tombstones: dict[str
         if r.value is None:
             tombstones[r.key.decode()] = now
     state.intake.accept(poll, decoder, state.start_learning())
-    table = state.intake.corrections.table if state.intake.corrections else None
+    table = state.intake.corrections.table(None) if state.intake.corrections else None
     for id in [i for i in tombstones if table is not None and table.get(i) is None]:
         latencies.append(time.perf_counter() - tombstones.pop(id))
     if (captured := state.capture(due_only=True)) is None:

@@ -42,7 +42,8 @@ START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 BENCHMARKS = ("model_arithmetic", "learning_quality", "learning_quality_tinyimagenet", "learner_throughput",
               "predict_latency", "predict_throughput", "protocol_latency", "replica_latency", "alignment_cost",
               "refine_throughput", "scale_out", "label_join_memory", "corrections", "batch_invariance",
-              "refine_frontier", "decode", "camera_learner", "predict_latency_camera", "learner_overhead")
+              "refine_frontier", "decode", "camera_learner", "predict_latency_camera", "learner_overhead",
+              "corrections_service")
 LONG_BENCHMARKS = ("refine_frontier",)
 """Rows of hours at the full sizes (a dozen refines and their evaluations): the smoke run runs them, the full run
 only when ``--only`` names them (the table keeps their last result)."""
@@ -176,6 +177,8 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path) -> tuple[str, lis
             "--feature_model", spec.model, "--img_size", str(spec.img_size), "--n", n(400, 5000),
             *(["--long_img_size", str(spec.img_size)] if quick else []),  # full: one patch of ViT-S/14 per image
             "--long", n(2000, 100_000), "--sample_every", n(200, 1000)]),
+        "corrections_service": lambda: ("corrections_service", [*stream(spec, 4, 300),
+                                                                "--tombstones", n(5, 50)]),
         "refine_frontier": lambda: ("refine_frontier", [
             "--model", spec.model, "--weights", spec.weights or "null", "--img_size", str(spec.img_size),
             *(["--quick", "true", "--arms", "finetune", "--budgets", "1", "--runs", str(work / name), "--page", "null",
@@ -416,6 +419,19 @@ def _corrections_rows(r: dict) -> list[Row]:
              "–", r["rss_growth_after_tenth"], "growth < 0.05", r["rss_growth_after_tenth"] < 0.05)]
 
 
+def _corrections_service_rows(r: dict) -> list[Row]:
+    """Corrections and deletions through Kafka (``benchmarks.corrections_service``): ``mepo serve``'s rate, and a
+    tombstone's wait from its write."""
+    w, wo, wait, spec = r["with_changes"], r["without"], r["tombstone_waits_s"], r["spec"]
+    return [(f"Corrections and deletions through Kafka: mepo serve's rate with {100 * r['change_share']:.1f} % of "
+             f"records changes (corrections 5 : deletions 1), {w['images']:,} images, {spec['model']} @ "
+             f"{spec['img_size']} px, against the same images without", _fmt(w["images_per_s"], "/s"),
+             _fmt(wo["images_per_s"], "/s"), r["ratio"], "≥ 0.9", r["ratio"] >= 0.9),
+            (f"Corrections and deletions through Kafka: a tombstone written to the model without it, learner idle "
+             f"(p50 / p99 of {wait['n']})", f"{_fmt(wait['p50_s'], 'ms')} / {_fmt(wait['p99_s'], 'ms')}", "–", None,
+             "–", None)]
+
+
 def _frontier_rows(r: dict) -> list[Row]:
     """Each stream's most accurate refine on the frontier against the untouched backbone (docs/refine.md has all)."""
     base = next(p for p in r["points"] if p["budget"] == 0)
@@ -495,6 +511,7 @@ ROWS: dict[str, Callable[[dict], list[Row]]] = {
     "predict_throughput": _throughput_rows, "replica_latency": _replica_rows,
     "alignment_cost": _alignment_rows, "refine_throughput": _refine_rows, "scale_out": _scale_out_rows,
     "label_join_memory": _join_rows, "corrections": _corrections_rows, "batch_invariance": _invariance_rows,
+    "corrections_service": _corrections_service_rows,
     "refine_frontier": _frontier_rows,
     "decode": _decode_rows, "camera_learner": _camera_learner_rows, "predict_latency_camera": _camera_latency_rows,
     "learner_overhead": _overhead_rows, "gpu_learner_fp32": _learner_rows,

@@ -105,6 +105,9 @@ def test_run_all_smoke_writes_every_result_and_the_performance_table(tmp_path):
     changes = results["corrections"]  # corrections and deletions applied, none refused; the table on disk
     assert changes["long"]["counts"]["deletions_applied"] > 0 and changes["long"]["counts"]["corrections_refused"] == 0
     assert changes["table_bytes_per_id"] > 0 and changes["memory_at_end"]["anon_bytes"] > 0 and changes["ratio"] > 0
+    live = results["corrections_service"]  # through Kafka: both streams learned, each tombstone applied and timed
+    assert live["without"]["images"] == live["with_changes"]["images"] > 0 and live["tombstone_waits_s"]["n"] == 5
+    assert live["with_changes"]["status"]["deletions_applied"] == live["with_changes"]["deletions"]
     join = results["label_join_memory"]  # the bound holds, and every image is joined, expired or waiting
     assert join["store_bounded"] and join["long"]["images"] == 10 * join["short"]["images"]
     assert join["long"]["counts"]["expired_images"] > 0 and join["long"]["counts"]["joined"] > 0

@@ -364,6 +364,11 @@ class Intake:
         if self.join is not None:
             self.join.rollback()
 
+    def changes_waiting(self) -> bool:
+        """A correction or deletion waits for its turn: it is learned at once, not after a poll's wait for the
+        samples that would fill a mini-batch (a deletion's wait is its user's; a full mini-batch only saves work)."""
+        return self.corrections is not None and any(p.sample.change is not None for p in self.book.pending)
+
     def waiting(self) -> Counter[str]:
         """Records waiting for a mini-batch, per partition (the loop sizes its polls and its lag by them)."""
         return Counter(p.key for p in self.book.pending)

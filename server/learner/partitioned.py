@@ -17,6 +17,9 @@ so every learner serves exactly the model one learner would have built from the 
   consumer seeks to its offset.
 * **Merging.** A follower thread tails the state topic; every other partition's newer state replaces its sums in
   the model. The any-time evaluations take place at global sample counts (the sum over partitions).
+* **Corrections** (``--corrections.enabled``). Each owned partition has its own sample table, which moves with
+  the partition through a changelog (``server.learner.table_changelog``): a change is learned in its partition's
+  sums, and the table's changes are written before the state that includes them.
 The group is a strategy the state is handed (``InGroup``, a ``Membership`` of ``server.learner.state``), not a
 kind of state: the step, the intake and the evaluation are the same as a learner alone's.
 

@@ -246,6 +246,16 @@ class SampleTable:
             txn.put(b"settled", str(generation).encode(), db=self._meta)
         if self._deleted and time.monotonic() - self._compacted_at >= self.compact_every_s:
             self._compact()
+        else:
+            self._unmap()
+
+    def _unmap(self) -> None:
+        """Close and reopen the environment: the pages this process mapped leave its resident set (the kernel
+        keeps them as page cache, and reclaims them at will), so a long stream's table does not grow the learner's
+        RSS; reopening costs well under a millisecond, once a checkpoint."""
+        with self._env_lock:
+            self.env.close()
+            self._open()
 
     def _compact(self) -> None:
         """Copy the table without its free pages, and swap the copy in: LMDB writes copy-on-write, so a deleted
