@@ -5,10 +5,13 @@ table, and the table goes back to any checkpoint's generation after a crash."""
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import pytest
 import torch
 
+import server.learner.sample_table as sample_table
 from mepo_stream.errors import StateRefused
 from mepo_stream.learner import LearnerConfig, OnlineLearner
 from server.learner.sample_table import Entry, SampleTable
@@ -280,3 +283,31 @@ def test_a_deleted_ids_bytes_leave_the_files_at_the_next_compaction_and_a_cut_sw
     (tmp_path / "t").rename(tmp_path / "t.compact")  # a crash between the two renames of the swap
     reopened = SampleTable(tmp_path / "t", retention_s=1e9)
     assert len(reopened) == 25 and reopened.generation == 2 and not (tmp_path / "t.compact").exists()
+
+
+def test_a_read_that_waits_for_a_settles_reopening_uses_the_reopened_tables_handles(tmp_path, monkeypatch):
+    """A settle reopens the environment (its pages leave the resident set), which makes new database handles; a
+    read from another thread (the intake, while the checkpoint settles) waits for it and must then use the new
+    ones. The reopening is held open here until the read waits on it."""
+    table = SampleTable(tmp_path / "t", retention_s=1e9)
+    table.put("s/1", entry(3, 1.0))
+    table.commit(1)
+    entered, release, opened = threading.Event(), threading.Event(), sample_table.lmdb.open
+
+    def held_open(*args, **kwargs):
+        entered.set()
+        release.wait(10)
+        return opened(*args, **kwargs)
+
+    monkeypatch.setattr(sample_table.lmdb, "open", held_open)
+    settling = threading.Thread(target=table.settle, args=(1,))
+    settling.start()
+    assert entered.wait(10)
+    got: list = []
+    reading = threading.Thread(target=lambda: got.append(table.get("s/1")))
+    reading.start()
+    time.sleep(0.2)  # the read is waiting for the reopening
+    release.set()
+    settling.join(10)
+    reading.join(10)
+    assert got and got[0].label == 3

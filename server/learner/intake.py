@@ -365,8 +365,9 @@ class Intake:
             self.join.rollback()
 
     def changes_waiting(self) -> bool:
-        """A correction or deletion waits for its turn: it is learned at once, not after a poll's wait for the
-        samples that would fill a mini-batch (a deletion's wait is its user's; a full mini-batch only saves work)."""
+        """A correction or deletion waits for its turn: once the topic goes quiet it is learned at once, not after
+        a poll's wait for samples to fill the mini-batch (a deletion's wait is its user's; a full mini-batch only
+        saves work, and a backlog still fills it)."""
         return self.corrections is not None and any(p.sample.change is not None for p in self.book.pending)
 
     def waiting(self) -> Counter[str]:

@@ -120,8 +120,10 @@ class SampleTable:
         self._meta = self.env.open_db(b"meta")
 
     @contextmanager
-    def _txn(self, write: bool = False, db=None) -> Iterator:
-        with self._env_lock, self.env.begin(write=write, db=db) as txn:
+    def _txn(self, write: bool = False, db: str | None = None) -> Iterator:
+        """A transaction on database ``db`` (an attribute's name: its handle is read under the lock, since a
+        compaction or an unmap reopens the environment with new handles)."""
+        with self._env_lock, self.env.begin(write=write, db=None if db is None else getattr(self, db)) as txn:
             yield txn
 
     # --- reading ---------------------------------------------------------------------------------------------
@@ -133,7 +135,7 @@ class SampleTable:
         return self._committed(key)
 
     def _committed(self, key: bytes) -> Entry | None:
-        with self._txn(db=self._samples) as txn:
+        with self._txn(db="_samples") as txn:
             data = txn.get(key)
         return None if data is None else Entry.decode(bytes(data))
 
@@ -147,7 +149,7 @@ class SampleTable:
         return self._count
 
     def _committed_count(self) -> int:
-        with self._txn(db=self._samples) as txn:
+        with self._txn(db="_samples") as txn:
             return txn.stat(self._samples)["entries"]
 
     def bytes_on_disk(self) -> int:
@@ -178,7 +180,7 @@ class SampleTable:
         """Drop the ids whose record time is more than ``retention_s`` before ``now``; returns how many."""
         cutoff = _time_key(now - self.retention_s, b"")
         old: list[bytes] = []
-        with self._txn(db=self._by_time) as txn:
+        with self._txn(db="_by_time") as txn:
             cursor = txn.cursor()
             if cursor.first():
                 for key in cursor.iternext(values=False):
@@ -239,7 +241,7 @@ class SampleTable:
     def settle(self, generation: int) -> None:
         """Checkpoint ``generation`` is on disk: no restart goes back before it, so its undo records go."""
         limit = struct.pack(">Q", generation + 1)
-        with self._txn(write=True, db=self._undo) as txn:
+        with self._txn(write=True, db="_undo") as txn:
             cursor = txn.cursor()
             while cursor.first() and bytes(cursor.key()) < limit:
                 cursor.delete()
@@ -275,7 +277,7 @@ class SampleTable:
         self._deleted, self._compacted_at = False, time.monotonic()
 
     def _meta_int(self, key: bytes) -> int:
-        with self._txn(db=self._meta) as txn:
+        with self._txn(db="_meta") as txn:
             data = txn.get(key)
         return 0 if data is None else int(data)
 
@@ -303,7 +305,7 @@ class SampleTable:
 
     def ids(self) -> list[str]:
         """Every id in the table now (for tests and the admin's inspection)."""
-        with self._txn(db=self._samples) as txn:
+        with self._txn(db="_samples") as txn:
             committed = {bytes(k): Entry.decode(bytes(v)).id for k, v in txn.cursor().iternext()}
         with self._lock:
             for key, value in self._changed.items():

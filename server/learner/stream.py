@@ -79,6 +79,14 @@ def in_order(polled: dict, labels_topic: str | None) -> list:
                                                                              r.offset))
 
 
+def fill_wait_ms(consumer: KafkaConsumer, labels_topic: str | None, changes_waiting: bool) -> int:
+    """How long a poll waits for samples to fill a partial mini-batch: 500 ms, but 20 where a correction or deletion
+    waits and nothing more is there to read (its user waits for it; a backlog still fills the mini-batch)."""
+    if changes_waiting and not any(unread(consumer, labels_topic, Counter()).values()):
+        return 20
+    return 500
+
+
 def unread(consumer: KafkaConsumer, labels_topic: str | None, waiting: Counter[str]) -> dict[str, int]:
     """Per image partition: records behind the high watermark plus those read but ``waiting`` for a mini-batch
     (a partition without a position or a high watermark yet is left out). The labels topic's lag is the join's
@@ -253,16 +261,16 @@ class LearnerLoop(ConsumerThread):
 
     def _read_while_learning(self) -> list:
         """One turn's records, polled (and decoded, by a pool) while the model thread learns the mini-batch waiting
-        (or, the topic gone quiet, the partial one; or at once, where a correction or deletion waits), then booked.
+        (or, the topic gone quiet, the partial one: at once where a correction or deletion waits), then booked.
         Decoding inline waits for the step: beside a CPU forward it costs two to three times its own time
         (docs/performance.md)."""
         assert self.consumer is not None
         pending, limit = sum(self.state.intake.waiting().values()), self.state.batch_limit
-        due = pending >= limit or self.state.intake.changes_waiting()
-        learning = self.state.start_learning() if due else None
+        learning = self.state.start_learning() if (due := pending >= limit) else None
+        wait_ms = 0 if due else fill_wait_ms(self.consumer, self.cfg.kafka.labels_topic,
+                                             self.state.intake.changes_waiting())
         try:
-            polled = self.consumer.poll(timeout_ms=0 if due else 500,
-                                        max_records=limit if pending >= limit else limit - pending)
+            polled = self.consumer.poll(timeout_ms=wait_ms, max_records=limit if due else limit - pending)
             self._check_rebalance()  # before a record of a partition whose state is not restored is accepted
             self._probe()
             records = in_order(polled, self.cfg.kafka.labels_topic)
