@@ -15,6 +15,7 @@ The intake (``server.learner.intake``) decides what a record is when it reads it
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ from server.learner.sample_table import Entry, SampleTable
 log = logging.getLogger(__name__)
 TABLE = "samples"
 """The sample table's folder in the checkpoint directory."""
+EXPIRE_EVERY_S = 1.0
+"""How often (in record time) the tables drop the ids past retention."""
 PARTITION_TABLES = "partition-samples"
 """In a group, the folder of the owned partitions' tables (rebuilt from the changelog at each assignment)."""
 
@@ -75,6 +78,7 @@ class Corrections:
             raise ConfigError(f"--corrections.enabled needs a learner that can take a sample out exactly, and {why}")
         self.cfg, self.checkpoint_dir, self.by_partition = cfg, checkpoint_dir, by_partition
         self.tables: dict[str | None, SampleTable] = {}
+        self._expired_at = -math.inf  # the record time of the last expiry
         self.counts: dict[str | None, dict[str, int]] = {}
         if by_partition:  # tables of partitions owned before a restart: their owners now rebuild them
             shutil.rmtree(checkpoint_dir / PARTITION_TABLES, ignore_errors=True)
@@ -170,8 +174,12 @@ class Corrections:
         self._count(key, f"{kind}_applied")
 
     def expire(self, now: float) -> None:
-        """Let the ids past retention at record time ``now`` go (they stay learned, no longer correctable)."""
-        if n := sum(table.expire(now) for table in self.tables.values()):
+        """Let the ids past retention at record time ``now`` go (they stay learned, no longer correctable); once per
+        ``EXPIRE_EVERY_S`` of record time, since every label asks (and retention is counted in days)."""
+        if now < self._expired_at + EXPIRE_EVERY_S:
+            return
+        self._expired_at = now
+        if n := sum(table.expire(now) for table in list(self.tables.values())):
             log.info("%d ids past --corrections.retention_s left the sample table", n)
 
     # --- with the checkpoint of a learner alone ---------------------------------------------------------------------
