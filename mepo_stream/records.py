@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 SCHEMA = "mepo-image/1"
 LABEL_SCHEMA = "mepo-label/1"
@@ -129,6 +130,23 @@ def parse_headers(headers: list[tuple[str, bytes]] | None, n_classes: int, ids: 
     stream_id = h.get("stream_id", b"").decode("utf-8", "replace") or "unknown"
     prediction = _int(h, "prediction") if "prediction" in h else None
     return RecordMeta(label, index, position, stream_id, record_id, prediction)
+
+
+class KafkaRecord(Protocol):
+    """What a dead letter keeps of a consumed record: kafka-python's ``ConsumerRecord`` (or a label the join kept)."""
+
+    @property
+    def topic(self) -> str: ...
+    @property
+    def partition(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def key(self) -> bytes | None: ...
+    @property
+    def value(self) -> bytes | None: ...
+    @property
+    def headers(self) -> list[tuple[str, bytes]] | None: ...
 
 
 def record_id(key: bytes | None) -> str:

@@ -99,7 +99,7 @@ class Origin:
     model: str  # the served model name (--model_name)
     model_config: str  # the learner's ModelConfig as JSON: what a replica builds the model from
     class_names: tuple[str, ...]  # name of each original label
-    backbone_sha256: str  # weights_sha256 of the backbone as built, before any learning
+    backbone_sha256: str | None  # weights_sha256 of the backbone as built, before any learning
     bundle_sha256: str | None  # BundleParts.sha256 of the model's MePo parts
 
 

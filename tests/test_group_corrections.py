@@ -73,7 +73,7 @@ def test_a_restored_table_holds_exactly_the_changelog_writes_its_state_includes(
     kafka = replace(settings(broker, tmp_path).kafka, state_topic=f"state-{uuid.uuid4().hex[:8]}")
     ensure_topics(kafka, kafka.topic, partitions=2)
     changelog, owner = TableChangelog(kafka), SampleTable(tmp_path / "owner", 1e9)
-    assert changelog.restore(1, {}, SampleTable(tmp_path / "empty", 1e9)) == set()  # creates the changelog
+    assert changelog.restore(1, {}, SampleTable(tmp_path / "empty", 1e9)) == 0  # creates the changelog
     for id, entry in entries(("a", 0), ("b", 1)):
         owner.put(id, entry)
     first = Write(1, "e1", 1, owner.commit(1))
@@ -88,13 +88,14 @@ def test_a_restored_table_holds_exactly_the_changelog_writes_its_state_includes(
     after_kill = SampleTable(tmp_path / "after-kill", 1e9)
     skipped = changelog.restore(1, {"e1": 1, "e2": 1}, after_kill)
     assert sorted(after_kill.ids()) == ["a", "b", "c"] and after_kill.get("a").label == 0
-    assert skipped == set(second.changes)  # written out again by the next owner
+    assert skipped == 2 and set(after_kill.commit(1)) == set(second.changes)  # written out again, as they are now
+    assert after_kill.get("a").label == 0 and after_kill.get("b").label == 1
     had_all = SampleTable(tmp_path / "had-all", 1e9)
     changelog.restore(1, {"e1": 2, "e2": 1}, had_all)
     assert sorted(had_all.ids()) == ["a", "c"] and had_all.get("a").label == 2
     assert torch.equal(had_all.get("c").feature, torch.full((4,), 1.0))
     other = SampleTable(tmp_path / "other", 1e9)
-    assert changelog.restore(0, {"e1": 2, "e2": 1}, other) == set() and other.ids() == []
+    assert changelog.restore(0, {"e1": 2, "e2": 1}, other) == 0 and other.ids() == []
     with pytest.raises(StateRefused, match="has no partition 5"):
         changelog.restore(5, {}, SampleTable(tmp_path / "none", 1e9))
     changelog.close()
@@ -107,15 +108,16 @@ def test_a_table_rebuilt_from_a_changelog_keeps_no_bytes_of_an_id_deleted_in_it(
     source.put(*entries(("gone", 3))[0])
     (key, entry), = source.commit(1).items()
     table = SampleTable(tmp_path / "rebuilt", 1e9)
-    table.load([(key, entry)])
-    table.load([(key, None)])
+    written: list[bytes] = []
 
-    def on_disk() -> bytes:
-        return b"".join(f.read_bytes() for f in table.path.iterdir())
+    def batches():
+        yield [(key, entry, True)]
+        yield [(key, None, True)]
+        written.append(b"".join(f.read_bytes() for f in table.path.iterdir()))  # before the end of the rebuild
 
-    assert stored_id("gone", on_disk()) and table.ids() == []  # deleted, its bytes still in the file
-    table.erase_freed()
-    assert not stored_id("gone", on_disk())
+    assert table.rebuild(batches()) == 0 and table.ids() == []
+    assert stored_id("gone", written[0])  # deleted, its bytes still in a freed page
+    assert not stored_id("gone", b"".join(f.read_bytes() for f in table.path.iterdir()))
 
 
 def inline(plan: Scenario) -> Scenario:

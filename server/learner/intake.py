@@ -25,10 +25,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from mepo_stream.errors import ConfigError
-from mepo_stream.images import ImageError, decode_image, decode_images
+from mepo_stream.images import ImageError, ImageLimits, decode_image, decode_images
 from mepo_stream.label_join import Joined, LabelJoin, Refused
 from mepo_stream.learner import OnlineLearner
-from mepo_stream.records import RecordError, RecordMeta, parse_headers, parse_label, record_id
+from mepo_stream.records import KafkaRecord, RecordError, RecordMeta, parse_headers, parse_label, record_id
 from server.config import ServeConfig
 from server.learner.arrival import Arrival, Prediction, Retraction, arrive, kept_label
 from server.learner.book import Sample, StreamBook, tp_key
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 class DeadLetter:
     """A record that cannot be learned, with the reason the dead-letter topic records."""
 
-    record: object  # a kafka-python ConsumerRecord
+    record: KafkaRecord
     reason: str
     message: str
 
@@ -72,6 +72,18 @@ def open_corrections(cfg: ServeConfig, learner: OnlineLearner, book: StreamBook)
     return Corrections(cfg.corrections, learner, cfg.checkpoint_dir, by_partition=book.by_partition)
 
 
+def decode_on_device(records: list, labels_topic: str | None, limits: ImageLimits,
+                     device: torch.device | None) -> dict[int, torch.Tensor | ImageError]:
+    """Where JPEGs decode on the GPU (``device``; None: nowhere): the images of the poll (not the labels topic's
+    records) by index, decoded in one batch before any claim. Decoding is pure, so claims, releases and the order
+    are as if each were decoded as it is claimed; a replay's image is decoded for nothing."""
+    if device is None:
+        return {}
+    images = [i for i, r in enumerate(records) if r.topic != labels_topic]
+    decoded = decode_images([records[i].value or b"" for i in images], limits, device)
+    return dict(zip(images, decoded, strict=True))
+
+
 def book_change(book: StreamBook, record, change: Change) -> None:
     """A correction or deletion of a learned sample waits for its turn, after the samples read before it."""
     meta = RecordMeta(None, -1, -1, "", change.id)
@@ -88,6 +100,13 @@ def refuse(book: StreamBook, record, why: str) -> DeadLetter:
     """A correction or deletion that cannot be applied: a dead letter (``not_correctable``)."""
     book.skip(tp_key(record), record.offset, dead_letter=True)
     return DeadLetter(record, "not_correctable", why)
+
+
+def elsewhere(book: StreamBook, key: str) -> str:
+    """What else a refused change may mean in a group: it was not sent to its image's partition."""
+    if not book.by_partition:
+        return ""
+    return f", or its image is not on {key} (in a group, key images and their changes by id)"
 
 
 Outgoing = DeadLetter | Prediction | Retraction
@@ -152,9 +171,9 @@ class Intake:
         decode has finished before this returns, even on an error, so no late claim release can race a reconnect's
         ``reread``.
         """
-        decoding: dict[tuple[str, int], Future] = {}
+        decoding: dict[tuple[str, int | str | None], Future] = {}
         try:
-            ready = self._decode_on_device(records)
+            ready = decode_on_device(records, self.cfg.kafka.labels_topic, self.limits, self.decode_device)
             claimed = [self._claim(record, decoder, decoding, ready.get(i)) for i, record in enumerate(records)]
             if learning is not None:
                 learning.result()
@@ -165,17 +184,7 @@ class Intake:
         finally:
             wait([*decoding.values(), *([learning] if learning is not None else [])])
 
-    def _decode_on_device(self, records: list) -> dict[int, torch.Tensor | ImageError]:
-        """Where JPEGs decode on the GPU: the images of the poll by index, decoded in one batch before any claim.
-        Decoding is pure, so claims, releases and the order are as if each were decoded as it is claimed; a
-        replay's image is decoded for nothing."""
-        if self.decode_device is None:
-            return {}
-        images = [i for i, r in enumerate(records) if self.join is None or r.topic != self.cfg.kafka.labels_topic]
-        decoded = decode_images([records[i].value or b"" for i in images], self.limits, self.decode_device)
-        return dict(zip(images, decoded, strict=True))
-
-    def _claim(self, record, decoder: Executor, decoding: dict[tuple[str, int | str], Future],
+    def _claim(self, record, decoder: Executor, decoding: dict[tuple[str, int | str | None], Future],
                ready: torch.Tensor | ImageError | None = None
                ) -> _Claimed | _Label | _Tombstone | RecordError | None:
         """Parse the headers and claim the sample id before decoding (None: a replay); a label record is only
@@ -243,11 +252,13 @@ class Intake:
                 kind = self.corrections.kind_of_label(outcome.id, self.join, self._clock(record),
                                                       waits_for(outcome.id, self.book), key)
                 if kind == "correction":
-                    return book_change(self.book, record, Relabel(outcome.id, outcome.label, self._clock(record)))
+                    book_change(self.book, record, Relabel(outcome.id, outcome.label, self._clock(record)))
+                    return None
                 if kind == "not_correctable":
                     return refuse(self.book, record, f"{outcome.id} is not correctable: learned more than "
                                                      f"--corrections.retention_s ago, or (labels inline) never"
-                                                     f"{self._elsewhere(key)}")
+                                                     f"{elsewhere(self.book, key)}")
+            assert self.join is not None  # a label without corrections is read only where labels come later
             source = (record.topic, record.partition, record.offset)
             return self._book_join(record, self.join.add_label(outcome.id, outcome.label, self._clock(record), source))
         try:
@@ -264,6 +275,7 @@ class Intake:
         if meta.label is not None:  # labelled: learned as it comes, from what its arrival kept
             self.book.add_pending(key, record.offset, self._kept(arrival.item, meta, arrival.prediction))
             return None
+        assert self.join is not None and meta.id is not None  # an image without its label names its id
         answered = meta.prediction is not None  # an HTTP upload (``server.uploads``): its answer is the one to score
         prediction = meta.prediction if answered else arrival.prediction
         dead = self._book_join(record, self.join.add_image(meta.id, arrival.item, prediction, self._clock(record)))
@@ -275,21 +287,17 @@ class Intake:
         """A deletion: pending in its place if the id is learned (or about to be), done now if it only waited in the
         join; either way its prediction is retracted. Refused if nothing of it is kept."""
         key = tp_key(record)
+        assert self.corrections is not None  # a null value is a tombstone only with corrections on
         kind = self.corrections.kind_of_tombstone(id, self.join, self._clock(record), waits_for(id, self.book), key)
         if kind == "not_correctable":
             return refuse(self.book, record, f"no sample with id {id} can be deleted: none was received, or it was "
-                                             f"learned more than --corrections.retention_s ago{self._elsewhere(key)}")
+                                             f"learned more than --corrections.retention_s ago"
+                                             f"{elsewhere(self.book, key)}")
         if kind == "forget":
             book_change(self.book, record, Forget(id))
         else:
             self.book.skip(tp_key(record), record.offset)
         return Retraction(id) if self.join is not None else None  # predictions are written where labels come later
-
-    def _elsewhere(self, key: str) -> str:
-        """What else a refusal may mean in a group: the change was not sent to its image's partition."""
-        if not self.book.by_partition:
-            return ""
-        return f", or its image is not on {key} (in a group, key images and their changes by id)"
 
     def _book_join(self, record, joined: Joined | Refused | None) -> DeadLetter | None:
         """Book a record the join took: refused (a dead letter), waiting in the join (handled: the join's state
@@ -345,14 +353,15 @@ class Intake:
         return [DeadLetter(kept_label(r), r.reason, r.message) for r in refused]
 
     def learned(self, batch: list[Sample], features: torch.Tensor | None = None, key: str | None = None) -> None:
-        """A mini-batch (of partition ``key``, in a group) was learned: its samples are learned in the book (and kept
-        in the sample table, with their ``features`` [B, D] where they were learned from images), and the joins it
-        completed confirmed."""
+        """A mini-batch (of partition ``key``) was learned: its samples are learned in the book (and kept in the sample
+        table, with their ``features`` [B, D] where learned from images), and the joins it completed confirmed."""
         if self.corrections is not None:
             for i, s in enumerate(batch):
                 if s.change is None and (id := s.joined.id if s.joined is not None else s.meta.id) is not None:
                     at = s.joined.since + s.joined.delay_s if s.joined is not None else self.stream_time
-                    self.corrections.keep(id, s.label, at, s.feature if features is None else features[i], key)
+                    feature = s.feature if features is None else features[i]
+                    assert feature is not None  # kept at arrival, or encoded by the step that learned it
+                    self.corrections.keep(id, s.label, at, feature, key)
         self.book.mark_learned(batch)
         if self.join is not None:
             self.join.confirm([s.joined for s in batch if s.joined is not None])
@@ -363,12 +372,6 @@ class Intake:
         self.book.reread()
         if self.join is not None:
             self.join.rollback()
-
-    def changes_waiting(self) -> bool:
-        """A correction or deletion waits for its turn: once the topic goes quiet it is learned at once, not after
-        a poll's wait for samples to fill the mini-batch (a deletion's wait is its user's; a full mini-batch only
-        saves work, and a backlog still fills it)."""
-        return self.corrections is not None and any(p.sample.change is not None for p in self.book.pending)
 
     def waiting(self) -> Counter[str]:
         """Records waiting for a mini-batch, per partition (the loop sizes its polls and its lag by them)."""

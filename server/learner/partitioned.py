@@ -34,21 +34,25 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from kafka.errors import KafkaError
 
 from mepo_stream.errors import ConfigError, StateRefused
 from mepo_stream.label_statistics import LabelStatistics
+from mepo_stream.learner import OnlineLearner
 from mepo_stream.methods.base import Encoded
 from server.config import ServeConfig
 from server.learner.book import Pending, Sample, StreamBook
 from server.learner.changelog import Changelog
 from server.learner.sample_table import SampleTable
 from server.learner.state import CHECKPOINT, LearnerState, Restored, open_learner, read_checkpoint
-from server.learner.table_changelog import TableChangelog, Write, new_epoch, partition_of
+from server.learner.table_changelog import PartitionTables
 from server.learner.view import GroupView
 from server.metrics import ServerMetrics
 from server.model_thread import ModelThread
@@ -87,6 +91,18 @@ def migrated_state(path: Path, origin: Origin, learner_id: str, shape: tuple[int
                           0.0, 0)
 
 
+def check_origin(state: PartitionState, mine: Origin, topic: str | None) -> None:
+    """Refuse a partition state of another model than ``mine``: its sums mean something else."""
+    if state.origin == mine:
+        return
+    what = [name for name in ("model", "model_config", "class_names", "backbone_sha256", "bundle_sha256")
+            if getattr(state.origin, name) != getattr(mine, name)]
+    raise StateRefused(f"the state topic {topic} holds {state.key}'s state written by {state.learner} for another "
+                       f"model (its {', '.join(what)} differ from this learner's): every learner of a group needs the "
+                       f"same options, backbone and bundle. Start this one with the group's options, or use another "
+                       f"--kafka.state_topic and --kafka.group_id")
+
+
 def partition_groups(pending: list[Pending]) -> list[tuple[str | None, list[Pending]]]:
     """The pending records, one group per partition (with its key), in the order the partitions first appear."""
     groups: dict[str | None, list[Pending]] = {}
@@ -99,16 +115,18 @@ def partition_groups(pending: list[Pending]) -> list[tuple[str | None, list[Pend
 class PartitionEdits:
     """A change is learned in its partition's part of the model: the sums the partition's state carries."""
 
-    group: InGroup
-    key: str
+    part: LabelStatistics
+    learner: OnlineLearner
+    moved: Callable[[int], None]
+    """Told how many samples a change moved (the group then loads the new total)."""
 
     def forget_features(self, features: torch.Tensor, labels: torch.Tensor) -> None:
-        self.group.own[self.key].remove(self.group.state.learner.classifier_inputs(features), labels)
-        self.group.moved(self.key, len(labels))
+        self.part.remove(self.learner.classifier_inputs(features), labels)
+        self.moved(len(labels))
 
     def relabel_features(self, features: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> None:
-        self.group.own[self.key].move(self.group.state.learner.classifier_inputs(features), old, new)
-        self.group.moved(self.key, len(old))
+        self.part.move(self.learner.classifier_inputs(features), old, new)
+        self.moved(len(old))
 
 
 class InGroup:
@@ -116,14 +134,12 @@ class InGroup:
     learner's classifier always holds their total."""
 
     def __init__(self, changelog: Changelog, learner_id: str, checkpoint_path: Path,
-                 tables: TableChangelog | None = None):
+                 tables: PartitionTables | None = None):
         self.changelog, self.learner_id, self.checkpoint_path = changelog, learner_id, checkpoint_path
         self.tables = tables
         """The owned partitions' sample tables on Kafka (``--corrections.enabled``; None: off)."""
         self.own: dict[str, LabelStatistics] = {}
         self.steps: dict[str, int] = {}  # per owned partition: samples learned and changes applied, ever
-        self.writes: dict[str, tuple[str, dict[str, int]]] = {}  # per owned partition: (this owner's epoch, the
-        # table changelog's writes its state includes: epoch -> last seq)
         self.remote: dict[str, PartitionState] = {}
         self.written: dict[str, PartitionState] = {}  # the last state this learner wrote, per partition
         self.lag: dict[str, int] = {}  # the loop's, per partition (``Service.start`` shares it)
@@ -132,7 +148,7 @@ class InGroup:
         self._migration: PartitionState | None = None
         self.rate_mark = (time.monotonic(), 0)  # (when, learned_here) at the last persist
         self.learned_here = 0  # samples this learner learned (not merged from others)
-        self.state: LearnerState | None = None
+        self.state: LearnerState  # the state this membership serves, once bound to it
         self.refusal: str | None = None  # a state on the topic this learner cannot use: learning stops
 
     def bind(self, state: LearnerState) -> None:
@@ -154,31 +170,18 @@ class InGroup:
             log.warning("could not read the state topic at start (%s); the partitions' states come later", e)
             return None
         for state in states.values():
-            self._check(state)
+            check_origin(state, self.state.origin, self.state.cfg.kafka.state_topic)
             self.remote[state.key] = state
         self._remote_total = None
-        self.load_total()
+        self._load_total()
         return Restored(self.next_version())
-
-    def _check(self, state: PartitionState) -> None:
-        """Refuse a partition state of another model: its sums mean something else."""
-        mine = self.state.origin
-        if state.origin != mine:
-            theirs = state.origin
-            what = [name for name in ("model", "model_config", "class_names", "backbone_sha256", "bundle_sha256")
-                    if getattr(theirs, name) != getattr(mine, name)]
-            raise StateRefused(f"the state topic {self.state.cfg.kafka.state_topic} holds {state.key}'s state written "
-                             f"by {state.learner} for another model (its {', '.join(what)} differ from this "
-                             f"learner's): every learner of a group needs the same options, backbone and bundle. "
-                             f"Start this one with the group's options, or use another --kafka.state_topic and "
-                             f"--kafka.group_id")
 
     # --- partitions come and go -------------------------------------------------------------------------------
     def assign(self, keys: list[str]) -> None:
         """Restore each assigned partition from its newest state (or a migrated checkpoint, or nothing)."""
         states = self.changelog.read_all()
         for state in states.values():
-            self._check(state)
+            check_origin(state, self.state.origin, self.state.cfg.kafka.state_topic)
         if self._migration is not None and self._migration.key in keys and self._migration.key not in states:
             migrated = self._migration
             self.changelog.write([migrated])
@@ -186,21 +189,9 @@ class InGroup:
             log.info("migrated %s into %s's state on %s", self.checkpoint_path, migrated.key,
                      self.state.cfg.kafka.state_topic)
             states[migrated.key], self._migration = migrated, None
-        self.state.model_thread.run(self._assign, keys, states, self._restore_tables(keys, states))
-
-    def _restore_tables(self, keys: list[str], states: dict[str, PartitionState]
-                        ) -> dict[str, tuple[SampleTable, bool]]:
-        """Each assigned partition's sample table, rebuilt from the changelog writes its state includes (and whether
-        the changelog holds writes it does not include); none without corrections."""
-        if self.tables is None:
-            return {}
-        out = {}
-        for key in keys:
-            table = self.state.intake.corrections.new_table(key)
-            stale = self.tables.restore(partition_of(key), {} if key not in states else states[key].table, table)
-            table.rewrite(stale)
-            out[key] = (table, bool(stale))
-        return out
+        corrections = self.state.intake.corrections
+        tables = {} if self.tables is None or corrections is None else self.tables.restore(keys, states, corrections)
+        self.state.model_thread.run(self._assign, keys, states, tables)
 
     def _assign(self, keys: list[str], states: dict[str, PartitionState],
                 tables: dict[str, tuple[SampleTable, bool]]) -> None:
@@ -210,22 +201,23 @@ class InGroup:
                 if key not in keys:
                     self._newer_remote(state)
             for key in keys:
-                state = states.get(key)
-                self.own[key] = self._empty.clone() if state is None else state.stats.clone()
-                offset = 0 if state is None else state.offset
-                s.intake.book.adopt(key, offset, {} if state is None else state.learned)
+                found = states.get(key)
+                self.own[key] = self._empty.clone() if found is None else found.stats.clone()
+                offset = 0 if found is None else found.offset
+                s.intake.book.adopt(key, offset, {} if found is None else found.learned)
                 self.remote.pop(key, None)
-                self.steps[key] = 0 if state is None else state.moves
-                self.writes[key] = (new_epoch(), {} if state is None else dict(state.table))
-                if key in tables:
+                self.steps[key] = 0 if found is None else found.moves
+                if self.tables is not None:
+                    self.tables.adopt(key, found)
+                if key in tables and s.intake.corrections is not None:
                     table, stale = tables[key]
-                    s.intake.corrections.adopt(key, table, {} if state is None else state.changes)
+                    s.intake.corrections.adopt(key, table, {} if found is None else found.changes)
                     if stale:  # written out again at the next capture, under this owner's epoch
                         s.intake.book.mark_saved({key: offset}, failed=True)
-                if state is not None:
-                    self.written[key] = state
+                if found is not None:
+                    self.written[key] = found
             self._remote_total = None
-            self.load_total()
+            self._load_total()
             s.changed()
         s.metrics.partitions_owned.set(len(self.own))
         log.info("learning partitions %s from offsets %s", sorted(self.own), s.offsets)
@@ -233,43 +225,45 @@ class InGroup:
 
     def revoke(self, keys: list[str]) -> None:
         """Let revoked partitions go (persisted just before): their sums stay in the model as their last state."""
-        self.state.model_thread.run(self._revoke, keys)
-
-    def _revoke(self, keys: list[str]) -> None:
         s = self.state
-        with s.lock:
-            for key in keys:
-                s.intake.book.drop(key)
-                self.own.pop(key, None)
-                self.steps.pop(key, None)
-                self.writes.pop(key, None)
-                if s.intake.corrections is not None:
-                    s.intake.corrections.drop(key)
-                if key in self.written:
-                    self.remote[key] = self.written[key]
-            self._remote_total = None
-            self.load_total()
-        s.metrics.partitions_owned.set(len(self.own))
-        s.reporter.export()
+
+        def let_go() -> None:
+            with s.lock:
+                for key in keys:
+                    s.intake.book.drop(key)
+                    self.own.pop(key, None)
+                    self.steps.pop(key, None)
+                    if self.tables is not None and s.intake.corrections is not None:
+                        self.tables.drop(key)
+                        s.intake.corrections.drop(key)
+                    if key in self.written:
+                        self.remote[key] = self.written[key]
+                self._remote_total = None
+                self._load_total()
+            s.metrics.partitions_owned.set(len(self.own))
+            s.reporter.export()
+
+        s.model_thread.run(let_go)
 
     def merge_remote(self, state: PartitionState) -> None:
         """Another learner's newer state of a partition (the follower thread): its sums replace the old ones."""
-        self.state.model_thread.run(self._merge_remote, state)
-
-    def _merge_remote(self, state: PartitionState) -> None:
         s = self.state
-        try:
-            self._check(state)
-        except ConfigError as e:
-            self.refuse(str(e))
-            return
-        with s.lock:
-            if not self._newer_remote(state):
+
+        def merge() -> None:
+            try:
+                check_origin(state, self.state.origin, self.state.cfg.kafka.state_topic)
+            except ConfigError as e:
+                self.refuse(str(e))
                 return
-            self.load_total()
-            s.changed()
-        s.metrics.state_merges.inc()
-        s.announce(0)
+            with s.lock:
+                if not self._newer_remote(state):
+                    return
+                self._load_total()
+                s.changed()
+            s.metrics.state_merges.inc()
+            s.announce(0)
+
+        s.model_thread.run(merge)
 
     def refuse(self, why: str) -> None:
         """Stop learning (the loop raises it at its next turn): a state on the topic this learner cannot use."""
@@ -291,7 +285,7 @@ class InGroup:
             self._remote_total, self._replaced = None, 0
         return True
 
-    def load_total(self) -> None:
+    def _load_total(self) -> None:
         """The classifier becomes the sum of every partition's sums. The remote partitions' total is kept: a newer
         state replaces its partition's part in it (two additions, whatever the number of partitions), and it is
         summed afresh once every ``len(remote)`` replacements, so a merge costs O(1) parts amortised."""
@@ -321,19 +315,19 @@ class InGroup:
         assert key is not None
         pred, h, hits = self.state.learner.statistics_step(images, labels, encoded)
         self.own[key].add(h, labels, hits)
-        self.moved(key, len(labels))
+        self._moved(key, len(labels))
         self.learned_here += len(labels)
         return pred
 
     def edits(self, key: str | None) -> PartitionEdits:
         """A change is learned in its partition's sums."""
         assert key is not None
-        return PartitionEdits(self, key)
+        return PartitionEdits(self.own[key], self.state.learner, partial(self._moved, key))
 
-    def moved(self, key: str, n: int) -> None:
+    def _moved(self, key: str, n: int) -> None:
         """``n`` samples or changes moved partition ``key``'s sums: the classifier loads the new total."""
         self.steps[key] += n
-        self.load_total()
+        self._load_total()
 
     def next_version(self) -> int:
         """How often the merged model moved, summed over partitions (samples learned, changes applied): the same on
@@ -348,31 +342,20 @@ class InGroup:
         rate, self.rate_mark = (self.learned_here - learned) / max(rate_mark[0] - then, 1e-3), rate_mark
         moved = [(key, *book.partition(key)) for key in book.unsaved_keys()]
         book.mark_saved(book.offsets)
-        tables = [write for key, _, _ in moved if (write := self._table_write(key)) is not None]
         corrections = self.state.intake.corrections
+        tables = [] if self.tables is None or corrections is None else [
+            write for key, _, _ in moved if (write := self.tables.capture(key, corrections.tables[key])) is not None]
         states = [PartitionState(key, self.own[key].clone(), offset, learned, self.state.origin, self.learner_id,
-                                 now, rate, int(self.lag.get(key, 0)), self.steps[key], dict(self.writes[key][1]),
+                                 now, rate, int(self.lag.get(key, 0)), self.steps[key],
+                                 {} if self.tables is None else self.tables.included(key),
                                  {} if corrections is None else dict(corrections.counts[key]))
-                  for key, offset, learned in moved]
+                  for key, offset, learned in moved if offset is not None]  # moved: handled records
         return {"states": states, "tables": tables, "offsets": {s.key: s.offset for s in states}, "time": now}
-
-    def _table_write(self, key: str) -> Write | None:
-        """The partition's table changes since its last capture, as this owner's next write (None: none)."""
-        if self.tables is None:
-            return None
-        epoch, included = self.writes[key]
-        table, seq = self.state.intake.corrections.tables[key], included.get(epoch, 0) + 1
-        changes = table.commit(seq)
-        table.settle(seq)  # the changelog, not this file, is what a restore reads: no undo is needed
-        if not changes:
-            return None
-        included[epoch] = seq
-        return Write(partition_of(key), epoch, seq, changes)
 
     def write(self, captured: dict) -> dict[str, int]:
         """Write the captured table changes to the sample changelog, then the partition states that include them
         to the state topic, each acknowledged; returns their offsets."""
-        written = self.tables.write(captured["tables"]) if captured["tables"] else 0
+        written = self.tables.changelog.write(captured["tables"]) if self.tables and captured["tables"] else 0
         written += self.changelog.write(captured["states"]) if captured["states"] else 0
         with self.state.lock:
             self.written.update({s.key: s for s in captured["states"]})
@@ -387,8 +370,9 @@ class InGroup:
                 k: st.samples for k, st in self.own.items()}
             then, learned = self.rate_mark
             rate = round((self.learned_here - learned) / max(time.monotonic() - then, 1e-3), 1)  # since the persist
-            learners = {self.learner_id: {"partitions": sorted(self.own), "samples_per_second": rate,
-                                          "lag": {k: int(self.lag.get(k, 0)) for k in sorted(self.own)}}}
+            mine = {"partitions": sorted(self.own), "samples_per_second": rate,
+                    "lag": {k: int(self.lag.get(k, 0)) for k in sorted(self.own)}}
+            learners: dict[str, dict[str, Any]] = {self.learner_id: mine}
             for key, state in sorted(self.remote.items()):
                 entry = learners.setdefault(state.learner, {"partitions": [], "samples_per_second": state.rate,
                                                             "lag": {}})
@@ -405,7 +389,7 @@ def open_group_learner(cfg: ServeConfig, metrics: ServerMetrics, model_thread: M
         raise ConfigError("--kafka.labels_topic with --kafka.state_topic: a label must reach the learner that "
                           "holds its image, which a group's partitioning does not promise yet; learn labels "
                           "that come later with one learner")
-    tables = TableChangelog(cfg.kafka) if cfg.corrections.enabled else None
+    tables = PartitionTables(cfg.kafka) if cfg.corrections.enabled else None
     membership = InGroup(Changelog(cfg.kafka), f"{socket.gethostname()}:{cfg.port}", cfg.checkpoint_dir / CHECKPOINT,
                          tables)
     return open_learner(cfg, metrics, model_thread, membership)

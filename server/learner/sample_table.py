@@ -28,7 +28,7 @@ import shutil
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -75,6 +75,11 @@ def _key(id: str) -> bytes:
 
 def _time_key(at: float, id: bytes) -> bytes:
     return struct.pack(">Q", max(0, int(at * 1000))) + id
+
+
+def _int(data: bytes | None) -> int:
+    """A number the meta database keeps (0: none yet)."""
+    return 0 if data is None else int(data)
 
 
 def _write(txn, dbs: tuple, key: bytes, before: bytes | None, value: Entry | None) -> None:
@@ -142,7 +147,8 @@ class SampleTable:
     @property
     def generation(self) -> int:
         """The last commit's."""
-        return self._meta_int(b"generation")
+        with self._txn(db="_meta") as txn:
+            return _int(txn.get(b"generation"))
 
     def __len__(self) -> int:
         """Ids in the table now (committed, with the changes since)."""
@@ -216,27 +222,29 @@ class SampleTable:
                     del self._changed[key]
         return changes
 
-    def load(self, changes: list[tuple[bytes, Entry | None]]) -> None:
-        """Write committed changes read back from a changelog (by key; None: deleted), in order, as they are."""
-        with self._txn(write=True) as txn:
-            for key, value in changes:
-                before = txn.get(key, db=self._samples)
-                self._deleted |= value is None and before is not None
-                _write(txn, (self._samples, self._by_time), key, None if before is None else bytes(before), value)
+    def rebuild(self, records: Iterable[list[tuple[bytes, Entry | None, bool]]]) -> int:
+        """Fill this (empty) table from a changelog's records, read in batches: (key, entry or None for deleted,
+        whether to apply it), in order; a record not applied (a write no state includes) marks its key to be written
+        out again at the next commit. Returns how many were not applied.
+
+        Each batch is one transaction, so an id written in one and deleted in a later one leaves its bytes in a freed
+        page: the table is compacted at the end if anything was deleted, before it is used."""
+        skipped: set[bytes] = set()
+        for batch in records:
+            with self._txn(write=True) as txn:
+                for key, value, applied in batch:
+                    if not applied:
+                        skipped.add(key)
+                        continue
+                    before = txn.get(key, db=self._samples)
+                    self._deleted |= value is None and before is not None
+                    _write(txn, (self._samples, self._by_time), key, None if before is None else bytes(before), value)
         self._count = self._committed_count()
-
-    def erase_freed(self) -> None:
-        """Compact now if an entry was deleted since the last compaction: a table rebuilt from a changelog wrote,
-        then deleted, the entries of ids deleted long ago, and their bytes must not wait ``compact_every_s``."""
         if self._deleted:
-            self._compact()
-
-    def rewrite(self, keys: set[bytes]) -> None:
-        """Count these keys' committed values as changed again, so the next commit writes them out once more (a
-        changelog whose last records of them are writes no state includes)."""
+            self._reopen(compact=True)
         with self._lock:
-            for key in keys - self._changed.keys():
-                self._changed[key] = self._committed(key)
+            self._changed.update({key: self._committed(key) for key in skipped})
+        return len(skipped)
 
     def settle(self, generation: int) -> None:
         """Checkpoint ``generation`` is on disk: no restart goes back before it, so its undo records go."""
@@ -246,46 +254,38 @@ class SampleTable:
             while cursor.first() and bytes(cursor.key()) < limit:
                 cursor.delete()
             txn.put(b"settled", str(generation).encode(), db=self._meta)
-        if self._deleted and time.monotonic() - self._compacted_at >= self.compact_every_s:
-            self._compact()
-        else:
-            self._unmap()
+        self._reopen(compact=self._deleted and time.monotonic() - self._compacted_at >= self.compact_every_s)
 
-    def _unmap(self) -> None:
-        """Close and reopen the environment: the pages this process mapped leave its resident set (the kernel
-        keeps them as page cache, and reclaims them at will), so a long stream's table does not grow the learner's
-        RSS; reopening costs well under a millisecond, once a checkpoint."""
-        with self._env_lock:
-            self.env.close()
-            self._open()
+    def _reopen(self, compact: bool = False) -> None:
+        """Close and reopen the environment, so the pages this process mapped leave its resident set (the kernel
+        keeps them as page cache and reclaims them at will): a long stream's table does not grow the learner's RSS.
 
-    def _compact(self) -> None:
-        """Copy the table without its free pages, and swap the copy in: LMDB writes copy-on-write, so a deleted
-        entry's bytes (and its undo record's) stay in the data file until a page is reused; in the copy they are
-        gone. Only after a settle: no undo record is needed then."""
+        ``compact``: first copy the table without its free pages, and swap the copy in. LMDB writes copy-on-write,
+        so a deleted entry's bytes (and its undo record's) stay in the data file until a page is reused; in the
+        copy they are gone. Only after a settle, or into a table no checkpoint names yet: no undo record is needed."""
         copy, old = self.path.with_name(self.path.name + ".compact"), self.path.with_name(self.path.name + ".old")
         with self._env_lock:
-            if copy.is_dir():
-                shutil.rmtree(copy)
-            copy.mkdir()
-            self.env.copy(str(copy), compact=True)
+            if compact:
+                if copy.is_dir():
+                    shutil.rmtree(copy)
+                copy.mkdir()
+                self.env.copy(str(copy), compact=True)
             self.env.close()
-            self.path.rename(old)
-            copy.rename(self.path)
-            shutil.rmtree(old)
+            if compact:
+                self.path.rename(old)
+                copy.rename(self.path)
+                shutil.rmtree(old)
             self._open()
-        self._deleted, self._compacted_at = False, time.monotonic()
+        if compact:
+            self._deleted, self._compacted_at = False, time.monotonic()
 
-    def _meta_int(self, key: bytes) -> int:
-        with self._txn(db="_meta") as txn:
-            data = txn.get(key)
-        return 0 if data is None else int(data)
 
     def restore(self, generation: int) -> None:
         """Back to the table checkpoint ``generation`` saw: forget the changes in memory, undo later commits."""
         with self._lock:
             self._changed.clear()
-        at, settled = self.generation, self._meta_int(b"settled")
+        with self._txn(db="_meta") as txn:
+            at, settled = _int(txn.get(b"generation")), _int(txn.get(b"settled"))
         if at < generation or settled > generation:
             raise StateRefused(f"the sample table {self.path} is at generation {at} (settled at {settled}), not one "
                                f"that goes back to the checkpoint's {generation}: it is not the table this checkpoint "

@@ -159,6 +159,12 @@ def watch_drift(monitor: StreamMonitor, metrics: ServerMetrics, labels: torch.Te
         log.warning("drift detected at %d samples by %s", event["samples_seen"], event["detector"])
 
 
+def changes_waiting(s: LearnerState) -> bool:
+    """A correction or deletion waits for its turn: the loop learns it once the topic goes quiet, without waiting for
+    samples to fill the mini-batch (a deletion's wait is its user's; a backlog still fills it)."""
+    return any(p.sample.change is not None for p in s.intake.book.pending)
+
+
 class LearnerState:
     """The learning step over its intake, evaluation and persistence; shared by the learner thread (writes) and
     request handlers (read the snapshot)."""
@@ -270,6 +276,7 @@ class LearnerState:
             with self.lock:
                 model = self.membership.edits(key)
                 for s in batch:
+                    assert s.change is not None  # a run of changes holds nothing else (``runs_of_samples``)
                     self.intake.corrections.apply(s.change, self.intake.join, model, key)
                 self.intake.learned(batch)
                 self.since_checkpoint += 1
@@ -278,20 +285,22 @@ class LearnerState:
             return
         labels = torch.tensor([s.label for s in batch])
         encoded: Encoded | None = None
-        features = batch[0].feature is not None  # kept at arrival (labels that come later): all or none are
-        images = None if features else stack_images([s.image for s in batch], self.learner.device)  # [B, 3, S, S]
+        kept = [s.feature for s in batch if s.feature is not None]  # at arrival (labels that come later): all or none
+        images = None if kept else stack_images([s.image for s in batch if s.image is not None],
+                                                self.learner.device)  # [B, 3, S, S]
         with self.lock:
             start, seen_before = time.perf_counter(), self.learner.samples_seen
-            if features:
-                self.learner.observe_features(torch.stack([s.feature for s in batch]), labels)  # [B, D]
+            if kept:
+                self.learner.observe_features(torch.stack(kept), labels)  # [B, D]
                 scored = [(s.label, s.prediction) for s in batch if s.prediction is not None]
                 labels, pred = torch.tensor(scored).T if scored else (labels, None)  # the predictions at arrival
             else:  # corrections keep each sample's feature: encoded here, the same forward learns it
+                assert images is not None
                 encoded = None if self.intake.corrections is None else self.learner.encode(images)
                 pred = self.membership.update(images, labels, batch, encoded, key)
             if self.cfg.prequential:
                 watch_drift(self.monitor, self.metrics, labels, pred, seen_before)
-            self.intake.learned(batch, None if features or encoded is None else encoded.feature, key)
+            self.intake.learned(batch, None if kept or encoded is None else encoded.feature, key)
             self.since_checkpoint += len(batch)
             self.metrics.step_seconds.observe(time.perf_counter() - start)
             self.changed()
@@ -375,11 +384,11 @@ class LearnerState:
 class Alone:
     """One learner over the whole topic: its checkpoint file holds model, offsets and learned ids together."""
 
-    refusal = None  # nothing another learner writes reaches it
+    refusal: str | None = None  # nothing another learner writes reaches it
 
     def __init__(self, path: Path):
         self.path = path
-        self.state: LearnerState | None = None
+        self.state: LearnerState  # the state this membership serves, once bound to it
 
     def bind(self, state: LearnerState) -> None:
         self.state = state
@@ -482,12 +491,12 @@ def open_learner(cfg: ServeConfig, metrics: ServerMetrics, model_thread: ModelTh
     class_names = dict(enumerate(listing.class_names))
     evaluation = None
     model = model_config(cfg)
+    learner = build_learner(cfg, len(listing.classes))
     if cfg.protocol.eval_period > 0:  # the schedule, scoring and curve of `mepo evaluate`, in the served mode
-        size = cfg.limits.at(model.backbone.img_size).size
-        test = load_split(replace(cfg.data, load_size=size), "test")  # decoded as records are
+        size = cfg.limits.at(learner.method.input_size).size
+        test = load_split(replace(cfg.data, load_size=size), "test")  # decoded as records are (``Intake.limits``)
         evaluation = AnytimeEvaluation(test, cfg.protocol.eval_period, cfg.protocol.eval_batch_size,
                                        (cfg.alignment.inference_mode,))
-    learner = build_learner(cfg, len(listing.classes))
     names = tuple(class_names[label] for label in range(len(class_names)))
     origin = Origin(cfg.model_name, model.to_json(), names, learner.method.backbone_sha256, model.mepo.sha256())
     state = LearnerState(cfg, metrics, model_thread or ModelThread(), learner, class_names, origin,

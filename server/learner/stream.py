@@ -48,7 +48,7 @@ from server.consumer import PROBE_EVERY_S, ConsumerThread, broker_answers
 from server.learner.arrival import Prediction, Retraction
 from server.learner.book import tp_key
 from server.learner.intake import DeadLetter, InlineExecutor
-from server.learner.state import LearnerState, StateWriteFailed
+from server.learner.state import LearnerState, StateWriteFailed, changes_waiting
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ class LearnerLoop(ConsumerThread):
         pending, limit = sum(self.state.intake.waiting().values()), self.state.batch_limit
         learning = self.state.start_learning() if (due := pending >= limit) else None
         wait_ms = 0 if due else fill_wait_ms(self.consumer, self.cfg.kafka.labels_topic,
-                                             self.state.intake.changes_waiting())
+                                             changes_waiting(self.state))
         try:
             polled = self.consumer.poll(timeout_ms=wait_ms, max_records=limit if due else limit - pending)
             self._check_rebalance()  # before a record of a partition whose state is not restored is accepted

@@ -30,8 +30,10 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from mepo_stream.errors import StateRefused
 from mepo_stream.kafka import KafkaConfig, ensure_topics, open_producer
 from server.learner.changelog import ACK_TIMEOUT_S, read_to_end
+from server.learner.corrections import Corrections
 from server.learner.sample_table import Entry, SampleTable
 from server.snapshot_topic import close_quietly
+from server.state_topic import PartitionState
 
 TOPIC_CONFIGS = {"cleanup.policy": "compact", "min.compaction.lag.ms": str(24 * 3600 * 1000)}
 """Kafka keeps each id's last record; not within a day of its write, so a record no state includes is written over
@@ -58,6 +60,12 @@ class Write:
 
     def headers(self) -> list[tuple[str, bytes]]:
         return [("epoch", self.epoch.encode()), ("seq", str(self.seq).encode())]
+
+
+def included(record, committed: dict[str, int]) -> bool:
+    """Whether a changelog record belongs to a write that ``committed`` (a state's epoch -> last seq) includes."""
+    head = {k: v.decode() for k, v in record.headers or []}
+    return int(head["seq"]) <= committed.get(head["epoch"], 0)
 
 
 def partition_of(key: str) -> int:
@@ -88,34 +96,20 @@ class TableChangelog:
         return sent
 
     def restore(self, partition: int, committed: dict[str, int], table: SampleTable, timeout_s: float = 120.0
-                ) -> set[bytes]:
+                ) -> int:
         """Fill ``table`` (empty) with the partition's records of the writes ``committed`` names (epoch -> last seq),
-        in order; returns the keys of the records it skipped (writes no state includes)."""
+        in order; returns how many records it skipped (writes no state includes: their keys are written again)."""
         consumer = KafkaConsumer(**self.kafka.client_options(), group_id=None, enable_auto_commit=False,
                                  auto_offset_reset="earliest", fetch_max_bytes=64 * 1024 * 1024)
         tp = TopicPartition(self.topic, partition)
         try:
             self._ensure(consumer, partition)
-        except StateRefused:
-            consumer.close()
-            raise
-        consumer.assign([tp])
-        consumer.seek_to_beginning(tp)
-        skipped: set[bytes] = set()
-        try:
-            for polled in read_to_end(consumer, tp, timeout_s):
-                kept: list[tuple[bytes, Entry | None]] = []
-                for record in polled.get(tp, []):
-                    head = {k: v.decode() for k, v in record.headers or []}
-                    if int(head["seq"]) <= committed.get(head["epoch"], 0):
-                        kept.append((record.key, None if record.value is None else Entry.decode(record.value)))
-                    else:
-                        skipped.add(record.key)
-                table.load(kept)
+            consumer.assign([tp])
+            consumer.seek_to_beginning(tp)
+            return table.rebuild([(r.key, None if r.value is None else Entry.decode(r.value), included(r, committed))
+                                  for r in polled.get(tp, [])] for polled in read_to_end(consumer, tp, timeout_s))
         finally:
             consumer.close()
-        table.erase_freed()
-        return skipped
 
     def _ensure(self, consumer: KafkaConsumer, partition: int) -> None:
         """Create the changelog with the image topic's partitions (the first time); refuse one without ``partition``
@@ -129,3 +123,47 @@ class TableChangelog:
     def close(self) -> None:
         close_quietly(self._producer, "sample changelog")
         self._producer = None
+
+
+class PartitionTables:
+    """The sample tables of the partitions a learner in a group owns, on Kafka: each rebuilt from the changelog when
+    its partition comes, its changes written under this owner's epoch before the state that includes them."""
+
+    def __init__(self, kafka: KafkaConfig):
+        self.changelog = TableChangelog(kafka)
+        self.writes: dict[str, tuple[str, dict[str, int]]] = {}
+        """Per owned partition: this owner's epoch, and the changelog writes its next state includes."""
+
+    def restore(self, keys: list[str], states: dict[str, PartitionState], corrections: Corrections
+                ) -> dict[str, tuple[SampleTable, bool]]:
+        """Each partition's table rebuilt from the writes its state includes, and whether the changelog holds writes
+        it does not (a kill -9 between a table's write and its state's)."""
+        out = {}
+        for key in keys:
+            table = corrections.new_table(key)
+            skipped = self.changelog.restore(partition_of(key), states[key].table if key in states else {}, table)
+            out[key] = (table, skipped > 0)
+        return out
+
+    def adopt(self, key: str, state: PartitionState | None) -> None:
+        """Own ``key`` from its state (None: none yet), under a new epoch."""
+        self.writes[key] = (new_epoch(), {} if state is None else dict(state.table))
+
+    def drop(self, key: str) -> None:
+        self.writes.pop(key, None)
+
+    def included(self, key: str) -> dict[str, int]:
+        """What the partition's next state says its table includes."""
+        return dict(self.writes[key][1])
+
+    def capture(self, key: str, table: SampleTable) -> Write | None:
+        """The partition table's changes since the last capture, committed here as this owner's next write (None:
+        none); the state captured after it includes it."""
+        epoch, included = self.writes[key]
+        seq = included.get(epoch, 0) + 1
+        changes = table.commit(seq)
+        table.settle(seq)  # the changelog, not this file, is what a restore reads: no undo is needed
+        if not changes:
+            return None
+        included[epoch] = seq
+        return Write(partition_of(key), epoch, seq, changes)

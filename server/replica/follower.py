@@ -178,7 +178,7 @@ class ReplicaState:
         bundles = ",".join(map(str, config.mepo.bundles))
         self.metrics.info.info({"backbone": config.backbone.name, "mepo_bundle": bundles,
                                 "method": config.method, "role": "replica",
-                                "backbone_sha256": message.origin.backbone_sha256})
+                                "backbone_sha256": message.origin.backbone_sha256 or ""})
         m = self.metrics
         m.snapshot_load_seconds.observe(time.perf_counter() - start)
         m.snapshots_loaded.inc()
