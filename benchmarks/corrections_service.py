@@ -119,7 +119,8 @@ def main(spec: ServiceSpec = replace(ServiceSpec(), train_per_class=300), correc
 
     Args:
         spec: What the service learns, with which model (``--corrections.enabled`` and no any-time evaluation are
-            added).
+            added): one that can take a sample out exactly, so no Sigma_pre bundle (its alignment's running
+            statistics depend on the order of the stream, and the service refuses it).
         corrections: Share of the records that are corrections.
         deletions: Share of the records that are deletions.
         tombstones: Tombstones timed one at a time once the stream is learned.

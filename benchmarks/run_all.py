@@ -177,7 +177,7 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path) -> tuple[str, lis
             "--feature_model", spec.model, "--img_size", str(spec.img_size), "--n", n(400, 5000),
             *(["--long_img_size", str(spec.img_size)] if quick else []),  # full: one patch of ViT-S/14 per image
             "--long", n(2000, 100_000), "--sample_every", n(200, 1000)]),
-        "corrections_service": lambda: ("corrections_service", [*stream(spec, 4, 300),
+        "corrections_service": lambda: ("corrections_service", [*stream(replace(spec, mepo=None), 4, 300),
                                                                 "--tombstones", n(5, 50)]),
         "refine_frontier": lambda: ("refine_frontier", [
             "--model", spec.model, "--weights", spec.weights or "null", "--img_size", str(spec.img_size),
