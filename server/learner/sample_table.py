@@ -14,7 +14,9 @@ writes neither loses nor doubles a change. ``settle(g)`` drops the undo records 
 Ids older than ``retention_s`` of record time are dropped (``expire``): they stay in the model, but can no longer be
 corrected or deleted, which keeps the disk bounded. LMDB writes copy-on-write, so a deleted entry's bytes stay in
 the data file until its page is reused: at most ``compact_every_s`` after a deletion, a settle copies the table
-without its free pages and swaps the copy in, and the bytes are gone from the disk.
+without its free pages and swaps the copy in, and the bytes are gone from the disk. Every settle reopens the
+environment, so the pages the learner mapped leave its resident set. In a group, a partition's table is rebuilt
+from a changelog instead (``rebuild``, ``server.learner.table_changelog``).
 
 Key layout (one environment, four named databases): ``samples``: the id's 16-byte hash -> entry (the id is in the
 entry); ``by_time``: 8-byte big-endian milliseconds + hash -> b""; ``undo``: 8-byte generation + hash -> b"\\x00"

@@ -12,7 +12,7 @@ that includes them (``server.learner.partitioned``), and a kill -9 may fall betw
 partition writes under an epoch of its own (a new one at every assignment) and numbers its writes; the state names
 the last write it includes per epoch (``PartitionState.table``). A restore applies only the records of writes its
 state includes, so the restored table is exactly the one the state's sums were learned with; the ids of records
-it skipped are written out again by the new owner (``SampleTable.rewrite``), so a compaction that keeps a key's
+it skipped are written out again by the new owner (``SampleTable.rebuild``), so a compaction that keeps a key's
 last record keeps a record of a write some state includes.
 
 Example:
