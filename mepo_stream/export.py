@@ -115,6 +115,7 @@ class ProbabilityGraph(nn.Module):
         return self.solved(self.model.aligned(encoded, self.align_mode))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
+        assert self.model.transform is not None  # a learner's model normalises its own input (``create_model``)
         x = self.model.transform(images)  # [B, 3, S, S] normalised, at the backbone's resolution
         encoded = self.model.encode(x)
         encoded.feature = encoded.feature.float()  # [B, D]
@@ -132,7 +133,8 @@ def onnx_model(graph: ProbabilityGraph, metadata: dict[str, str]) -> onnx.ModelP
     buffer = io.BytesIO()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the tracer's notes on those Python branches
-        torch.onnx.export(graph, (example,), buffer, input_names=[INPUT], output_names=[OUTPUT], opset_version=OPSET,
+        torch.onnx.export(graph, (example,), buffer,  # type: ignore[arg-type]  # a file object: the TorchScript exporter writes to it
+                          input_names=[INPUT], output_names=[OUTPUT], opset_version=OPSET,
                           dynamic_axes={INPUT: {0: "batch"}, OUTPUT: {0: "batch"}}, dynamo=False)
     onnx = onnx_package()
     model = onnx.load_from_string(buffer.getvalue())
