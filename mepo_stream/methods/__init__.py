@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mepo_stream.methods.base import ContinualMethod, Readout
@@ -42,7 +43,7 @@ class MethodsConfig:
 
 
 # name -> (class, the MethodsConfig field holding its config, or None)
-METHODS: dict[str, tuple[type[ContinualMethod], str | None]] = {
+METHODS: dict[str, tuple[Callable[..., ContinualMethod], str | None]] = {
     "misa": (MISA, "misa"),
     "deep_l2p": (DeepL2P, "deep_l2p"),
     "coda_p": (CodaPrompt, "coda_p"),

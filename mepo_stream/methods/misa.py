@@ -63,8 +63,10 @@ class MISA(ContinualMethod):
 
     def initial_prompts(self) -> dict[str, torch.Tensor]:
         """The tensors ``load_initial_prompts`` takes: g-prompt [1, Lg, Tg, D], e-prompts and e-keys."""
+        keys = self.e_prompt.keys
+        assert keys is not None  # the e-prompt pool is keyed
         return {"g_prompt": self.g_prompt.prompts.detach(), "e_prompt": self.e_prompt.prompts.detach(),
-                "e_keys": self.e_prompt.keys.detach()}
+                "e_keys": keys.detach()}
 
     @torch.no_grad()
     def load_initial_prompts(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -98,6 +100,9 @@ class MISA(ContinualMethod):
         zeros = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
         prompts = {**self.g_prompt.layer_prompts(zeros), **self.e_prompt.layer_prompts(index)}  # [B, L', D]
         if self.tuning == "prefix":
-            prefixes = {layer: p.chunk(2, dim=1) for layer, p in prompts.items()}  # keys, values: [B, L, D]
+            prefixes = {}
+            for layer, p in prompts.items():
+                keys, values = p.chunk(2, dim=1)  # [B, L, D] each
+                prefixes[layer] = (keys, values)
             return prefix_forward(self.backbone, x, prefixes)[:, 0]
         return prompted_forward(self.backbone, x, prompts)[:, 0]  # CLS after the final norm

@@ -47,6 +47,7 @@ class MVP(MISA):
     def _select(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Selected prompt per image [B] and the key loss."""
         keys = self.e_prompt.keys
+        assert keys is not None  # the e-prompt pool is keyed
         distance = 1 - nn.functional.cosine_similarity(query[:, None], keys[None], dim=-1)  # [B, pool]
         mass = self.usage + 1 if self.contrastive else torch.ones_like(self.usage)
         index = (distance * mass).argmin(dim=1)  # [B]
