@@ -210,12 +210,12 @@ class ContinualMethod(nn.Module):
         parts = [self._encode(pad_rows(chunk, size), len(chunk)) for chunk in images.split(size)]
         if len(parts) == 1:  # the learner's full mini-batch, or a partial one: nothing to join
             return parts[0]
-        scales = [p.logit_scale for p in parts]
-        return Encoded(torch.cat([p.feature for p in parts]), parts[0].aux_loss,
-                       None if scales[0] is None else torch.cat(scales))
+        scales = [p.logit_scale for p in parts if p.logit_scale is not None]  # every part's, or none
+        return Encoded(torch.cat([p.feature for p in parts]), parts[0].aux_loss, torch.cat(scales) if scales else None)
 
     def _encode(self, images: torch.Tensor, keep: int | None = None) -> Encoded:
         """One forward of uint8 images [B, 3, H, W]; the encoding of the first ``keep`` (all when None)."""
+        assert self.transform is not None, "a model that encodes uint8 images normalises them (create_model)"
         with autocast(self.device, self.dtype):
             encoded = self.encode(self.transform(images.to(self.device, non_blocking=True)))
         scale = encoded.logit_scale
