@@ -240,19 +240,19 @@ class Intake:
         labels come later, a label or an image without one goes to the join (``_book_join``)."""
         key = tp_key(record)
         self.metrics.records_consumed.inc()
-        self._clock(record)  # every record moves the stream's clock: what a sample table's entry is timed by
+        at = self._clock(record)  # every record moves the stream's clock: what a sample table's entry is timed by
         if outcome is None:
             self.metrics.replays_skipped.inc()
             self.book.skip(key, record.offset)
             return None
         if isinstance(outcome, _Tombstone):
-            return self._book_tombstone(record, outcome.id)
+            return self._book_tombstone(record, outcome.id, at)
         if isinstance(outcome, _Label):
             if self.corrections is not None:
-                kind = self.corrections.kind_of_label(outcome.id, self.join, self._clock(record),
+                kind = self.corrections.kind_of_label(outcome.id, self.join, at,
                                                       waits_for(outcome.id, self.book), key)
                 if kind == "correction":
-                    book_change(self.book, record, Relabel(outcome.id, outcome.label, self._clock(record)))
+                    book_change(self.book, record, Relabel(outcome.id, outcome.label, at))
                     return None
                 if kind == "not_correctable":
                     return refuse(self.book, record, f"{outcome.id} is not correctable: learned more than "
@@ -260,7 +260,7 @@ class Intake:
                                                      f"{elsewhere(self.book, key)}")
             assert self.join is not None  # a label without corrections is read only where labels come later
             source = (record.topic, record.partition, record.offset)
-            return self._book_join(record, self.join.add_label(outcome.id, outcome.label, self._clock(record), source))
+            return self._book_join(record, self.join.add_label(outcome.id, outcome.label, at, source))
         try:
             if isinstance(outcome, RecordError):
                 raise outcome
@@ -278,17 +278,17 @@ class Intake:
         assert self.join is not None and meta.id is not None  # an image without its label names its id
         answered = meta.prediction is not None  # an HTTP upload (``server.uploads``): its answer is the one to score
         prediction = meta.prediction if answered else arrival.prediction
-        dead = self._book_join(record, self.join.add_image(meta.id, arrival.item, prediction, self._clock(record)))
+        dead = self._book_join(record, self.join.add_image(meta.id, arrival.item, prediction, at))
         if dead is not None or answered:
             return dead
         return Prediction(meta.id, arrival.top_k, self.version(), time.time())
 
-    def _book_tombstone(self, record, id: str) -> Outgoing | None:
+    def _book_tombstone(self, record, id: str, at: float) -> Outgoing | None:
         """A deletion: pending in its place if the id is learned (or about to be), done now if it only waited in the
         join; either way its prediction is retracted. Refused if nothing of it is kept."""
         key = tp_key(record)
         assert self.corrections is not None  # a null value is a tombstone only with corrections on
-        kind = self.corrections.kind_of_tombstone(id, self.join, self._clock(record), waits_for(id, self.book), key)
+        kind = self.corrections.kind_of_tombstone(id, self.join, at, waits_for(id, self.book), key)
         if kind == "not_correctable":
             return refuse(self.book, record, f"no sample with id {id} can be deleted: none was received, or it was "
                                              f"learned more than --corrections.retention_s ago"

@@ -162,7 +162,7 @@ def watch_drift(monitor: StreamMonitor, metrics: ServerMetrics, labels: torch.Te
 def changes_waiting(s: LearnerState) -> bool:
     """A correction or deletion waits for its turn: the loop learns it once the topic goes quiet, without waiting for
     samples to fill the mini-batch (a deletion's wait is its user's; a backlog still fills it)."""
-    return any(p.sample.change is not None for p in s.intake.book.pending)
+    return s.intake.corrections is not None and any(p.sample.change is not None for p in s.intake.book.pending)
 
 
 class LearnerState:

@@ -79,6 +79,7 @@ class TableChangelog:
     def __init__(self, kafka: KafkaConfig):
         self.kafka, self.topic = kafka, table_changelog_topic(kafka)
         self._producer: KafkaProducer | None = None
+        self._created = False  # the topic exists (made here or by another learner): not asked again
 
     def write(self, writes: list[Write]) -> int:
         """Send the writes and wait until the broker has them all; returns the bytes sent."""
@@ -114,8 +115,10 @@ class TableChangelog:
     def _ensure(self, consumer: KafkaConsumer, partition: int) -> None:
         """Create the changelog with the image topic's partitions (the first time); refuse one without ``partition``
         (made for a topic with fewer partitions)."""
-        ensure_topics(self.kafka, self.topic, partitions=len(consumer.partitions_for_topic(self.kafka.topic) or ()),
-                      configs=TOPIC_CONFIGS)
+        if not self._created:
+            ensure_topics(self.kafka, self.topic, configs=TOPIC_CONFIGS,
+                          partitions=len(consumer.partitions_for_topic(self.kafka.topic) or ()))
+            self._created = True
         if partition not in (consumer.partitions_for_topic(self.topic) or set()):
             raise StateRefused(f"{self.topic} has no partition {partition}: it needs as many partitions as "
                                f"{self.kafka.topic} (add them, or start over with a new --kafka.state_topic)")
