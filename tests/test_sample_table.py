@@ -10,11 +10,13 @@ import time
 
 import pytest
 import torch
+from kafka import TopicPartition
 
 import server.learner.sample_table as sample_table
 from mepo_stream.errors import StateRefused
 from mepo_stream.learner import LearnerConfig, OnlineLearner
 from server.learner.sample_table import Entry, SampleTable
+from server.learner.stream import fill_wait_ms
 from tests.fakes import service
 from tests.helpers import learner_of
 
@@ -311,3 +313,25 @@ def test_a_read_that_waits_for_a_settles_reopening_uses_the_reopened_tables_hand
     settling.join(10)
     reading.join(10)
     assert got and got[0].label == 3
+
+
+def test_a_partial_mini_batch_waits_for_samples_unless_a_change_waits_and_nothing_is_left_to_read():
+    """A poll waits up to 500 ms for samples to fill a partial mini-batch; where a correction or deletion waits, only
+    20 ms once the consumer has read to the end of every partition (its user waits), and 500 ms again while a
+    backlog remains (it still fills the mini-batch)."""
+    class Consumer:  # the three reads fill_wait_ms makes of a KafkaConsumer
+        def __init__(self, position: int):
+            self.at = position
+
+        def assignment(self) -> set:
+            return {TopicPartition("images", 0)}
+
+        def highwater(self, tp) -> int:
+            return 10
+
+        def position(self, tp, timeout_ms: int) -> int:
+            return self.at
+
+    assert fill_wait_ms(Consumer(10), None, changes_waiting=False) == 500
+    assert fill_wait_ms(Consumer(10), None, changes_waiting=True) == 20
+    assert fill_wait_ms(Consumer(4), None, changes_waiting=True) == 500
