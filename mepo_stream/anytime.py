@@ -154,6 +154,7 @@ class EncodedTestSet:
         if learner.encoder_trains:
             return learner.encode(self.test.images[idx])
         self._fill(learner, idx[~self._done[idx]])
+        assert self._feature is not None, "every image of idx is encoded by now"
         scale = None if self._scale is None else self._scale[idx]
         return Encoded(self._feature[idx], torch.zeros((), device=self._feature.device), scale)
 
@@ -166,6 +167,7 @@ class EncodedTestSet:
                     self._scale = enc.logit_scale.new_zeros(len(self.test), enc.logit_scale.shape[1])
             self._feature[chunk.to(self._feature.device)] = enc.feature
             if self._scale is not None:
+                assert enc.logit_scale is not None, "a learner's encodings all carry a logit scale, or none does"
                 self._scale[chunk.to(self._scale.device)] = enc.logit_scale
             self._done[chunk] = True
 
@@ -189,8 +191,8 @@ def evaluate_seen(learner: OnlineLearner, encodings: EncodedTestSet, modes: tupl
             preds[mode].append(learner.to_labels(logits.argmax(1)))
     target = test.targets[keep]
     out = {}
-    for mode, p in preds.items():
-        p = torch.cat(p)
+    for mode, parts in preds.items():
+        p = torch.cat(parts)
         out[mode] = ((p == target).float().mean().item(), per_class_accuracy(p, target))
     return out
 
