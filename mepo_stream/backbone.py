@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any, TypedDict, TypeGuard, cast
 
 import timm
 import torch
@@ -53,6 +54,12 @@ TIMM = "timm"
 """``--backbone.weights timm``: timm's pretrained weights for the model name, through the Hugging Face cache."""
 HF_HUB = "hf-hub:"
 """``--backbone.weights hf-hub:org/name``: a timm model on the Hugging Face Hub, through the same cache."""
+
+
+class ImageSize(TypedDict, total=False):
+    """``timm.create_model``'s ``img_size`` keyword, given only with a size (absent: the model's default)."""
+
+    img_size: int
 
 
 @dataclass(frozen=True)
@@ -134,7 +141,7 @@ def load_backbone_weights(model: VisionTransformer, state_dict: dict[str, torch.
     they interpolate at run time (this reproduces the ONNX model's features to ~1e-5).
     """
     sd = {k: v for k, v in state_dict.items() if not k.startswith(HEAD_PREFIXES)}
-    if "pos_embed" in sd and sd["pos_embed"].shape != model.pos_embed.shape:
+    if "pos_embed" in sd and model.pos_embed is not None and sd["pos_embed"].shape != model.pos_embed.shape:
         prefix = 0 if model.no_embed_class else model.num_prefix_tokens
         sd["pos_embed"] = resample_abs_pos_embed(
             sd["pos_embed"], new_size=list(model.patch_embed.grid_size), num_prefix_tokens=prefix, antialias=False
@@ -148,7 +155,7 @@ def load_backbone_weights(model: VisionTransformer, state_dict: dict[str, torch.
         )
 
 
-def from_hub(weights: str | None) -> bool:
+def from_hub(weights: str | None) -> TypeGuard[str]:
     """The weights come through the Hugging Face cache, as timm loads them (``timm``, ``hf-hub:org/name``)."""
     return weights is not None and (weights == TIMM or weights.startswith(HF_HUB))
 
@@ -181,34 +188,41 @@ def build_vit(name: str, img_size: int | None = None, weights: str | None = None
     """A headless timm ViT (``img_size`` None keeps the model's default): random weights, or with a hub weight
     source (``from_hub``) the pretrained ones, loaded by ``timm.create_model(..., pretrained=True)`` itself, so
     its own checkpoint filter (key remapping, position-table resampling) applies as for any timm user."""
-    kwargs = {} if img_size is None else {"img_size": img_size}
+    kwargs: ImageSize = {} if img_size is None else {"img_size": img_size}
     if not timm.is_model(name):
         raise ValueError(f"unknown timm model {name!r} (see timm.list_models('vit_*'))")
-    hub = from_hub(weights)
+    hub = weights if from_hub(weights) else None
     try:
-        model = timm.create_model(weights if hub and weights.startswith(HF_HUB) else name, pretrained=hub,
+        model = timm.create_model(hub if hub and hub.startswith(HF_HUB) else name, pretrained=hub is not None,
                                   num_classes=0, **kwargs)
     except TypeError as e:  # e.g. a CNN, which takes no img_size
         raise TypeError(f"{name} cannot be built as a timm VisionTransformer: {e}") from e
     except LocalEntryNotFoundError as e:
-        raise ConfigError(f"--backbone.weights {weights}: {hub_repo(name, weights)} is not in the Hugging Face cache "
+        assert hub is not None, "only pretrained weights are read from the Hugging Face cache"
+        raise ConfigError(f"--backbone.weights {hub}: {hub_repo(name, hub)} is not in the Hugging Face cache "
                           f"({hub_constants.HF_HUB_CACHE}) and the Hub cannot be reached"
                           f"{' (HF_HUB_OFFLINE=1)' if hub_constants.HF_HUB_OFFLINE else ''}: run it once with hub "
-                          f"access, or `hf download {hub_repo(name, weights)}` there") from e
+                          f"access, or `hf download {hub_repo(name, hub)}` there") from e
     if not isinstance(model, VisionTransformer):
         raise TypeError(f"{name} is a {type(model).__name__}; mepo-stream needs a timm VisionTransformer")
-    if hub and (arch := model.pretrained_cfg.get("architecture")) != get_arch_name(name):
+    if hub and (arch := pretrained_cfg(model).get("architecture")) != get_arch_name(name):
         raise ConfigError(f"--backbone.weights {weights} holds a {arch}, not a {get_arch_name(name)}: pass "
                           f"--backbone.name {arch}")
     return model
+
+
+def pretrained_cfg(model: VisionTransformer) -> dict[str, Any]:
+    """The record of the weights a timm model is built for (architecture, mean, std, ...)."""
+    # timm.create_model sets this plain dict attribute; mypy reads undeclared Module attributes as tensors or modules
+    return cast(dict[str, Any], model.pretrained_cfg)
 
 
 def load_weights(model: VisionTransformer, path: Path) -> None:
     """Load any supported weight source into ``model``."""
     if path.is_dir():
         arch = read_manifest(path).get("backbone", {}).get("name")
-        if arch and arch != model.pretrained_cfg.get("architecture", arch):
-            raise ValueError(f"{path} holds a {arch} backbone, not a {model.pretrained_cfg['architecture']}")
+        if arch and arch != pretrained_cfg(model).get("architecture", arch):
+            raise ValueError(f"{path} holds a {arch} backbone, not a {pretrained_cfg(model)['architecture']}")
         load_backbone_weights(model, load_part(path, BACKBONE))
     elif path.suffix == ".npz":
         model.load_pretrained(str(path))
@@ -252,7 +266,7 @@ def input_size(backbone: VisionTransformer) -> int:
 
 def normalization(model: VisionTransformer) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """The (mean, std) the backbone was pretrained with (ImageNet statistics for DINOv2)."""
-    cfg = model.pretrained_cfg
+    cfg = pretrained_cfg(model)
     return tuple(cfg.get("mean", (0.485, 0.456, 0.406))), tuple(cfg.get("std", (0.229, 0.224, 0.225)))
 
 
