@@ -72,15 +72,18 @@ class RunningStandardize(nn.Module):
 class ClassStatistics(ClassMeans):
     """The class sums (``ClassMeans``) plus the total second moment, in float64: one pass, any order."""
 
+    second: torch.Tensor
+
     def __init__(self, dim: int, n_classes: int):
         super().__init__(n_classes, dim)
         self.register_buffer("second", torch.zeros(dim, dim, dtype=torch.float64))  # sum of x x^T, [D, D]
         self._cache: dict = {}
 
     @torch.no_grad()
-    def update(self, h: torch.Tensor, y: torch.Tensor) -> None:
-        """Add features [B, D] with head-order labels [B]."""
-        self._add(h, y, 1.0)
+    def update(self, h: torch.Tensor, y: torch.Tensor, sign: float = 1.0) -> None:
+        """Add features [B, D] with head-order labels [B] (``sign`` -1 takes them out unchecked, as ``ClassMeans``
+        does; ``remove`` refuses samples that were never learned)."""
+        self._add(h, y, sign)
 
     @torch.no_grad()
     def remove(self, h: torch.Tensor, y: torch.Tensor) -> None:
@@ -114,12 +117,11 @@ class ClassStatistics(ClassMeans):
 
     @torch.no_grad()
     def assign(self, counts: torch.Tensor, sums: torch.Tensor, second: torch.Tensor, hits: torch.Tensor) -> None:
-        """Replace the statistics by sums learned elsewhere, in head order (``mepo_stream.label_statistics``)."""
+        """Replace the statistics by sums learned elsewhere, in head order (``mepo_stream.label_statistics``); the
+        prequential ``hits`` are empty here (``prequential_hits``)."""
         self.counts.copy_(counts)
         self.sums.copy_(sums)
         self.second.copy_(second)
-        if hits.numel():
-            self.hits.copy_(hits)
         self._cache.clear()
 
     def _load_from_state_dict(self, *args, **kwargs):
@@ -217,10 +219,19 @@ class StreamingLDA(ClassStatistics):
         return self.unseen_mask(h.double() @ weights.T + bias).to(h.dtype)  # [B, C]
 
     @torch.no_grad()
-    def update(self, h: torch.Tensor, y: torch.Tensor) -> None:
-        """Test-then-train: score each shrinkage on the batch before learning it, then add the batch."""
-        self.hits += self.prequential_hits(h, y)
-        super().update(h, y)
+    def update(self, h: torch.Tensor, y: torch.Tensor, sign: float = 1.0) -> None:
+        """Test-then-train: score each shrinkage on the batch before learning it, then add the batch (a batch taken
+        out, ``sign`` -1, is not scored)."""
+        if sign > 0:
+            self.hits += self.prequential_hits(h, y)
+        super().update(h, y, sign)
+
+    @torch.no_grad()
+    def assign(self, counts: torch.Tensor, sums: torch.Tensor, second: torch.Tensor, hits: torch.Tensor) -> None:
+        """The statistics of ``ClassStatistics.assign``, and the prequential hits when given (empty: kept)."""
+        super().assign(counts, sums, second, hits)
+        if hits.numel():
+            self.hits.copy_(hits)
 
     @torch.no_grad()
     def prequential_hits(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
