@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from mepo_stream.alignment import AlignMode
 from mepo_stream.backbone import normalization
+from mepo_stream.heads import ClassStatistics
 from mepo_stream.label_statistics import LabelStatistics
 from mepo_stream.methods.base import ContinualMethod, Encoded
 from mepo_stream.precision import Precision, autocast
@@ -112,8 +113,8 @@ class OnlineLearner:
         self.cfg, self.method = cfg, model
         self.n_classes, self.device, self.dtype = model.n_classes, model.device, model.dtype
         self.train_tf: Transform = train_transform(model.input_size, *normalization(model.backbone), cfg.autoaugment)
-        fused = {"fused": True} if self.device.type == "cuda" else {}
-        self.optimizer = torch.optim.Adam(model.param_groups(cfg.lr), lr=cfg.lr, **fused)
+        self.optimizer = torch.optim.Adam(model.param_groups(cfg.lr), lr=cfg.lr,
+                                          fused=True if self.device.type == "cuda" else None)
         self.encoder_trains = any(p.requires_grad for n, p in model.named_parameters() if not n.startswith("head."))
         self.trains_by_gradient = cfg.classifier == "linear" or self.encoder_trains
         self.exposed: list[int] = []  # original label of head output k
@@ -135,6 +136,13 @@ class OnlineLearner:
                     "use a bundle without Sigma_pre")
         return None
 
+    @property
+    def _classifier(self) -> ClassStatistics:
+        """The statistics classifier, on the paths that only a learner with one takes."""
+        classifier = self.method.classifier
+        assert isinstance(classifier, ClassStatistics), "a statistics classifier (NCM or streaming LDA) is attached"
+        return classifier
+
     def statistics_step(self, images: torch.Tensor, labels: torch.Tensor, encoded: Encoded | None = None
                         ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """Test-then-train of a mergeable learner without folding the batch into its model: the prediction of
@@ -147,19 +155,19 @@ class OnlineLearner:
         self._register(labels)
         h = self.method.aligned(encoded, "running")  # [B, D]
         target = self._targets(labels, h.device)  # [B]
-        return pred, h, self.method.classifier.prequential_hits(h, target)
+        return pred, h, self._classifier.prequential_hits(h, target)
 
     def load_statistics(self, stats: LabelStatistics) -> None:
         """Make the classifier the model of ``stats`` (label-indexed sums); labels new to this learner get head
         outputs in label order."""
         self._register(torch.nonzero(stats.counts).flatten())
         counts, sums = stats.head_order(self.exposed)
-        self.method.classifier.assign(counts, sums, stats.second, stats.hits)
+        self._classifier.assign(counts, sums, stats.second, stats.hits)
         self.samples_seen = stats.samples
 
     def statistics(self) -> LabelStatistics:
         """The classifier's sums, label-indexed (the inverse of ``load_statistics``)."""
-        c = self.method.classifier
+        c = self._classifier
         return LabelStatistics.from_head_order(c.counts, c.sums, c.second, getattr(c, "hits", torch.zeros(0)),
                                                self.exposed)
 
@@ -203,7 +211,7 @@ class OnlineLearner:
         images = images.to(self.device, non_blocking=True)
         loss = self._gradient_steps(images, target) if self.trains_by_gradient else 0.0
         if self.method.classifier is not None:
-            self._update_statistics(images, target, encoded)
+            self._update_statistics(target, self.encode(images) if encoded is None else encoded)
         self.samples_seen += len(labels)
         return loss
 
@@ -220,8 +228,7 @@ class OnlineLearner:
         if not self.learns_from_features:
             raise ValueError("this learner trains by gradient: it needs the images, not their features")
         self._register(labels)
-        target, encoded = self._targets(labels), self._as_encoded(features)
-        self._update_statistics(None, target, encoded)
+        self._update_statistics(self._targets(labels), self._as_encoded(features))
         self.samples_seen += len(labels)
 
     @property
@@ -236,14 +243,14 @@ class OnlineLearner:
         model: afterwards it is the model of a learner that never saw them. A class left with no sample is no longer
         predicted. ``samples_seen`` keeps counting what was learned (the evaluation schedule follows it)."""
         h, target = self._correctable(features, labels)
-        self.method.classifier.remove(h, target)
+        self._classifier.remove(h, target)
 
     def relabel_features(self, features: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> None:
         """Samples learned with labels ``old`` [B] (from these features [B, D]) were labelled wrong: the model of a
         learner that learned them with ``new`` [B] (their prequential scores stay as they were)."""
         h, before = self._correctable(features, old)
         self._register(new)
-        self.method.classifier.move(h, before, self._targets(new, h.device))
+        self._classifier.move(h, before, self._targets(new, h.device))
 
     def _correctable(self, features: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The classifier's inputs [B, D] and head-order labels [B] of samples this learner learned."""
@@ -294,14 +301,12 @@ class OnlineLearner:
         return torch.stack(losses).mean().item()
 
     @torch.no_grad()
-    def _update_statistics(self, images: torch.Tensor, target: torch.Tensor, encoded: Encoded | None) -> None:
-        """Fold the un-augmented batch's features (as predictions see them) into the classifier."""
-        if encoded is None:
-            encoded = self.encode(images)
+    def _update_statistics(self, target: torch.Tensor, encoded: Encoded) -> None:
+        """Fold the un-augmented batch's encoding (as predictions see it) into the classifier."""
         alignment = self.method.alignment
         if alignment is not None and not self.trains_by_gradient:  # nothing else feeds its running statistics
             alignment.update_running(encoded.feature)
-        self.method.classifier.update(self.method.aligned(encoded, "running"), target)
+        self._classifier.update(self.method.aligned(encoded, "running"), target)
 
     def state_dict(self) -> dict:
         """Everything the learner changes: trainable tensors (the backbone only if it trains), optimizer, labels."""
