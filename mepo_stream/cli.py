@@ -25,17 +25,14 @@ import sys
 import textwrap
 import typing
 from collections.abc import Callable
-from contextvars import ContextVar
 from importlib.metadata import entry_points
 from pathlib import Path
 
 from mepo_stream.errors import ConfigError
+from mepo_stream.recipes import mark_given
 from mepo_stream.shutdown import Stopped, stop_signals
 
 COMMANDS_GROUP = "mepo.commands"
-TYPED: ContextVar[frozenset[str]] = ContextVar("TYPED", default=frozenset())
-"""The options typed on the running command's line (``loop.head`` for ``--loop.head``), for a command that layers
-defaults of its own under them (``mepo refine --preset``: what the user typed wins, even at its default value)."""
 
 
 EXTRAS = {"server": "server", "producers": "kafka"}
@@ -160,17 +157,18 @@ def _brief(tree: dict, argv: list[str]) -> tuple[set[str], str, str] | None:
     return set(vars(node).get("__annotations__", {})), " ".join(["mepo", *path]), names[parent]
 
 
-def _flatten(tree: dict, runners: dict[type, Callable]) -> dict:
+def _flatten(tree: dict, runners: dict[type, Callable], typed: frozenset[str] = frozenset()) -> dict:
     """Replace each config-taking command by its dataclass (jsonargparse then parses the fields as top-level
-    options and returns the instance); ``runners`` maps the dataclass back to the command."""
+    options and returns the instance); ``runners`` maps the dataclass back to the command. Other commands get
+    their config arguments marked with the ``typed`` options (``marking_typed``)."""
     out = {}
     for name, node in tree.items():
         if isinstance(node, dict):
-            out[name] = _flatten(node, runners)
+            out[name] = _flatten(node, runners, typed)
         elif callable(node) and (config := config_of(node)) is not None:
             runners[config], out[name] = node, config
         else:
-            out[name] = node
+            out[name] = marking_typed(node, typed) if callable(node) else node
     return out
 
 
@@ -205,16 +203,18 @@ def typed_options(argv: list[str]) -> frozenset[str]:
     return frozenset(m.group(1) for a in argv if (m := re.match(r"^--([^=]+)", a)))
 
 
-def typed(prefix: str) -> frozenset[str]:
-    """The fields of option group ``prefix`` typed on the running command's line (empty outside the CLI).
-
-    Example:
-        >>> token = TYPED.set(frozenset({"loop.head", "loop.lr_head", "out"}))
-        >>> sorted(typed("loop"))
-        ['head', 'lr_head']
-        >>> TYPED.reset(token)
-    """
-    return frozenset(name.removeprefix(f"{prefix}.") for name in TYPED.get() if name.startswith(f"{prefix}."))
+def marking_typed(command: Callable, typed: frozenset[str]) -> Callable:
+    """``command``, its config arguments marked with the options typed for them (``mepo_stream.recipes.mark_given``),
+    so a recipe it layers under them (``mepo refine --preset``) keeps what the user typed, as it keeps what a
+    Python caller passed."""
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        for name, value in kwargs.items():
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                mark_given(value, {"" if t == name else t.removeprefix(f"{name}.") for t in typed
+                                   if t == name or t.startswith(f"{name}.")})
+        return command(*args, **kwargs)
+    return run
 
 
 def _underscore_options(argv: list[str]) -> list[str]:
@@ -253,8 +253,7 @@ def main(argv: list[str] | None = None) -> None:
             reason := missing.get(asked) or missing.get(asked[:1])):
         print(f"mepo: error: {reason}", file=sys.stderr)
         raise SystemExit(2)
-    token = TYPED.set(typed_options(args))
-    tree = _flatten(available, runners)
+    tree = _flatten(available, runners, typed_options(args))
     cli = functools.partial(CLI, tree, args=args, as_positional=False, prog="mepo",
                             description="MePo streaming continual learner: refine, evaluate, serve.")
     if {"-h", "--help"} & set(args) and (brief := _brief(tree, args)) is not None:
@@ -274,8 +273,6 @@ def main(argv: list[str] | None = None) -> None:
     except Stopped as stop:  # stopped before its work was done; its cleanup has run
         print(f"mepo: stopped by {stop.name}", file=sys.stderr)
         raise SystemExit(stop.exit_code) from None
-    finally:
-        TYPED.reset(token)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
+from mepo_stream.recipes import tracks_given
 
+
+@tracks_given
 @dataclass(frozen=True)
 class PseudoTaskConfig:
     """How pseudo task sequences are drawn from the pretraining data."""

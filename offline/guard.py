@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from timm.models.vision_transformer import VisionTransformer
@@ -50,7 +50,7 @@ class HeldOutProbe:
     @classmethod
     def load(cls, data: DataConfig, cfg: GuardConfig) -> HeldOutProbe:
         """The test split of the refine's data, ``cfg.per_class`` images per class, alternately to fit and score."""
-        images = load_split(DataConfig(**{**data.__dict__, "test_per_class": cfg.per_class}), "test")
+        images = load_split(replace(data, test_per_class=cfg.per_class), "test")
         rank = torch.zeros_like(images.targets)
         for c in images.targets.unique():
             idx = (images.targets == c).nonzero().squeeze(1)

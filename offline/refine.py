@@ -10,7 +10,7 @@ Two modes over the same images and steps (``--loop.mode``):
   outer loop = one SGD pass over the group's held-out joint samples (test transform), then the Reptile update
   theta <- theta0 + eps (theta_hat - theta0) over backbone *and* meta head. Logits are restricted to the
   group's classes by multiplying the others by 0 (the reference) unless ``mask`` says otherwise.
-  ``--loop mepo_stream/recipes/refine_paper.yaml`` is the reference's recipe as it is (stem trained too).
+  ``--preset paper`` is the reference's recipe as it is (stem trained too).
 
 Both: one SGD optimizer (momentum 0.9; backbone and head learning rates), created once and, as in the reference,
 never reset unless ``reset_optimizer``. Deliberate departures from the reference: the stem (``patch_embed``) is
@@ -36,7 +36,7 @@ result matches a single process with the same global batch up to float summation
 
 Example:
     mepo refine --out runs/refined --backbone.img_size 84 --loop.meta_epochs 3
-    mepo refine --out runs/meta_rep --loop mepo_stream/recipes/refine_paper.yaml
+    mepo refine --out runs/meta_rep --preset paper
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ from tqdm import tqdm
 from mepo_stream.artifacts import BACKBONE, SIGMA_PRE, library_versions, write_bundle
 from mepo_stream.backbone import BackboneConfig, cls_feature, create_backbone, device, normalization, provenance
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
-from mepo_stream.cli import typed
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.errors import ConfigError
 from mepo_stream.meta import (
@@ -75,18 +74,20 @@ from mepo_stream.meta import (
 from mepo_stream.methods import MethodsConfig
 from mepo_stream.precision import Precision, autocast, resolve_precision
 from mepo_stream.pseudo_tasks import GroupPlan, PseudoTaskConfig, meta_epoch_plan, shuffled_batches
+from mepo_stream.recipes import build, tracks_given
 from mepo_stream.shutdown import StopRequest, deferred_stop
 from mepo_stream.transforms import RandomResizedCropFlip, Transform, test_transform, train_transform
 from offline.covariance import CovarianceConfig, sigma_pre
 from offline.guard import Guard, GuardConfig, HeldOutProbe
 from offline.isa import ISAConfig, add_prompts
 from offline.optim import Optimizer, Schedule, create_optimizer, lr_factor, param_groups, set_lr
-from offline.presets import BUDGET, PRESETS, PresetName, apply_preset
+from offline.presets import PresetName, apply_preset, recipe
 
 log = logging.getLogger(__name__)
 HeadKind = Literal["mlp", "cosine"]
 
 
+@tracks_given
 @dataclass(frozen=True)
 class RefineConfig:
     """The refine loop (defaults: the reference code's settings, except the mode and the frozen stem)."""
@@ -165,8 +166,8 @@ class RefineConfig:
     --learner.precision) is refused: the refine trains the backbone, and quantised layers cannot be trained."""
 
 
-PAPER_REFINE = RefineConfig(mode="meta", freeze=())
-"""The reference's Meta Rep as it runs: every parameter trainable (``mepo_stream/recipes/refine_paper.yaml``)."""
+PAPER_REFINE = build(RefineConfig, recipe("paper")["loop"])
+"""The reference's Meta Rep as it runs, every parameter trainable (``--preset paper``)."""
 
 
 @dataclass(frozen=True)
@@ -487,12 +488,12 @@ def refine(
             of three refine seeds): demo (2.5 minutes of training; at 16,000 images, 2.0 min on 2 cores: 53.9 /
             79.6 %), balanced (50,000 images, 5.8 min on 2 cores: 59.4 / 84.7 %), best (100,000 images, 10.7 min
             on 2 cores: 62.5 / 85.8 %), paper (the reference code's Meta Rep).
-            The options typed on the command line win over it, even at their default value; a budget typed
-            (--loop.meta_epochs, --loop.steps or --loop.minutes) replaces the preset's.
+            The fields given (typed on the command line, or passed to RefineConfig or PseudoTaskConfig from
+            Python) win over it, even at their default value; a budget given (--loop.meta_epochs, --loop.steps or
+            --loop.minutes) replaces the preset's.
     """
     if preset is not None:
-        loop = apply_preset(loop, PRESETS[preset].loop, RefineConfig(), typed("loop"), BUDGET)
-        tasks = apply_preset(tasks, PRESETS[preset].tasks, PseudoTaskConfig(), typed("tasks"))
+        loop, tasks = apply_preset(preset, loop, tasks)
         log.info("preset %s: %s; %s", preset, loop, tasks)
     check_budget(loop)
     if loop.precision == "int8":

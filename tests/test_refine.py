@@ -175,10 +175,11 @@ def test_the_guard_fires_when_the_patch_embedding_is_pushed(tmp_path, caplog):
 
 
 def test_the_paper_recipe_file_is_the_reference_meta_rep(tmp_path):
-    """``--loop mepo_stream/recipes/refine_paper.yaml`` gives PAPER_REFINE: Meta Rep with nothing frozen."""
+    """``--config mepo_stream/recipes/refine_paper.yaml`` (the file behind ``--preset paper``) gives PAPER_REFINE:
+    Meta Rep with nothing frozen."""
     recipe = Path(__file__).parents[1] / "mepo_stream" / "recipes" / "refine_paper.yaml"
     result = subprocess.run([sys.executable, "-m", "mepo_stream.cli", "refine", "--out", str(tmp_path),
-                             "--loop", str(recipe), "--print_config"], capture_output=True, text=True, check=True)
+                             "--config", str(recipe), "--print_config"], capture_output=True, text=True, check=True)
     printed = yaml.safe_load(result.stdout)["loop"]
     assert RefineConfig(**{**printed, "freeze": tuple(printed["freeze"])}) == PAPER_REFINE
-    assert PAPER_REFINE.mode == "meta" and PAPER_REFINE.freeze == ()
+    assert PAPER_REFINE.mode == "meta" and PAPER_REFINE.freeze == () and PAPER_REFINE.head == "mlp"

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from benchmarks.refine_frontier import recipe, refine_seed_groups
+from benchmarks.experiments.refine_frontier import recipe, refine_seed_groups
 from mepo_stream.artifacts import load_part, read_manifest
 from mepo_stream.backbone import BackboneConfig, create_backbone
 from mepo_stream.cli import main
@@ -17,10 +17,12 @@ from mepo_stream.data import load_split
 from mepo_stream.errors import ConfigError
 from mepo_stream.meta import CosineHead
 from mepo_stream.pseudo_tasks import PseudoTaskConfig
+from mepo_stream.recipes import given, layer
 from mepo_stream.shutdown import Stopped
 from mepo_stream.transforms import RandomResizedCropFlip
 from offline.optim import create_optimizer, layer_scales, param_groups
-from offline.presets import BUDGET, PRESETS, apply_preset
+from offline.presets import PRESETS, apply_preset
+from offline.presets import recipe as preset_recipe
 from offline.refine import Distributed, ISAStage, MetaModel, RefineConfig, Trainer, checkpoint_path, refine
 from tests.helpers import ROOT, TINY
 from tests.test_refine import CLI_ARGS, DATA, GUARD, NO_COV, TASKS, initial_backbone, run_refine
@@ -132,17 +134,18 @@ def test_a_cosine_head_trains_the_backbone_and_stays_out_of_the_bundle(tmp_path)
         MetaModel(trainer.model.backbone, 3, "linear")
 
 
-def test_a_preset_sets_what_the_user_left_at_its_default(tmp_path):
-    loop = apply_preset(RefineConfig(lr_backbone=3e-4, train_img_size=32), PRESETS["demo"].loop, RefineConfig())
+def test_a_preset_sets_what_the_caller_did_not_give(tmp_path):
+    loop, _ = apply_preset("demo", RefineConfig(lr_backbone=3e-4, train_img_size=32), PseudoTaskConfig())
     assert (loop.optimizer, loop.schedule, loop.lr_backbone, loop.train_img_size) == ("adamw", "cosine", 3e-4, 32)
-    assert apply_preset(PseudoTaskConfig(), PRESETS["best"].tasks, PseudoTaskConfig()).samples_per_class == 250
-    paper = apply_preset(RefineConfig(), PRESETS["paper"].loop, RefineConfig())
+    assert apply_preset("best", RefineConfig(), PseudoTaskConfig())[1].samples_per_class == 250
+    paper, _ = apply_preset("paper", RefineConfig(), PseudoTaskConfig())
     assert (paper.mode, paper.freeze, paper.optimizer, paper.head) == ("meta", (), "sgd", "mlp")
-    heads = {typed: apply_preset(RefineConfig(), PRESETS["best"].loop, RefineConfig(), frozenset(typed)).head
-             for typed in ((), ("head",))}
-    assert heads == {(): "cosine", ("head",): "mlp"}  # the reference's head stays one typed option away
+    heads = {h: apply_preset("best", RefineConfig() if h is None else RefineConfig(head=h), TASKS)[0].head
+             for h in (None, "mlp")}
+    assert heads == {None: "cosine", "mlp": "mlp"}  # the reference's head, given at its default, stays
+    assert given(RefineConfig(head="mlp")) == {"head"} and given(replace(RefineConfig(), head="mlp")) >= {"mode"}
     with pytest.raises(ValueError, match="unknown fields"):
-        apply_preset(RefineConfig(), {"lr": 1.0}, RefineConfig())
+        layer(RefineConfig(), {"lr": 1.0})
     out = refine(tmp_path / "p", backbone=TINY, data=DATA, tasks=replace(TASKS, samples_per_class=5),
                  loop=RefineConfig(train_img_size=16, batch_size=16, inner_epochs=2, steps=3), guard=GUARD,
                  cov=NO_COV, adapt=ISAStage(skip=True), preset="demo")
@@ -151,6 +154,35 @@ def test_a_preset_sets_what_the_user_left_at_its_default(tmp_path):
     assert manifest["refine"]["optimizer"] == "adamw" and manifest["refine"]["inner_epochs"] == 2
     assert manifest["pseudo_tasks"]["samples_per_class"] == 5
     assert (manifest["refine"]["steps"], manifest["refine"]["minutes"]) == (3, None)  # the user's budget, alone
+
+
+def test_from_python_a_preset_gives_the_same_refine_as_on_the_command_line(tmp_path):
+    """``refine(preset="best", ...)`` and ``mepo refine --preset best ...`` with the same options given (one of them
+    at its default, which the preset changes): the same recipe, the same bundle."""
+    options = {"head": "mlp", "train_img_size": 16, "batch_size": 16, "steps": 2, "precision": "fp32"}
+    main(["refine", "--preset", "best", "--out", str(tmp_path / "cli"), *CLI_ARGS,
+          *[a for k, v in options.items() for a in (f"--loop.{k}", str(v))]])
+    cli_tasks = PseudoTaskConfig(classes_per_group=20, n_tasks=4, samples_per_class=4, val_ratio=0.25)
+    python = refine(tmp_path / "py", backbone=TINY, data=DATA, tasks=cli_tasks, guard=GUARD,
+                    loop=RefineConfig(meta_epochs=1, inner_epochs=1, **options), cov=NO_COV,
+                    adapt=ISAStage(skip=True), preset="best")
+    ran = {name: read_manifest(out) for name, out in (("cli", tmp_path / "cli"), ("python", python))}
+    for part in ("refine", "pseudo_tasks", "preset"):
+        assert ran["cli"][part] == ran["python"][part]
+    assert (ran["python"]["refine"]["head"], ran["python"]["refine"]["optimizer"]) == ("mlp", "adamw")
+    a, b = load_part(tmp_path / "cli", "backbone"), load_part(python, "backbone")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_each_presets_values_live_in_its_recipe_files_alone():
+    """Balanced and demo are best's recipe with another budget (and demo fewer images): a later file's budget
+    replaces the earlier one's whole."""
+    best, demo = preset_recipe("best"), preset_recipe("demo")
+    assert {k: v for k, v in demo["loop"].items() if k != "minutes"} == {
+        k: v for k, v in best["loop"].items() if k != "meta_epochs"}
+    assert (demo["loop"]["minutes"], best["loop"]["meta_epochs"], preset_recipe("balanced")["loop"]["meta_epochs"]) \
+        == (2.5, 4, 2)
+    assert set(PRESETS) == {"demo", "balanced", "best", "paper"}
 
 
 def test_a_budget_in_minutes_is_repeated_exactly_by_the_steps_it_bought(tmp_path, caplog):
@@ -187,14 +219,13 @@ def test_a_budget_the_loop_cannot_keep_is_refused(tmp_path, loop, message):
 
 
 def test_the_demo_presets_budget_is_minutes_unless_the_user_gives_one():
-    given = {"none": RefineConfig(), "passes": RefineConfig(meta_epochs=1), "steps": RefineConfig(steps=7)}
-    budgets = {name: apply_preset(loop, PRESETS["demo"].loop, RefineConfig(), together=BUDGET)
-               for name, loop in given.items()}
-    assert budgets["none"].minutes == PRESETS["demo"].loop["minutes"]
+    given_loops = {"none": RefineConfig(), "passes": RefineConfig(meta_epochs=1), "steps": RefineConfig(steps=7),
+                   "default": RefineConfig(meta_epochs=5)}
+    budgets = {name: apply_preset("demo", loop, PseudoTaskConfig())[0] for name, loop in given_loops.items()}
+    assert budgets["none"].minutes == preset_recipe("demo")["loop"]["minutes"]
     assert (budgets["passes"].meta_epochs, budgets["passes"].minutes) == (1, None)
     assert (budgets["steps"].steps, budgets["steps"].minutes) == (7, None)
-    typed = apply_preset(RefineConfig(), PRESETS["demo"].loop, RefineConfig(), frozenset({"meta_epochs"}), BUDGET)
-    assert typed.minutes is None  # --preset demo --loop.meta_epochs 5: five passes, as typed
+    assert budgets["default"].minutes is None  # --preset demo --loop.meta_epochs 5: five passes, as given
 
 
 def test_on_the_command_line_a_typed_option_wins_over_the_preset_even_at_its_default(tmp_path):
@@ -220,8 +251,8 @@ def test_the_presets_help_quotes_the_measured_frontier():
     for name, key in {"demo": ("cosine_demo", 1), "balanced": ("cosine", 2), "best": ("cosine", 4)}.items():
         g = pooled[key]
         assert len(g["arms"]) == 3
-        images = key[1] * 100 * PRESETS[name].tasks["samples_per_class"]
-        minutes = PRESETS[name].loop.get("minutes")  # a budget in minutes: the frontier measured its recipe at 1 pass
+        images = key[1] * 100 * preset_recipe(name)["tasks"]["samples_per_class"]
+        minutes = preset_recipe(name)["loop"].get("minutes")  # minutes: the frontier measured 1 pass
         budget = "" if minutes is None else f"{minutes:g} minutes of training; at "
         claim = (f"{name} ({budget}{images:,} images, {g['minutes']:.1f} min on {cores} cores: "
                  f"{100 * g['T']['a_last'][0]:.1f} / {100 * g['C']['a_last'][0]:.1f} %)")
