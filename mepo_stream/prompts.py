@@ -12,7 +12,8 @@
 from __future__ import annotations
 
 import torch
-from timm.models.vision_transformer import VisionTransformer
+from timm.layers import Attention
+from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 
@@ -31,6 +32,7 @@ class PromptPool(nn.Module):
 
     def similarity(self, query: torch.Tensor) -> torch.Tensor:
         """Cosine similarity of queries [B, D] to every key: [B, pool]."""
+        assert self.keys is not None, "only a keyed pool matches queries"
         return nn.functional.normalize(query, dim=-1) @ nn.functional.normalize(self.keys, dim=-1).T
 
     def layer_prompts(self, index: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -48,7 +50,7 @@ def prompted_forward(vit: VisionTransformer, x: torch.Tensor, prompts: dict[int,
     """Token features [B, N, D] after the final norm, with prompt tuning at the layers in ``prompts``."""
     tokens = embed(vit, x)  # [B, N, D]
     n_tokens = tokens.shape[1]
-    prompt_pos = 0.0 if vit.no_embed_class else vit.pos_embed[:, :1]  # the CLS position, [1, 1, D]
+    prompt_pos = 0.0 if vit.no_embed_class or vit.pos_embed is None else vit.pos_embed[:, :1]  # CLS position [1, 1, D]
     for i, block in enumerate(vit.blocks):
         if i in prompts:
             tokens = torch.cat([tokens, prompts[i] + prompt_pos], dim=1)  # [B, N + L, D]
@@ -56,9 +58,10 @@ def prompted_forward(vit: VisionTransformer, x: torch.Tensor, prompts: dict[int,
     return vit.norm(tokens)
 
 
-def prefix_attention(attn: nn.Module, x: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor) -> torch.Tensor:
+def prefix_attention(attn: Attention, x: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor
+                     ) -> torch.Tensor:
     """timm ``Attention`` with learned keys/values [B, L, D] prepended after the qkv projection (prefix tuning)."""
-    if getattr(attn, "gate", None) is not None:
+    if getattr(attn, "gate", None) is not None:  # an older timm's Attention has no gate
         raise NotImplementedError("prefix tuning of gated attention")
     b, n, _ = x.shape
     qkv = attn.qkv(x).reshape(b, n, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
@@ -83,6 +86,8 @@ def prefix_forward(vit: VisionTransformer, x: torch.Tensor, prefixes: dict[int, 
         if i not in prefixes:
             tokens = block(tokens)
             continue
+        if not isinstance(block, Block) or not isinstance(block.attn, Attention):
+            raise NotImplementedError(f"prefix tuning of a {type(block).__name__}: timm's pre-norm Block only")
         attn_out = prefix_attention(block.attn, block.norm1(tokens), *prefixes[i])
         tokens = tokens + block.drop_path1(block.ls1(attn_out))
         tokens = tokens + block.drop_path2(block.ls2(block.mlp(block.norm2(tokens))))
