@@ -44,6 +44,7 @@ from mepo_stream.heads import ClassStatistics
 from mepo_stream.label_statistics import LabelStatistics
 from mepo_stream.methods.base import ContinualMethod, Encoded
 from mepo_stream.precision import Precision, autocast
+from mepo_stream.recipes import build, load
 from mepo_stream.transforms import Transform, train_transform
 
 
@@ -94,15 +95,15 @@ class LearnerConfig:
     """AutoAugment policy of the training augmentation (imagenet, cifar10, svhn) or null for none."""
 
 
-PAPER_RECIPE = LearnerConfig(classifier="linear", train_mask="batch", eval_mask="none", standardize=False)
-"""The reference's MISA + MePo setting: SGD-trained linear head, batch-present mask, no mask at evaluation."""
+PAPER_RECIPE = build(LearnerConfig, load("paper"))
+"""The reference's MISA + MePo setting (``--learner mepo_stream/recipes/paper.yaml``): SGD-trained linear head,
+batch-present mask, no mask at evaluation."""
 
-PAPER_LDA_RECIPE = LearnerConfig(classifier="slda", train_mask="batch", eval_mask="seen", standardize=False,
-                                 train_encoder=True, lr=1e-3)
+PAPER_LDA_RECIPE = build(LearnerConfig, load("paper_lda"))
 """``PAPER_RECIPE``'s training step (MISA's prompts, keys and linear head trained by the same aligned Adam updates)
 at a smaller step, predicting by streaming LDA on the aligned feature over the classes seen: it does not collapse
 where ``PAPER_RECIPE`` does (docs/fidelity.md, "What keeps the recipe from collapsing"). The smaller step keeps the
-LDA's statistics of earlier prompts' features from going stale."""
+LDA's statistics of earlier prompts' features from going stale (``--learner mepo_stream/recipes/paper_lda.yaml``)."""
 
 
 class OnlineLearner:
