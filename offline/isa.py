@@ -46,7 +46,7 @@ from mepo_stream.backbone import BackboneConfig, device, normalization, provenan
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.fam import FAM
 from mepo_stream.learner import LearnerConfig
-from mepo_stream.methods import METHODS, MethodsConfig
+from mepo_stream.methods import METHODS, MISA, MethodsConfig
 from mepo_stream.methods.base import ContinualMethod, PromptHost
 from mepo_stream.model import BundleParts, ModelConfig, backbone_config, create_model
 from mepo_stream.transforms import AUTOAUGMENT_POLICIES, Transform, train_transform
@@ -112,7 +112,7 @@ class ResidualProjector(nn.Module):
 
 
 def prompt_hosts() -> list[str]:
-    return sorted(name for name, (cls, _) in METHODS.items() if issubclass(cls, PromptHost))
+    return sorted(name for name, (cls, _) in METHODS.items() if isinstance(cls, type) and issubclass(cls, PromptHost))
 
 
 def build_host(n_classes: int, cfg: ISAConfig, method: str, method_config: MethodsConfig, backbone: BackboneConfig,
@@ -126,6 +126,7 @@ def build_host(n_classes: int, cfg: ISAConfig, method: str, method_config: Metho
                         learner=LearnerConfig(classifier="linear", precision="fp32"), seed=cfg.seed)
     host = create_model(model, n_classes, device())
     if cfg.e_proj:  # host.e_prompt.prompts now reads p + MLP(p); the MLP trains along with p
+        assert isinstance(host, MISA), "every prompt host is a MISA, with its e-prompt pool"
         projector = ResidualProjector(host.backbone.num_features).to(host.device)
         parametrize.register_parametrization(host.e_prompt, "prompts", projector)
     return host
@@ -248,6 +249,7 @@ def warm_prompts(host: ContinualMethod, images: ImageSet, cfg: ISAConfig) -> ISA
                 bar.set_postfix(task=f"{t + 1}/{len(orders)}", loss=f"{loss:.3f}", pool=f"{pool_loss:.3f}")
                 log.info("ISA task %d/%d epoch %d: loss %.4f, pool loss %.4f", t + 1, len(orders), epoch, loss,
                          pool_loss)
+    assert isinstance(host, PromptHost), "build_host makes prompt hosts only"
     prompts = {k: v.detach().cpu().clone() for k, v in host.initial_prompts().items()}
     return ISAResult(prompts, history, steps, total, time.time() - start)
 
