@@ -60,4 +60,4 @@ docs: setup
 mutate: setup
 	$(BIN)/pip install -q -e '.[test,mutate]' -c constraints.txt
 	$(BIN)/mutmut run --max-children $$(nproc)
-	$(BIN)/python -m benchmarks.mutation_report
+	$(BIN)/python -m benchmarks.tools.mutation_report

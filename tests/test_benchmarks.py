@@ -25,7 +25,7 @@ from benchmarks.run_all import (
     table,
     update_page,
 )
-from benchmarks.service import ServiceSpec
+from benchmarks.tools.service import ServiceSpec
 from mepo_stream.precision import resolve_precision
 
 ROOT = Path(__file__).parents[1]
@@ -33,7 +33,7 @@ TINY = ["--model", "test_vit", "--weights", "null", "--img_size", "32"]
 
 
 def _run(module: str, *args: str, env: dict[str, str] | None = None) -> str:
-    return subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], check=True, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", module, *args], check=True, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, capture_output=True,
                           text=True).stdout
 
@@ -78,7 +78,7 @@ def test_run_all_smoke_writes_every_result_and_the_performance_table(tmp_path):
     _results_with_committed(tmp_path / "results", TWO_CORES + OWN_SMOKE)
     kept = _results(tmp_path / "results")
     only = ",".join(b for b in ALL if b not in TWO_CORES + OWN_SMOKE)
-    out = _run("run_all", "--quick", "true", "--gpu", "false", *TINY, "--results", str(tmp_path / "results"),
+    out = _run("benchmarks.run_all", "--quick", "true", "--gpu", "false", *TINY, "--results", str(tmp_path / "results"),
                "--page", str(readme), "--only", only, "--fresh_processes", "false",  # one process for them all
                env={"CUDA_VISIBLE_DEVICES": ""})  # the CPU rows, CUDA or not (the GPU rows test: fresh processes)
     assert "GPU rows skipped" in out
@@ -128,7 +128,7 @@ def test_run_all_smoke_writes_every_result_and_the_performance_table(tmp_path):
 def test_two_core_benchmarks_smoke(tmp_path):
     """replica_latency and scale_out at their smallest sizes (scale_out's stream: 2,000 images, so that the
     second learner joins before the stream is learned)."""
-    _run("run_all", "--quick", "true", "--gpu", "false", *TINY, "--results", str(tmp_path / "results"),
+    _run("benchmarks.run_all", "--quick", "true", "--gpu", "false", *TINY, "--results", str(tmp_path / "results"),
          "--page", "null", "--only", ",".join(TWO_CORES))
     results = _results(tmp_path / "results")
     assert set(results) == set(TWO_CORES) and all(math.isfinite(n) for r in results.values() for n in _numbers(r))
@@ -154,7 +154,7 @@ def test_learner_throughput_measures_every_configuration_against_its_own_bare_lo
     """Each configuration's service (a stand-in here: the smoke runs start the real one for the first
     configuration) between two runs of its own bare loop, which really runs: the model, method, classifier,
     precision and test-then-train of the configuration. bf16 with the GPU rows' configurations: the GPU rows."""
-    import benchmarks.learner_throughput as throughput
+    import benchmarks.rows.learner_throughput as throughput
 
     served = []
 
@@ -185,8 +185,8 @@ def test_learner_throughput_measures_every_configuration_against_its_own_bare_lo
 
 def test_scale_out_same_model_finds_the_sums_of_two_parts_the_whole_and_predicts_identically():
     """scale_out's exactness check (``same_model``) on one learner's sums against two halves' summed, in-process."""
-    from benchmarks.scale_out import add_cost_per_element, on_paper, same_model
-    from benchmarks.service import bare_learner
+    from benchmarks.rows.scale_out import add_cost_per_element, on_paper, same_model
+    from benchmarks.tools.service import bare_learner
     from mepo_stream.data import list_files, load_split
     from mepo_stream.label_statistics import LabelStatistics
 
@@ -211,7 +211,7 @@ def test_scale_out_same_model_finds_the_sums_of_two_parts_the_whole_and_predicts
 
 def test_gpu_rows_smoke_on_the_cpu(tmp_path):
     """The GPU rows' functions at tiny sizes (on the CPU without CUDA): bf16 service and bare loop, bare ViT."""
-    _run("run_all", "--quick", "true", "--gpu", "true", "--only", "gpu_learner_bf16,gpu_vit_b16", *TINY,
+    _run("benchmarks.run_all", "--quick", "true", "--gpu", "true", "--only", "gpu_learner_bf16,gpu_vit_b16", *TINY,
          "--results", str(tmp_path / "results"), "--page", "null")
     results = _results(tmp_path / "results")
     assert set(results) == {"gpu_learner_bf16", "gpu_vit_b16"}
@@ -254,14 +254,14 @@ def test_every_job_passes_arguments_its_script_reads(name, tmp_path):
         assert parsed.spec.learner.precision == "bf16" and parsed.spec.method == "misa"
 
 
-def test_table_reads_results_from_before_devices_were_recorded():
-    """The committed results' table (they may predate the recorded device and dtype, and the GPU rows)."""
+def test_table_reads_every_committed_result():
+    """The committed results' table: each row script formats its results (the GPU rows may be missing)."""
     results = {name: r for name, r in _results(ROOT / "benchmarks" / "results").items()
                if name in ALL}
     text = table(results)
     rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert rows and all(line.count(" | ") == 6 for line in rows)
-    assert all(results[name]["machine"].get("dtype", "float32") in text for name in results)
+    assert all(f"{r['machine']['device_name']}, {r['machine']['dtype']} |" in text for r in results.values())
     assert ("GPU rows: not measured" in text) == (not set(GPU_BENCHMARKS) & set(results))
 
 
@@ -269,7 +269,7 @@ def test_table_reads_results_from_before_devices_were_recorded():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_rows_measure_on_the_gpu(tmp_path):
     """The GPU-only path: by default (CUDA present) the GPU rows run, each on the GPU in its own dtype."""
-    _run("run_all", "--quick", "true", *TINY, "--only", ",".join(GPU_BENCHMARKS), "--results",
+    _run("benchmarks.run_all", "--quick", "true", *TINY, "--only", ",".join(GPU_BENCHMARKS), "--results",
          str(tmp_path / "results"), "--page", "null")
     machines = {name: r["machine"] for name, r in _results(tmp_path / "results").items()}
     assert set(machines) == set(GPU_BENCHMARKS)
@@ -287,15 +287,15 @@ def test_a_page_without_markers_is_a_clear_error(tmp_path):
 
 def test_serve_report_smoke(tmp_path):
     out = tmp_path / "serve.json"
-    _run("serve_report", "--spec.train_per_class", "3", "--test_per_class", "2", "--spec.img_size", "32",
-         "--spec.model", "test_vit", "--spec.weights", "null", "--bad_copies", "1", "--eval_period", "16",
-         "--timeout", "300", "--work", str(tmp_path / "work"), "--out", str(out))
+    _run("benchmarks.experiments.serve_report", "--spec.train_per_class", "3", "--test_per_class", "2",
+         "--spec.img_size", "32", "--spec.model", "test_vit", "--spec.weights", "null", "--bad_copies", "1",
+         "--eval_period", "16", "--timeout", "300", "--work", str(tmp_path / "work"), "--out", str(out))
     report = json.loads(out.read_text())
     assert report["samples_learned"] == 30 and report["dead_lettered"] == report["bad_records_injected"] == 5
 
 
 def test_profile_summary_counts_only_the_learner_loop_and_the_model_threads_work_for_it():
-    from benchmarks.profile_summary import shares
+    from benchmarks.tools.profile_summary import shares
 
     raw = "\n".join([
         "_worker (concurrent/futures/thread.py:1);_learn (server/learner/state.py:3);encode (mepo_stream/x.py:4) 6",
@@ -313,7 +313,7 @@ def test_camera_streams_are_built_once_at_their_size_and_format_the_same_bytes_e
 
     from PIL import Image
 
-    from benchmarks.camera_streams import camera_folder
+    from benchmarks.tools.camera_streams import camera_folder
     from mepo_stream.data import DataConfig, list_files
 
     data = DataConfig(dataset="cifar10", num_classes=2, train_per_class=2, test_per_class=1)

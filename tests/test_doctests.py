@@ -1,6 +1,6 @@
 """The docstring examples of the packages outside pytest's ``testpaths`` (``offline``, ``producers``,
 ``benchmarks``): collecting those packages whole would also collect their ``test_*``-named helpers
-(``benchmarks.model_arithmetic.test_images``) as tests, so their examples run here, module by module: each
+(``benchmarks.rows.model_arithmetic.test_images``) as tests, so their examples run here, module by module: each
 module whose source has an example, and every example doctest finds in it must run and hold."""
 
 import doctest
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[1]
-MODULES = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts)
-                 for package in ("offline", "producers", "benchmarks") for p in (ROOT / package).glob("*.py")
+MODULES = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+                 for package in ("offline", "producers", "benchmarks") for p in (ROOT / package).rglob("*.py")
                  if ">>> " in p.read_text())
 
 

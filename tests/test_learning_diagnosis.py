@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from benchmarks.learning_diagnosis import features, main, predict_cached
+from benchmarks.experiments.learning_diagnosis import features, main, predict_cached
 from mepo_stream.anytime import stream_batches
 from mepo_stream.backbone import BackboneConfig
 from mepo_stream.data import DataConfig, load_split

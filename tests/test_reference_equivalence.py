@@ -1,7 +1,7 @@
-"""The reference-equivalence harness (benchmarks/reference_equivalence.py): its comparison machinery, the stand-in
-run on a tiny ViT (our side against a copy of itself, exact, and perturbed copies, each difference reported at the
-step it belongs to), and, when ``MEPO_REFERENCE_DIR`` names a SunGL001/MePo checkout, the run against the
-reference code itself (skipped in CI, which has neither the checkout nor the internet)."""
+"""The reference-equivalence harness (benchmarks/experiments/reference_equivalence.py): its comparison machinery, the
+stand-in run on a tiny ViT (our side against a copy of itself, exact, and perturbed copies, each difference reported at
+the step it belongs to), and, when ``MEPO_REFERENCE_DIR`` names a SunGL001/MePo checkout, the run against the reference
+code itself (skipped in CI, which has neither the checkout nor the internet)."""
 
 import json
 import os
@@ -10,10 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.equivalence.comparison import compare, compare_index, compare_updates, markdown_table, with_noise_floor
-from benchmarks.equivalence.reference import patched_refine_source
-from benchmarks.equivalence.settings import Perturbation, Settings
-from benchmarks.reference_equivalence import main, run
+from benchmarks.experiments.equivalence.comparison import (
+    compare,
+    compare_index,
+    compare_updates,
+    markdown_table,
+    with_noise_floor,
+)
+from benchmarks.experiments.equivalence.reference import patched_refine_source
+from benchmarks.experiments.equivalence.settings import Perturbation, Settings
+from benchmarks.experiments.reference_equivalence import main, run
 
 TINY = Settings(backbone="test_vit", img_size=32, batch_size=8, batch_classes=3, data="synthetic",
                 refine_classes=2, refine_tasks=2, refine_train_per_class=1, refine_query_per_class=1)

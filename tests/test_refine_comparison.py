@@ -3,7 +3,7 @@ and learner."""
 
 import json
 
-from benchmarks.refine_comparison_table import table, table1
+from benchmarks.tools.refine_comparison_table import table, table1
 
 
 def _run(variant: str, seed: int, a_last: float, method: str = "frozen") -> dict:

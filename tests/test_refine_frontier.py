@@ -1,5 +1,5 @@
-"""The refine frontier (``benchmarks/refine_frontier.py``): its smoke run end to end on test_vit (refines, both
-streams' evaluations, the result, the table between the page's markers, the plot), and its page handling."""
+"""The refine frontier (``benchmarks/experiments/refine_frontier.py``): its smoke run end to end on test_vit (refines,
+both streams' evaluations, the result, the table between the page's markers, the plot), and its page handling."""
 
 import json
 import math
@@ -10,7 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.refine_frontier import ARMS, BEGIN, END, STREAMS, Arm, parse_budgets, plan, table, update_page
+from benchmarks.experiments.refine_frontier import (
+    ARMS,
+    BEGIN,
+    END,
+    STREAMS,
+    Arm,
+    parse_budgets,
+    plan,
+    table,
+    update_page,
+)
 from mepo_stream.cli import parse
 from tests.helpers import mepo_commands
 
@@ -22,7 +32,7 @@ def test_quick_frontier_writes_every_point_the_table_and_the_plot(tmp_path):
     page, image, out = tmp_path / "docs" / "refine.md", tmp_path / "docs" / "img" / "frontier.png", tmp_path / "f.json"
     page.parent.mkdir()
     page.write_text(f"# Refine\n\nintro\n\n{BEGIN}\nold table\n{END}\n\nafter\n")
-    args = [sys.executable, "-m", "benchmarks.refine_frontier", "--quick", "true", "--arms", "cosine",
+    args = [sys.executable, "-m", "benchmarks.experiments.refine_frontier", "--quick", "true", "--arms", "cosine",
             "--budgets", "1", "--model", "test_vit", "--weights", "null", "--img_size", "32", "--runs",
             str(tmp_path / "runs"), "--out", str(out), "--page", str(page), "--image", str(image)]
     subprocess.run(args, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True)
@@ -106,7 +116,7 @@ def test_run_all_runs_the_long_row_at_smoke_sizes_or_when_named(monkeypatch, tmp
     monkeypatch.setattr(run_all, "sigma_bundle", lambda *a: tmp_path / "sigma")
     monkeypatch.setattr(run_all, "table", lambda results: "")
     run_all.main(quick=quick, only=only, gpu=False, results=tmp_path, page=None)
-    frontier = [args for args in ran if args[0] == "refine_frontier"]
+    frontier = [args for args in ran if args[0] == "experiments.refine_frontier"]
     assert len(frontier) == runs
     if frontier:
         assert ("--quick" in frontier[0]) == quick and ("--page" in frontier[0]) == quick  # smoke: no docs written

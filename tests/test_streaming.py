@@ -20,7 +20,7 @@ import torch
 from kafka import KafkaConsumer, KafkaProducer
 from PIL import Image
 
-from benchmarks.camera_streams import camera_folder
+from benchmarks.tools.camera_streams import camera_folder
 from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.data import DataConfig, list_files
 from mepo_stream.label_delay import label_schedule
@@ -225,7 +225,7 @@ def test_demo_runs_the_whole_pipeline_and_exits_when_done(tmp_path, later):
 
 
 def test_a_stream_of_camera_size_jpegs_is_learned_exactly_once(broker, tmp_path):
-    """The same 200 images as 1280x960 JPEGs (about 100 KB each, ``benchmarks.camera_streams``) through the real
+    """The same 200 images as 1280x960 JPEGs (about 100 KB each, ``benchmarks.tools.camera_streams``) through the real
     broker: every one learned once, none dead-lettered, decoded at libjpeg's 1/8 scale (160x120) for the 32-px
     intake instead of whole."""
     camera = DataConfig(dataset=str(camera_folder(DATA, 1280, 960)))

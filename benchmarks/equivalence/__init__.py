@@ -1,1 +1,0 @@
-"""The reference-equivalence harness by concern; ``benchmarks.reference_equivalence`` runs it."""

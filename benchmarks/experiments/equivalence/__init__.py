@@ -1,0 +1,1 @@
+"""The reference-equivalence harness by concern; ``benchmarks.experiments.reference_equivalence`` runs it."""
