@@ -39,13 +39,13 @@ import timm
 import torch
 from tqdm import tqdm
 
-from benchmarks.experiments.reference_equivalence import (
+from benchmarks.experiments.equivalence.reference import (
     HOST_STUBS,
     _NoMemory,
     import_reference_gcl,
-    reference_commit,
     timm_registry_kept,
 )
+from benchmarks.experiments.reference_equivalence import reference_commit
 from benchmarks.tools.service import device_name
 from mepo_stream.anytime import stream_batches
 from mepo_stream.artifacts import SIGMA_PRE, load_part
