@@ -46,6 +46,7 @@ from benchmarks.experiments.equivalence.reference import (
     timm_registry_kept,
 )
 from benchmarks.experiments.reference_equivalence import reference_commit
+from benchmarks.tools.common import mean_std
 from benchmarks.tools.service import device_name
 from mepo_stream.anytime import stream_batches
 from mepo_stream.artifacts import SIGMA_PRE, load_part
@@ -197,7 +198,7 @@ def main(reference: Path, mepo_cov: Path, seed: str = "1", train_per_class: int 
     sigma_pre = load_part(mepo_cov, SIGMA_PRE)[SIGMA_PRE]
     runs = [run_seed(reference, sigma_pre, s, data, img_size, eval_period, alpha, lr, batch_size, online_iter,
                      autoaugment) for s in parse_seeds(seed)]
-    a_last, shape = [r["A_last"] for r in runs], SiBlurryConfig()
+    (a_last, a_last_std), shape = mean_std([r["A_last"] for r in runs]), SiBlurryConfig()
     result = {
         "benchmark": "reference_run", "reference": str(reference),
         "reference_commit": commit or reference_commit(reference),
@@ -207,7 +208,7 @@ def main(reference: Path, mepo_cov: Path, seed: str = "1", train_per_class: int 
         "backbone": {"name": "vit_small_patch14_dinov2", "weights": "dinov2", "img_size": img_size},
         "recipe": {"alpha": alpha, "lr": lr, "batch_size": batch_size, "online_iter": online_iter,
                    "autoaugment": autoaugment, "sigma_pre": str(mepo_cov)},
-        "A_last_mean": float(np.mean(a_last)), "A_last_std": float(np.std(a_last, ddof=1)) if len(runs) > 1 else 0.0,
+        "A_last_mean": a_last, "A_last_std": a_last_std,
         "runs": runs,
         "reference_patches": PATCHES, "machine": device_name(torch.device("cpu")),
         "threads": torch.get_num_threads(), "versions": {"torch": torch.__version__, "timm": timm.__version__},

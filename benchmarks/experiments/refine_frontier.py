@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.tools.common import mean_std
 from benchmarks.tools.service import CLI, ROOT, write_result
 from benchmarks.tools.table import Row
 from mepo_stream.backbone import device
@@ -133,10 +134,6 @@ def plan(arms: dict[str, Arm], budgets: list[int]) -> list[tuple[str, int]]:
         [('a', 1), ('a', 2), ('ref', 1)]
     """
     return [(name, k) for name, arm in arms.items() for k in (arm.budgets or budgets)]
-
-
-def mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def recipe(arm: str) -> str:

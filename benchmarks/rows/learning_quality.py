@@ -14,20 +14,15 @@ Usage:
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 
+from benchmarks.tools.common import mean_std
 from benchmarks.tools.service import ServiceSpec, write_result
 from benchmarks.tools.table import Row
 from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.backbone import BackboneConfig
 from mepo_stream.data import DataConfig
 from offline.evaluate import evaluate
-
-
-def mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for one value), as the docs' tables give them."""
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def main(spec: ServiceSpec = ServiceSpec(), test_per_class: int = 50, seeds: str = "1-3", eval_period: int = 250,

@@ -33,6 +33,7 @@ from PIL import Image
 from benchmarks.rows.decode import full_decode
 from benchmarks.rows.learner_throughput import stream_batches
 from benchmarks.tools.camera_streams import QUALITY, SIZES
+from benchmarks.tools.common import wait_until
 from benchmarks.tools.service import ServiceSpec, bare_learner, quantiles, running_service, seconds, timed, write_result
 from benchmarks.tools.table import Row, fmt
 from mepo_stream.backbone import cls_feature
@@ -148,9 +149,12 @@ def main(spec: ServiceSpec = ServiceSpec(), requests: int = 300, idle_requests: 
     spec = replace(spec, extra=(*spec.extra, "--protocol.eval_period", "0"))
     http_s = []
     with running_service(spec, work) as service:
-        while service.status()["classes_seen"] == 0 or service.http.post(
-                "/v1/predict", content=jpeg, headers={"content-type": "image/jpeg"}).status_code != 200:
-            time.sleep(0.2)
+
+        def predicts() -> bool:  # a snapshot with a class is published
+            return service.status()["classes_seen"] > 0 and service.http.post(
+                "/v1/predict", content=jpeg, headers={"content-type": "image/jpeg"}).status_code == 200
+
+        wait_until(predicts, "a first prediction", poll=0.2, processes=[service.process], transient=())
         learned = [service.status()["samples_seen"]]
         while len(http_s) < requests and learned[-1] < service.stream_length:
             http_s.append(_post(service, jpeg))

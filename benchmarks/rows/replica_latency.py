@@ -41,6 +41,7 @@ import httpx
 import torch
 
 from benchmarks.rows.predict_latency import bare_predictor, sample_jpeg
+from benchmarks.tools.common import wait_until
 from benchmarks.tools.service import CLI as MEPO
 from benchmarks.tools.service import ROOT, ServiceSpec, produce, quantiles, write_result
 from benchmarks.tools.table import Row, fmt
@@ -54,6 +55,8 @@ from server.broker import EmbeddedBroker, free_port
 from server.config import ServeConfig
 
 POLL_S = 0.25
+READY_ERRORS = (httpx.TransportError, KeyError, ValueError)
+"""What a service answers before it is ready: no connection, or a status without its fields yet."""
 
 
 def pin(pid: int, cores: set[int]) -> None:
@@ -102,9 +105,11 @@ def cluster(spec: ServiceSpec, work: Path, cores: tuple[int, int], replica: bool
         try:
             if replica:
                 procs.append(start(follower, cores[1], work / "replica.log"))
-                _wait(lambda: _status(urls.replica), procs)
+                wait_until(lambda: _status(urls.replica), "the replica to answer", poll=POLL_S, processes=procs,
+                           transient=READY_ERRORS)
             procs.append(start(learner, cores[0], work / "learner.log"))
-            _wait(lambda: _status(urls.learner), procs)
+            wait_until(lambda: _status(urls.learner), "the learner to answer", poll=POLL_S, processes=procs,
+                       transient=READY_ERRORS)
             yield urls
         finally:
             for p in procs:
@@ -114,20 +119,6 @@ def cluster(spec: ServiceSpec, work: Path, cores: tuple[int, int], replica: bool
 
 def _status(url: str) -> dict:
     return httpx.get(f"{url}/v1/status", timeout=30).json()
-
-
-def _wait(ready, procs: list[subprocess.Popen], timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError("a mepo serve process exited; see its log in the work folder")
-        try:
-            if ready():
-                return
-        except (httpx.TransportError, KeyError, ValueError):
-            pass
-        time.sleep(POLL_S)
-    raise TimeoutError("the services did not get ready")
 
 
 async def load_while_learning(urls: Cluster, jpeg: bytes, clients: int, min_answers: int = 2) -> dict:

@@ -44,6 +44,7 @@ import httpx
 import torch
 
 from benchmarks.rows.learner_throughput import learn, stream_batches
+from benchmarks.tools.common import wait_until
 from benchmarks.tools.service import CLI, ROOT, ServiceSpec, bare_learner, write_result
 from benchmarks.tools.table import Row, fmt
 from mepo_stream.cli import config_options
@@ -88,25 +89,6 @@ def _learner(spec: ServiceSpec, kafka: KafkaConfig, group: str, core: int, work:
     return process, f"http://127.0.0.1:{port}"
 
 
-def _alive(procs: list[tuple[subprocess.Popen, str]]) -> bool:
-    for proc, url in procs:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the learner at {url} exited with {proc.returncode} (its log is in --work)")
-    return True
-
-
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if value := predicate():
-                return value
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"timed out waiting for {what}")
-
-
 def run_group(spec: ServiceSpec, bootstrap: str, learners: int, n: int, work: Path) -> dict:
     """``learners`` learners of one group, one core each, on the stream already in Kafka; timed from the moment
     every learner owns partitions (the group has settled) until the stream is learned."""
@@ -124,16 +106,17 @@ def run_group(spec: ServiceSpec, bootstrap: str, learners: int, n: int, work: Pa
         return sum(_metric(c.get("/metrics").text, "mepo_samples_learned_total") for c in clients)
 
     try:
-        _wait(lambda: _alive(procs) and all(_metric(c.get("/metrics").text, "mepo_partitions_owned") > 0
-                                            for c in clients), 600, "every learner to own partitions")
+        processes = [proc for proc, _ in procs]
+        wait_until(lambda: all(_metric(c.get("/metrics").text, "mepo_partitions_owned") > 0 for c in clients),
+                   "every learner to own partitions", 600, processes=processes)
         start, before = time.monotonic(), learned()
         if before >= n:
             raise RuntimeError(f"all {n} samples were learned before the group settled: stream more images "
                                f"(--spec.train_per_class)")
-        _wait(lambda: _alive(procs) and learned() >= n, 3600, f"{n} samples learned")
+        wait_until(lambda: learned() >= n, f"{n} samples learned", 3600, processes=processes)
         wall = time.monotonic() - start
-        _wait(lambda: all(_metric(c.get("/metrics").text, "mepo_state_records_written_total") > 0 for c in clients),
-              120, "every learner's states written once the topic idles")
+        wait_until(lambda: all(_metric(c.get("/metrics").text, "mepo_state_records_written_total") > 0
+                               for c in clients), "every learner's states written once the topic idles", 120)
         texts = [c.get("/metrics").text for c in clients]
     finally:
         for c in clients:

@@ -14,8 +14,9 @@ Usage:
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
+
+from benchmarks.tools.common import mean_std
 
 BACKBONES = {"base": "untouched", "finetune": "fine-tuned", "meta": "Meta Rep",
              "finetune2": "fine-tuned, twice the budget"}
@@ -37,9 +38,8 @@ def runs_of(folder: Path, variant: str) -> list[dict]:
 
 
 def cell(values: list[float], scale: float = 100.0, digits: int = 1) -> str:
-    mean = statistics.fmean(values) * scale
-    std = statistics.stdev(values) * scale if len(values) > 1 else 0.0
-    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+    mean, std = mean_std(values)
+    return f"{mean * scale:.{digits}f} ± {std * scale:.{digits}f}"
 
 
 def table(folder: Path) -> list[str]:

@@ -31,6 +31,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from benchmarks.tools.common import wait_until
 from mepo_stream.backbone import BackboneConfig, device
 from mepo_stream.cli import config_options
 from mepo_stream.data import DataConfig, list_files
@@ -124,16 +125,13 @@ class ServiceUnderTest:
 
     def wait_learned(self, n: int, timeout: float = 3600, poll: float = 0.25) -> dict:
         """Poll until ``n`` samples are learned, recording (time, samples, RSS) in ``trace``."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"mepo serve exited with code {self.process.returncode}")
+
+        def learned() -> dict | None:
             status = self.status()
             self.trace.append((time.monotonic(), status["samples_seen"], self.rss_bytes()))
-            if status["samples_seen"] >= n:
-                return status
-            time.sleep(poll)
-        raise TimeoutError(f"{n} samples not learned within {timeout} s")
+            return status if status["samples_seen"] >= n else None
+
+        return wait_until(learned, f"{n} samples learned", timeout, poll, [self.process], transient=())
 
 
 @contextmanager
@@ -158,7 +156,7 @@ def running_service(spec: ServiceSpec, work: Path, produce_first: bool = True) -
         url = f"http://127.0.0.1:{port}"
         http = httpx.Client(base_url=url, timeout=120)
         try:
-            _wait_http(http, process)
+            wait_until(lambda: http.get("/livez") is not None, "mepo serve to answer HTTP", processes=[process])
             yield ServiceUnderTest(process, http, url, broker.bootstrap, spec)
         finally:
             http.close()
@@ -175,19 +173,6 @@ def produce(spec: ServiceSpec, bootstrap: str) -> None:
     from producers.siblurry import produce as replay
 
     replay(spec.data, kafka=KafkaConfig(bootstrap_servers=bootstrap))
-
-
-def _wait_http(http: httpx.Client, process: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"mepo serve exited with code {process.returncode}")
-        try:
-            http.get("/livez")
-            return
-        except httpx.TransportError:
-            time.sleep(0.5)
-    raise TimeoutError("mepo serve did not answer HTTP")
 
 
 def bare_model(spec: ServiceSpec, n_classes: int) -> ContinualMethod:
