@@ -28,6 +28,11 @@ from server.serving import ServingModel
 from server.web.dependencies import ApiError, errors, get_service, get_settings
 from server.web.prediction import predict_uploads
 from server.web.schemas import (
+    ConfigTensor,
+    Duration,
+    InferenceStatistics,
+    InferOutput,
+    InferParametersOut,
     InferResponse,
     ModelConfiguration,
     ModelMetadata,
@@ -38,6 +43,7 @@ from server.web.schemas import (
     ServerLive,
     ServerMetadata,
     ServerReady,
+    StringValue,
 )
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"], strict_content_type=False)
@@ -147,8 +153,8 @@ def _statistics(name: str, service: ServingModel) -> ModelStatistics:
     return ModelStatistics(
         name=name, version=str(service.snapshot.version), last_inference=0, inference_count=success,
         execution_count=success,
-        inference_stats={"success": {"count": success, "ns": int(seconds * 1e9)},
-                         "fail": {"count": int(sum(s.value for s in counts)) - success, "ns": 0}},
+        inference_stats=InferenceStatistics(success=Duration(count=success, ns=int(seconds * 1e9)),
+                                            fail=Duration(count=int(sum(s.value for s in counts)) - success, ns=0)),
     )
 
 
@@ -179,10 +185,10 @@ def model_config(name: ModelName, settings: Annotated[ServeConfig, Depends(get_s
     _model(name, settings)
     return ModelConfiguration(
         name=name, platform="pytorch", backend="mepo-stream", max_batch_size=0,
-        input=[{"name": INPUT_NAME, "data_type": TRITON_TYPES["BYTES"], "dims": [-1]}],
-        output=[{"name": out, "data_type": TRITON_TYPES[kind], "dims": [-1, -1]} for out, kind in OUTPUTS.items()],
-        parameters={"top_k": {"string_value": str(settings.top_k)},
-                    "max_images": {"string_value": str(settings.max_files)}},
+        input=[ConfigTensor(name=INPUT_NAME, data_type=TRITON_TYPES["BYTES"], dims=[-1])],
+        output=[ConfigTensor(name=out, data_type=TRITON_TYPES[kind], dims=[-1, -1]) for out, kind in OUTPUTS.items()],
+        parameters={"top_k": StringValue(string_value=str(settings.top_k)),
+                    "max_images": StringValue(string_value=str(settings.max_files))},
     )
 
 
@@ -226,7 +232,7 @@ def parse_infer(body: bytes, header_length: str | None) -> tuple[InferRequest, l
     size = tensor.parameters.binary_data_size if tensor.parameters else None
     if (size is None) == (tensor.data is None):
         raise ApiError(400, "inputs[0] needs either data or parameters.binary_data_size", "invalid_request")
-    if size is None:
+    if tensor.data is not None:  # and no binary_data_size
         items = [_decode_b64(d, i) for i, d in enumerate(tensor.data)]
     elif size != len(raw):
         raise ApiError(400, f"inputs[0] says {size} binary bytes but {len(raw)} follow the JSON header",
@@ -244,8 +250,9 @@ def parse_infer(body: bytes, header_length: str | None) -> tuple[InferRequest, l
 def infer_answer(name: str, request: InferRequest, meta: dict, rows: list[list[dict]]) -> InferResponse | Response:
     """The outputs asked for (all by default), in JSON, or with the raw ones after a JSON header."""
     arrays, default_raw = output_arrays(rows), bool(request.parameters and request.parameters.binary_data_output)
-    asked = request.outputs or [RequestedOutput(name=out) for out in OUTPUTS]
-    outputs, raw = [], []
+    asked = request.outputs or [RequestedOutput.model_validate({"name": out}) for out in OUTPUTS]
+    outputs: list[InferOutput] = []
+    raw: list[bytes] = []
     for out in asked:
         array = arrays[out.name]  # [N, k]
         wants_raw = out.parameters.binary_data if out.parameters and out.parameters.binary_data is not None \
@@ -253,12 +260,13 @@ def infer_answer(name: str, request: InferRequest, meta: dict, rows: list[list[d
         tensor = {"name": out.name, "datatype": OUTPUTS[out.name], "shape": list(array.shape)}
         if wants_raw:
             raw.append(array.tobytes())
-            outputs.append({**tensor, "parameters": {"binary_data_size": len(raw[-1])}})
+            outputs.append(InferOutput.model_validate({**tensor, "parameters": {"binary_data_size": len(raw[-1])}}))
         else:
-            outputs.append({**tensor, "data": array.ravel().tolist()})
+            outputs.append(InferOutput.model_validate({**tensor, "data": array.ravel().tolist()}))
     answer = InferResponse(model_name=name, model_version=str(meta["model_version"]), id=request.id,
-                           parameters={"samples_seen": meta["samples_seen"],
-                                       "names": [[c["name"] for c in r] for r in rows]}, outputs=outputs)
+                           parameters=InferParametersOut(samples_seen=meta["samples_seen"],
+                                                         names=[[c["name"] for c in r] for r in rows]),
+                           outputs=outputs)
     if not raw:
         return answer
     header = json.dumps(answer.model_dump(exclude_none=True)).encode()
