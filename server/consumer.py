@@ -65,10 +65,6 @@ class ConsumerThread:
     def start(self) -> None:
         self.thread.start()
 
-    def request_checkpoint(self) -> None:
-        """Persist at the loop's next turn (a loop that persists nothing refuses)."""
-        raise NotImplementedError
-
     def run(self) -> None:
         """Run the loop here, in the calling thread, until it stops (``start`` runs it in a thread of its own)."""
         self._run()

@@ -57,7 +57,7 @@ class InferenceService(pbg.GRPCInferenceServiceServicer):
         return pb.ServerLiveResponse(live=True)
 
     def ServerReady(self, request, context) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=all(self.service.readiness()["checks"].values()))
+        return pb.ServerReadyResponse(ready=self.service.readiness().ready)
 
     def ServerMetadata(self, request, context) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name="mepo-stream", version=__version__, extensions=[])

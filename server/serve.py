@@ -101,15 +101,15 @@ def _run_until_stopped(server: uvicorn.Server) -> None:
 def _summary(app: FastAPI, wall_time: float) -> None:
     service = getattr(app.state, "service", None)
     if service is not None:
-        status = service.reporter.status()
-        keys = ("samples_seen", "classes_seen", "a_last", "dead_lettered")
-        join = status.get("label_join")
-        later = {} if join is None else {"delayed_accuracy": join["delayed_accuracy"],
-                                         "images_waiting": join["images"]["waiting"]}
-        summary = ({k: status[k] for k in keys} | {"prequential": status["prequential_accuracy"]["cumulative"]}
-                   | later | {"a_auc": status["anytime_accuracy"]["a_auc"],
-                              "evaluations": status["anytime_accuracy"]["evaluations"],
-                              "wall_time_s": round(wall_time, 1)})
+        status = service.status()
+        join = status.label_join
+        later = {} if join is None else {"delayed_accuracy": join.delayed_accuracy,
+                                         "images_waiting": join.images.waiting}
+        summary = ({"samples_seen": status.samples_seen, "classes_seen": status.classes_seen,
+                    "a_last": status.a_last, "dead_lettered": status.dead_lettered,
+                    "prequential": status.prequential_accuracy.cumulative} | later
+                   | {"a_auc": status.anytime_accuracy.a_auc, "evaluations": status.anytime_accuracy.evaluations,
+                      "wall_time_s": round(wall_time, 1)})
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()}))
 
 

@@ -2,16 +2,17 @@
 
 The learner's ``server.learner.service.Service`` and a replica's ``server.replica.follower.ReplicaService`` both
 implement it (``Serving`` holds what they share); the routers and ``server.web.prediction`` use nothing else, so
-neither role's loop, state or book reaches the HTTP layer, and a role's errors are its own (``NotALearner``), which
-the web layer turns into HTTP answers. It lives beside the roles and the web layer, not in either: the roles
-implement it without importing the web layer, and the web layer reads it without importing a role.
+neither role's loop, state or book reaches the HTTP layer. What only a learner does is a protocol of its own
+(``Checkpointing``), and each role answers ``status`` and ``readiness`` in a type of its own (``server.status``).
+It lives beside the roles and the web layer, not in either: the roles implement it without importing the web
+layer, and the web layer reads it without importing a role.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from kafka.producer.future import RecordMetadata
@@ -21,15 +22,12 @@ from server.config import ServeConfig
 from server.consumer import ConsumerThread
 from server.metrics import ServerMetrics
 from server.snapshot import Snapshot
+from server.status import LearnerReadiness, LearnerStatus, ReplicaReadiness, ReplicaStatus
 from server.uploads import UploadForwarder
 
 
-class NotALearner(RuntimeError):
-    """An action only a learner takes (a checkpoint), asked of a replica; the API answers 409 ``not_a_learner``."""
-
-
 class ServingModel(Protocol):
-    """A running service as the routers see it."""
+    """A running service as the routers see it, whichever its role."""
 
     @property
     def metrics(self) -> ServerMetrics: ...
@@ -42,21 +40,27 @@ class ServingModel(Protocol):
 
     def predict(self, images: Sequence[torch.Tensor]) -> tuple[Snapshot, torch.Tensor]: ...
 
-    def status(self) -> dict: ...
+    def status(self) -> LearnerStatus | ReplicaStatus: ...
 
-    def readiness(self) -> dict: ...
+    def readiness(self) -> LearnerReadiness | ReplicaReadiness: ...
 
     def pause(self) -> None: ...
 
     def resume(self) -> None: ...
-
-    def request_checkpoint(self) -> None: ...
 
     def keep_for_label(self, id: str, image: bytes, content_type: str, prediction: int | None) -> None: ...
 
     def write_label(self, id: str, label: int | None) -> RecordMetadata: ...
 
     def stop(self) -> None: ...
+
+
+@runtime_checkable
+class Checkpointing(Protocol):
+    """A service that keeps a checkpoint (a learner; a replica's source of truth is the learner's): the checkpoint
+    route asks for one, and answers 409 ``not_a_learner`` to a service that is not one."""
+
+    def request_checkpoint(self) -> None: ...
 
 
 Starter = Callable[[ServeConfig, ServerMetrics], ServingModel]
@@ -78,8 +82,8 @@ class RoleState(Protocol):
 
 
 class Serving:
-    """The ``ServingModel`` members both roles share, over their ``state`` (snapshot, class names, metrics,
-    status), ``loop`` (the Kafka thread and its controls) and ``batcher``; each role adds ``readiness``."""
+    """The ``ServingModel`` members both roles share, over their ``state`` (snapshot, class names, metrics),
+    ``loop`` (the Kafka thread and its controls) and ``batcher``; each role adds ``status`` and ``readiness``."""
 
     state: RoleState
     loop: ConsumerThread
@@ -101,25 +105,11 @@ class Serving:
         """The snapshot that answered and the class probabilities [n, n_seen] of uint8 images [3, S, S]."""
         return self.batcher.run(lambda: self.state.snapshot, images)
 
-    @property
-    def reporter(self):
-        """What reports the role's status (a replica's state reports itself; a learner's has a reporter)."""
-        return self.state
-
-    def status(self) -> dict:
-        """The role's status with its Kafka thread's health."""
-        health = self.loop.health()
-        return {**self.reporter.status(), "paused": health.paused, "kafka_connected": health.kafka_connected,
-                "consumer_lag": health.consumer_lag, "learner_error": health.error}
-
     def pause(self) -> None:
         self.loop.pause()
 
     def resume(self) -> None:
         self.loop.resume()
-
-    def request_checkpoint(self) -> None:
-        self.loop.request_checkpoint()
 
     def keep_for_label(self, id: str, image: bytes, content_type: str, prediction: int | None) -> None:
         """Write an upload answered with ``prediction`` to the image topic, where its label, when it comes on the

@@ -38,6 +38,7 @@ from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
 from producers.siblurry import stream_id
 from server.broker import free_port
 from server.config import ServeConfig
+from server.consumer import LoopHealth
 from server.learner.state import CHECKPOINT
 from server.serve import start_role
 from server.web.app import create_app
@@ -78,6 +79,10 @@ def color_folder(root: Path, n_classes: int = 4, per_split: dict[str, int] | Non
 
 
 # --- waiting ----------------------------------------------------------------------------------------------------
+RUNNING = LoopHealth(running=True, kafka_connected=True, paused=False, consumer_lag={}, error=None)
+"""A learning thread's health with nothing to report, for a learner's status read without its thread."""
+
+
 def wait_for(predicate: Callable[[], T], timeout: float = 180.0, what: str = "condition",
              ignore: tuple[type[BaseException], ...] = ()) -> T:
     """Poll ``predicate`` until it returns something truthy and return that; fail after ``timeout`` seconds

@@ -21,7 +21,7 @@ from server.config import ServeConfig
 from server.learner.book import Sample
 from server.learner.state import open_learner
 from server.metrics import ServerMetrics
-from tests.helpers import TINY, learner_of
+from tests.helpers import RUNNING, TINY, learner_of
 
 
 def test_definitions_against_hand_computed_case():
@@ -135,7 +135,7 @@ def test_service_and_evaluate_report_the_same_anytime_accuracy(tmp_path):
         while task:  # the service's rule: at most batch_limit samples, so a batch ends at each scheduled evaluation
             batch, task = task[: state.batch_limit], task[state.batch_limit :]
             state.learn([Sample(train.images[i], RecordMeta(int(train.targets[i]), i, i, "s")) for i in batch])
-    served = state.reporter.status()["anytime_accuracy"]
+    served = state.reporter.status(RUNNING).anytime_accuracy.model_dump()
     assert served["samples"] == offline["samples"] == list(range(period, len(train) + 1, period))
     assert served["accuracy"] == pytest.approx(offline["accuracy"], abs=1e-6)
     assert served["a_auc"] == pytest.approx(offline["A_auc"], abs=1e-6)

@@ -40,7 +40,7 @@ from server.snapshot_topic import Origin, SnapshotMessage
 from server.web.app import create_app
 from server.web.dependencies import get_service
 from tests.fakes import STREAM_ID, TOPIC, TP, FakeConsumer, record, records, run_loop, service
-from tests.helpers import NO_BROKER, color_images, settings
+from tests.helpers import NO_BROKER, RUNNING, color_images, settings
 
 
 def logged_checkpoints(monkeypatch, events: list) -> None:
@@ -462,14 +462,14 @@ def test_an_idle_stream_is_evaluated_once_where_it_stopped(tmp_path, monkeypatch
     run_loop(monkeypatch, loop, records(list(range(25))), idle_polls=3)
     curve = state.reporter.curve
     assert curve.samples == [10, 20] and len(curve.task_accuracy) == 1  # A_last at 25, not again while idle
-    assert state.reporter.status()["a_last"] == curve.task_accuracy[0] and not state.reporter.idle_evaluation_due
+    assert state.reporter.status(RUNNING).a_last == curve.task_accuracy[0] and not state.reporter.idle_evaluation_due
 
 
 def test_per_class_accuracy_of_the_latest_evaluation_is_exported(tmp_path, monkeypatch):
     state, loop, _ = service(tmp_path, protocol=ProtocolConfig(eval_period=10))
     run_loop(monkeypatch, loop, records(list(range(30))))
     assert state.reporter.curve.samples == [10, 20, 30]  # the loop cut its batches at the scheduled positions
-    per_class = state.reporter.status()["class_accuracy"]
+    per_class = state.reporter.status(RUNNING).class_accuracy
     assert set(per_class) == {state.class_names[c] for c in range(10)}
     text = generate_latest(state.metrics.registry).decode()
     for name, acc in per_class.items():

@@ -89,8 +89,8 @@ def test_a_role_never_imports_the_other():
 
 @pytest.mark.parametrize("path", ROLES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_a_role_never_imports_the_web_layer(path):
-    """The roles implement ``server.serving.ServingModel`` and know nothing of HTTP: no ``server.web`` import (the
-    web layer maps their domain errors, such as ``NotALearner``, to HTTP answers)."""
+    """The roles implement ``server.serving.ServingModel`` and know nothing of HTTP: no ``server.web`` import (they
+    answer in ``server.status``'s types, which the web layer returns as they are)."""
     assert not reaching(path, ("server.web",))
 
 

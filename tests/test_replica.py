@@ -151,7 +151,7 @@ def test_a_snapshot_from_another_backbone_is_refused_with_a_clear_log_line(broke
     with caplog.at_level(logging.ERROR, logger="server.replica"):
         send(cfg, to_records(blob, cfg.model_name, 1, cfg.kafka.snapshot_chunk_bytes))
         wait_for(lambda: refused(other.state.metrics, "backbone_mismatch") == 1, 60, "the refusal")
-    assert not other.readiness()["checks"]["snapshot_loaded"] and other.state.snapshot.version == 0
+    assert not other.readiness().checks["snapshot_loaded"] and other.state.snapshot.version == 0
     assert "refused snapshot version 1: --backbone.img_size 48 contradicts the learner's 32" in caplog.text
 
 
@@ -174,7 +174,7 @@ def test_corrupt_snapshot_records_are_skipped_and_counted_and_the_next_good_one_
     assert refused(follower.state.metrics, "corrupt") == 3
     images = color_images(torch.tensor([0, 1, 2, 3, 5]))
     assert torch.equal(follower.state.snapshot.probabilities(images), snapshot.probabilities(images))
-    assert follower.state.snapshot.exposed == snapshot.exposed and follower.readiness()["checks"]["snapshot_loaded"]
+    assert follower.state.snapshot.exposed == snapshot.exposed and follower.readiness().checks["snapshot_loaded"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="int8 runs on the CPU only; a CUDA host's learner is on the GPU")

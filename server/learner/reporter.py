@@ -7,7 +7,7 @@ The state (``server.learner.state``) learns and checkpoints; its reporter reads 
 Example (a learner in a group also reports its partitions, from the view's ``group``)::
 
     reporter = state.reporter
-    reporter.status()["samples_seen"], reporter.settled(expected=1000)
+    reporter.status(loop.health()).samples_seen, reporter.settled(expected=1000)
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ import time
 from collections.abc import Callable
 
 from mepo_stream.anytime import AnytimeCurve
+from server.consumer import LoopHealth
 from server.learner.view import LearnerView
 from server.metrics import ServerMetrics
+from server.status import LearnerStatus
 
 
 class StateReporter:
@@ -82,10 +84,16 @@ class StateReporter:
         for state in ("waiting", "refused"):
             m.join_labels.labels(state).set(join["labels"][state])
 
-    def status(self) -> dict:  # pragma: no mutate block (reporting: tests/test_streaming.py, test_page.py)
+    def status(self, health: LoopHealth) -> LearnerStatus:  # pragma: no mutate block (reporting: test_streaming.py)
+        """``/v1/status``: the view, with the learning thread's ``health``."""
         v = self.view()
         curve, seen = v.curve, v.prequential_samples
-        status = {
+        group = {} if v.group is None else {  # each learner's partitions, rate and lag, and each partition's samples
+            "learner_id": v.group.learner_id, "learners": v.group.learners,
+            "partition_samples": dict(sorted(v.group.partition_samples.items()))}
+        return LearnerStatus.model_validate({
+            "paused": health.paused, "kafka_connected": health.kafka_connected,
+            "consumer_lag": health.consumer_lag, "learner_error": health.error,
             "samples_seen": v.samples_seen,
             "classes_seen": v.classes_seen,
             "model_version": v.version,
@@ -105,8 +113,5 @@ class StateReporter:
             "class_accuracy": {v.class_names.get(c, str(c)): acc for c, acc in sorted(v.class_accuracy.items())},
             "label_join": v.label_join,
             "corrections": v.corrections,
-        }
-        if v.group is not None:  # each learner's partitions, rate and lag, and each partition's samples
-            status |= {"learner_id": v.group.learner_id, "learners": v.group.learners,
-                       "partition_samples": dict(sorted(v.group.partition_samples.items()))}
-        return status
+            **group,
+        })

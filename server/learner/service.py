@@ -20,6 +20,7 @@ from server.learner.stream import LearnerLoop
 from server.metrics import ServerMetrics
 from server.model_thread import ModelThread
 from server.serving import Serving
+from server.status import LearnerReadiness, LearnerStatus
 
 
 @dataclass
@@ -65,11 +66,17 @@ class Service(Serving):
     def reporter(self) -> StateReporter:
         return self.state.reporter
 
-    def readiness(self) -> dict:
+    def status(self) -> LearnerStatus:
+        return self.reporter.status(self.loop.health())
+
+    def request_checkpoint(self) -> None:
+        self.loop.request_checkpoint()
+
+    def readiness(self) -> LearnerReadiness:
         """``/readyz``'s checks (all true: ready) and the learner's and the publisher's errors, if they stopped on
         one: replicas that no longer get snapshots serve an ever older model, so a stopped publisher is not ready."""
         health = self.loop.health()
         publisher_error = None if self.publisher is None else self.publisher.error
         checks = {"model_loaded": True, "kafka_connected": health.kafka_connected, "learner_running": health.running,
                   "publisher_running": publisher_error is None}
-        return {"checks": checks, "learner_error": health.error, "publisher_error": publisher_error}
+        return LearnerReadiness(checks=checks, learner_error=health.error, publisher_error=publisher_error)

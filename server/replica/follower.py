@@ -42,10 +42,10 @@ from mepo_stream.methods.base import ContinualMethod
 from mepo_stream.model import BundleParts, ModelConfig, create_model
 from server.batching import MicroBatcher
 from server.config import ServeConfig, model_config
-from server.consumer import PROBE_EVERY_S, ConsumerThread, broker_answers
+from server.consumer import PROBE_EVERY_S, ConsumerThread, LoopHealth, broker_answers
 from server.metrics import ServerMetrics
 from server.model_thread import ModelThread
-from server.serving import NotALearner, Serving
+from server.serving import Serving
 from server.snapshot import Snapshot
 from server.snapshot_topic import (
     Assembler,
@@ -55,6 +55,7 @@ from server.snapshot_topic import (
     decode,
     ensure_snapshot_topic,
 )
+from server.status import ReplicaReadiness, ReplicaStatus, ReplicaView
 
 log = logging.getLogger(__name__)
 NO_SNAPSHOT = Snapshot(model=None, exposed=(), version=0, samples_seen=0)
@@ -200,12 +201,15 @@ class ReplicaState:
         """Versions between the newest snapshot seen on the topic and the one served."""
         return 0 if self.newest_version is None else max(0, self.newest_version - self.snapshot.version)
 
-    def status(self) -> dict:
+    def status(self, health: LoopHealth) -> ReplicaStatus:
+        """``/v1/status``: the snapshot served, with the following thread's ``health``."""
         snap = self.snapshot
-        me = {"model_version": snap.version, "samples_seen": snap.samples_seen, "lag_versions": self.lag,
-              "snapshot_age_seconds": None if self.age is None else round(self.age, 1)}
-        return {**me, "role": "replica", "classes_seen": len(snap.exposed), "snapshot_loaded": self.loaded,
-                "replicas": {f"{self.cfg.host}:{self.cfg.port}": me}}
+        me = ReplicaView(model_version=snap.version, samples_seen=snap.samples_seen, lag_versions=self.lag,
+                         snapshot_age_seconds=None if self.age is None else round(self.age, 1))
+        return ReplicaStatus(**me.model_dump(), classes_seen=len(snap.exposed), snapshot_loaded=self.loaded,
+                             replicas={f"{self.cfg.host}:{self.cfg.port}": me}, paused=health.paused,
+                             kafka_connected=health.kafka_connected, consumer_lag=health.consumer_lag,
+                             follower_error=health.error)
 
 
 class SnapshotFollower(ConsumerThread):
@@ -219,9 +223,6 @@ class SnapshotFollower(ConsumerThread):
         self.positions: dict[TopicPartition, int] = {}  # next offset to read, kept across reconnects
         self.consumer: KafkaConsumer | None = None
         super().__init__("mepo-replica")
-
-    def request_checkpoint(self) -> None:
-        raise NotALearner("a replica keeps no checkpoint: the learner's is the source of truth")
 
     # --- the loop -----------------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -320,8 +321,11 @@ class ReplicaService(Serving):
         self.state.model_thread.shutdown()
         self._close_uploads()
 
-    def readiness(self) -> dict:
+    def status(self) -> ReplicaStatus:
+        return self.state.status(self.loop.health())
+
+    def readiness(self) -> ReplicaReadiness:
         """Ready once a snapshot is loaded (it keeps serving it while the learner or the broker is down)."""
         health = self.loop.health()
-        return {"checks": {"snapshot_loaded": self.state.loaded, "follower_running": health.running},
-                "learner_error": health.error}
+        return ReplicaReadiness(checks={"snapshot_loaded": self.state.loaded, "follower_running": health.running},
+                                follower_error=health.error)

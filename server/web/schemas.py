@@ -15,6 +15,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from server.status import Readiness, Status
+
+__all__ = ["Readiness", "Status"]  # the operations routes' answers, which the roles build (server.status)
+
 
 # --- /v1 ----------------------------------------------------------------------------------------------------------
 class Label(BaseModel):
@@ -39,137 +43,8 @@ class PredictResponse(BaseModel):
     predictions: list[FilePrediction]
 
 
-class AnytimeAccuracy(BaseModel):
-    """Accuracy on the held-out images of the classes seen so far, at each scheduled evaluation."""
-
-    last: float | None
-    a_auc: float | None = Field(description="Area under the any-time accuracy curve (the paper's A_AUC)")
-    evaluations: int
-    samples: list[int] = Field(description="Samples seen at each evaluation")
-    accuracy: list[float]
-
-
-class PrequentialAccuracy(BaseModel):
-    """Test-then-train accuracy on the stream itself: each mini-batch predicted before it is learned."""
-
-    cumulative: float | None
-    rolling: float | None
-    samples: int
-
-
-class DriftEvent(BaseModel):
-    samples_seen: int
-    detector: str
-    rolling_accuracy: float
-
-
-class JoinImages(BaseModel):
-    """What became of the images that came without a label: received = joined + in_flight + waiting + expired +
-    deleted."""
-
-    received: int
-    joined: int = Field(description="Learned with their label")
-    in_flight: int = Field(description="Joined, waiting for their mini-batch")
-    waiting: int = Field(description="Kept (feature or image) until their label comes")
-    expired: int = Field(description="Let go unlearned: their label did not come within --join.image_ttl_s, or "
-                                     "--join.max_images newer images waited")
-    deleted: int = Field(description="Deleted by a tombstone while they waited (--corrections.enabled)")
-
-
-class JoinLabels(BaseModel):
-    waiting: int = Field(description="Labels waiting for their image")
-    refused: int = Field(description="Labels sent to the dead-letter topic: duplicate, or no image within "
-                                     "--join.label_ttl_s")
-
-
-class LabelJoinStatus(BaseModel):
-    """Labels that come later (``--kafka.labels_topic``): each prediction made when an image arrived, scored when
-    its label came, and the join's backlog."""
-
-    delayed_accuracy: float | None = Field(description="Accuracy of the arrival predictions, scored at the join")
-    scored: int = Field(description="Joined images that had a prediction (none before the first class is known)")
-    delay_p50_s: float | None = Field(description="Median seconds from an image to its label (recent joins)")
-    delay_p99_s: float | None
-    images: JoinImages
-    labels: JoinLabels
-
-
-class CorrectionsStatus(BaseModel):
-    """Corrections and deletions of learned samples (``--corrections.enabled``): the model as the view of the table
-    of the latest label of every id that still exists."""
-
-    corrections_applied: int = Field(description="Learned samples moved to their corrected label")
-    corrections_refused: int = Field(description="Corrections of ids not correctable (past --corrections.retention_s"
-                                                 ", or deleted first): dead-lettered as not_correctable")
-    deletions_applied: int = Field(description="Learned samples taken out of the model, and waiting images or labels "
-                                               "let go, by a tombstone")
-    deletions_refused: int = Field(description="Tombstones of ids not correctable: dead-lettered as not_correctable")
-    ids: int = Field(description="Learned ids that can still be corrected or deleted (the sample table's)")
-    bytes_on_disk: int = Field(description="The sample table's pages in use")
-    retention_s: float
-
-
-class GroupLearner(BaseModel):
-    """A learner of a group (``--kafka.state_topic``): its partitions, learning rate and lag."""
-
-    partitions: list[str]
-    samples_per_second: float
-    lag: dict[str, int]
-
-
-class ReplicaView(BaseModel):
-    model_config = ConfigDict(protected_namespaces=())
-    model_version: int
-    samples_seen: int
-    lag_versions: int | None
-    snapshot_age_seconds: float | None
-
-
-class Status(BaseModel):
-    """``GET /v1/status``. Both roles give the first group of fields; a learner adds its learning and stream
-    health (and, in a group, its learners and partitions), a replica its snapshot's age and lag."""
-
-    model_config = ConfigDict(protected_namespaces=())
-    samples_seen: int
-    classes_seen: int
-    model_version: int
-    paused: bool
-    kafka_connected: bool
-    consumer_lag: dict[str, int] = Field(description="Records not yet learned (or snapshots not yet read), per "
-                                                     "topic:partition")
-    learner_error: str | None = Field(description="Why the Kafka thread stopped, if it did")
-    anytime_accuracy: AnytimeAccuracy | None = None
-    a_last: float | None = None
-    prequential_accuracy: PrequentialAccuracy | None = None
-    drift_events: list[DriftEvent] | None = None
-    dead_lettered: int | None = None
-    replays_skipped: int | None = None
-    checkpoint_age_seconds: float | None = None
-    idle_seconds: float | None = None
-    class_accuracy: dict[str, float] | None = None
-    label_join: LabelJoinStatus | None = None
-    corrections: CorrectionsStatus | None = None
-    learner_id: str | None = None
-    learners: dict[str, GroupLearner] | None = None
-    partition_samples: dict[str, int] | None = None
-    role: Literal["replica"] | None = None
-    snapshot_loaded: bool | None = None
-    lag_versions: int | None = None
-    snapshot_age_seconds: float | None = None
-    replicas: dict[str, ReplicaView] | None = None
-
-
 class Liveness(BaseModel):
     status: Literal["ok"]
-
-
-class Readiness(BaseModel):
-    """``GET /readyz``: 200 when every check is true, else 503 with the same body."""
-
-    status: Literal["ready", "not_ready"]
-    checks: dict[str, bool]
-    learner_error: str | None
-    publisher_error: str | None = Field(None, description="Why the snapshot publisher stopped, if a bug stopped it")
 
 
 class Action(BaseModel):

@@ -138,8 +138,9 @@ def live() -> ServerLive:
 
 @router.get("/health/ready", summary="Server readiness", responses=errors(503))
 def ready(service: Annotated[ServingModel, Depends(get_service)]) -> ServerReady:
-    if not all((checks := service.readiness()["checks"]).values()):
-        raise ApiError(503, f"not ready: {', '.join(k for k, ok in checks.items() if not ok)} false", "not_ready")
+    if not (readiness := service.readiness()).ready:
+        failed = ", ".join(k for k, ok in readiness.checks.items() if not ok)
+        raise ApiError(503, f"not ready: {failed} false", "not_ready")
     return ServerReady(ready=True)
 
 

@@ -7,7 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
-from server.serving import NotALearner, ServingModel
+from server.serving import Checkpointing, ServingModel
+from server.status import LearnerStatus, ReplicaStatus
 from server.web.dependencies import ApiError, ErrorBody, errors, get_service, require_admin
 from server.web.schemas import Action, Liveness, Readiness, Status
 
@@ -27,23 +28,21 @@ def livez() -> Liveness:
                              "description": "Not ready: the checks and the error, or the error while loading"}})
 def readyz(service: Annotated[ServingModel, Depends(get_service)]) -> JSONResponse:
     readiness = service.readiness()
-    ok = all(readiness["checks"].values())
-    body = Readiness(status="ready" if ok else "not_ready", **readiness)
-    return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
+    return JSONResponse(readiness.model_dump(), status_code=200 if readiness.ready else 503)
 
 
-@router.get("/v1/status", summary="Learning progress, accuracy and stream health", responses=errors(503))
-def status(service: Annotated[ServingModel, Depends(get_service)]) -> Status:
-    return Status(**service.status())
+@router.get("/v1/status", summary="Learning progress, accuracy and stream health (a learner's), or the snapshot "
+                                   "served (a replica's)", response_model=Status, responses=errors(503))
+def status(service: Annotated[ServingModel, Depends(get_service)]) -> LearnerStatus | ReplicaStatus:
+    return service.status()
 
 
 @router.post("/v1/admin/checkpoint", dependencies=[Depends(require_admin)], responses=ADMIN_ERRORS,
              summary="Checkpoint now")
 def checkpoint(service: Annotated[ServingModel, Depends(get_service)]) -> Action:
-    try:
-        service.request_checkpoint()
-    except NotALearner as e:
-        raise ApiError(409, str(e), "not_a_learner") from e
+    if not isinstance(service, Checkpointing):
+        raise ApiError(409, "a replica keeps no checkpoint: the learner's is the source of truth", "not_a_learner")
+    service.request_checkpoint()
     return Action(status="checkpoint requested")
 
 

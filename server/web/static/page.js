@@ -178,6 +178,7 @@ function renderCorrections(c) {
 function renderConnection(s) {
   const pill = $("connection");
   const problem = s.learner_error ? `learner error: ${s.learner_error}`
+    : s.follower_error ? `snapshot follower error: ${s.follower_error}`
     : s.kafka_connected === false ? "not connected to Kafka" : null;
   const idle = !s.paused && s.idle_seconds !== null && s.idle_seconds !== undefined && s.idle_seconds > IDLE_AFTER_S;
   pill.className = `pill ${problem ? "bad" : s.paused ? "warn" : idle ? "idle" : "ok"}`;
