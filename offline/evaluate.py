@@ -25,6 +25,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 import torch
 from tqdm import tqdm
@@ -93,37 +94,72 @@ def run_seed(run: SeedRun) -> dict:
 
 
 MEPO_HOSTS = ("frozen", "misa", "dualprompt", "deep_l2p", "coda_p", "mvp")  # PTM-based: MePo plugs into them
-VARIANTS = {"host": (False, False), "rep": (True, False), "cov": (False, True), "mepo": (True, True)}  # rep, cov
-VARIANT_NAMES = {"host": "w/o MePo", "rep": "Meta Rep", "cov": "Meta Cov", "mepo": "w/ MePo (Rep + Cov)"}
+VariantName = Literal["host", "rep", "cov", "mepo"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Which parts of MePo a run uses: Meta Rep (the refined backbone) and Meta Cov (alignment by Sigma_pre)."""
+
+    rep: bool
+    cov: bool
+    label: str
+    """Its name in the tables and the plot."""
+
+
+VARIANTS: dict[VariantName, Variant] = {
+    "host": Variant(rep=False, cov=False, label="w/o MePo"),
+    "rep": Variant(rep=True, cov=False, label="Meta Rep"),
+    "cov": Variant(rep=False, cov=True, label="Meta Cov"),
+    "mepo": Variant(rep=True, cov=True, label="w/ MePo (Rep + Cov)"),
+}
 METRICS = ("A_auc", "A_last", "A_avg", "F_last")
 
 
 @dataclass(frozen=True)
 class Job:
     method: str
-    variant: str
+    variant: VariantName
     seed: int
 
 
-def plan_jobs(methods: list[str], seeds: list[int], mepo: bool, rep_only: bool, cov_only: bool, ablation: bool
-              ) -> list[Job]:
-    """Every (method, variant, seed) to run. With a MePo bundle each PTM-based method runs without and with it
-    (and, with ``ablation``, with Meta Rep and Meta Cov alone); the lower bounds run without."""
-    jobs = []
-    for method in methods:
-        if mepo and method in MEPO_HOSTS:
-            variants = ["host", "rep", "cov", "mepo"] if ablation else ["host", "mepo"]
-        elif mepo:
-            variants = ["host"]
-        else:
-            variants = ["mepo" if rep_only and cov_only else "rep" if rep_only else "cov" if cov_only else "host"]
-        jobs += [Job(method, v, seed) for v in variants for seed in seeds]
-    return jobs
+def planned_variants(mepo: Path | None, rep: Path | None, cov: Path | None, ablation: bool
+                     ) -> tuple[VariantName, ...]:
+    """The variants that ``mepo evaluate``'s bundle options ask for, the baseline of the comparison first: with
+    --mepo, without and with MePo (and, with --ablation, Meta Rep and Meta Cov alone); else the one variant made
+    of the parts given (--mepo_rep, --mepo_cov; neither: the host alone).
+
+    Example:
+        >>> planned_variants(Path("refined"), None, None, ablation=False)
+        ('host', 'mepo')
+        >>> planned_variants(None, None, Path("cov.npy"), ablation=False)
+        ('cov',)
+    """
+    if mepo is not None:
+        return tuple(VARIANTS) if ablation else ("host", "mepo")
+    given = (rep is not None, cov is not None)
+    return tuple(name for name, v in VARIANTS.items() if (v.rep, v.cov) == given)
+
+
+def plan_jobs(methods: list[str], seeds: list[int], variants: tuple[VariantName, ...]) -> list[Job]:
+    """Every (method, variant, seed) to run: each PTM-based method (``MEPO_HOSTS``) runs every variant, and a
+    lower bound, which MePo does not plug into, runs the first only (the baseline of the comparison).
+
+    Example:
+        >>> [(j.method, j.variant) for j in plan_jobs(["misa", "linear_probe"], [1], ("host", "mepo"))]
+        [('misa', 'host'), ('misa', 'mepo'), ('linear_probe', 'host')]
+    """
+    return [Job(method, v, seed) for method in methods
+            for v in (variants if method in MEPO_HOSTS else variants[:1]) for seed in seeds]
 
 
 def job_key(job: Job, config: dict) -> str:
     """Cache key: everything that shapes the run's numbers, hashed."""
-    blob = json.dumps({"job": asdict(job), **config}, sort_keys=True, default=str)
+    return _cache_key(asdict(job), config)
+
+
+def _cache_key(job: dict, config: dict) -> str:
+    blob = json.dumps({"job": job, **config}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
@@ -137,8 +173,8 @@ def _cell(values: list[float], bold: bool = False) -> str:
     return f"**{text}**" if bold else text
 
 
-def group_runs(runs: list[dict]) -> dict[tuple[str, str], list[dict]]:
-    groups: dict[tuple[str, str], list[dict]] = {}
+def group_runs(runs: list[dict]) -> dict[tuple[str, VariantName], list[dict]]:
+    groups: dict[tuple[str, VariantName], list[dict]] = {}
     for r in runs:
         groups.setdefault((r["method"], r["variant"]), []).append(r)
     return groups
@@ -187,7 +223,7 @@ def _ablation_table(runs: list[dict], groups: dict, mode: AlignMode) -> list[str
     if not ablated:
         return []
     rows = ["### Ablation: Meta Rep and Meta Cov", "", "| method | " + " | ".join(
-        f"{VARIANT_NAMES[v]} A_AUC | {VARIANT_NAMES[v]} A_last" for v in VARIANTS) + " |",
+        f"{v.label} A_AUC | {v.label} A_last" for v in VARIANTS.values()) + " |",
         "|---" * (1 + 2 * len(VARIANTS)) + "|"]
     for m in ablated:
         rows.append(f"| {m} | " + " | ".join(
@@ -237,7 +273,7 @@ def plot_curves(runs: list[dict], path: Path, title: str) -> None:
             x = rs[0]["curves"][mode]["samples"][:n]
             acc = torch.tensor([r["curves"][mode]["accuracy"][:n] for r in rs]) * 100  # [seeds, n]
             mean, std = acc.mean(0), acc.std(0) if len(rs) > 1 else torch.zeros(n)
-            label = f"{method}, {VARIANT_NAMES[variant]}, {mode} stats (A_auc {mean.mean():.1f})"
+            label = f"{method}, {VARIANTS[variant].label}, {mode} stats (A_auc {mean.mean():.1f})"
             ax.plot(x, mean, marker="o", ms=3, label=label, linestyle="-" if mode == "batch" else "--")
             ax.fill_between(x, mean - std, mean + std, alpha=0.15)
     ax.set(xlabel="samples seen", ylabel="any-time accuracy on seen classes (%)", title=title)
@@ -260,8 +296,8 @@ def ceiling(out: Path, bcfg: BackboneConfig, train: ImageSet, test: ImageSet, pr
             data: DataConfig) -> dict[str, float]:
     """The offline heads of the frozen features of backbone ``bcfg`` on the whole stream: probe, LDA and the best
     of them (cached with the runs; they depend on the data, the backbone and the probe only)."""
-    key = job_key(Job("offline_heads", "probe", probe.seed), {"data": asdict(data), "backbone": provenance(bcfg),
-                                                              "probe": asdict(probe)})
+    key = _cache_key({"method": "offline_heads", "variant": "probe", "seed": probe.seed},
+                     {"data": asdict(data), "backbone": provenance(bcfg), "probe": asdict(probe)})
     cached = out / "cache" / f"ceiling-{key}.json"
     if cached.is_file():
         return json.loads(cached.read_text())["accuracy"]
@@ -273,7 +309,7 @@ def ceiling(out: Path, bcfg: BackboneConfig, train: ImageSet, test: ImageSet, pr
 
 
 def variant_parts(mepo: Path | None, rep: Path | None, cov: Path | None, prompts: Path | None
-                  ) -> dict[str, BundleParts]:
+                  ) -> dict[VariantName, BundleParts]:
     """The MePo parts of each variant, from --mepo, --mepo_rep, --mepo_cov and --mepo_prompts.
 
     Each Sigma_pre goes with its backbone's features: Meta Cov alone takes --mepo_cov (that of the untouched
@@ -284,9 +320,9 @@ def variant_parts(mepo: Path | None, rep: Path | None, cov: Path | None, prompts
         BundleParts(rep=None, cov=PosixPath('cov.npy'), prompts=None)
     """
     covs = {"cov": cov or mepo, "mepo": mepo or cov}
-    return {variant: BundleParts(rep=(rep or mepo) if use_rep else None, cov=covs[variant] if use_cov else None,
-                                 prompts=prompts)
-            for variant, (use_rep, use_cov) in VARIANTS.items()}
+    return {name: BundleParts(rep=(rep or mepo) if v.rep else None, cov=covs[name] if v.cov else None,
+                              prompts=prompts)
+            for name, v in VARIANTS.items()}
 
 
 @dataclass
@@ -301,11 +337,11 @@ class Sweep:
     Example (what ``evaluate`` does between planning and reporting):
         sweep = Sweep(out, variant_parts(mepo, None, None, None), train, test, data, stream, backbone,
                       method_config, learner, alignment, protocol, probe)
-        runs = [sweep.run(job) for job in plan_jobs(["misa"], [1, 2], True, False, False, False)]
+        runs = [sweep.run(job) for job in plan_jobs(["misa"], [1, 2], ("host", "mepo"))]
     """
 
     out: Path
-    parts: dict[str, BundleParts]
+    parts: dict[VariantName, BundleParts]
     """The MePo parts of each variant (``variant_parts``)."""
     train: ImageSet
     test: ImageSet
@@ -330,12 +366,11 @@ class Sweep:
 
     def job_config(self, job: Job) -> dict:
         """Everything that shapes the job's numbers: what its cache key hashes, and what its run records."""
-        use_rep, use_cov = VARIANTS[job.variant]
-        parts = self.parts[job.variant]
-        return {**self.common, "backbone": provenance(self.backbones[use_rep]),
+        variant, parts = VARIANTS[job.variant], self.parts[job.variant]
+        return {**self.common, "backbone": provenance(self.backbones[variant.rep]),
                 "method_config": asdict(self.method_config),
-                "alignment": asdict(self.alignment) if use_cov else None,
-                "sigma_pre": str(parts.cov) if use_cov else None,
+                "alignment": asdict(self.alignment) if variant.cov else None,
+                "sigma_pre": str(parts.cov) if variant.cov else None,
                 "prompts": str(parts.prompts) if parts.prompts else None}
 
     def ceiling(self, use_rep: bool) -> dict[str, float]:
@@ -348,7 +383,7 @@ class Sweep:
     def run(self, job: Job) -> dict:
         """The job's run, from the cache or learnt now, with its backbone's ceiling."""
         config = self.job_config(job)
-        heads = self.ceiling(VARIANTS[job.variant][0])
+        heads = self.ceiling(VARIANTS[job.variant].rep)
         cached = self.out / "cache" / f"{job_key(job, config)}.json"
         if cached.is_file():
             run = json.loads(cached.read_text())
@@ -361,11 +396,10 @@ class Sweep:
 
     def learn(self, job: Job) -> dict:
         """Run the job's seed; without Meta Cov both alignment modes are the same model, so keep one."""
-        use_cov = VARIANTS[job.variant][1]
         model = ModelConfig(job.method, self.method_config, self.backbone, self.parts[job.variant], self.alignment,
                             self.learner, job.seed)
         run = run_seed(SeedRun(model, self.train, self.test, replace(self.stream, seed=job.seed), self.protocol))
-        if not use_cov:
+        if not VARIANTS[job.variant].cov:
             run["curves"] = {"batch": run["curves"]["batch"]}
         return run
 
@@ -412,8 +446,7 @@ def evaluate(
     backbone = sized(backbone, [b for b in (mepo, mepo_rep, mepo_prompts, mepo_cov) if b is not None])
     check_bundles(mepo, mepo_rep, mepo_cov, mepo_prompts, backbone)
     names = parse_methods(method)
-    jobs = plan_jobs(names, parse_seeds(seed), mepo is not None, mepo_rep is not None, mepo_cov is not None,
-                     ablation)
+    jobs = plan_jobs(names, parse_seeds(seed), planned_variants(mepo, mepo_rep, mepo_cov, ablation))
     (out / "cache").mkdir(parents=True, exist_ok=True)
     parts = variant_parts(mepo, mepo_rep, mepo_cov, mepo_prompts)
     sweep = Sweep(out, parts, load_split(data, "train"), load_split(data, "test"), data,
@@ -442,7 +475,7 @@ def check_bundles(mepo: Path | None, rep: Path | None, cov: Path | None, prompts
 
 def report(sweep: Sweep, names: list[str], jobs: list[Job], runs: list[dict], mepo: Path | None) -> dict:
     """Write results.json, table.md (and ablation.md) and the plot of a finished sweep; print the tables."""
-    variants = {VARIANT_NAMES[j.variant] for j in jobs}
+    variants = {VARIANTS[j.variant].label for j in jobs}
     title = (f"{', '.join(names)} ({'; '.join(sorted(variants))}) on {sweep.data.dataset} "
              f"({sweep.backbone.name} @ {sweep.backbone.img_size}px)")
     parts = sweep.parts
