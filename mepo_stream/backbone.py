@@ -17,7 +17,7 @@ Supported weight sources (``BackboneConfig.weights``):
 
 Every state dict load is non-strict on the head only: the loader fails loudly unless the *only* missing keys
 are the classifier's (``head.*``/``fc.*``), because a silent key mismatch would quietly fall back to a random
-or un-refined backbone (reference gotcha 17).
+or un-refined backbone.
 
 Example:
     >>> model = create_backbone(BackboneConfig(name="test_vit", weights=None, img_size=32))
@@ -75,8 +75,8 @@ class BackboneConfig:
     ``.safetensors``/``.pth``/``.npz`` path or bundle folder, or null for random init."""
     img_size: int | None = None
     """Input resolution in pixels. Default: the one the command's bundle (--mepo, --mepo_rep, --mepo_cov) was made at,
-    else 112 (84 for mepo demo). The paper uses 224; 112 keeps the DINOv2 accuracy on 32-64 px data at about 5x the
-    speed on CPU (docs/getting-started.md, "Data and weights")."""
+    else 112 (84 for mepo demo). The paper uses 224; 112 keeps the DINOv2 accuracy on 32-64 px data at a fraction of
+    the CPU time (docs/getting-started.md, "Data and weights")."""
     allow_resample: bool = False
     """Build a bundle's refined backbone at another resolution than the one it was refined at (its position
     table is resampled); without it, such a bundle is refused."""
@@ -96,7 +96,7 @@ def sized(cfg: BackboneConfig, bundles: Iterable[Path] = (), default: int = DEFA
     ``--mepo_rep``, ...), or of the bundle its weights are, that records one; else ``default``.
 
     Why: a bundle records the resolution it was made at, and a refined backbone is refused at another one (unless
-    ``--backbone.allow_resample``); repeating it by hand next to every ``--mepo`` added nothing but a way to err.
+    ``--backbone.allow_resample``); repeating it by hand next to every ``--mepo`` would add nothing but a way to err.
 
     Example:
         >>> sized(BackboneConfig(img_size=None)).img_size, sized(BackboneConfig(img_size=84)).img_size
@@ -138,7 +138,7 @@ def load_backbone_weights(model: VisionTransformer, state_dict: dict[str, torch.
     """Load backbone weights, resampling the position table if needed; only head keys may be missing.
 
     The position table is resampled bicubically *without* antialiasing, as DINOv2 and HF Transformers do when
-    they interpolate at run time (this reproduces the ONNX model's features to ~1e-5).
+    they interpolate at run time (this reproduces the ONNX model's features, to rounding).
     """
     sd = {k: v for k, v in state_dict.items() if not k.startswith(HEAD_PREFIXES)}
     if "pos_embed" in sd and model.pos_embed is not None and sd["pos_embed"].shape != model.pos_embed.shape:

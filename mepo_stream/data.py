@@ -194,8 +194,8 @@ def list_files(cfg: DataConfig, split: str) -> FileList:
 
 
 def _images(folder: Path) -> list[Path]:
-    """The images of a class folder, names sorted as strings (Path comparisons cost 2 s on CIFAR-10); none when
-    the folder is absent (an extra archive without that class)."""
+    """The images of a class folder, names sorted as strings (comparing Paths is slow for a large dataset); none
+    when the folder is absent (an extra archive without that class)."""
     if not folder.is_dir():
         return []
     names = sorted(e.name for e in os.scandir(folder) if os.path.splitext(e.name)[1].lower() in IMAGE_SUFFIXES)

@@ -193,9 +193,9 @@ class StreamingLDA(ClassStatistics):
         """Weights ``mu Sigma^-1`` [C, D] and biases [C] for ``Sigma = (1 - lam) S + lam * s * T``.
 
         Why one Cholesky per candidate and not one ``eigh`` for all of them (the candidates share the
-        eigenvectors): LAPACK's ``eigh`` runs 7x slower in a thread other than the main one (MKL with 2 threads,
-        D = 384: 46 ms against 6.6 ms for four Cholesky factorisations and solves), and the service learns in
-        its loop's thread; on the main thread the two cost the same (docs/performance.md).
+        eigenvectors): off the main thread LAPACK's ``eigh`` costs more than a Cholesky factorisation and solve per
+        candidate, and the service learns in its loop's thread; on the main thread the two cost about the same
+        (docs/performance.md).
         """
         if "spread" not in self._cache:
             self._cache["spread"] = self._spread()

@@ -83,7 +83,7 @@ def jpeg_rgb(data: bytes, max_pixels: int | None, size: int | None = None) -> np
 
     With a ``size``, libjpeg decodes at the smallest of its fast DCT scales (1/2, 1/4, 1/8) whose image still
     covers ``size`` on both sides (``jpeg_scale``): a camera JPEG costs a fraction of its full decode, and the
-    resize that follows starts from those pixels. An image under twice ``size`` decodes whole, as before."""
+    resize that follows starts from those pixels. An image under twice ``size`` decodes whole."""
     if (header := _jpeg_size(data)) is None:
         return None
     height, width = header
@@ -227,7 +227,7 @@ def decode_jpegs(datas: list[bytes], size: int, device: torch.device) -> list[to
 @functools.cache
 def batch_jpeg_decoder() -> Callable:
     """TorchCodec's ``decode_jpeg``, which decodes a list of JPEGs in one nvJPEG call on CUDA; torchvision's (the
-    same call, deprecated since torchvision 0.29) where TorchCodec is missing or does not load beside this torch."""
+    same call, deprecated there) where TorchCodec is missing or does not load beside this torch."""
     try:
         from torchcodec.decoders import decode_jpeg
     except (ImportError, OSError, RuntimeError):  # its native library is built for particular torch versions

@@ -270,5 +270,5 @@ class LabelJoin:
         self.in_flight, self.evicted, self.overflow = {}, [], []
         self.joined_ids = OrderedDict.fromkeys(state["joined_ids"])
         self.delays = deque(state["delays"], maxlen=self.cfg.delays_kept)
-        counters = [*state["counters"], 0][:6]  # a checkpoint written before deletions has five
+        counters = [*state["counters"], 0][:6]  # a checkpoint without the deletions counter has five
         self.hits, self.scored, self.joined, self.expired_images, self.refused_labels, self.deleted_images = counters

@@ -256,7 +256,7 @@ class ModelConfig:
     @functools.lru_cache(maxsize=8)
     def from_json(text: str) -> ModelConfig:
         """The configuration ``to_json`` wrote (nested dataclasses and tuples restored by their types). Cached: a
-        replica reads the same configuration with every snapshot, and parsing it takes 40-60 ms."""
+        replica reads the same configuration with every snapshot, and parsing it is slow next to a snapshot's work."""
         from jsonargparse import ArgumentParser  # the CLI's typed parser: nested dataclasses, tuples, paths
 
         parser = ArgumentParser()

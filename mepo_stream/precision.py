@@ -29,7 +29,7 @@ _ONEDNN_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_C
 
 def native_bf16(device: torch.device) -> bool:
     """Whether ``device`` multiplies bf16 matrices in hardware: a CUDA GPU that supports bf16, or a CPU with AMX
-    or AVX512-BF16 (there bf16 autocast runs the backbone 2.5-3x faster than fp32; docs/performance.md) whose
+    or AVX512-BF16 (there bf16 autocast runs the backbone much faster than fp32; docs/performance.md) whose
     oneDNN is not capped below them (``ONEDNN_MAX_CPU_ISA=AVX2``: how a bf16 machine acts like one without)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
@@ -62,7 +62,7 @@ def resolve_precision(precision: Precision, device: torch.device) -> torch.dtype
 
 _ROUND = 1.5 * 2**23
 """Added to and taken from an fp32 of magnitude below 2**22, it rounds it to the nearest integer, half to even, as
-``torch.round`` does, in two vectorised in-place passes (``torch.round`` took twice as long as both on the CPU)."""
+``torch.round`` does, in two vectorised in-place passes (cheaper on the CPU than ``torch.round``)."""
 
 
 class Int8Linear(torch.nn.Module):
@@ -70,7 +70,7 @@ class Int8Linear(torch.nn.Module):
     on every call, their products summed exactly in int32 (``torch._int_mm``), then scaled back to fp32.
 
     Why per row and not per batch: a scale shared by the whole batch (``torch.ao``'s dynamic quantisation) makes an
-    image's feature depend on the other images of its mini-batch, by up to 7 % on DINOv2 ViT-S/14. Here a row's
+    image's feature depend on the other images of its mini-batch. Here a row's
     output depends on that row alone, bit for bit, whatever the batch and whatever kernel sums it (integer sums are
     exact), which is what lets a group of learners build one learner's model in int8 (docs/scale-out.md).
 
@@ -96,7 +96,7 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()  # [M, K]
-        peak = rows.abs().amax(1, keepdim=True).clamp_min_(1e-12)  # [M, 1] (aminmax, vector_norm: 15-20x slower)
+        peak = rows.abs().amax(1, keepdim=True).clamp_min_(1e-12)  # [M, 1] (aminmax and vector_norm are much slower)
         q = (rows * (127 / peak)).add_(_ROUND).sub_(_ROUND).to(torch.int8)  # round half to even, |q| <= 127
         y = torch._int_mm(q, self.weight_t).float().mul_(peak / 127)  # [M, N]
         y = y.mul_(self.weight_scale) if self.bias is None else y.mul_(self.weight_scale).add_(self.bias)

@@ -3,7 +3,7 @@
 One record per image: the value is the encoded image (JPEG/PNG bytes); headers (ASCII values) carry
 
 * ``label``: the class index (int) in the dataset's label space; absent on an image whose label comes later, on
-  the labels topic (issue 35: ``mepo_stream.label_join``);
+  the labels topic (``mepo_stream.label_join``);
 * ``id``: the image's id, which its later label names (required on an image without a label);
 * ``sample_index``: the image's index in its dataset split (what "learned exactly once" is counted by);
 * ``stream_position``: its position in the Si-Blurry order;

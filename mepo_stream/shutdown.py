@@ -2,7 +2,7 @@
 
 Python turns SIGINT into ``KeyboardInterrupt``, so every ``finally`` and ``with`` block runs on the way out. SIGTERM,
 what ``docker stop``, systemd and Kubernetes send, has no handler by default: it ends the process at once and runs
-none of them, so the demo's embedded broker outlived it. The ``mepo`` entry point runs every command inside
+none of them, so the demo's embedded broker would outlive it. The ``mepo`` entry point runs every command inside
 ``stop_signals``: both signals raise ``Stopped``, a ``KeyboardInterrupt`` that names its signal, so one path serves
 both. uvicorn, while it serves, handles both signals itself (a graceful shutdown), then puts our handler back and
 raises the signal again: the ``Stopped`` comes out of ``uvicorn.Server.run`` once the service has stopped. A

@@ -1,7 +1,7 @@
 """Batch transforms on uint8 image tensors [B, 3, H, W], as the reference applies them on the GPU.
 
 The train transform draws **one** set of random parameters per call, so every image in a mini-batch gets
-the same crop, flip and AutoAugment policy (reference gotcha 13): Resize -> RandomCrop(pad 4) -> HFlip ->
+the same crop, flip and AutoAugment policy, as in the reference: Resize -> RandomCrop(pad 4) -> HFlip ->
 AutoAugment -> scale to [0, 1] and Normalize. The test transform is Resize -> scale to [0, 1] and Normalize.
 Normalisation uses the backbone's pretraining statistics (ImageNet for DINOv2).
 """
@@ -27,8 +27,8 @@ class ScaleNormalize(torch.nn.Module):
     """uint8 images [..., 3, H, W] to float32 ``(x / 255 - mean) / std`` in one multiply and one add.
 
     The same values as ``v2.ToDtype(torch.float32, scale=True)`` then ``v2.Normalize(mean, std)`` (to float32
-    rounding), in a third of the time: those two make four passes over a mini-batch and build their constants
-    on every call (2.3 ms against 0.7 ms for 32 images at 84 px on 2 cores, the learner's every step).
+    rounding), in less time: those two make four passes over a mini-batch and build their constants on every
+    call, and the learner normalises every step.
 
     Example:
         >>> ScaleNormalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))(torch.full((3, 1, 1), 255, dtype=torch.uint8)).flatten()
@@ -48,7 +48,7 @@ class ScaleNormalize(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.uint8:  # also: the multiply is in place, on a copy only a uint8 input guarantees
             raise TypeError(f"ScaleNormalize takes uint8 images, got {x.dtype}")
-        # mul_ then add_, not addcmul: its broadcast over [3, 1, 1] runs 18x slower on the CPU
+        # mul_ then add_, not addcmul: its broadcast over [3, 1, 1] is much slower on the CPU
         return x.to(torch.float32).mul_(self.scale.to(x.device)).add_(self.shift.to(x.device))
 
 
@@ -75,7 +75,7 @@ class RandomResizedCropFlip(torch.nn.Module):
 
     Why: the refine trains the backbone, and every image in a batch seeing its own crop (as the reference's
     per-image RandomResizedCrop does) is far more augmentation per step than one crop for the batch, at the cost
-    of one batched op (8 ms for 64 images on one core). ``low_res`` is the chance that a batch also goes through a
+    of one batched op. ``low_res`` is the chance that a batch also goes through a
     random lower resolution and back, as small images (CIFAR's 32 px) look once upsampled to the model's size.
 
     Example:

@@ -186,8 +186,8 @@ class ContinualMethod(nn.Module):
 
         Why a fixed shape: the math libraries pick kernels by shape (oneDNN's bf16 attention on AMX packs its
         operands only for larger batches; cuBLAS picks tiles and split-K by the matrix sizes), and at bf16 another
-        kernel rounds differently: an image's feature then depended on how many images shared its forward, by up
-        to 7e-3 relative. So every forward here runs on exactly ``forward_batch`` images: a batch is cut into
+        kernel rounds differently: an image's feature would then depend on how many images shared its forward.
+        So every forward here runs on exactly ``forward_batch`` images: a batch is cut into
         such chunks and the last is padded with black images whose outputs are dropped. An image's feature is
         then the same bits in every mini-batch, which a group of learners needs to build one learner's model
         (docs/scale-out.md). ``fixed_shape=False`` runs the batch as it is (``predict_proba`` unless
