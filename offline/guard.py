@@ -1,7 +1,8 @@
 """The refine's guard: a probe of the backbone on held-out pretraining images, needing no downstream data.
 
-Why: a refine can wreck the features within its first steps (one fragile tensor, the patch embedding, moved
-1.2 % in one meta-epoch and took the downstream probe from 31.9 % to 16.9 %) while its training loss looks fine.
+Why: a refine can wreck the features within its first steps (one fragile tensor, the patch embedding, can move
+a little and take much of the downstream probe's accuracy with it; docs/fidelity.md) while its training loss looks
+fine.
 Before the first meta-epoch and after every one, the guard fits an offline probe (``mepo_stream.probe``: the
 logistic probe, and the streaming LDA fitted offline) on half of each class's held-out images and scores it on
 the other half. The held-out images are the pretraining data's *test* split, which the refine never trains on.

@@ -1,10 +1,10 @@
 """The refine's optimizer: SGD or AdamW over layer-wise learning rates, with a warmup and cosine schedule.
 
-Why: the paper's SGD at a constant 1e-4 barely moves a ViT in a few minutes (the demo's refine changed each block
-by about 0.1 %), so its features stay where they were. AdamW with layer-wise learning-rate decay (the top block at
-the full rate, each block below it ``layer_decay`` times slower, the embeddings slowest) and a cosine schedule is
-the usual recipe for fine-tuning a ViT: it moves the upper blocks, where the class semantics live, and keeps the
-lower ones near the pretrained weights. docs/refine.md has what each part buys per minute.
+Why: the paper's SGD at a constant 1e-4 barely moves a ViT in a few minutes, so its features stay where they
+were. AdamW with layer-wise learning-rate decay (the top block at the full rate, each block below it
+``layer_decay`` times slower, the embeddings slowest) and a cosine schedule is the usual recipe for fine-tuning a
+ViT: it moves the upper blocks, where the class semantics live, and keeps the lower ones near the pretrained
+weights. docs/refine.md has what each part buys per minute.
 
 Example:
     >>> import timm
@@ -61,7 +61,7 @@ def param_groups(backbone: nn.Module, head: nn.Module, lr_backbone: float, lr_he
 
 def create_optimizer(groups: list[dict], kind: Optimizer, momentum: float) -> torch.optim.Optimizer:
     """SGD with ``momentum`` (the paper's) or AdamW (betas 0.9, 0.999), fused on the CPU and CUDA: one kernel
-    per tensor, not one per operation (ViT-S/14's step took 15 ms for 37 on one EPYC core)."""
+    per tensor, not one per operation."""
     if kind == "sgd":
         return torch.optim.SGD(groups, momentum=momentum)
     if kind == "adamw":
