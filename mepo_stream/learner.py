@@ -314,6 +314,15 @@ class OnlineLearner:
         return {"method": self.method.trainable_state_dict(), "optimizer": self.optimizer.state_dict(),
                 "exposed": list(self.exposed), "samples_seen": self.samples_seen}
 
+    @staticmethod
+    def statistics_in(state: dict) -> LabelStatistics:
+        """The classifier's sums, label-indexed, that a statistics learner's ``state_dict`` holds: ``statistics``
+        of a checkpoint, read without building its learner."""
+        method = state["method"]
+        return LabelStatistics.from_head_order(
+            method["classifier.counts"], method["classifier.sums"], method["classifier.second"],
+            method.get("classifier.hits", torch.zeros(0)), [int(y) for y in state["exposed"]])
+
     def load_state_dict(self, state: dict) -> None:
         self.method.load_trainable_state_dict(state["method"])
         self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))  # never alias another learner's moments

@@ -44,9 +44,9 @@ from server.broker import free_port
 from server.config import ServeConfig, model_config
 from server.learner.book import Sample
 from server.learner.changelog import Changelog
-from server.learner.partitioned import migrated_state, open_group_learner
-from server.learner.state import CHECKPOINT, LearnerState, open_learner
-from server.learner.stream import LearnerLoop, SeekToHandled
+from server.learner.partitioned import GroupCapture, migrated_state, open_group_learner
+from server.learner.state import CHECKPOINT, CheckpointCapture, LearnerState, open_learner
+from server.learner.stream import LearnerLoop, Persist, SeekToHandled
 from server.metrics import ServerMetrics
 from server.snapshot_topic import Origin
 from server.state_topic import FORMAT, PartitionState, StateFormatError, decode, encode
@@ -128,12 +128,13 @@ def single_checkpoint(tmp_path: Path, offsets: dict[str, int], fmt: str | None =
     state.learn([Sample(image, RecordMeta(int(y), i, i, "s"))
                  for i, (image, y) in enumerate(zip(images, labels, strict=True))])
     captured = state.capture()
-    captured.update(offsets=offsets, learned={"s": torch.arange(12)})
+    assert isinstance(captured, CheckpointCapture)
+    checkpoint = {**captured.checkpoint, "offsets": offsets, "learned": {"s": torch.arange(12)}}
     if fmt is None:
-        del captured["format"]
+        del checkpoint["format"]
     else:
-        captured["format"] = fmt
-    save_checkpoint(cfg.checkpoint_dir / CHECKPOINT, captured)
+        checkpoint["format"] = fmt
+    save_checkpoint(cfg.checkpoint_dir / CHECKPOINT, checkpoint)
     return cfg
 
 
@@ -251,7 +252,7 @@ def test_a_partition_handed_over_is_restored_from_its_last_state_and_every_model
     images = torch.randint(0, 256, (4, 3, size, size), dtype=torch.uint8, generator=rng)
     a.membership.update(images, torch.tensor([0, 1, 2, 3]), [], None, "images:0")
     written = state("images:0", a.membership.own["images:0"].clone(), 11, a)
-    a.membership.write({"states": [written], "offsets": {"images:0": 11}, "time": written.written_at})
+    a.membership.write(GroupCapture({"images:0": 11}, written.written_at, [written], []))
     b.membership.merge_remote(written)
     assert_the_sum_of_the_topic(a, b)
     a.membership.own["images:0"].add(torch.randn(3, shape[1], generator=rng), torch.tensor([1, 2, 3]),
@@ -367,7 +368,7 @@ def test_a_revoked_partitions_state_stands_at_the_offset_its_learner_handled_whe
     part1 = [record(offset, 100 + offset, partition=1) for offset in range(10)]
     loop.accept(part0[:20] + part1)
     a.learn_pending()
-    loop.persist(commit=False)  # the last periodic write: images:0 at 20, images:1 at 10
+    loop.persist(Persist.BEFORE_REVOKE)  # the last periodic write: images:0 at 20, images:1 at 10
     loop.accept(part0[20:24])
     a.learn_pending()  # learned after it
     loop.accept(part0[24:27])  # read, still pending
@@ -384,7 +385,7 @@ def test_a_revoked_partitions_state_stands_at_the_offset_its_learner_handled_whe
     assert b.offsets == {P0: 27} and torch.equal(b.membership.own[P0].sums, given.stats.sums)
     taker.accept(part0[24:])  # the taker reads from before the offset: what the giver learned is a replay
     b.learn_pending()
-    taker.persist(commit=False)
+    taker.persist(Persist.BEFORE_REVOKE)
     assert topic[P0].offset == 30 and topic[P0].learned == {STREAM_ID: list(range(30))}
     assert topic[P0].stats.samples == 30 and b.intake.book.replays_skipped == 3
     for learner in (a, b):
@@ -404,7 +405,7 @@ def test_a_revocation_waits_for_the_state_write_in_flight_before_letting_the_par
     loop.writer = writer = DeferredWriter()
     loop.accept([record(offset, offset) for offset in range(16)])
     a.learn_pending()
-    loop.persist(wait=False)  # the periodic write, in flight
+    loop.persist(Persist.ASKED)  # the periodic write, in flight
     assert P0 not in topic and not loop.writing.done()
     loop.accept([record(offset, offset) for offset in range(16, 16 + read_after)])
     revoke(loop, 0)
@@ -468,7 +469,7 @@ def test_a_failed_state_write_during_a_revocation_lets_the_partition_go_and_stop
     part0, part1 = [record(o, o) for o in range(16)], [record(o, 100 + o, partition=1) for o in range(8)]
     loop.accept(part0 + part1)
     a.learn_pending()
-    loop.persist(wait=False)  # the periodic write of both partitions, in flight
+    loop.persist(Persist.ASKED)  # the periodic write of both partitions, in flight
 
     def unacknowledged(self, states):
         raise KafkaTimeoutError("Timeout after waiting for 30000 ms")
@@ -500,7 +501,7 @@ def test_a_failed_state_write_during_a_revocation_lets_the_partition_go_and_stop
     assert b.offsets == {P0: 0, P1: 0}
     taker.accept(part0 + part1)
     b.learn_pending()
-    taker.persist(commit=False)
+    taker.persist(Persist.BEFORE_REVOKE)
     assert {k: (s.offset, s.stats.samples) for k, s in topic.items()} == {P0: (16, 16), P1: (8, 8)}
     for learner in (a, b):
         learner.model_thread.shutdown()

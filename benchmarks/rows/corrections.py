@@ -40,7 +40,7 @@ from mepo_stream.label_delay import label_schedule
 from mepo_stream.records import label_headers, record_headers
 from server.allocator import keep_freed_memory
 from server.config import CorrectionsConfig, ServeConfig
-from server.learner.state import LearnerState, open_learner
+from server.learner.state import LearnerState, checkpoint_due, open_learner
 from server.learner.stream import InlineExecutor
 from server.metrics import ServerMetrics
 
@@ -143,7 +143,7 @@ def _turn(state: LearnerState, poll: list[Record], decoder, tombstones: dict[str
     table = state.intake.corrections.table(None) if state.intake.corrections else None
     for id in [i for i in tombstones if table is not None and table.get(i) is None]:
         latencies.append(time.perf_counter() - tombstones.pop(id))
-    if (captured := state.capture(due_only=True)) is None:
+    if not checkpoint_due(state) or (captured := state.capture()) is None:
         return 0
     state.write(captured)
     return 1

@@ -51,8 +51,8 @@ from server.config import ServeConfig
 from server.learner.book import Pending, Sample, StreamBook
 from server.learner.changelog import Changelog
 from server.learner.sample_table import SampleTable
-from server.learner.state import CHECKPOINT, LearnerState, Restored, open_learner, read_checkpoint
-from server.learner.table_changelog import PartitionTables
+from server.learner.state import CHECKPOINT, Capture, LearnerState, Restored, open_learner, read_checkpoint
+from server.learner.table_changelog import PartitionTables, Write
 from server.learner.view import GroupView
 from server.metrics import ServerMetrics
 from server.model_thread import ModelThread
@@ -79,10 +79,7 @@ def migrated_state(path: Path, origin: Origin, learner_id: str, shape: tuple[int
         raise StateRefused(f"{path} is the checkpoint of one learner over {len(keys)} partitions ({keys}): its "
                          f"sums cannot be split between them. Keep learning without --kafka.state_topic, or "
                          f"move the checkpoint away to learn the stream again in a group")
-    method = state["learner"]["method"]
-    stats = LabelStatistics.from_head_order(
-        method["classifier.counts"], method["classifier.sums"], method["classifier.second"],
-        method.get("classifier.hits", torch.zeros(0)), [int(y) for y in state["learner"]["exposed"]])
+    stats = OnlineLearner.statistics_in(state["learner"])
     if stats.shape != shape:
         raise StateRefused(f"{path} holds a model of shape {stats.shape}, this learner's is {shape}")
     learned = {s: v.tolist() for s, v in state["learned"].items()}
@@ -109,6 +106,15 @@ def partition_groups(pending: list[Pending]) -> list[tuple[str | None, list[Pend
     for p in pending:
         groups.setdefault(p.key, []).append(p)
     return list(groups.items())
+
+
+@dataclass(frozen=True)
+class GroupCapture(Capture):
+    """A learner in a group's: the state of every partition whose offset moved, and the sample-table changes
+    those states include (written first)."""
+
+    states: list[PartitionState]
+    tables: list[Write]
 
 
 @dataclass(frozen=True)
@@ -335,7 +341,7 @@ class InGroup:
         return sum(self.steps.values()) + sum(state.moves for state in self.remote.values())
 
     # --- persisting: the state topic instead of a checkpoint file --------------------------------------------
-    def capture(self) -> dict:
+    def capture(self) -> GroupCapture:
         """The state of every partition whose offset moved since the last capture; they count as saved here."""
         now, book = time.time(), self.state.intake.book
         (then, learned), rate_mark = self.rate_mark, (time.monotonic(), self.learned_here)
@@ -350,18 +356,18 @@ class InGroup:
                                  {} if self.tables is None else self.tables.included(key),
                                  {} if corrections is None else dict(corrections.counts[key]))
                   for key, offset, learned in moved if offset is not None]  # moved: handled records
-        return {"states": states, "tables": tables, "offsets": {s.key: s.offset for s in states}, "time": now}
+        return GroupCapture({s.key: s.offset for s in states}, now, states, tables)
 
-    def write(self, captured: dict) -> dict[str, int]:
+    def write(self, captured: Capture) -> None:
         """Write the captured table changes to the sample changelog, then the partition states that include them
-        to the state topic, each acknowledged; returns their offsets."""
-        written = self.tables.changelog.write(captured["tables"]) if self.tables and captured["tables"] else 0
-        written += self.changelog.write(captured["states"]) if captured["states"] else 0
+        to the state topic, each acknowledged."""
+        assert isinstance(captured, GroupCapture)  # what this membership's capture took
+        written = self.tables.changelog.write(captured.tables) if self.tables and captured.tables else 0
+        written += self.changelog.write(captured.states) if captured.states else 0
         with self.state.lock:
-            self.written.update({s.key: s for s in captured["states"]})
-        self.state.metrics.state_writes.inc(len(captured["states"]))
+            self.written.update({s.key: s for s in captured.states})
+        self.state.metrics.state_writes.inc(len(captured.states))
         self.state.metrics.state_bytes.inc(written)
-        return captured["offsets"]
 
     def group_view(self) -> GroupView:
         """Each learner's partitions, rate and lag, and what the model holds of each partition."""

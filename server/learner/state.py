@@ -91,6 +91,24 @@ def read_checkpoint(path: Path) -> dict:
 
 
 @dataclass(frozen=True)
+class Capture:
+    """What one write persists, copied between two steps in the model thread: consistent, and detached (learning on
+    changes none of it), so the write may run while the learner goes on. Each membership adds what it writes."""
+
+    offsets: dict[str, int]
+    """The next offset to read per ``topic:partition``: safe to commit once the capture is written."""
+    time: float
+    """Wall time it was taken."""
+
+
+@dataclass(frozen=True)
+class CheckpointCapture(Capture):
+    """A learner alone's: the content of its checkpoint file (model, offsets and learned ids together)."""
+
+    checkpoint: dict
+
+
+@dataclass(frozen=True)
 class Restored:
     """What a membership's restore brings back beside the model, for the state to show."""
 
@@ -142,8 +160,8 @@ class Membership(Protocol):
     def edits(self, key: str | None) -> ModelEdits: ...
     def check_assignment(self, images: set[int], everything: set[int] | None) -> str | None: ...
     def next_version(self) -> int: ...
-    def capture(self) -> dict: ...
-    def write(self, captured: dict) -> dict[str, int]: ...
+    def capture(self) -> Capture: ...
+    def write(self, captured: Capture) -> None: ...
     def assign(self, keys: list[str]) -> None: ...
     def revoke(self, keys: list[str]) -> None: ...
     def group_view(self) -> GroupView | None: ...
@@ -157,6 +175,11 @@ def watch_drift(monitor: StreamMonitor, metrics: ServerMetrics, labels: torch.Te
     for event in monitor.update(labels.tolist(), pred.tolist(), seen_before):
         metrics.drift.labels(event["detector"]).inc()
         log.warning("drift detected at %d samples by %s", event["samples_seen"], event["detector"])
+
+
+def checkpoint_due(s: LearnerState) -> bool:
+    """``--checkpoint_every`` samples were learned since the state's last capture."""
+    return s.since_checkpoint >= s.cfg.checkpoint_every
 
 
 def changes_waiting(s: LearnerState) -> bool:
@@ -345,40 +368,36 @@ class LearnerState:
         self.reporter.export()
 
     # --- persisting -----------------------------------------------------------------------------------------
-    def capture(self, due_only: bool = False, before: Callable[[], None] | None = None) -> dict | None:
-        """A copy of everything the membership persists, or None when it would equal the last one (or,
-        ``due_only``, when fewer than ``--checkpoint_every`` samples were learned since). ``before`` runs first when
-        a copy is taken (the loop flushes its dead letters: durable before the offsets that skip them).
-
-        The copy is consistent (taken between two steps, in the model thread) and detached (learning on changes
-        none of it), so ``write`` may run while the learner goes on; the book counts its offsets as saved from
-        here (a failed write counts them unsaved again, and stops the loop)."""
-        due = self.since_checkpoint >= self.cfg.checkpoint_every
-        if (due_only and not due) or not (self.since_checkpoint > 0 or self.intake.book.unsaved_keys()):
+    def capture(self, before: Callable[[], None] | None = None) -> Capture | None:
+        """A copy of everything the membership persists (``Capture``), or None when it would equal the last one.
+        ``before`` runs first when a copy is taken (the loop flushes its dead letters: durable before the offsets
+        that skip them). The book counts its offsets as saved from here (a failed write counts them unsaved again,
+        and stops the loop)."""
+        if not (self.since_checkpoint > 0 or self.intake.book.unsaved_keys()):
             return None
         if before is not None:
             before()
         return self.model_thread.run(self._capture)
 
-    def _capture(self) -> dict:
+    def _capture(self) -> Capture:
         with self.lock:
             captured = self.membership.capture()
             self.since_checkpoint = 0
         return captured
 
-    def write(self, captured: dict) -> dict[str, int]:
+    def write(self, captured: Capture) -> dict[str, int]:
         """Persist what ``capture`` took (the membership's way) and time it; returns its offsets. A failed write
         raises ``StateWriteFailed``, and the book no longer counts its offsets as saved."""
         start = time.perf_counter()
         try:
-            offsets = self.membership.write(captured)
+            self.membership.write(captured)
         except Exception as e:
-            self.intake.book.mark_saved(captured["offsets"], failed=True)
-            raise StateWriteFailed(captured["offsets"], e) from e
-        self.last_checkpoint_time = captured["time"]
+            self.intake.book.mark_saved(captured.offsets, failed=True)
+            raise StateWriteFailed(captured.offsets, e) from e
+        self.last_checkpoint_time = captured.time
         self.metrics.checkpoint_seconds.observe(time.perf_counter() - start)
         self.metrics.last_checkpoint.set(self.last_checkpoint_time)
-        return offsets
+        return captured.offsets
 
 
 class Alone:
@@ -449,25 +468,25 @@ class Alone:
     def next_version(self) -> int:
         return self.state.version + 1
 
-    def capture(self) -> dict:
+    def capture(self) -> CheckpointCapture:
         """A detached copy of everything the checkpoint holds; the book counts its offsets as saved."""
         s = self.state
-        captured = copy.deepcopy({
+        checkpoint = copy.deepcopy({
             "format": CHECKPOINT_FORMAT, "learner": s.learner.state_dict(), "monitor": s.monitor.state_dict(),
             "version": s.version, **s.intake.state_dict(), "time": time.time(), "anytime": s.evaluator.state_dict(),
             "rng": torch.get_rng_state(),  # the augmentation draws continue as if nothing had happened
         })
         if s.intake.corrections is not None:  # the table's changes are on disk before the checkpoint that names them
-            captured["corrections"] = s.intake.corrections.checkpoint()
-        s.intake.book.mark_saved(captured["offsets"])
-        return captured
+            checkpoint["corrections"] = s.intake.corrections.checkpoint()
+        s.intake.book.mark_saved(checkpoint["offsets"])
+        return CheckpointCapture(checkpoint["offsets"], checkpoint["time"], checkpoint)
 
-    def write(self, captured: dict) -> dict[str, int]:
-        """Write the copy atomically (temporary file, fsync, rename); returns its offsets."""
-        save_checkpoint(self.path, captured)
+    def write(self, captured: Capture) -> None:
+        """Write the copy atomically (temporary file, fsync, rename)."""
+        assert isinstance(captured, CheckpointCapture)  # what this membership's capture took
+        save_checkpoint(self.path, captured.checkpoint)
         if (corrections := self.state.intake.corrections) is not None:
-            corrections.settle(captured["corrections"])
-        return captured["offsets"]
+            corrections.settle(captured.checkpoint["corrections"])
 
     def assign(self, keys: list[str]) -> None:
         """Partitions assigned: the checkpoint already holds where each one stands."""

@@ -34,7 +34,9 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from enum import Enum
 
 import torch
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
@@ -48,7 +50,7 @@ from server.consumer import PROBE_EVERY_S, ConsumerThread, broker_answers
 from server.learner.arrival import Prediction, Retraction
 from server.learner.book import tp_key
 from server.learner.intake import DeadLetter, InlineExecutor
-from server.learner.state import LearnerState, StateWriteFailed, changes_waiting
+from server.learner.state import LearnerState, StateWriteFailed, changes_waiting, checkpoint_due
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,43 @@ def decode_executor(workers: int | None, dev: torch.device) -> Executor:
     if workers is None:
         workers = 4 if dev.type == "cuda" else 0
     return ThreadPoolExecutor(workers, thread_name_prefix="mepo-decode") if workers > 0 else InlineExecutor()
+
+
+def commit_offsets(consumer: KafkaConsumer | None, offsets: dict[str, int],
+                   commit: Callable[[KafkaConsumer, dict], object]) -> None:
+    """Commit the offsets of a written checkpoint through ``commit`` (waiting or not); a failure is only logged:
+    the checkpoint is the source of truth."""
+    if consumer is None:
+        return
+    to_commit = {parse_tp(k): OffsetAndMetadata(v, "", -1) for k, v in offsets.items()}
+    try:
+        commit(consumer, to_commit)
+    except KafkaError as e:
+        _log_failed_commit(to_commit, e)
+
+
+class Persist(Enum):
+    """The loop's occasions to write its state, each with whether it waits for the write and commits after."""
+
+    NOW = "now"
+    """Idle or stopping: write, wait for it, commit its offsets."""
+    BEFORE_REVOKE = "before_revoke"
+    """Partitions being revoked: write and wait, commit nothing (a blocking consumer call would stall the rebalance
+    that called)."""
+    ASKED = "asked"
+    """An admin's request: write in the checkpoint thread while the loop learns on; commit at the first turn after
+    it is on disk."""
+    IF_DUE = "if_due"
+    """The periodic write: as ``ASKED``, once ``--checkpoint_every`` samples were learned since the last capture and
+    no write is in flight."""
+
+    @property
+    def waits(self) -> bool:
+        return self in (Persist.NOW, Persist.BEFORE_REVOKE)
+
+    @property
+    def commits(self) -> bool:
+        return self is not Persist.BEFORE_REVOKE
 
 
 class SeekToHandled(ConsumerRebalanceListener):
@@ -202,7 +241,7 @@ class LearnerLoop(ConsumerThread):
         try:
             if self.failure is None:  # after a failed write (the consumer closing), nothing more is written
                 self.state.learn_pending()
-                self.persist(commit=False)
+                self.persist(Persist.BEFORE_REVOKE)
         except KafkaError as e:  # the dead letters could not be flushed: nothing was captured
             self._broken = e
         except StateWriteFailed as e:
@@ -245,7 +284,7 @@ class LearnerLoop(ConsumerThread):
             if self._checkpoint_request.is_set():
                 self._checkpoint_request.clear()
                 self.state.learn_pending()
-                self.persist(wait=False)
+                self.persist(Persist.ASKED)
             if self._paused.is_set():
                 self.stop_event.wait(0.2)
                 continue
@@ -253,8 +292,8 @@ class LearnerLoop(ConsumerThread):
             if not records and not self.state.intake.waiting():
                 self.state.on_idle()
                 self.persist()
-            self._finish_write(block=False)
-            self.persist(wait=False, due_only=True)
+            self._commit_if_written()
+            self.persist(Persist.IF_DUE)
             self.update_lag()
         self.state.learn_pending()
         self.persist()
@@ -324,48 +363,49 @@ class LearnerLoop(ConsumerThread):
         self.state.metrics.dead_lettered.labels(dead.reason).inc()
         log.info("dead-lettered %s:%d@%d: %s", record.topic, record.partition, record.offset, dead.reason)
 
-    def persist(self, commit: bool = True, wait: bool = True, due_only: bool = False) -> None:
-        """The one way offsets leave the loop: checkpoint model and offsets together, then commit the same offsets.
+    def persist(self, when: Persist = Persist.NOW) -> None:
+        """The one way offsets leave the loop: checkpoint model and offsets together, then commit the same offsets
+        (``when`` says whether the loop waits for the write, and whether it commits).
 
         Nothing is written when nothing changed since the last checkpoint. Dead letters are flushed first, so
         they are durable before the offsets that skip them. The commit never precedes the checkpoint, and its
-        failure is only logged: the checkpoint is the source of truth. Without ``wait`` (the periodic checkpoint)
-        the file is written in the checkpoint thread while the loop learns on, its offsets committed at the first
-        turn after it is on disk. One write is in flight at a time; ``due_only``: not before ``--checkpoint_every``
-        samples were learned since the last one."""
-        if due_only and self._writing is not None:  # one write in flight at a time: the next turn asks again
-            return
-        self._finish_write(commit)
+        failure is only logged: the checkpoint is the source of truth. One write is in flight at a time."""
+        if when is Persist.IF_DUE and (self._writing is not None or not checkpoint_due(self.state)):
+            return  # the next turn asks again
+        self._finish_write(when.commits)
         flush = self.producer.flush if self.producer is not None else None
-        if (state := self.state.capture(due_only, before=flush)) is None:
+        if (captured := self.state.capture(before=flush)) is None:
             return
-        self._writing = self.writer.submit(self.state.write, state)
-        if wait:
-            self._finish_write(commit)
+        self._writing = self.writer.submit(self.state.write, captured)
+        if when.waits:
+            self._finish_write(when.commits)
 
-    def _finish_write(self, commit: bool = True, block: bool = True) -> None:
-        """Once the checkpoint in flight is on disk (waiting for it if ``block``), commit its offsets; a failed
-        write raises here, in the loop. The loop's own turns (``block=False``) commit asynchronously: the
-        checkpoint already holds the offsets, so the loop need not wait a broker round trip for them. A failed
-        write is waited for once: it is kept in ``failure``, and learning stops."""
-        if self._writing is None or not (block or self._writing.done()):
+    def _finish_write(self, commit: bool) -> None:
+        """Wait for the checkpoint in flight to be on disk, then, if ``commit``, commit its offsets, waiting for the
+        broker's answer (never hanging on a stalled one)."""
+        if self._writing is None:
             return
+        offsets = self._written()
+        if commit and offsets:
+            commit_offsets(self.consumer, offsets, lambda consumer, o: consumer.commit(o, timeout_ms=5000))
+
+    def _commit_if_written(self) -> None:
+        """The loop's turn: once the checkpoint in flight is on disk, commit its offsets without waiting for the
+        broker (the checkpoint already holds them, so the loop need not wait a round trip)."""
+        if self._writing is not None and self._writing.done() and (offsets := self._written()):
+            commit_offsets(self.consumer, offsets,
+                           lambda consumer, o: consumer.commit_async(o, callback=_log_failed_commit))
+
+    def _written(self) -> dict[str, int]:
+        """The offsets of the checkpoint in flight, once on disk. A failed write raises here, in the loop, once: it
+        is kept in ``failure``, and learning stops."""
+        assert self._writing is not None
         writing, self._writing = self._writing, None
         try:
-            offsets = writing.result()
+            return writing.result()
         except StateWriteFailed as e:
             self.failure = e
             raise
-        if not (commit and self.consumer is not None and offsets):
-            return
-        to_commit = {parse_tp(k): OffsetAndMetadata(v, "", -1) for k, v in offsets.items()}
-        try:
-            if block:
-                self.consumer.commit(to_commit, timeout_ms=5000)  # never hang on a stalled broker
-            else:
-                self.consumer.commit_async(to_commit, callback=_log_failed_commit)
-        except KafkaError as e:
-            _log_failed_commit(to_commit, e)
 
     def update_lag(self) -> None:
         """Records not yet learned per partition: those behind the high watermark and those read but waiting in
