@@ -7,7 +7,7 @@ command works on the other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -67,11 +67,9 @@ class ServeConfig:
 
     kafka: KafkaConfig = KafkaConfig()
     """Broker, topics and consumer group."""
-    role: Literal["learner", "replica"] = "learner"
-    """``learner``: learn the image topic, serve, and publish every snapshot to --kafka.snapshot_topic.
-    ``replica``: serve predictions from the learner's snapshots on that topic; it builds the model each snapshot
-    defines with the backbone weights and --mepo bundle on its own disk (refusing an option of its own that
-    contradicts the snapshot), learns nothing and needs no dataset."""
+    role: ClassVar[Literal["learner", "replica"]] = "learner"
+    """The service this config starts: the learner, which learns the image topic, serves, and publishes every
+    snapshot to --kafka.snapshot_topic (a ``ReplicaConfig`` starts a replica). Not an option: the command's."""
     publish_interval_s: float = 1.0
     """Least seconds between two snapshots the learner publishes: versions learned in between are skipped, the
     newest one is always published."""
@@ -173,6 +171,25 @@ class DemoConfig(ServeConfig):
     """Exit (and print a summary) once the whole stream is learned, instead of serving on."""
     embedded_broker: bool = True
     """Start a local broker; false streams through the cluster at --kafka.bootstrap_servers instead."""
+
+
+@dataclass(frozen=True)
+class ReplicaConfig(ServeConfig):
+    """Serve predictions from the learner's snapshots on --kafka.snapshot_topic; learn nothing, need no dataset.
+
+    The model each snapshot defines is built with the backbone weights and --mepo bundle on this machine's disk.
+
+    Every ``mepo serve`` option applies; the model's are the snapshot's (one of its own that contradicts the
+    snapshot is refused). Example: ``mepo replica --kafka.bootstrap_servers k1:9092 --port 8001``.
+    """
+
+    role: ClassVar[Literal["learner", "replica"]] = "replica"
+
+
+def replica_of(learner: ServeConfig, **changes: object) -> ReplicaConfig:
+    """A replica of the learner ``learner`` configures (its broker, topics, backbone and bundle), with ``changes``
+    (``port=8001``). (A function, not a method: the CLI would take a method for a subcommand.)"""
+    return ReplicaConfig(**{**{f.name: getattr(learner, f.name) for f in fields(learner)}, **changes})
 
 
 def bundle_parts(cfg: ServeConfig) -> BundleParts:

@@ -1,6 +1,6 @@
 """Prometheus metrics of the service, on their own registry (one per app, so tests can run several).
 
-A learner exports the stream, learning, checkpoint and publishing series; a replica (``--role replica``) exports
+A learner exports the stream, learning, checkpoint and publishing series; a replica (``mepo replica``) exports
 the snapshot-following series instead; both export the prediction and model series. A series a role never
 updates is not exported there, so no dashboard or alert mistakes a replica's zeros for a learner's.
 

@@ -27,7 +27,7 @@ from mepo_stream.sampler import SiBlurryConfig
 from mepo_stream.shutdown import Stopped, child_process
 from server.allocator import keep_freed_memory
 from server.broker import EmbeddedBroker
-from server.config import DemoConfig, ServeConfig
+from server.config import DemoConfig, ReplicaConfig, ServeConfig
 from server.learner.corrections import TABLE
 from server.learner.service import Service
 from server.learner.state import CHECKPOINT
@@ -45,8 +45,8 @@ within which the demo's learner keeps up on a CPU (docs/labels-later.md)."""
 
 
 def start_role(settings: ServeConfig, metrics: ServerMetrics) -> ServingModel:
-    """Load the model and start the service ``settings.role`` asks for: the learner, or a prediction replica (the
-    composition root: the web app is handed this, and knows no role)."""
+    """Load the model and start the service ``settings`` configures: the learner, or a prediction replica for a
+    ``ReplicaConfig`` (the composition root: the web app is handed this, and knows no role)."""
     kind = ReplicaService if settings.role == "replica" else Service
     return kind.start(settings, metrics)
 
@@ -56,6 +56,12 @@ def serve(cfg: ServeConfig = ServeConfig()) -> None:
     ``ServeConfig``'s fields: ``mepo serve --kafka.bootstrap_servers k1:9092 --mepo BUNDLE --port 8000``)."""
     keep_freed_memory()
     uvicorn.run(create_app(cfg, start_role), host=cfg.host, port=cfg.port, log_level="info")
+
+
+def replica(cfg: ReplicaConfig = ReplicaConfig()) -> None:
+    """Serve a learner's snapshots: predictions, status and metrics over HTTP, the model following the snapshot
+    topic (``mepo replica --kafka.bootstrap_servers k1:9092 --port 8001``)."""
+    serve(cfg)
 
 
 def _stop_when_learned(app: FastAPI, server: uvicorn.Server, producer: subprocess.Popen, expected: int) -> None:

@@ -123,7 +123,7 @@ def test_compose_wiring_agrees_with_prometheus_and_grafana():
         check = svc.get("healthcheck", {})
         assert check.get("test") or check.get("disable") or name in {"learner", "replica"}  # the image's HEALTHCHECK
     replica, jobs = services["replica"], yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())["scrape_configs"]
-    assert "--role replica" in replica["command"][0] and "--port 8000" in replica["command"][0]
+    assert "mepo replica" in replica["command"][0] and "--port 8000" in replica["command"][0]
     assert all("$${MEPO_MODEL_FLAGS}" in services[s]["command"][0] for s in ("learner", "replica"))
     assert {"names": ["replica"], "type": "A", "port": 8000} in [c for j in jobs for c in j.get("dns_sd_configs", [])]
     assert replica["ports"] == ["8001-8004:8000", "8082-8085:8081"]  # HTTP and gRPC

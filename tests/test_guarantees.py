@@ -31,7 +31,7 @@ from mepo_stream.errors import StateRefused
 from mepo_stream.images import ImageLimits
 from mepo_stream.model import BundleParts
 from mepo_stream.records import RecordError, parse_headers, record_headers
-from server.config import ServeConfig, model_config
+from server.config import ServeConfig, model_config, replica_of
 from server.learner.state import CHECKPOINT, build_learner, open_learner
 from server.metrics import ServerMetrics
 from server.replica.follower import Refused, ReplicaModel
@@ -410,7 +410,7 @@ def test_a_replica_refuses_another_bundle_other_backbone_weights_and_options_tha
     learner = build_learner(cfg, 2)
     bundle_sha256 = BundleParts.of(bundle).sha256()
     ours = Origin("mepo", model_config(cfg).to_json(), ("a", "b"), learner.method.backbone_sha256, bundle_sha256)
-    model = ReplicaModel(replace(cfg, role="replica"))
+    model = ReplicaModel(replica_of(cfg))
     assert model.config(ours) == model_config(cfg)
     for theirs, shown in ((None, "None"), ("f" * 64, "f" * 12)):
         with pytest.raises(Refused, match=f"bundle has sha256 {shown}…, this replica's {bundle_sha256[:12]}… "
@@ -422,7 +422,7 @@ def test_a_replica_refuses_another_bundle_other_backbone_weights_and_options_tha
     with pytest.raises(Refused, match="backbone has sha256 000000000000…") as e:
         model.snapshot(replace(message, origin=replace(ours, backbone_sha256="0" * 64)))
     assert e.value.reason == "backbone_mismatch"
-    other = ReplicaModel(replace(cfg, role="replica", backbone=replace(cfg.backbone, img_size=48)))
+    other = ReplicaModel(replica_of(cfg, backbone=replace(cfg.backbone, img_size=48)))
     with pytest.raises(Refused, match="--backbone.img_size 48 contradicts the learner's 32") as e:
         other.config(ours)
     assert e.value.reason == "backbone_mismatch"
@@ -433,7 +433,7 @@ def test_a_replica_left_at_serves_defaults_builds_the_model_its_snapshots_define
     learner = build_learner(cfg, 2)
     learner.observe(color_images(torch.tensor([0, 1] * 4)), torch.tensor([0, 1] * 4))
     ours = Origin("mepo", model_config(cfg).to_json(), ("a", "b"), learner.method.backbone_sha256, None)
-    model = ReplicaModel(replace(ServeConfig(), role="replica"))
+    model = ReplicaModel(replica_of(ServeConfig()))
     snapshot = model.snapshot(SnapshotMessage(learner.method.trainable_state_dict(), ours, 3, 8, (0, 1), 0.0))
     images = color_images(torch.tensor([0, 1, 2]))
     assert torch.equal(snapshot.probabilities(images), take_snapshot(learner, 3).probabilities(images))

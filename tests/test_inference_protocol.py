@@ -30,7 +30,7 @@ from mepo_stream.images import ImageLimits
 from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce
 from server.broker import free_port
-from server.config import ServeConfig
+from server.config import ServeConfig, replica_of
 from server.oip import raw_request_limit, serialize_bytes
 from tests.helpers import DATA, NO_BROKER, LiveServer, http_client, serve_process, settings, wait_for
 
@@ -51,7 +51,7 @@ def servers(broker, tmp_path_factory) -> Iterator[dict[str, tuple[ServeConfig, h
     tmp = tmp_path_factory.mktemp("oip")
     learner = settings(broker, tmp / "learner", grpc_port=free_port(), limits=LIMITS)
     learner = replace(learner, kafka=replace(learner.kafka, snapshot_topic=f"snapshots-{learner.kafka.group_id}"))
-    replica = replace(learner, role="replica", grpc_port=free_port(), checkpoint_dir=tmp / "replica")
+    replica = replica_of(learner, grpc_port=free_port(), checkpoint_dir=tmp / "replica")
     with LiveServer(learner) as learner_http, LiveServer(replica) as replica_http:
         produce(DATA, SiBlurryConfig(seed=1), learner.kafka, ReplayConfig(limit=LEARNED))
         wait_for(lambda: learner_http.get("/v1/status").json()["samples_seen"] >= LEARNED, what="learning")

@@ -1,4 +1,4 @@
-"""Prediction replicas (``mepo serve --role replica``) against the real broker.
+"""Prediction replicas (``mepo replica``) against the real broker.
 
 A learner and two replicas run as processes: the replicas converge to the learner's version and answer exactly as
 it does; a replica killed and restarted catches up from the snapshot topic; the replicas keep serving while the
@@ -26,7 +26,7 @@ from mepo_stream.data import list_files
 from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce
 from server.broker import free_port
-from server.config import ServeConfig, model_config
+from server.config import ReplicaConfig, ServeConfig, model_config, replica_of
 from server.learner.state import build_learner
 from server.metrics import ServerMetrics
 from server.replica.follower import ReplicaService
@@ -43,9 +43,9 @@ def learner_settings(broker, tmp_path, **kw) -> ServeConfig:
     return replace(cfg, kafka=replace(cfg.kafka, snapshot_topic=f"snapshots-{cfg.kafka.group_id}"))
 
 
-def replica_of(cfg: ServeConfig, **kw) -> ServeConfig:
+def replica_settings(cfg: ServeConfig, **kw) -> ReplicaConfig:
     """A replica of the learner ``cfg`` on a port of its own."""
-    return replace(cfg, role="replica", port=free_port(), **kw)
+    return replica_of(cfg, port=free_port(), **kw)
 
 
 def jpeg(color: str) -> bytes:
@@ -73,7 +73,7 @@ def version_of(port: int) -> int:
 def test_two_replicas_follow_the_learner_answer_as_it_does_and_survive_restarts(broker, tmp_path):
     cfg = learner_settings(broker, tmp_path)
     n = produce(DATA, STREAM, cfg.kafka, ReplayConfig())
-    replicas = [replica_of(cfg), replica_of(cfg)]
+    replicas = [replica_settings(cfg), replica_settings(cfg)]
     procs = [serve_process(c, tmp_path / f"serve-{i}.log") for i, c in enumerate([cfg, *replicas])]
     try:
         final = wait_for(lambda: (s := status(cfg.port))["samples_seen"] == n and s["model_version"], 180,
@@ -147,7 +147,7 @@ def replica(broker, tmp_path):
 def test_a_snapshot_from_another_backbone_is_refused_with_a_clear_log_line(broker, tmp_path, replica, caplog):
     cfg = learner_settings(broker, tmp_path)
     _, blob = learner_snapshot(cfg)
-    other = replica(replica_of(cfg, backbone=replace(TINY, img_size=48)))  # resampled positions: other weights
+    other = replica(replica_settings(cfg, backbone=replace(TINY, img_size=48)))  # resampled positions: other weights
     with caplog.at_level(logging.ERROR, logger="server.replica"):
         send(cfg, to_records(blob, cfg.model_name, 1, cfg.kafka.snapshot_chunk_bytes))
         wait_for(lambda: refused(other.state.metrics, "backbone_mismatch") == 1, 60, "the refusal")
@@ -158,7 +158,7 @@ def test_a_snapshot_from_another_backbone_is_refused_with_a_clear_log_line(broke
 def test_corrupt_snapshot_records_are_skipped_and_counted_and_the_next_good_one_loads(broker, tmp_path, replica):
     cfg = learner_settings(broker, tmp_path)
     snapshot, blob = learner_snapshot(cfg, version=2)
-    follower = replica(replica_of(cfg))
+    follower = replica(replica_settings(cfg))
     good = to_records(blob, cfg.model_name, 2, chunk_bytes=4096)  # many small parts
     assert len(good) > 2
     flipped = bytearray(good[0][1])
@@ -183,7 +183,7 @@ def test_a_replica_of_an_int8_learner_quantises_its_backbone_and_answers_as_the_
     cfg = learner_settings(broker, tmp_path)
     cfg = replace(cfg, learner=replace(cfg.learner, precision="int8"))
     snapshot, blob = learner_snapshot(cfg)
-    follower = replica(replica_of(cfg))
+    follower = replica(replica_settings(cfg))
     send(cfg, to_records(blob, cfg.model_name, 1, cfg.kafka.snapshot_chunk_bytes))
     wait_for(lambda: follower.state.snapshot.version == 1, 60, "the int8 snapshot")
     served = follower.state.snapshot.model.backbone.blocks[0].mlp.fc1

@@ -41,7 +41,7 @@ from mepo_stream.records import RecordMeta
 from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce, stream_id
 from server.broker import free_port
-from server.config import ServeConfig, model_config
+from server.config import ServeConfig, model_config, replica_of
 from server.learner.book import Sample
 from server.learner.changelog import Changelog
 from server.learner.partitioned import GroupCapture, migrated_state, open_group_learner
@@ -581,7 +581,7 @@ def test_two_learners_on_four_partitions_build_the_single_learners_model(broker,
     ensure_topics(base.kafka, base.kafka.topic, partitions=PARTITIONS)
     single = group_member(base, tmp_path, "single")
     pair = [group_member(base, tmp_path, "pair") for _ in range(2)]
-    replica = replace(pair[0], role="replica", port=free_port())
+    replica = replica_of(pair[0], port=free_port())
     procs = start([single, *pair, replica], tmp_path)
     try:
         n = produce(DATA, STREAM, base.kafka, ReplayConfig(partitions=PARTITIONS, partition_by="position"))

@@ -1,7 +1,7 @@
 """Prediction replicas: a replica's latency while the learner trains, and the learner's throughput while clients
 hit the replica instead of the learner.
 
-The learner (``mepo serve``) and one replica (``mepo serve --role replica``) run as processes pinned to different
+The learner (``mepo serve``) and one replica (``mepo replica``) run as processes pinned to different
 cores with ``os.sched_setaffinity``, one torch thread each: the learner and the broker on the first core, the
 replica on the second. This process (the HTTP clients) runs on the replica's core: what clients cost lands where
 it would with clients on other machines, away from the learner. Three runs, each on a fresh broker with the
@@ -52,7 +52,7 @@ from mepo_stream.data import list_files
 from mepo_stream.images import decode_image
 from mepo_stream.kafka import KafkaConfig
 from server.broker import EmbeddedBroker, free_port
-from server.config import ServeConfig
+from server.config import ServeConfig, replica_of
 
 POLL_S = 0.25
 READY_ERRORS = (httpx.TransportError, KeyError, ValueError)
@@ -71,13 +71,14 @@ def serve_configs(spec: ServiceSpec, bootstrap: str, work: Path) -> tuple[ServeC
                           backbone=BackboneConfig(spec.model, spec.weights, spec.img_size), mepo=spec.mepo,
                           method=spec.method, learner=spec.learner, protocol=ProtocolConfig(eval_period=0),
                           checkpoint_dir=work / "learner", port=free_port())
-    return learner, replace(learner, role="replica", port=free_port())
+    return learner, replica_of(learner, port=free_port())
 
 
 def start(cfg: ServeConfig, core: int, log: Path) -> subprocess.Popen:
-    """``mepo serve`` with ``cfg`` on ``core``, one torch thread, from its first instruction."""
+    """``mepo serve`` (or ``mepo replica``) with ``cfg`` on ``core``, one torch thread, from its first instruction."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([*MEPO, "serve", *config_options(cfg)], stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+    command = "replica" if cfg.role == "replica" else "serve"
+    return subprocess.Popen([*MEPO, command, *config_options(cfg)], stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                             env=env, cwd=ROOT, preexec_fn=lambda: os.sched_setaffinity(0, {core}))
 
 

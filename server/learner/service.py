@@ -2,7 +2,7 @@
 the publisher that sends its snapshots to the replicas (``server.learner.publisher``).
 
 The FastAPI lifespan starts it and stops it; routers reach it through ``server.web.dependencies.get_service``. A
-replica (``--role replica``) is a ``server.replica.follower.ReplicaService``, which answers the same routers.
+replica (``mepo replica``) is a ``server.replica.follower.ReplicaService``, which answers the same routers.
 """
 
 from __future__ import annotations

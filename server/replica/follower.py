@@ -1,4 +1,4 @@
-"""A prediction replica (``mepo serve --role replica``): the learner's snapshots, followed from the compacted snapshot
+"""A prediction replica (``mepo replica``): the learner's snapshots, followed from the compacted snapshot
 topic and served through the same routers, in a process (or on a machine) of its own.
 
 Users who outgrow one process scale predictions out with replicas; the learner stays one ordered consumer. A
