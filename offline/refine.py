@@ -53,11 +53,20 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from timm.layers import Format
+from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 from tqdm import tqdm
 
 from mepo_stream.artifacts import BACKBONE, SIGMA_PRE, library_versions, write_bundle
-from mepo_stream.backbone import BackboneConfig, cls_feature, create_backbone, device, normalization, provenance
+from mepo_stream.backbone import (
+    BackboneConfig,
+    cls_feature,
+    create_backbone,
+    device,
+    input_size,
+    normalization,
+    provenance,
+)
 from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.data import DataConfig, ImageSet, load_split
 from mepo_stream.errors import ConfigError
@@ -189,7 +198,7 @@ class ISAStage(ISAConfig):
 class MetaModel(nn.Module):
     """Backbone CLS feature -> meta head (the reference's MLP, or a cosine head)."""
 
-    def __init__(self, backbone: nn.Module, n_classes: int, head: HeadKind = "mlp", scale: float = 16.0):
+    def __init__(self, backbone: VisionTransformer, n_classes: int, head: HeadKind = "mlp", scale: float = 16.0):
         super().__init__()
         dim = backbone.num_features
         self.backbone = backbone
@@ -250,7 +259,7 @@ class Trainer:
         model = MetaModel(create_backbone(backbone), len(images.classes), cfg.head, cfg.head_scale).to(dev)
         frozen = freeze(model.backbone, cfg.freeze)
         log.info("frozen: %d tensors under %s", len(frozen), list(cfg.freeze) or "nothing")
-        img, (mean, std) = model.backbone.patch_embed.img_size[0], normalization(model.backbone)
+        img, (mean, std) = input_size(model.backbone), normalization(model.backbone)
         if cfg.train_img_size not in (None, img):
             if cfg.train_img_size % (patch := model.backbone.patch_embed.patch_size[0]):
                 raise ConfigError(f"--loop.train_img_size {cfg.train_img_size} is not a multiple of the "
@@ -358,7 +367,7 @@ class Trainer:
 
     def run_epoch(self, epoch: int, tasks: PseudoTaskConfig) -> dict[str, float]:
         """One meta-epoch of the configured mode over that epoch's plan; returns its last losses."""
-        plans = meta_epoch_plan(self.images.targets, tasks, self.cfg.seed, epoch)
+        plans = meta_epoch_plan(self.images.targets.tolist(), tasks, self.cfg.seed, epoch)
         g = torch.Generator().manual_seed(self.cfg.seed * 7919 + epoch)
         desc = f"{self.cfg.mode} {epoch}/{self.cfg.meta_epochs}"
         images = epoch_images(plans, self.cfg.inner_epochs)
@@ -376,7 +385,8 @@ class Trainer:
         shuffled jointly over every class (no pseudo tasks, no mask, no Reptile), training augmentation, as many
         images as Meta Rep's epoch processes; returns the mean loss of the epoch's last pass."""
         pool = finetune_pool(plans)
-        left, losses = epoch_images(plans, self.cfg.inner_epochs), []
+        left = epoch_images(plans, self.cfg.inner_epochs)
+        losses: list[float] = []
         while left > 0 and not self.budget_spent:
             losses = []
             for batch in shuffled_batches(pool, self.cfg.batch_size, g):
@@ -390,11 +400,11 @@ class Trainer:
         return sum(losses) / max(len(losses), 1)
 
 
-def any_size(backbone: nn.Module) -> None:
+def any_size(backbone: VisionTransformer) -> None:
     """Let a timm ViT take images of any size (a multiple of its patch): its position table, kept at the size it
     was built for, is resampled to each input's grid in the forward pass (timm's ``dynamic_img_size``), so
     training at a lower resolution updates the very table the bundle is written with."""
-    backbone.dynamic_img_size = True
+    backbone.dynamic_img_size = True  # type: ignore[misc]  # Final in timm is for TorchScript; eager code may set it
     backbone.patch_embed.strict_img_size, backbone.patch_embed.flatten = False, False
     backbone.patch_embed.output_fmt = Format.NHWC
 
@@ -503,7 +513,7 @@ def refine(
     start = time.time()
     torch.manual_seed(loop.seed)
     images = load_split(data, "train")
-    plans = meta_epoch_plan(images.targets, tasks, loop.seed, 1)
+    plans = meta_epoch_plan(images.targets.tolist(), tasks, loop.seed, 1)
     trainer = Trainer.create(backbone, images, loop, ddp)
     ckpt = checkpoint_path(out)
     first, history = trainer.restore(ckpt) if resume and ckpt.is_file() else (1, [])
@@ -549,7 +559,8 @@ def meta_train(trainer: Trainer, tasks: PseudoTaskConfig, first: int, history: l
         guard.resume(history, backbone)
     trainer.model.train()
     for epoch in range(first, cfg.meta_epochs + 1):
-        entry = {"meta_epoch": epoch, **trainer.run_epoch(epoch, tasks), "elapsed_s": round(time.time() - start, 1)}
+        entry: dict[str, object] = {"meta_epoch": epoch, **trainer.run_epoch(epoch, tasks),
+                                    "elapsed_s": round(time.time() - start, 1)}
         entry["change"] = group_changes(trainer.base, backbone.state_dict())
         stop = False
         if guard is not None:
@@ -564,6 +575,7 @@ def meta_train(trainer: Trainer, tasks: PseudoTaskConfig, first: int, history: l
                         epoch, cfg.meta_epochs, ckpt)
             signalled.raise_if_requested()
         if stop:
+            assert guard is not None and guard.best_state is not None  # only a guard stops; it fired, so it kept a best
             backbone.load_state_dict(guard.best_state)
             entry["kept_held_out_probe"] = guard.best
             break
