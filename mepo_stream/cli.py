@@ -79,8 +79,8 @@ def config_of(command: Callable) -> type | None:
         params = [(name, hint) for name, hint in typing.get_type_hints(command).items() if name != "return"]
     except (NameError, TypeError):  # hints it cannot resolve: not a config command
         return None
-    if len(params) == 1 and dataclasses.is_dataclass(params[0][1]):
-        return params[0][1]
+    if len(params) == 1 and isinstance(hint := params[0][1], type) and dataclasses.is_dataclass(hint):
+        return hint
     return None
 
 
@@ -113,9 +113,12 @@ def brief_help(text: str, own: set[str], command: str, parent: str) -> str:
           * --kafka.*: Broker (1 option)
     """
     def name(entry: str) -> str:
-        return re.search(r"--([\w.]+)", entry).group(1)
+        found = re.search(r"--([\w.]+)", entry)
+        assert found is not None, entry  # argparse lists every option by its long name
+        return found.group(1)
 
-    kept, inherited, groups = [f"usage: {command} [options]"], [], {}
+    kept, inherited = [f"usage: {command} [options]"], []
+    groups: dict[str, tuple[str, int]] = {}
     for section in text.rstrip("\n").split("\n\n")[1:]:
         lines = section.split("\n")
         entries: list[list[str]] = []
@@ -145,7 +148,7 @@ def _brief(tree: dict, argv: list[str]) -> tuple[set[str], str, str] | None:
     """For ``--help`` of a command whose config extends another command's: its own option names, its command line
     and the other command's name (``brief_help``); else None."""
     node: object = tree
-    path = []
+    path: list[str] = []
     for arg in argv:
         if arg.startswith("-") or not isinstance(node, dict) or arg not in node:
             break
@@ -161,7 +164,7 @@ def _flatten(tree: dict, runners: dict[type, Callable], typed: frozenset[str] = 
     """Replace each config-taking command by its dataclass (jsonargparse then parses the fields as top-level
     options and returns the instance); ``runners`` maps the dataclass back to the command. Other commands get
     their config arguments marked with the ``typed`` options (``marking_typed``)."""
-    out = {}
+    out: dict[str, object] = {}
     for name, node in tree.items():
         if isinstance(node, dict):
             out[name] = _flatten(node, runners, typed)
