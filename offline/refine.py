@@ -525,8 +525,8 @@ def refine(
         history = meta_train(trainer, tasks, first, history, ckpt, start, watch, signalled)
     wall = time.time() - start
     if ddp.rank == 0:
-        write_refined_bundle(out, trainer.model, images, backbone, data, tasks, trainer.cfg,
-                             None if cov.skip else cov, history, trainer.seen_images, wall, preset)
+        run = RefineRun(backbone, data, tasks, trainer.cfg, preset)
+        write_refined_bundle(out, trainer, images, run, history, wall, None if cov.skip else cov)
     ddp.finish()
     if ddp.rank == 0 and not adapt.skip:  # one process: the other ranks are done and must not wait on it
         add_prompts(out, out, backbone, data, images, method, adapt, method_config)
@@ -582,18 +582,30 @@ def meta_train(trainer: Trainer, tasks: PseudoTaskConfig, first: int, history: l
     return history
 
 
-def write_refined_bundle(out: Path, model: MetaModel, images: ImageSet, backbone: BackboneConfig,
-                         data: DataConfig, tasks: PseudoTaskConfig, loop: RefineConfig,
-                         cov: CovarianceConfig | None, history: list[dict], seen_images: int, wall: float,
-                         preset: str | None = None) -> None:
-    """The bundle: refined backbone (no head), Sigma_pre (unless ``cov`` is None), and the manifest."""
+@dataclass(frozen=True)
+class RefineRun:
+    """What a refine ran, as its manifest records it: the backbone it started from, its data and pseudo tasks, the
+    loop as it ran (its budget resolved to steps), and the preset those came from."""
+
+    backbone: BackboneConfig
+    data: DataConfig
+    tasks: PseudoTaskConfig
+    loop: RefineConfig
+    preset: str | None
+
+
+def write_refined_bundle(out: Path, trainer: Trainer, images: ImageSet, run: RefineRun, history: list[dict],
+                         wall: float, cov: CovarianceConfig | None) -> None:
+    """The bundle: the trainer's refined backbone (no head), Sigma_pre (unless ``cov`` is None), and the manifest."""
+    model, seen_images = trainer.model, trainer.seen_images
+    backbone, data, loop = run.backbone, run.data, run.loop
     parts = {BACKBONE: {k: v.detach().cpu() for k, v in model.backbone.state_dict().items()}}
     manifest = {
         "kind": "refined",
-        "preset": preset,
+        "preset": run.preset,
         "backbone": {**provenance(backbone), "arch": backbone.name},
         "data": {**asdict(data), "classes": images.classes, "n_images": len(images)},
-        "pseudo_tasks": asdict(tasks),
+        "pseudo_tasks": asdict(run.tasks),
         "refine": asdict(loop),
         "meta_epochs_completed": history[-1]["meta_epoch"] if history else 0,
         "history": history,
