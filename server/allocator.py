@@ -2,10 +2,10 @@
 
 glibc's malloc returns memory to the kernel when the free space at the top of a heap passes its trim threshold,
 and serves large blocks with fresh ``mmap``s; a long-running learner then allocates and frees the same few
-megabytes of activations every step and page-faults each of them in anew. Measured on the service learning a
-3,000-image stream (docs/performance.md, "Where the learner's time goes"): 1,450 minor page faults a step against 14
-in the bare loop; with the thresholds below, 2,500 in the whole stream (83 steps). The same setting is the environment's
-``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_``; when either is set, it is left as the user set it.
+megabytes of activations every step and page-faults each of them in anew. With the thresholds below that memory
+stays in the process, and the steps after the first reuse it without faulting it in (docs/performance.md, "Where
+the learner's time goes"). The same setting is the environment's ``MALLOC_MMAP_THRESHOLD_`` and
+``MALLOC_TRIM_THRESHOLD_``; when either is set, it is left as the user set it.
 
 Usage (first thing in a learner's process, before the model is built; not a doctest: it changes the process)::
 

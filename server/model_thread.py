@@ -3,8 +3,8 @@
 Why one thread: PyTorch's CPU kernels run each parallel region in an OpenMP team that belongs to the calling
 thread, and GNU OpenMP stops spinning between regions (its workers sleep and are woken for every region) as soon
 as its threads outnumber the CPUs. A learner thread and request threads that each run the model, each with a
-team of its own, therefore slow every operator down: on a 2-core Xeon, a single-image forward takes 22 ms
-instead of 9 ms, a learner step 130 ms instead of 70 ms (docs/performance.md). One thread has one team.
+team of its own, therefore slow every operator down, predictions and learning steps alike (docs/performance.md).
+One thread has one team.
 
 The order it gives is the order work is handed in: a prediction asked for during a learning turn (the
 mini-batches pending, most often one) runs right after it, before the learner's next one. Calls made from the

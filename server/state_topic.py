@@ -62,7 +62,7 @@ class PartitionState:
     written_at: float  # Unix time
     rate: float  # samples per second the writer learned lately (all its partitions)
     lag: int  # records of the partition not learned yet when written
-    steps: int | None = None  # samples learned and changes applied ever (None: a state from before changes: samples)
+    steps: int | None = None  # samples learned and changes applied ever (None: a state written without it: samples)
     table: dict[str, int] = field(default_factory=dict)  # the sample changelog's committed writes: epoch -> last seq
     changes: dict[str, int] = field(default_factory=dict)  # corrections and deletions applied and refused, by kind
 

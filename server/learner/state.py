@@ -63,7 +63,7 @@ from server.state_topic import PartitionState
 log = logging.getLogger(__name__)
 CHECKPOINT = "learner.pt"
 CHECKPOINT_FORMAT = "mepo-checkpoint/2"
-"""What a checkpoint holds: version 2 is version 1 (no ``format`` key, written before 2026-11-25) with the key."""
+"""What a checkpoint holds: version 2 is version 1 with the ``format`` key (a checkpoint without it is version 1)."""
 READABLE_FORMATS = ("mepo-checkpoint/1", CHECKPOINT_FORMAT)
 
 
@@ -223,8 +223,9 @@ class LearnerState:
         (a request during a learning turn gets the version after it: one thread runs the model,
         ``server.model_thread``).
 
-        Why on demand: making one solves the LDA and copies the trainable state, a few ms that a learner taking
-        many mini-batches a second would otherwise spend on every one of them, for snapshots nobody reads.
+        Why on demand: making one solves the LDA and copies the trainable state, work that a learner taking many
+        mini-batches a second would otherwise spend on every one of them, for snapshots nobody reads
+        (docs/performance.md).
         """
         if self._snapshot is not None and self._snapshot.version == self.version:
             return self._snapshot

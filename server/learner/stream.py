@@ -201,8 +201,8 @@ class LearnerLoop(ConsumerThread):
             **k.client_options(), group_id=k.group_id, enable_auto_commit=False, auto_offset_reset="earliest",
             session_timeout_ms=6000, heartbeat_interval_ms=2000, max_poll_interval_ms=600_000,
             max_poll_records=self.cfg.learner.batch_size, fetch_max_bytes=16 * 1024 * 1024,
-            fetch_max_wait_ms=100,  # how long a fetch that finds nothing new waits at the broker: a lone record
-        )  # (a deletion, on a quiet topic) waited 0.25 s at the default 500 on the embedded broker, 0.05 s at 100
+            fetch_max_wait_ms=100,  # how long a fetch that finds nothing new waits at the broker, not Kafka's 500:
+        )  # the embedded broker answers only once it is over: a lone deletion waits it whole (docs/corrections.md)
         topics = [k.topic] if k.labels_topic is None else [k.topic, k.labels_topic]
         self.consumer.subscribe(topics, listener=SeekToHandled(self))
 
@@ -301,7 +301,7 @@ class LearnerLoop(ConsumerThread):
     def _read_while_learning(self) -> list:
         """One turn's records, polled (and decoded, by a pool) while the model thread learns the mini-batch waiting
         (or, the topic gone quiet, the partial one: at once where a correction or deletion waits), then booked.
-        Decoding inline waits for the step: beside a CPU forward it costs two to three times its own time
+        Decoding inline waits for the step: beside a CPU forward it costs more than its own time
         (docs/performance.md)."""
         assert self.consumer is not None
         pending, limit = sum(self.state.intake.waiting().values()), self.state.batch_limit

@@ -3,7 +3,7 @@
 Both sit below the routers so that they hold on every path: a limit checked in a route runs after FastAPI has
 already read (and, for JSON, parsed) the body, and a counter in a route misses the requests refused before it
 runs (body too large, invalid JSON). The limits bound each body and all the bodies in flight together, so that
-sixteen large requests at once cannot take the server's memory (``--max_inflight_bytes``).
+many large requests at once cannot take the server's memory (``--max_inflight_bytes``; docs/reliability.md).
 """
 
 from __future__ import annotations
