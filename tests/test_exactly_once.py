@@ -16,7 +16,7 @@ from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
 from mepo_stream.records import RecordMeta
 from server.learner.book import Sample, StreamBook
 from server.learner.state import CHECKPOINT, LearnerState
-from tests.fakes import STREAM_ID, jpeg, record, records, run_loop, service
+from tests.fakes import STREAM_ID, FakeConsumer, jpeg, record, records, run_loop, service
 
 
 def assert_each_learned_once(state: LearnerState, learned: list[tuple[str, int]], indices: range) -> None:
@@ -123,6 +123,23 @@ def test_a_restart_restores_learned_ids_and_nothing_in_flight(tmp_path, monkeypa
     consumer = run_loop(monkeypatch, loop2, log + records([0, 19], start=20))  # read again from offset 16
     assert sorted(i for _, i in learned) == [16, 17, 18, 19] and restarted.learner.samples_seen == 20
     assert restarted.intake.book.replays_skipped == 2 and consumer.committed == {"images:0": 22}
+
+
+def test_before_a_revocation_the_state_is_written_and_nothing_committed(tmp_path):
+    """Partitions being taken away: what is pending is learned and the checkpoint written and waited for, but no
+    offset is committed (a blocking consumer call would stall the rebalance that called); a write at any other
+    occasion commits its offsets."""
+    state, loop, _ = service(tmp_path)
+    loop.consumer = consumer = FakeConsumer(loop, [])
+    for r in records(list(range(20))):
+        loop.accept([r])
+    loop.let_go(["images:0"])
+    assert load_checkpoint(state.cfg.checkpoint_dir / CHECKPOINT)["offsets"] == {"images:0": 20}
+    assert state.samples_seen == 20 and consumer.committed == {}
+    loop.accept([record(20, 20)])
+    loop.state.learn_pending()
+    loop.persist()
+    assert consumer.committed == {"images:0": 21}
 
 
 # --- offsets: stored only past records with nothing pending before them -----------------------------------------

@@ -32,7 +32,7 @@ from mepo_stream.images import ImageLimits
 from mepo_stream.model import BundleParts
 from mepo_stream.records import RecordError, parse_headers, record_headers
 from server.config import ServeConfig, model_config, replica_of
-from server.learner.state import CHECKPOINT, build_learner, open_learner
+from server.learner.state import CHECKPOINT, StateWriteFailed, build_learner, open_learner
 from server.metrics import ServerMetrics
 from server.replica.follower import Refused, ReplicaModel
 from server.snapshot import take_snapshot
@@ -122,6 +122,9 @@ def test_a_failed_checkpoint_commits_nothing(tmp_path, monkeypatch, first_in_fli
                           "disk full); the learner stops: nothing was committed past its last written state, a "
                           "restart resumes from there")  # the loop stops, reports, and keeps serving
     assert consumer.committed == load_checkpoint(state.cfg.checkpoint_dir / CHECKPOINT)["offsets"] == {f"{TOPIC}:0": 16}
+    assert isinstance(loop.failure, StateWriteFailed)  # kept: nothing more is written, even on a revocation
+    if first_in_flight_at_32:  # the failed write's offsets count as unsaved again (nothing was learned after 40)
+        assert set(state.intake.book.unsaved_keys()) == {f"{TOPIC}:0"}
 
 
 def test_a_failed_offset_commit_is_only_logged(tmp_path, monkeypatch, caplog):
