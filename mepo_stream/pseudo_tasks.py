@@ -57,7 +57,8 @@ def _generator(seed: int, meta_epoch: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + meta_epoch)
 
 
-def meta_epoch_plan(targets: Sequence[int], cfg: PseudoTaskConfig, seed: int, meta_epoch: int) -> list[GroupPlan]:
+def meta_epoch_plan(targets: Sequence[int] | torch.Tensor, cfg: PseudoTaskConfig, seed: int, meta_epoch: int
+                    ) -> list[GroupPlan]:
     """The groups of one meta-epoch over a dataset with labels ``targets`` (sample indices in the plan)."""
     if not 0.0 < cfg.val_ratio < 1.0:
         raise ValueError(f"val_ratio must be in (0, 1), got {cfg.val_ratio}")

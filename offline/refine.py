@@ -367,7 +367,7 @@ class Trainer:
 
     def run_epoch(self, epoch: int, tasks: PseudoTaskConfig) -> dict[str, float]:
         """One meta-epoch of the configured mode over that epoch's plan; returns its last losses."""
-        plans = meta_epoch_plan(self.images.targets.tolist(), tasks, self.cfg.seed, epoch)
+        plans = meta_epoch_plan(self.images.targets, tasks, self.cfg.seed, epoch)
         g = torch.Generator().manual_seed(self.cfg.seed * 7919 + epoch)
         desc = f"{self.cfg.mode} {epoch}/{self.cfg.meta_epochs}"
         images = epoch_images(plans, self.cfg.inner_epochs)
@@ -513,7 +513,7 @@ def refine(
     start = time.time()
     torch.manual_seed(loop.seed)
     images = load_split(data, "train")
-    plans = meta_epoch_plan(images.targets.tolist(), tasks, loop.seed, 1)
+    plans = meta_epoch_plan(images.targets, tasks, loop.seed, 1)
     trainer = Trainer.create(backbone, images, loop, ddp)
     ckpt = checkpoint_path(out)
     first, history = trainer.restore(ckpt) if resume and ckpt.is_file() else (1, [])
