@@ -28,8 +28,10 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
 
+import yaml
+
 from mepo_stream.errors import ConfigError
-from mepo_stream.recipes import mark_given
+from mepo_stream.recipes import mark_given, typed_under
 from mepo_stream.shutdown import Stopped, stop_signals
 
 COMMANDS_GROUP = "mepo.commands"
@@ -196,14 +198,42 @@ def config_options(config, prefix: str = "--") -> list[str]:
     return options
 
 
-def typed_options(argv: list[str]) -> frozenset[str]:
-    """The option names on a command line, without their dashes.
+def given_options(argv: list[str]) -> frozenset[str]:
+    """The dotted option names a command line gives: those typed, and the fields a config file it names sets
+    (``--config FILE``, or a group's ``--loop FILE.yaml``), which count as given as typed ones do.
 
     Example:
-        >>> sorted(typed_options(["refine", "--preset", "best", "--loop.head=mlp", "--out", "-"]))
+        >>> sorted(given_options(["refine", "--preset", "best", "--loop.head=mlp", "--out", "-"]))
         ['loop.head', 'out', 'preset']
     """
-    return frozenset(m.group(1) for a in argv if (m := re.match(r"^--([^=]+)", a)))
+    given: set[str] = set()
+    for i, arg in enumerate(argv):
+        if not (m := re.match(r"^--([^=]+)(?:=(.*))?$", arg)):
+            continue
+        name, value = m.group(1), m.group(2) if m.group(2) is not None else next(iter(argv[i + 1:]), None)
+        values = _file_values(value)
+        if values is None:
+            given.add(name)
+        else:
+            given |= {name if key == "" else key if name == "config" else f"{name}.{key}"
+                      for key in _dotted(values)}
+    return frozenset(given)
+
+
+def _file_values(value: str | None) -> dict | None:
+    """The values of a YAML or JSON config file an option names, else None."""
+    path = Path(value) if value else None
+    if path is None or path.suffix not in (".yaml", ".yml", ".json") or not path.is_file():
+        return None
+    loaded = yaml.safe_load(path.read_text())
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def _dotted(values: dict, prefix: str = "") -> list[str]:
+    """A nested config's field names, dotted (``{"loop": {"head": "mlp"}}`` -> ``loop.head``)."""
+    return [name for key, value in values.items()
+            for name in (_dotted(value, f"{prefix}{key}.") if isinstance(value, dict) and value
+                         else [f"{prefix}{key}"])]
 
 
 def marking_typed(command: Callable, typed: frozenset[str]) -> Callable:
@@ -214,8 +244,7 @@ def marking_typed(command: Callable, typed: frozenset[str]) -> Callable:
     def run(*args, **kwargs):
         for name, value in kwargs.items():
             if dataclasses.is_dataclass(value) and not isinstance(value, type):
-                mark_given(value, {"" if t == name else t.removeprefix(f"{name}.") for t in typed
-                                   if t == name or t.startswith(f"{name}.")})
+                mark_given(value, typed_under(name, typed))
         return command(*args, **kwargs)
     return run
 
@@ -256,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
             reason := missing.get(asked) or missing.get(asked[:1])):
         print(f"mepo: error: {reason}", file=sys.stderr)
         raise SystemExit(2)
-    tree = _flatten(available, runners, typed_options(args))
+    tree = _flatten(available, runners, given_options(args))
     cli = functools.partial(CLI, tree, args=args, as_positional=False, prog="mepo",
                             description="MePo streaming continual learner: refine, evaluate, serve.")
     if {"-h", "--help"} & set(args) and (brief := _brief(tree, args)) is not None:

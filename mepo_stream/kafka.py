@@ -48,7 +48,7 @@ class KafkaConfig:
     group_id: str = "mepo-learner"
     """Consumer group of the learner."""
     snapshot_topic: str | None = "mepo.snapshots"
-    """Compacted topic the learner publishes its model snapshots to and ``--role replica`` servers follow (null:
+    """Compacted topic the learner publishes its model snapshots to and ``mepo replica`` servers follow (null:
     the learner publishes none)."""
     state_topic: str | None = None
     """Compacted topic of per-partition learner state: set, learning scales out over a consumer group (each

@@ -16,13 +16,15 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from mepo_stream.recipes import layer, load
+from mepo_stream.recipes import given, layer, load
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
+log = logging.getLogger(__name__)
 PresetName = Literal["demo", "balanced", "best", "paper"]
 L = TypeVar("L", bound="DataclassInstance")
 P = TypeVar("P", bound="DataclassInstance")
@@ -54,4 +56,8 @@ def recipe(name: str) -> dict[str, dict[str, Any]]:
 def apply_preset(name: str, loop: L, tasks: P) -> tuple[L, P]:
     """The refine's ``loop`` and ``tasks`` with preset ``name`` layered under the fields their caller gave."""
     values = recipe(name)
+    for group, config in (("loop", loop), ("tasks", tasks)):
+        if values[group] and given(config) >= values[group].keys():
+            log.warning("--preset %s sets nothing of --%s: every field it sets was given (a config made by "
+                        "dataclasses.replace gives all its fields; pass only yours to its constructor)", name, group)
     return layer(loop, values["loop"], BUDGET), layer(tasks, values["tasks"])

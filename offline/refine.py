@@ -493,14 +493,14 @@ def refine(
         method_config: Prompt layout of the ISA host (--method_config.misa.e_pool, ...; as for mepo isa).
         guard: The held-out probe on the pretraining data's test split, before and after every meta-epoch.
         resume: Continue from <out>.checkpoint.pt if it exists.
-        preset: A named recipe for --loop and --tasks (offline/presets.py), measured on a 2-core AMD EPYC with
-            bf16 (docs/refine.md; A_last of the default learner on Tiny-ImageNet downstream / CIFAR-10, the mean
-            of three refine seeds): demo (2.5 minutes of training; at 16,000 images, 2.0 min on 2 cores: 53.9 /
-            79.6 %), balanced (50,000 images, 5.8 min on 2 cores: 59.4 / 84.7 %), best (100,000 images, 10.7 min
-            on 2 cores: 62.5 / 85.8 %), paper (the reference code's Meta Rep).
-            The fields given (typed on the command line, or passed to RefineConfig or PseudoTaskConfig from
-            Python) win over it, even at their default value; a budget given (--loop.meta_epochs, --loop.steps or
-            --loop.minutes) replaces the preset's.
+        preset: A named recipe for --loop and --tasks (mepo_stream/recipes/refine_<name>.yaml), measured on a
+            2-core AMD EPYC with bf16 (docs/refine.md; A_last of the default learner on Tiny-ImageNet downstream
+            / CIFAR-10, the mean of three refine seeds): demo (2.5 minutes of training; at 16,000 images, 2.0
+            min on 2 cores: 53.9 / 79.6 %), balanced (50,000 images, 5.8 min on 2 cores: 59.4 / 84.7 %), best
+            (100,000 images, 10.7 min on 2 cores: 62.5 / 85.8 %), paper (the reference code's Meta Rep).
+            The fields given (typed on the command line, set by a --config file, or passed to RefineConfig or
+            PseudoTaskConfig from Python) win over it, even at their default value; a budget given
+            (--loop.meta_epochs, --loop.steps or --loop.minutes) replaces the preset's.
     """
     if preset is not None:
         loop, tasks = apply_preset(preset, loop, tasks)

@@ -70,6 +70,8 @@ class ServeConfig:
     role: ClassVar[Literal["learner", "replica"]] = "learner"
     """The service this config starts: the learner, which learns the image topic, serves, and publishes every
     snapshot to --kafka.snapshot_topic (a ``ReplicaConfig`` starts a replica). Not an option: the command's."""
+    command: ClassVar[str] = "serve"
+    """The ``mepo`` command that takes this config."""
     publish_interval_s: float = 1.0
     """Least seconds between two snapshots the learner publishes: versions learned in between are skipped, the
     newest one is always published."""
@@ -156,6 +158,7 @@ class DemoConfig(ServeConfig):
     """Bundled dataset to stream (cifar10, tinyimagenet-downstream) or an ImageFolder root, and its test split."""
     default_img_size: ClassVar[int] = 84
     """Without a bundle the demo runs at 84 px: fast on a CPU."""
+    command: ClassVar[str] = "demo"
 
     protocol: ProtocolConfig = ProtocolConfig(eval_period=32)
     """Any-time evaluation every 32 samples: 15 points on the 500-sample stream's curve. A period that is a multiple
@@ -179,17 +182,20 @@ class ReplicaConfig(ServeConfig):
 
     The model each snapshot defines is built with the backbone weights and --mepo bundle on this machine's disk.
 
-    Every ``mepo serve`` option applies; the model's are the snapshot's (one of its own that contradicts the
-    snapshot is refused). Example: ``mepo replica --kafka.bootstrap_servers k1:9092 --port 8001``.
+    It takes ``mepo serve``'s options: the broker's, the serving ones (``--host``, ``--port``, ``--grpc_port``,
+    ``--limits.*``, ...) and the model's, which must agree with the snapshot's (one that contradicts it is refused);
+    the learner's own (its data, checkpoints, learning, the label join) are ignored.
+    Example: ``mepo replica --kafka.bootstrap_servers k1:9092 --port 8001``.
     """
 
     role: ClassVar[Literal["learner", "replica"]] = "replica"
+    command: ClassVar[str] = "replica"
 
 
 def replica_of(learner: ServeConfig, **changes: object) -> ReplicaConfig:
     """A replica of the learner ``learner`` configures (its broker, topics, backbone and bundle), with ``changes``
     (``port=8001``). (A function, not a method: the CLI would take a method for a subcommand.)"""
-    return ReplicaConfig(**{**{f.name: getattr(learner, f.name) for f in fields(learner)}, **changes})
+    return ReplicaConfig(**{**{f.name: getattr(learner, f.name) for f in fields(ReplicaConfig)}, **changes})
 
 
 def bundle_parts(cfg: ServeConfig) -> BundleParts:

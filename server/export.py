@@ -23,7 +23,7 @@ import json
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from kafka import KafkaConsumer, TopicPartition
 
@@ -55,6 +55,8 @@ class ExportConfig(ServeConfig):
 
     Example: ``mepo export --format onnx --source checkpoint --checkpoint_dir runs/serve --out model.onnx``.
     """
+
+    command: ClassVar[str] = "export"
 
     format: Literal["onnx", "triton"] = "onnx"
     """``onnx``: one .onnx file at --out. ``triton``: a model repository at --out (``<model_name>/config.pbtxt``,

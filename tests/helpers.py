@@ -124,11 +124,6 @@ def settings(broker, tmp_path: Path, **kw) -> ServeConfig:
     return replace(cfg, **kw)
 
 
-def command_of(cfg: ServeConfig) -> str:
-    """The command that runs ``cfg``: ``mepo replica`` for a replica's, else ``mepo serve``."""
-    return "replica" if cfg.role == "replica" else "serve"
-
-
 def serve_args(cfg: ServeConfig) -> list[str]:
     """``cfg`` as ``mepo serve`` flags (``mepo_stream.cli.config_options``, the one place that knows the option
     layout); ``tests/test_cli.py`` parses the flags back and checks that the command gets exactly ``cfg``."""
@@ -142,7 +137,7 @@ class ServeProcess(subprocess.Popen):
         self.log = log
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         with open(log, "ab") as out:
-            super().__init__([sys.executable, "-m", "mepo_stream.cli", command_of(cfg), *serve_args(cfg)], stdout=out,
+            super().__init__([sys.executable, "-m", "mepo_stream.cli", cfg.command, *serve_args(cfg)], stdout=out,
                              stderr=subprocess.STDOUT, env=env)
 
     def running(self) -> bool:

@@ -8,11 +8,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+import yaml
 
 from benchmarks.experiments.refine_frontier import recipe, refine_seed_groups
 from mepo_stream.artifacts import load_part, read_manifest
 from mepo_stream.backbone import BackboneConfig, create_backbone
-from mepo_stream.cli import main
+from mepo_stream.cli import given_options, main
 from mepo_stream.data import load_split
 from mepo_stream.errors import ConfigError
 from mepo_stream.meta import CosineHead
@@ -156,6 +157,15 @@ def test_a_preset_sets_what_the_caller_did_not_give(tmp_path):
     assert (manifest["refine"]["steps"], manifest["refine"]["minutes"]) == (3, None)  # the user's budget, alone
 
 
+def test_a_preset_that_can_set_nothing_says_so(caplog):
+    """A config made by ``dataclasses.replace`` gives every field, so a preset layered under it sets nothing: the
+    refine warns instead of dropping the preset silently."""
+    with caplog.at_level("WARNING", logger="offline.presets"):
+        loop, tasks = apply_preset("best", replace(RefineConfig(), seed=2), PseudoTaskConfig())
+    assert (loop.head, tasks.samples_per_class) == ("mlp", 250)
+    assert "--preset best sets nothing of --loop" in caplog.text and "of --tasks" not in caplog.text
+
+
 def test_from_python_a_preset_gives_the_same_refine_as_on_the_command_line(tmp_path):
     """``refine(preset="best", ...)`` and ``mepo refine --preset best ...`` with the same options given (one of them
     at its default, which the preset changes): the same recipe, the same bundle."""
@@ -236,6 +246,22 @@ def test_on_the_command_line_a_typed_option_wins_over_the_preset_even_at_its_def
     loop = read_manifest(tmp_path / "b")["refine"]
     assert (loop["label_smoothing"], loop["optimizer"], loop["head"]) == (0.0, "adamw", "cosine")
     assert loop["batch_size"] == 16  # typed off its default: as before
+
+
+def test_a_config_files_fields_hold_over_the_preset_as_typed_options_do(tmp_path):
+    """``--config FILE --preset demo`` and ``--loop FILE --preset demo``: the file's values (one of them at its
+    default) hold over the preset's, and the fields it leaves out take the preset's."""
+    whole, group = tmp_path / "whole.yaml", tmp_path / "loop.yaml"
+    whole.write_text(yaml.safe_dump({"loop": {"lr_head": 0.05, "label_smoothing": 0.0}}))
+    group.write_text(yaml.safe_dump({"lr_head": 0.05, "label_smoothing": 0.0}))
+    assert given_options(["refine", "--config", str(whole), f"--loop={group}"]) == {
+        "loop.lr_head", "loop.label_smoothing"}
+    for name, option in (("whole", ["--config", str(whole)]), ("group", ["--loop", str(group)])):
+        main(["refine", *option, "--preset", "demo", "--out", str(tmp_path / name), *CLI_ARGS,
+              "--loop.train_img_size", "16"])
+        loop = read_manifest(tmp_path / name)["refine"]
+        assert (loop["lr_head"], loop["label_smoothing"], loop["optimizer"], loop["head"]) == (
+            0.05, 0.0, "adamw", "cosine"), name
 
 
 def test_the_presets_help_quotes_the_measured_frontier():

@@ -26,7 +26,7 @@ from mepo_stream.data import list_files
 from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce
 from server.broker import free_port
-from server.config import ReplicaConfig, ServeConfig, model_config, replica_of
+from server.config import DemoConfig, ReplicaConfig, ServeConfig, model_config, replica_of
 from server.learner.state import build_learner
 from server.metrics import ServerMetrics
 from server.replica.follower import ReplicaService
@@ -209,3 +209,12 @@ def test_parts_of_different_publications_never_mix_and_the_newest_complete_one_w
     with pytest.raises(CorruptSnapshot, match="sha256"):
         for record in [(key, value[::-1], headers), *v2[1:]]:
             fresh.add(*record)
+
+
+def test_a_replica_of_any_learner_config_keeps_its_broker_and_model_and_runs_as_mepo_replica():
+    """``replica_of`` takes the replica's fields from a learner's config of any command (a demo's too)."""
+    demo = DemoConfig(port=9001)
+    replica = replica_of(demo, port=9002)
+    assert isinstance(replica, ReplicaConfig)
+    assert (replica.role, replica.command, replica.port) == ("replica", "replica", 9002)
+    assert (replica.kafka, replica.backbone, replica.mepo) == (demo.kafka, demo.backbone, demo.mepo)

@@ -77,9 +77,9 @@ def serve_configs(spec: ServiceSpec, bootstrap: str, work: Path) -> tuple[ServeC
 def start(cfg: ServeConfig, core: int, log: Path) -> subprocess.Popen:
     """``mepo serve`` (or ``mepo replica``) with ``cfg`` on ``core``, one torch thread, from its first instruction."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    command = "replica" if cfg.role == "replica" else "serve"
-    return subprocess.Popen([*MEPO, command, *config_options(cfg)], stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            env=env, cwd=ROOT, preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+    return subprocess.Popen([*MEPO, cfg.command, *config_options(cfg)], stdout=open(log, "wb"),
+                            stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                            preexec_fn=lambda: os.sched_setaffinity(0, {core}))
 
 
 @dataclass

@@ -93,10 +93,21 @@ def mark_given(config: C, typed: Iterable[str]) -> C:
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            nested = {t.removeprefix(f"{f.name}.") for t in typed if t.startswith(f"{f.name}.") or t == f.name}
-            object.__setattr__(config, f.name, mark_given(value, {"" if t == f.name else t for t in nested}))
+            object.__setattr__(config, f.name, mark_given(value, typed_under(f.name, typed)))
     object.__setattr__(config, GIVEN, frozenset(t.split(".")[0] for t in typed))
     return config
+
+
+def typed_under(group: str, typed: Iterable[str]) -> frozenset[str]:
+    """The options of ``typed`` (dotted) inside option group ``group``, relative to it; ``""`` where the group
+    itself was given whole.
+
+    Example:
+        >>> sorted(typed_under("loop", ["loop.head", "loop", "out", "looped"]))
+        ['', 'head']
+    """
+    return frozenset("" if t == group else t.removeprefix(f"{group}.") for t in typed
+                     if t == group or t.startswith(f"{group}."))
 
 
 def layer(config: C, values: dict[str, Any], together: frozenset[str] = frozenset()) -> C:
