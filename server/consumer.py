@@ -44,6 +44,10 @@ class LoopHealth:
     consumer_lag: dict[str, int]  # records not yet learned (unread or waiting in a batch), per "topic:partition"
     error: str | None  # why the loop stopped, if it failed
 
+    def status_fields(self) -> dict:
+        """What every role's ``/v1/status`` says of its Kafka thread (each names its ``error`` its own way)."""
+        return {"paused": self.paused, "kafka_connected": self.kafka_connected, "consumer_lag": self.consumer_lag}
+
 
 class ConsumerThread:
     """A Kafka-reading loop in its own thread, with the controls the routers use: the learner's loop and a

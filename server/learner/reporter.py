@@ -92,8 +92,7 @@ class StateReporter:
             "learner_id": v.group.learner_id, "learners": v.group.learners,
             "partition_samples": dict(sorted(v.group.partition_samples.items()))}
         return LearnerStatus.model_validate({
-            "paused": health.paused, "kafka_connected": health.kafka_connected,
-            "consumer_lag": health.consumer_lag, "learner_error": health.error,
+            **health.status_fields(), "learner_error": health.error,
             "samples_seen": v.samples_seen,
             "classes_seen": v.classes_seen,
             "model_version": v.version,

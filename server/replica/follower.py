@@ -207,8 +207,7 @@ class ReplicaState:
         me = ReplicaView(model_version=snap.version, samples_seen=snap.samples_seen, lag_versions=self.lag,
                          snapshot_age_seconds=None if self.age is None else round(self.age, 1))
         return ReplicaStatus(**me.model_dump(), classes_seen=len(snap.exposed), snapshot_loaded=self.loaded,
-                             replicas={f"{self.cfg.host}:{self.cfg.port}": me}, paused=health.paused,
-                             kafka_connected=health.kafka_connected, consumer_lag=health.consumer_lag,
+                             replicas={f"{self.cfg.host}:{self.cfg.port}": me}, **health.status_fields(),
                              follower_error=health.error)
 
 
