@@ -132,6 +132,12 @@ def handled(cfg: ServeConfig, records: int) -> dict[str, PartitionState] | None:
     return states if len(states) == PARTITIONS and sum(s.offset for s in states.values()) == records else None
 
 
+def table_files(pair: list[ServeConfig]) -> bytes:
+    """The bytes of the learners' partition tables (a learner let go of a partition removes its table)."""
+    return b"".join(f.read_bytes() for cfg in pair for f in (cfg.checkpoint_dir / PARTITION_TABLES).rglob("*")
+                    if f.is_file())
+
+
 def test_two_learners_one_killed_twice_while_changes_come_end_with_the_final_tables_model(broker, tmp_path):
     """Images keyed by id on four partitions, then relabels and tombstones inline in two halves; after each half
     the second learner is killed with SIGKILL once it has written states since it started, and started again
@@ -167,8 +173,9 @@ def test_two_learners_one_killed_twice_while_changes_come_end_with_the_final_tab
             never = http.delete("/v1/samples/never-sent", headers=admin)
         assert relabel.status_code == never.status_code == 202 and never.json()["topic"] == base.kafka.topic
         states = wait_for(lambda: handled(pair[0], n + len(plan.changes) + 1), 240, "every record handled")
-        files = b"".join(f.read_bytes() for cfg in pair for f in (cfg.checkpoint_dir / PARTITION_TABLES).rglob("*")
-                         if f.is_file())  # the owned partitions' tables (a learner let go removes them)
+        files = wait_for(lambda: all(owns_partitions(c) for c in pair) and table_files(pair), 120,
+                         "both learners' partition tables (none while a rebalance has every partition let go)",
+                         ignore=(httpx.TransportError, FileNotFoundError))
     finally:
         stop(procs)
     deletions = sorted({id for _, id, label in plan.changes if label is None})
