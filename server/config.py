@@ -123,6 +123,10 @@ class ServeConfig:
     mini-batch (PIL releases the GIL while decoding); 0 decodes inline in the learner thread, between steps.
     Default: 4 when the model runs on a GPU, 0 on a CPU, whose cores the model's forward already fills
     (docs/performance.md measures both)."""
+    consumer: Literal["kafka-python", "librdkafka"] = "kafka-python"
+    """The client the learner reads the stream with: kafka-python, or librdkafka (``confluent-kafka``, the
+    ``librdkafka`` extra), which parses records in C, off the interpreter lock a fast model's step needs (a learner
+    alone only; docs/performance.md measures both)."""
     gpu_decode: bool | None = None
     """Decode the JPEGs of each Kafka poll on the model's GPU (nvjpeg, batched) and resize them there, instead of
     in ``decode_workers`` threads; other formats, and JPEGs the GPU cannot take, still decode on the CPU. Default:

@@ -148,7 +148,8 @@ def test_two_core_benchmarks_smoke(tmp_path):
 SMALL = ServiceSpec(model="test_vit", weights=None, img_size=32, mepo=None, train_per_class=2)
 
 
-@pytest.mark.parametrize("precision,configs", [("auto", None), ("bf16", GPU_LEARNER_CONFIGS)])
+@pytest.mark.parametrize("precision,configs", [("auto", None), ("bf16", GPU_LEARNER_CONFIGS),
+                                               ("auto", ("learn_only", "librdkafka_learn_only"))])
 def test_learner_throughput_measures_every_configuration_against_its_own_bare_loop(tmp_path, monkeypatch,
                                                                                      precision, configs):
     """Each configuration's service (a stand-in here: the smoke runs start the real one for the first
@@ -159,7 +160,8 @@ def test_learner_throughput_measures_every_configuration_against_its_own_bare_lo
     served = []
 
     def service_round(spec, prequential, work):
-        served.append((spec.method, spec.learner.classifier, spec.learner.precision, prequential))
+        consumer = spec.extra[spec.extra.index("--consumer") + 1] if "--consumer" in spec.extra else "kafka-python"
+        served.append((spec.method, spec.learner.classifier, spec.learner.precision, prequential, consumer))
         return {"service_samples_per_s": 50.0, "rss_bytes_at_10pct": 100, "rss_bytes_at_100pct": 101,
                 "rss_growth": 0.01, "measured_between_samples": [3, 20], "dead_lettered": 0}
 
@@ -169,18 +171,22 @@ def test_learner_throughput_measures_every_configuration_against_its_own_bare_lo
     monkeypatch.setattr(throughput, "bare_rate", lambda *a: bare.append(a[0].learner.precision) or real_bare_rate(*a))
     spec = replace(SMALL, learner=replace(SMALL.learner, precision=precision))
     result = throughput.main(spec, bare_batches=1, rounds=1, configs=configs, work=tmp_path, out=tmp_path / "r.json")
-    expected = {"learn_only": ("frozen", "slda", precision, False),
-                "prequential": ("frozen", "slda", precision, True),
-                "paper_recipe": ("misa", "linear", precision, True),
-                "int8_learn_only": ("frozen", "slda", "int8", False)}
-    names = list(configs or throughput.configurations(spec))  # int8_learn_only on the CPU only
+    expected = {"learn_only": ("frozen", "slda", precision, False, "kafka-python"),
+                "prequential": ("frozen", "slda", precision, True, "kafka-python"),
+                "paper_recipe": ("misa", "linear", precision, True, "kafka-python"),
+                "int8_learn_only": ("frozen", "slda", "int8", False, "kafka-python"),
+                "librdkafka_learn_only": ("frozen", "slda", precision, False, "librdkafka")}
+    names = list(configs or [name for name in throughput.configurations(spec)  # int8_learn_only on the CPU only
+                             if name not in throughput.ON_REQUEST])
     assert served == [expected[n] for n in names] and bare == [expected[n][2] for n in names for _ in "ab"]
     for name in names:
         c = result[name]
         assert c["bare_samples_per_s"] > 0 and c["ratio"] == pytest.approx(50.0 / c["bare_samples_per_s"])
         assert (c["method"], c["classifier"]) == expected[name][:2] and len(c["rounds"]) == 1
     assert json.loads((tmp_path / "r.json").read_text())["stream_samples"] == 20
-    assert "Learner throughput from Kafka, misa + linear (the paper's recipe)" in table({"learner_throughput": result})
+    text = table({"learner_throughput": result})
+    assert ("Learner throughput from Kafka, misa + linear (the paper's recipe)" in text) == ("paper_recipe" in names)
+    assert ("frozen + slda, read with librdkafka" in text) == ("librdkafka_learn_only" in names)
 
 
 def test_scale_out_same_model_finds_the_sums_of_two_parts_the_whole_and_predicts_identically():

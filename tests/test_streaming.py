@@ -167,11 +167,13 @@ def test_open_inference_protocol_infer(broker, tmp_path):
         assert http.get("/v2/models/mepo").json()["inputs"][0]["datatype"] == "BYTES"
 
 
-def test_kill_9_mid_stream_then_a_restart_ends_exactly_as_an_uninterrupted_run(broker, tmp_path):
+@pytest.mark.parametrize("consumer", ["kafka-python", "librdkafka"])
+def test_kill_9_mid_stream_then_a_restart_ends_exactly_as_an_uninterrupted_run(broker, tmp_path, consumer):
     """After a hard kill mid-stream and a restart, every sample is learned exactly once with no replay skipped
     (the offsets rolled back exactly with the model), and the learner's state equals that of an uninterrupted
-    run on the same stream and seed (the default learner is deterministic on CPU), tensor by tensor."""
-    cfg = settings(broker, tmp_path / "crash", protocol=ProtocolConfig(eval_period=0))
+    run on the same stream and seed (the default learner is deterministic on CPU), tensor by tensor. The killed
+    learner reads with either client (``--consumer``); the uninterrupted one with kafka-python."""
+    cfg = settings(broker, tmp_path / "crash", protocol=ProtocolConfig(eval_period=0), consumer=consumer)
     n = produce(DATA, STREAM, cfg.kafka, ReplayConfig())
     learner = serve_process(cfg, tmp_path / "serve.log")
     try:

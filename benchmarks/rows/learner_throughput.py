@@ -164,10 +164,15 @@ def learning_window(trace: list[tuple[float, int, int]], n: int, batch_size: int
     return (start, during[-1]) if during else (trace[0], trace[-1])
 
 
+ON_REQUEST = ("librdkafka_learn_only",)
+"""Configurations measured only when named: the client matters beside a nearly free model (``learner_overhead``)."""
+
+
 def configurations(spec: ServiceSpec) -> dict[str, tuple[ServiceSpec, bool]]:
     """The measured configurations: name -> (spec, test-then-train prediction); on the CPU also the default
     learning only with its backbone in int8 (``--learner.precision int8``, against its own int8 bare loop)."""
-    known = {"learn_only": (spec, False), "prequential": (spec, True), "paper_recipe": (paper_recipe(spec), True)}
+    known = {"learn_only": (spec, False), "prequential": (spec, True), "paper_recipe": (paper_recipe(spec), True),
+             "librdkafka_learn_only": (replace(spec, extra=(*spec.extra, "--consumer", "librdkafka")), False)}
     if spec.placement()[0].type == "cpu":
         known["int8_learn_only"] = (replace(spec, learner=replace(spec.learner, precision="int8")), False)
     return known
@@ -184,8 +189,8 @@ def main(spec: ServiceSpec = ServiceSpec(), eval_period: int = 0, bare_batches: 
             which the bare loop does not do).
         bare_batches: Timed mini-batches of each bare run.
         rounds: Service runs per configuration, each between two bare runs; the median round is reported.
-        configs: The configurations to measure (null: all of learn_only, prequential, paper_recipe and, on the
-            CPU, int8_learn_only).
+        configs: The configurations to measure (null: learn_only, prequential, paper_recipe and, on the CPU,
+            int8_learn_only; librdkafka_learn_only, the learner reading with ``--consumer librdkafka``, when named).
         work: Broker and service logs and the service's checkpoint.
         out: JSON result path.
     """
@@ -196,8 +201,9 @@ def main(spec: ServiceSpec = ServiceSpec(), eval_period: int = 0, bare_batches: 
         raise ValueError(f"unknown configuration(s) {sorted(unknown)}; choose from {', '.join(known)}")
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
+    chosen = configs if configs is not None else [name for name in known if name not in ON_REQUEST]
     measured = {name: measure(s, prequential, bare_batches, rounds, work / name)
-                for name, (s, prequential) in known.items() if configs is None or name in configs}
+                for name, (s, prequential) in known.items() if name in chosen}
     return write_result({
         "benchmark": "learner_throughput", "spec": spec.as_json(),
         "stream_samples": len(list_files(spec.data, "train").files), "batch_size": spec.learner.batch_size,
@@ -209,9 +215,10 @@ def table_rows(r: dict) -> list[Row]:
     """The table's rows of a result: each configuration it measured (the service against its own bare loop), and
     the memory of the test-then-train run."""
     rows: list[Row] = []
-    for name in ("learn_only", "prequential", "paper_recipe", "int8_learn_only"):
+    for name in ("learn_only", "librdkafka_learn_only", "prequential", "paper_recipe", "int8_learn_only"):
         if c := r.get(name):  # the configurations a row measures (int8 on the CPU only; the smoke run: the first)
-            recipe = {"paper_recipe": " (the paper's recipe)", "int8_learn_only": ", int8 backbone"}.get(name, "")
+            recipe = {"paper_recipe": " (the paper's recipe)", "int8_learn_only": ", int8 backbone",
+                      "librdkafka_learn_only": ", read with librdkafka"}.get(name, "")
             what = "with test-then-train prediction" if c["prequential"] else "learning only"
             dtype = "int8" if name == "int8_learn_only" else r["machine"]["dtype"]
             rows.append((f"Learner throughput from Kafka, {c['method']} + {c['classifier']}{recipe}, {what} "

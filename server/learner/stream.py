@@ -46,10 +46,12 @@ from kafka.structs import OffsetAndMetadata
 
 from mepo_stream.errors import ConfigError
 from mepo_stream.kafka import ensure_topics, open_producer
+from server.config import ServeConfig
 from server.consumer import PROBE_EVERY_S, ConsumerThread, broker_answers
 from server.learner.arrival import Prediction, Retraction
 from server.learner.book import tp_key
 from server.learner.intake import DeadLetter, InlineExecutor
+from server.learner.librdkafka import LibrdkafkaConsumer, check_available, librdkafka_settings
 from server.learner.state import LearnerState, StateWriteFailed, changes_waiting, checkpoint_due
 
 log = logging.getLogger(__name__)
@@ -111,6 +113,22 @@ def decode_executor(workers: int | None, dev: torch.device) -> Executor:
     if workers is None:
         workers = 4 if dev.type == "cuda" else 0
     return ThreadPoolExecutor(workers, thread_name_prefix="mepo-decode") if workers > 0 else InlineExecutor()
+
+
+CONSUMER_TIMING = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 2000, "max_poll_interval_ms": 600_000,
+                   "fetch_max_bytes": 16 * 1024 * 1024, "fetch_max_wait_ms": 100}
+"""The learner's consumer settings for either client. ``fetch_max_wait_ms`` is how long a fetch that finds nothing
+new waits at the broker, not Kafka's 500: the embedded broker answers only once it is over, so a lone deletion
+waits it whole (docs/corrections.md)."""
+
+
+def open_consumer(cfg: ServeConfig) -> KafkaConsumer:
+    """The learner's consumer, on the client ``--consumer`` names: a group member that commits only what a
+    checkpoint holds and starts a partition without a committed offset at its beginning."""
+    if cfg.consumer == "librdkafka":
+        return LibrdkafkaConsumer(librdkafka_settings(cfg.kafka, **CONSUMER_TIMING))
+    return KafkaConsumer(**cfg.kafka.client_options(), group_id=cfg.kafka.group_id, enable_auto_commit=False,
+                         auto_offset_reset="earliest", max_poll_records=cfg.learner.batch_size, **CONSUMER_TIMING)
 
 
 def commit_offsets(consumer: KafkaConsumer | None, offsets: dict[str, int],
@@ -175,6 +193,8 @@ class LearnerLoop(ConsumerThread):
         self._checkpoint_request = threading.Event()
         self.consumer: KafkaConsumer | None = None
         self.producer: KafkaProducer | None = None
+        if self.cfg.consumer == "librdkafka":
+            check_available(self.cfg.kafka)
         self.decoder = decode_executor(self.cfg.decode_workers, state.learner.device)
         self.decodes_between_steps = isinstance(self.decoder, InlineExecutor)  # see _read_while_learning
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="mepo-checkpoint")
@@ -197,12 +217,7 @@ class LearnerLoop(ConsumerThread):
         if k.labels_topic is not None:
             ensure_topics(k, k.labels_topic, k.predictions_topic)
         self.producer = open_producer(k, linger_ms=5)
-        self.consumer = KafkaConsumer(
-            **k.client_options(), group_id=k.group_id, enable_auto_commit=False, auto_offset_reset="earliest",
-            session_timeout_ms=6000, heartbeat_interval_ms=2000, max_poll_interval_ms=600_000,
-            max_poll_records=self.cfg.learner.batch_size, fetch_max_bytes=16 * 1024 * 1024,
-            fetch_max_wait_ms=100,  # how long a fetch that finds nothing new waits at the broker, not Kafka's 500:
-        )  # the embedded broker answers only once it is over: a lone deletion waits it whole (docs/corrections.md)
+        self.consumer = open_consumer(self.cfg)
         topics = [k.topic] if k.labels_topic is None else [k.topic, k.labels_topic]
         self.consumer.subscribe(topics, listener=SeekToHandled(self))
 

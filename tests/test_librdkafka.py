@@ -1,0 +1,42 @@
+"""``--consumer librdkafka``: where it is refused, and the settings librdkafka gets (its run against the real broker
+is ``tests/test_streaming.py::test_kill_9_mid_stream_then_a_restart_ends_exactly_as_an_uninterrupted_run``)."""
+
+import pytest
+
+from mepo_stream.errors import ConfigError
+from mepo_stream.kafka import KafkaConfig
+from server.learner.librdkafka import check_available, librdkafka_settings
+from server.learner.stream import CONSUMER_TIMING
+
+
+def test_a_group_of_learners_is_refused_with_the_reason():
+    with pytest.raises(ConfigError, match="state_topic"):
+        check_available(KafkaConfig(state_topic="mepo.state"))
+    check_available(KafkaConfig())  # a learner alone may
+
+
+def test_without_confluent_kafka_the_refusal_names_the_extra(monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match=r"mepo-stream\[librdkafka\]"):
+        check_available(KafkaConfig())
+
+
+def test_settings_carry_the_group_the_security_and_never_commit_on_their_own():
+    kafka = KafkaConfig(bootstrap_servers="k1:9092,k2:9092", group_id="g", security_protocol="SASL_SSL",
+                        sasl_mechanism="SCRAM-SHA-512", sasl_plain_username="learner", sasl_plain_password="pw",
+                        ssl_cafile="/ca.pem")
+    settings = librdkafka_settings(kafka, **CONSUMER_TIMING)
+    assert settings["bootstrap.servers"] == "k1:9092,k2:9092" and settings["group.id"] == "g"
+    assert (settings["security.protocol"], settings["sasl.mechanism"], settings["sasl.username"],
+            settings["sasl.password"], settings["ssl.ca.location"]) == ("SASL_SSL", "SCRAM-SHA-512", "learner", "pw",
+                                                                       "/ca.pem")
+    assert settings["enable.auto.commit"] is False and settings["auto.offset.reset"] == "earliest"
+    assert "ssl.key.location" not in settings  # an unset field is left to librdkafka's default
+
+
+def test_librdkafka_takes_those_settings():
+    from server.learner.librdkafka import LibrdkafkaConsumer
+
+    consumer = LibrdkafkaConsumer(librdkafka_settings(KafkaConfig(bootstrap_servers="127.0.0.1:1"), **CONSUMER_TIMING))
+    assert consumer.assignment() == set()  # librdkafka refuses a setting it does not know, at construction
+    consumer.close()
