@@ -41,7 +41,7 @@ def help_entries(text: str) -> dict[str, str]:
     current: list[str] | None = None
     for line in text.splitlines():
         if m := re.match(r"^  (-\S.*?)(?:\s{2,}(\S.*))?$", line):  # "  --opt METAVAR   help"
-            name = re.findall(r"-{1,2}\w(?:[\w.]*\w)?", m.group(1))[-1]  # the long form
+            name = re.findall(r"(?:^|, )(-{1,2}\w(?:[\w.]*\w)?)", m.group(1))[-1]  # the long form, not a choice
             current = entries.setdefault(name, [m.group(2) or ""])
         elif m := re.match(r"^    (\w+)(?:\s{2,}(\S.*))?$", line):  # a subcommand: "    import   help"
             current = entries.setdefault(m.group(1), [m.group(2) or ""])

@@ -19,6 +19,7 @@ Only a learner alone uses it for now: a group of learners (``--kafka.state_topic
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Iterable
 from typing import Any, NamedTuple, cast
 
@@ -33,6 +34,8 @@ CLIENT_OPTIONS = {"security_protocol": "security.protocol", "sasl_mechanism": "s
                   "ssl_cafile": "ssl.ca.location", "ssl_certfile": "ssl.certificate.location",
                   "ssl_keyfile": "ssl.key.location"}
 """``KafkaConfig``'s security fields by their librdkafka names."""
+
+log = logging.getLogger(__name__)
 
 
 class Record(NamedTuple):
@@ -53,6 +56,17 @@ def _record(message) -> Record:
     assert topic is not None and partition is not None and offset is not None
     headers = cast(list[tuple[str, bytes]] | None, message.headers())  # as consumed: a list of (str, bytes) pairs
     return Record(topic, partition, offset, message.key(), message.value(), headers, message.timestamp()[1])
+
+
+def _log_error(error) -> None:
+    """librdkafka's client-wide errors (a broker down, a failed connection), which it retries itself: logged."""
+    log.warning("librdkafka: %s", error)
+
+
+def _log_failed_commit(error, partitions) -> None:
+    """An asynchronous commit's answer: a failure is only logged, the checkpoint holds the offsets."""
+    if error is not None:
+        log.warning("offset commit failed (the checkpoint holds them): %s", error)
 
 
 def check_available(kafka: KafkaConfig) -> None:
@@ -83,7 +97,7 @@ class LibrdkafkaConsumer:
     def __init__(self, settings: dict[str, Any]):
         from confluent_kafka import Consumer
 
-        self._consumer = Consumer(settings)
+        self._consumer = Consumer({**settings, "error_cb": _log_error, "on_commit": _log_failed_commit})
         self._assigned: set[TopicPartition] = set()
         self._starts: dict[TopicPartition, int] | None = None  # seeks asked for while partitions are assigned
 
