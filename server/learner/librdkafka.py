@@ -11,9 +11,10 @@ loop, its rebalance listener and its offsets are the same whichever client reads
 * the rebalance listener runs inside ``poll``, in the learner thread (kafka-python runs it on its IO thread while
   the learner thread waits in ``poll``); a seek asked for while partitions are assigned sets where they start;
 * a broker that does not answer is retried inside librdkafka: ``poll`` returns nothing, and the loop's probe
-  (``beginning_offsets``, a round trip) reports it disconnected.
+  (``beginning_offsets``, a round trip) is what can report it disconnected.
 
-Only a learner alone uses it for now: a group of learners (``--kafka.state_topic``) keeps kafka-python.
+Only a learner alone uses it for now: a group of learners (``--kafka.state_topic``) keeps kafka-python, and the
+broker-stall and group tests run kafka-python only.
 """
 
 from __future__ import annotations
