@@ -30,11 +30,11 @@ from kafka.errors import KafkaError
 from mepo_stream.errors import ConfigError
 from mepo_stream.kafka import KafkaConfig
 
-CLIENT_OPTIONS = {"security_protocol": "security.protocol", "sasl_mechanism": "sasl.mechanism",
-                  "sasl_plain_username": "sasl.username", "sasl_plain_password": "sasl.password",
-                  "ssl_cafile": "ssl.ca.location", "ssl_certfile": "ssl.certificate.location",
-                  "ssl_keyfile": "ssl.key.location"}
-"""``KafkaConfig``'s security fields by their librdkafka names."""
+LIBRDKAFKA_NAMES = {"security_protocol": "security.protocol", "sasl_mechanism": "sasl.mechanism",
+                    "sasl_plain_username": "sasl.username", "sasl_plain_password": "sasl.password",
+                    "ssl_cafile": "ssl.ca.location", "ssl_certfile": "ssl.certificate.location",
+                    "ssl_keyfile": "ssl.key.location"}
+"""librdkafka's names of the options ``KafkaConfig.client_options`` gives kafka-python."""
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +83,9 @@ def librdkafka_settings(kafka: KafkaConfig, session_timeout_ms: int, heartbeat_i
                         max_poll_interval_ms: int, fetch_max_bytes: int, fetch_max_wait_ms: int) -> dict[str, Any]:
     """The learner's consumer settings in librdkafka's names: a group member that never commits on its own and
     starts a partition without a committed offset at its beginning."""
-    security = {name: getattr(kafka, field) for field, name in CLIENT_OPTIONS.items()
-                if getattr(kafka, field) is not None}
-    return {"bootstrap.servers": kafka.bootstrap_servers, "group.id": kafka.group_id, **security,
+    options = kafka.client_options()  # the one place that knows which options reach a client
+    security = {LIBRDKAFKA_NAMES[name]: value for name, value in options.items() if name != "bootstrap_servers"}
+    return {"bootstrap.servers": ",".join(options["bootstrap_servers"]), "group.id": kafka.group_id, **security,
             "enable.auto.commit": False, "enable.auto.offset.store": False, "auto.offset.reset": "earliest",
             "session.timeout.ms": session_timeout_ms, "heartbeat.interval.ms": heartbeat_interval_ms,
             "max.poll.interval.ms": max_poll_interval_ms, "fetch.max.bytes": fetch_max_bytes,

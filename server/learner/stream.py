@@ -122,7 +122,7 @@ new waits at the broker, not Kafka's 500: the embedded broker answers only once 
 waits it whole (docs/corrections.md)."""
 
 
-def open_consumer(cfg: ServeConfig) -> KafkaConsumer:
+def open_consumer(cfg: ServeConfig) -> KafkaConsumer | LibrdkafkaConsumer:
     """The learner's consumer, on the client ``--consumer`` names: a group member that commits only what a
     checkpoint holds and starts a partition without a committed offset at its beginning."""
     if cfg.consumer == "librdkafka":
@@ -191,7 +191,7 @@ class LearnerLoop(ConsumerThread):
     def __init__(self, state: LearnerState):
         self.state, self.cfg = state, state.cfg
         self._checkpoint_request = threading.Event()
-        self.consumer: KafkaConsumer | None = None
+        self.consumer: KafkaConsumer | LibrdkafkaConsumer | None = None
         self.producer: KafkaProducer | None = None
         if self.cfg.consumer == "librdkafka":
             check_available(self.cfg.kafka)
