@@ -175,6 +175,7 @@ class LiveServer:
         self.client.close()
         self.server.should_exit = True
         self.thread.join(60)
+        assert not self.thread.is_alive(), "the HTTP server (and the service it stops) did not stop within 60 s"
 
 
 # --- the learner checkpoint -------------------------------------------------------------------------------------

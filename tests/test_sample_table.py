@@ -287,6 +287,24 @@ def test_a_deleted_ids_bytes_leave_the_files_at_the_next_compaction_and_a_cut_sw
     assert len(reopened) == 25 and reopened.generation == 2 and not (tmp_path / "t.compact").exists()
 
 
+def test_a_table_open_in_this_process_is_not_opened_twice_until_closed_or_let_go(tmp_path):
+    """LMDB allows one environment per file per process: a second table on an open table's path is refused with
+    the reason (after a compaction's swap too), a closed table's path opens again, and so does one nobody holds."""
+    table = SampleTable(tmp_path / "t", retention_s=1e9, compact_every_s=0.0)
+    table.put("a", entry(0, 1.0))
+    table.commit(1)
+    table.delete("a")
+    table.commit(2)
+    table.settle(2)  # compacts: the environment is reopened on the swapped-in copy
+    with pytest.raises(StateRefused, match="already open in this process"):
+        SampleTable(tmp_path / "t" / ".." / "t", retention_s=1e9)
+    table.close()
+    reopened = SampleTable(tmp_path / "t", retention_s=1e9)
+    assert reopened.generation == 2 and len(reopened) == 0
+    del reopened  # let go without a close: it is collected, and its environment closed, before a new one opens
+    assert SampleTable(tmp_path / "t", retention_s=1e9).generation == 2
+
+
 def test_a_read_that_waits_for_a_settles_reopening_uses_the_reopened_tables_handles(tmp_path, monkeypatch):
     """A settle reopens the environment (its pages leave the resident set), which makes new database handles; a
     read from another thread (the intake, while the checkpoint settles) waits for it and must then use the new

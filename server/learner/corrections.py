@@ -108,6 +108,12 @@ class Corrections:
         self.tables[key] = table
         self.counts[key] = {k: int(counts.get(k, 0)) for k in COUNTS}
 
+    def close(self) -> None:
+        """The service stops: close every table (an environment left open would refuse, or worse, share its files
+        with the next one this process opens)."""
+        for table in self.tables.values():
+            table.close()
+
     def drop(self, key: str) -> None:
         """A partition let go: its table is the next owner's to rebuild."""
         self.counts.pop(key, None)

@@ -25,11 +25,13 @@ entry); ``by_time``: 8-byte big-endian milliseconds + hash -> b""; ``undo``: 8-b
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import shutil
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -42,6 +44,9 @@ from mepo_stream.errors import StateRefused
 
 MAP_SIZE = 1 << 40
 """LMDB's address-space reservation (a sparse file: disk is used only as entries are written)."""
+_OPEN: weakref.WeakValueDictionary[Path, SampleTable] = weakref.WeakValueDictionary()
+"""The tables open in this process, by resolved path: LMDB allows one environment per file per process (a second
+one shares the lock file's reader table and locks with the first, and py-lmdb warns it may crash the interpreter)."""
 _HEAD = struct.Struct("<idH")  # label (int32), record time (float64 s), the id's length in bytes (uint16)
 
 
@@ -111,6 +116,7 @@ class SampleTable:
 
     def _open(self) -> None:
         """Open the environment, first finishing a compaction's swap that a crash cut short."""
+        _claim(self)
         copy, old = self.path.with_name(self.path.name + ".compact"), self.path.with_name(self.path.name + ".old")
         if copy.is_dir() and not self.path.is_dir():  # the copy was whole: only then is the table moved away
             copy.rename(self.path)
@@ -281,7 +287,6 @@ class SampleTable:
         if compact:
             self._deleted, self._compacted_at = False, time.monotonic()
 
-
     def restore(self, generation: int) -> None:
         """Back to the table checkpoint ``generation`` saw: forget the changes in memory, undo later commits."""
         with self._lock:
@@ -321,3 +326,21 @@ class SampleTable:
         with self._env_lock:
             self.closed = True
             self.env.close()
+            if _OPEN.get(self.path.resolve()) is self:
+                del _OPEN[self.path.resolve()]
+
+
+def _claim(table: SampleTable) -> None:
+    """Record ``table`` as its path's one open environment in this process; refuse a path another table holds open.
+    A table nobody holds any more closes when it is collected, so garbage is collected once before refusing."""
+    key = table.path.resolve()
+    for attempt in range(2):
+        other = _OPEN.get(key)
+        if other is None or other is table or other.closed:
+            _OPEN[key] = table
+            return
+        if attempt == 0:
+            del other
+            gc.collect()
+    raise StateRefused(f"the sample table {table.path} is already open in this process: LMDB allows one environment "
+                       f"per file per process (close the other table first)")

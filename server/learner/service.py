@@ -60,6 +60,8 @@ class Service(Serving):
         if self.publisher is not None:
             self.publisher.stop()
         self.state.model_thread.shutdown()
+        if (corrections := self.state.intake.corrections) is not None:
+            corrections.close()
         self._close_uploads()
 
     @property
