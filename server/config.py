@@ -110,6 +110,11 @@ class ServeConfig:
     """Where the learner checkpoint lives (it holds the Kafka offsets, so it is the source of truth)."""
     checkpoint_every: int = 512
     """Checkpoint after this many learned samples (and on shutdown)."""
+    checkpoint_min_interval_s: float = 1.0
+    """Seconds at least between two periodic checkpoints. A fast learner would otherwise checkpoint many times a
+    second, and each checkpoint copies the state between two steps and writes it beside the next ones. A crash
+    replays about this much more of the stream, and still learns nothing twice (the checkpoint holds the offsets);
+    in a group, it also bounds how often a partition's state is published. 0: every ``checkpoint_every`` samples."""
     learn_replays: bool = False
     """Learn a sample of a stream again when it is replayed (by default replays are skipped and counted)."""
     seed: int = 0

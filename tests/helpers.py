@@ -119,7 +119,8 @@ def settings(broker, tmp_path: Path, **kw) -> ServeConfig:
                         group_id=f"learner-{name}")
     cfg = ServeConfig(kafka=kafka, data=DATA, backbone=TINY, checkpoint_dir=tmp_path / "ckpt",
                       protocol=ProtocolConfig(eval_period=64),
-                      checkpoint_every=32, limits=ImageLimits(size=32), admin_token="s3cret", port=free_port(),
+                      checkpoint_every=32, checkpoint_min_interval_s=0.0,  # crash points every few samples
+                      limits=ImageLimits(size=32), admin_token="s3cret", port=free_port(),
                       learner=LearnerConfig(batch_size=16, online_iter=1, autoaugment=None, samples_per_slot=64))
     return replace(cfg, **kw)
 

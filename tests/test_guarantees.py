@@ -70,6 +70,20 @@ def test_offsets_are_committed_only_after_a_checkpoint_holding_them(tmp_path, mo
         assert saved and saved[-1] == events[i][1], f"commit {events[i]} without its checkpoint before it"
 
 
+@pytest.mark.parametrize("min_interval_s", [0.0, 3600.0])
+def test_periodic_checkpoints_are_at_least_the_min_interval_apart(tmp_path, monkeypatch, min_interval_s):
+    """A fast learner checkpoints every ``--checkpoint_every`` samples only as often as the interval allows: within
+    an hour, the first periodic one and the last (idle, then stopping) are all; every offset still reaches a
+    checkpoint before its commit."""
+    state, loop, _ = service(tmp_path, checkpoint_every=16, checkpoint_min_interval_s=min_interval_s)
+    events: list = []
+    logged_checkpoints(monkeypatch, events)
+    consumer = run_loop(monkeypatch, loop, records(list(range(80))), events)
+    saved = [e[1][f"{TOPIC}:0"] for e in events if e[0] == "checkpoint"]
+    assert saved == ([16, 32, 48, 64, 80] if min_interval_s == 0 else [16, 80])
+    assert consumer.committed == {f"{TOPIC}:0": 80}
+
+
 def test_a_checkpoint_written_while_the_loop_learns_on_holds_the_model_of_its_offsets(tmp_path, monkeypatch):
     """The periodic checkpoint is written in its own thread while the loop learns on: what it writes is the copy
     taken between two steps, not the live model that learning keeps changing."""

@@ -178,8 +178,10 @@ def watch_drift(monitor: StreamMonitor, metrics: ServerMetrics, labels: torch.Te
 
 
 def checkpoint_due(s: LearnerState) -> bool:
-    """``--checkpoint_every`` samples were learned since the state's last capture."""
-    return s.since_checkpoint >= s.cfg.checkpoint_every
+    """``--checkpoint_every`` samples were learned since the state's last capture, at least
+    ``--checkpoint_min_interval_s`` ago."""
+    return (s.since_checkpoint >= s.cfg.checkpoint_every
+            and time.monotonic() - s.captured_at >= s.cfg.checkpoint_min_interval_s)
 
 
 def changes_waiting(s: LearnerState) -> bool:
@@ -204,6 +206,7 @@ class LearnerState:
         self.version = 0
         self.samples_seen = 0  # of the last whole step (``learner.samples_seen`` moves inside the step)
         self.since_checkpoint = 0  # samples learned since the last capture
+        self.captured_at = -math.inf  # time.monotonic() of the last capture
         self.last_checkpoint_time = math.nan
         self.last_learned_time = math.nan  # wall time of the last learned mini-batch (not checkpointed)
         self.on_learned: Callable[[], None] | None = None  # told of every new version (the publisher)
@@ -383,7 +386,7 @@ class LearnerState:
     def _capture(self) -> Capture:
         with self.lock:
             captured = self.membership.capture()
-            self.since_checkpoint = 0
+            self.since_checkpoint, self.captured_at = 0, time.monotonic()
         return captured
 
     def write(self, captured: Capture) -> dict[str, int]:

@@ -156,8 +156,8 @@ class Persist(Enum):
     """An admin's request: write in the checkpoint thread while the loop learns on; commit at the first turn after
     it is on disk."""
     IF_DUE = "if_due"
-    """The periodic write: as ``ASKED``, once ``--checkpoint_every`` samples were learned since the last capture and
-    no write is in flight."""
+    """The periodic write: as ``ASKED``, once ``--checkpoint_every`` samples were learned since the last capture, at
+    least ``--checkpoint_min_interval_s`` ago, and no write is in flight."""
 
     @property
     def waits(self) -> bool:
