@@ -221,6 +221,15 @@ def test_a_partial_batch_is_learned_as_soon_as_the_topic_goes_idle(tmp_path, mon
 
 
 # --- what a record and a checkpoint may hold --------------------------------------------------------------------
+def test_header_values_are_read_as_bytes_and_a_null_value_is_no_header():
+    """Kafka clients hand header values as bytes, a bytearray, or None (a null value): read alike, None as absent."""
+    headers = [(k, bytearray(v) if k == "label" else v) for k, v in record_headers(3, 7, 7, STREAM_ID, "cifar10")]
+    meta = parse_headers([*headers, ("id", None)], n_classes=10)
+    assert (meta.label, meta.sample_index, meta.stream_id, meta.id) == (3, 7, STREAM_ID, None)
+    with pytest.raises(RecordError, match="no 'label' header"):
+        parse_headers([(k, None if k == "label" else v) for k, v in headers], n_classes=10)
+
+
 @pytest.mark.parametrize(("label", "ok"), [(0, True), (9, True), (10, False), (-1, False)])
 def test_labels_are_bounded_by_the_label_space(label, ok):
     headers = record_headers(label, 0, 0, STREAM_ID, "cifar10")
