@@ -35,8 +35,7 @@ def test_settings_carry_the_group_the_security_and_never_commit_on_their_own():
 
 
 def test_librdkafka_takes_those_settings():
+    """librdkafka refuses a setting it does not know, or a value of the wrong type, when the consumer is made."""
     from server.learner.librdkafka import LibrdkafkaConsumer
 
-    consumer = LibrdkafkaConsumer(librdkafka_settings(KafkaConfig(bootstrap_servers="127.0.0.1:1"), **CONSUMER_TIMING))
-    assert consumer.assignment() == set()  # librdkafka refuses a setting it does not know, at construction
-    consumer.close()
+    LibrdkafkaConsumer(librdkafka_settings(KafkaConfig(bootstrap_servers="127.0.0.1:1"), **CONSUMER_TIMING)).close()

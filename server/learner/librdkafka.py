@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple, cast
 
 from kafka import ConsumerRebalanceListener, TopicPartition
@@ -68,6 +69,24 @@ def _log_failed_commit(error, partitions) -> None:
     """An asynchronous commit's answer: a failure is only logged, the checkpoint holds the offsets."""
     if error is not None:
         log.warning("offset commit failed (the checkpoint holds them): %s", error)
+
+
+def _partition(tp: TopicPartition, offset: int | None = None):
+    """librdkafka's name of partition ``tp`` (at ``offset``); imported here, as confluent-kafka is an extra."""
+    from confluent_kafka import TopicPartition as Partition
+
+    return Partition(tp.topic, tp.partition) if offset is None else Partition(tp.topic, tp.partition, offset)
+
+
+@contextmanager
+def _as_kafka_error() -> Iterator[None]:
+    """librdkafka's exceptions as kafka-python's ``KafkaError``, which the loop handles (reconnects on)."""
+    from confluent_kafka import KafkaException
+
+    try:
+        yield
+    except KafkaException as e:
+        raise KafkaError(str(e)) from e
 
 
 def check_available(kafka: KafkaConfig) -> None:
@@ -141,66 +160,47 @@ class LibrdkafkaConsumer:
         if self._starts is not None:  # in the assignment callback: where the partition starts
             self._starts[partition] = offset
             return
-        from confluent_kafka import TopicPartition as Partition
-
-        self._consumer.seek(Partition(partition.topic, partition.partition, offset))
+        self._consumer.seek(_partition(partition, offset))
 
     def commit(self, offsets: dict, timeout_ms: int | None = None) -> None:
         self._commit(offsets, asynchronous=False)
 
     def commit_async(self, offsets: dict, callback=None) -> None:
+        """A failure is logged by the consumer's ``on_commit`` (``_log_failed_commit``), not by ``callback``."""
         self._commit(offsets, asynchronous=True)
 
     def _commit(self, offsets: dict, asynchronous: bool) -> None:
-        from confluent_kafka import KafkaException
-        from confluent_kafka import TopicPartition as Partition
-
-        partitions = [Partition(tp.topic, tp.partition, meta.offset) for tp, meta in offsets.items()]
-        try:
-            if asynchronous:
+        partitions = [_partition(tp, meta.offset) for tp, meta in offsets.items()]
+        with _as_kafka_error():
+            if asynchronous:  # two calls: confluent-kafka types ``commit`` by the literal value of ``asynchronous``
                 self._consumer.commit(offsets=partitions, asynchronous=True)
             else:
                 self._consumer.commit(offsets=partitions, asynchronous=False)
-        except KafkaException as e:
-            raise KafkaError(str(e)) from e
 
     def assignment(self) -> set[TopicPartition]:
         return set(self._assigned)
 
     def highwater(self, partition: TopicPartition) -> int | None:
         """The partition's end offset as of its last fetch (None before any)."""
-        from confluent_kafka import TopicPartition as Partition
-
-        _, high = self._consumer.get_watermark_offsets(Partition(partition.topic, partition.partition), cached=True)
+        _, high = self._consumer.get_watermark_offsets(_partition(partition), cached=True)
         return high if high is not None and high >= 0 else None
 
     def position(self, partition: TopicPartition, timeout_ms: int | None = None) -> int:
-        from confluent_kafka import TopicPartition as Partition
-
-        offset = self._consumer.position([Partition(partition.topic, partition.partition)])[0].offset
+        offset = self._consumer.position([_partition(partition)])[0].offset
         if offset < 0:
             raise KafkaError(f"no position yet for {partition}")
         return offset
 
     def partitions_for_topic(self, topic: str) -> set[int] | None:
-        from confluent_kafka import KafkaException
-
-        try:
+        with _as_kafka_error():
             topics = self._consumer.list_topics(topic, timeout=5).topics
-        except KafkaException as e:
-            raise KafkaError(str(e)) from e
         return set(topics[topic].partitions) if topic in topics and topics[topic].error is None else None
 
     def beginning_offsets(self, partitions: Iterable[TopicPartition], timeout_ms: int) -> dict[TopicPartition, int]:
         """Each partition's first offset, asked of the broker: a round trip (the loop's probe)."""
-        from confluent_kafka import KafkaException
-        from confluent_kafka import TopicPartition as Partition
-
-        try:
-            return {tp: self._consumer.get_watermark_offsets(Partition(tp.topic, tp.partition),
-                                                             timeout=timeout_ms / 1000)[0] for tp in partitions}
-        except KafkaException as e:
-            raise KafkaError(str(e)) from e
+        with _as_kafka_error():
+            return {tp: self._consumer.get_watermark_offsets(_partition(tp), timeout=timeout_ms / 1000)[0]
+                    for tp in partitions}
 
     def close(self) -> None:
         self._consumer.close()

@@ -326,21 +326,20 @@ class SampleTable:
         with self._env_lock:
             self.closed = True
             self.env.close()
-            if _OPEN.get(self.path.resolve()) is self:
-                del _OPEN[self.path.resolve()]
 
 
 def _claim(table: SampleTable) -> None:
     """Record ``table`` as its path's one open environment in this process; refuse a path another table holds open.
     A table nobody holds any more closes when it is collected, so garbage is collected once before refusing."""
     key = table.path.resolve()
-    for attempt in range(2):
-        other = _OPEN.get(key)
-        if other is None or other is table or other.closed:
-            _OPEN[key] = table
-            return
-        if attempt == 0:
-            del other
-            gc.collect()
-    raise StateRefused(f"the sample table {table.path} is already open in this process: LMDB allows one environment "
-                       f"per file per process (close the other table first)")
+    if _held_elsewhere(key, table):
+        gc.collect()
+        if _held_elsewhere(key, table):
+            raise StateRefused(f"the sample table {table.path} is already open in this process: LMDB allows one "
+                               f"environment per file per process (close the other table first)")
+    _OPEN[key] = table
+
+
+def _held_elsewhere(key: Path, table: SampleTable) -> bool:
+    other = _OPEN.get(key)
+    return other is not None and other is not table and not other.closed
