@@ -45,14 +45,16 @@ from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
 from mepo_stream.errors import ConfigError
-from mepo_stream.kafka import ensure_topics, open_producer
+from mepo_stream.kafka import KafkaConfig, ensure_topics, open_producer
 from server.config import ServeConfig
 from server.consumer import PROBE_EVERY_S, ConsumerThread, broker_answers
 from server.learner.arrival import Prediction, Retraction
 from server.learner.book import tp_key
-from server.learner.intake import DeadLetter, InlineExecutor
+from server.learner.handover import Handover
+from server.learner.intake import DeadLetter, InlineExecutor, Outgoing
 from server.learner.librdkafka import LibrdkafkaConsumer, check_available, librdkafka_settings
 from server.learner.state import LearnerState, StateWriteFailed, changes_waiting, checkpoint_due
+from server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,21 @@ def dead_letter_headers(dead: DeadLetter) -> list[tuple[str, bytes]]:
     return [("error", dead.reason.encode()), ("error_message", dead.message[:500].encode("utf-8", "replace")),
             ("source_topic", record.topic.encode()), ("source_partition", str(record.partition).encode()),
             ("source_offset", str(record.offset).encode()), *(record.headers or [])]
+
+
+def send(producer: KafkaProducer | None, kafka: KafkaConfig, metrics: ServerMetrics, outgoing: list[Outgoing]) -> None:
+    """Send what a booking returned: dead letters (with their reason and where they came from), and predictions of
+    unlabelled images (or retractions of deleted ids) to the predictions topic."""
+    for out in outgoing:
+        assert producer is not None
+        if isinstance(out, Prediction | Retraction):
+            producer.send(kafka.predictions_topic, value=out.value(), key=out.id.encode())
+            metrics.predictions_published.inc(isinstance(out, Prediction))
+            continue
+        record = out.record
+        producer.send(kafka.dead_letter_topic, value=record.value, key=record.key, headers=dead_letter_headers(out))
+        metrics.dead_lettered.labels(out.reason).inc()
+        log.info("dead-lettered %s:%d@%d: %s", record.topic, record.partition, record.offset, out.reason)
 
 
 def in_order(polled: dict, labels_topic: str | None) -> list:
@@ -196,7 +213,7 @@ class LearnerLoop(ConsumerThread):
         if self.cfg.consumer == "librdkafka":
             check_available(self.cfg.kafka)
         self.decoder = decode_executor(self.cfg.decode_workers, state.learner.device)
-        self.decodes_between_steps = isinstance(self.decoder, InlineExecutor)  # see _read_while_learning
+        self.handover = Handover(state, self.decoder) if isinstance(self.decoder, InlineExecutor) else None
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="mepo-checkpoint")
         self._writing: Future | None = None  # the checkpoint being written, to its offsets
         self.refusal: str | None = None  # why learning must stop (set in a rebalance callback)
@@ -222,6 +239,8 @@ class LearnerLoop(ConsumerThread):
         self.consumer.subscribe(topics, listener=SeekToHandled(self))
 
     def _close(self) -> None:
+        if self.handover is not None:  # its step ends first: a reconnect forgets what is pending
+            self.handover.settle(raises=False)
         for client in (self.consumer, self.producer):
             if client is not None:
                 try:
@@ -314,28 +333,35 @@ class LearnerLoop(ConsumerThread):
         self.persist()
 
     def _read_while_learning(self) -> list:
-        """One turn's records, polled (and decoded, by a pool) while the model thread learns the mini-batch waiting
-        (or, the topic gone quiet, the partial one: at once where a correction or deletion waits), then booked.
-        Decoding inline waits for the step: beside a CPU forward it costs more than its own time
-        (docs/performance.md)."""
-        assert self.consumer is not None
+        """One turn's records, polled while the model thread learns the mini-batch waiting (or, the topic gone quiet,
+        the partial one: at once where a correction or deletion waits), then booked: by the model thread after its
+        step where decoding runs between steps (``Handover``), else decoded by the pool meanwhile, booked after."""
+        def fill_wait() -> int:
+            return fill_wait_ms(self.consumer, self.cfg.kafka.labels_topic, changes_waiting(self.state))
+
+        if self.handover is not None:
+            records, outgoing = self.handover.turn(self._poll, fill_wait)
+            send(self.producer, self.cfg.kafka, self.state.metrics, outgoing)
+            return records
         pending, limit = sum(self.state.intake.waiting().values()), self.state.batch_limit
         learning = self.state.start_learning() if (due := pending >= limit) else None
-        wait_ms = 0 if due else fill_wait_ms(self.consumer, self.cfg.kafka.labels_topic,
-                                             changes_waiting(self.state))
         try:
-            polled = self.consumer.poll(timeout_ms=wait_ms, max_records=limit if due else limit - pending)
-            self._check_rebalance()  # before a record of a partition whose state is not restored is accepted
-            self._probe()
-            records = in_order(polled, self.cfg.kafka.labels_topic)
+            records = self._poll(0 if due else fill_wait(), limit if due else limit - pending)
             if learning is None and pending and not records:
                 learning = self.state.start_learning()
-            if learning is not None and self.decodes_between_steps:
-                wait([learning])
             self.accept(records, learning)
             return records
         finally:
             wait([learning] if learning is not None else [])
+
+    def _poll(self, wait_ms: int, max_records: int) -> list:
+        """Up to ``max_records`` records in order (``in_order``), waiting ``wait_ms`` for the first; a rebalance's
+        outcome is checked before any is booked (a partition whose state is not restored)."""
+        assert self.consumer is not None
+        polled = self.consumer.poll(timeout_ms=wait_ms, max_records=max_records)
+        self._check_rebalance()
+        self._probe()
+        return in_order(polled, self.cfg.kafka.labels_topic)
 
     def _check_rebalance(self) -> None:
         """Stop on a failed state write or a refusal (a rebalance callback or the state's), reconnect on a broker
@@ -357,26 +383,8 @@ class LearnerLoop(ConsumerThread):
     def accept(self, records: list, learning: Future | None = None) -> None:
         """Hand one poll's records (in offset order) to the intake, which claims and decodes them while
         ``learning`` runs, and books them after; send the dead letters and predictions it returns."""
-        for out in self.state.intake.accept(records, self.decoder, learning):
-            if isinstance(out, Prediction | Retraction):
-                self._predicted(out)
-            else:
-                self._dead_letter(out)
-
-    def _predicted(self, prediction: Prediction | Retraction) -> None:
-        """Send an unlabelled image's prediction (or a deleted id's retraction) to the predictions topic."""
-        assert self.producer is not None
-        self.producer.send(self.cfg.kafka.predictions_topic, value=prediction.value(), key=prediction.id.encode())
-        self.state.metrics.predictions_published.inc(isinstance(prediction, Prediction))
-
-    def _dead_letter(self, dead: DeadLetter) -> None:
-        """Send a record that cannot be learned to the dead-letter topic, with its reason and where it came from."""
-        record = dead.record
-        assert self.producer is not None
-        self.producer.send(self.cfg.kafka.dead_letter_topic, value=record.value, key=record.key,
-                           headers=dead_letter_headers(dead))
-        self.state.metrics.dead_lettered.labels(dead.reason).inc()
-        log.info("dead-lettered %s:%d@%d: %s", record.topic, record.partition, record.offset, dead.reason)
+        send(self.producer, self.cfg.kafka, self.state.metrics, self.state.intake.accept(records, self.decoder,
+                                                                             learning))
 
     def persist(self, when: Persist = Persist.NOW) -> None:
         """The one way offsets leave the loop: checkpoint model and offsets together, then commit the same offsets

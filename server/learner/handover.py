@@ -1,0 +1,86 @@
+"""Decoding between steps: the model thread books each poll itself, then goes straight on to the next step.
+
+Beside a CPU model (an ``InlineExecutor``: no decode pool) a poll's images are decoded between two learning steps,
+since decoding beside a CPU forward costs it more than the decoding's own time (docs/performance.md). Had the loop
+thread booked them, each turn would pass the model thread's work to the loop and back: two thread wake-ups and the
+loop's own checks between every two steps. Instead ``Handover.turn`` hands the poll to the model thread, which books
+it (``Intake.accept``: claims, decodes, books) right after the step in flight and, once a mini-batch is full, learns
+it in the same turn. The loop waits only for the booking, sends what it returns, and reads the next poll while that
+step runs.
+
+What keeps the guarantees of ``server.learner.stream``:
+
+* the records are booked in offset order, in the one thread that learns, so a step learns only what was booked
+  before it, as when the loop booked them;
+* the loop sends the dead letters and predictions of a booking before it does anything else, so every one of them
+  is sent before the loop's next checkpoint, which the model thread captures after the step in flight;
+* ``settle`` waits for that step before anything that must not run beside it (a reconnect forgetting the pending
+  records), and a step that failed raises in the loop at the next turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, wait
+
+from server.learner.intake import Outgoing
+from server.learner.state import LearnerState
+
+Poll = Callable[[int, int], list]
+"""The loop's poll: ``(wait_ms, max_records)`` to the records read, in offset order."""
+
+
+class Handover:
+    """The loop's turns where decoding runs between steps, over the model thread's turn in flight."""
+
+    def __init__(self, state: LearnerState, decoder: Executor):
+        self.state, self.decoder = state, decoder
+        self.stepping: Future | None = None
+        """The model thread's last turn (booking a poll, then learning once a mini-batch is full); None: settled."""
+
+    def turn(self, poll: Poll, fill_wait_ms: Callable[[], int]) -> tuple[list, list[Outgoing]]:
+        """Read a poll while the model thread learns, and have it book the records and learn what is then due; the
+        records read and, once booked, what the loop must send.
+
+        The poll is sized as the loop sized it before: a mini-batch while a step runs (the step learns everything
+        pending), else what fills the pending one, waiting ``fill_wait_ms()`` for it. A poll that comes back empty
+        learns what is pending (the topic went quiet), or, while a step runs, waits for that step."""
+        try:
+            learning = self.stepping is not None and not self.stepping.done()
+            if not learning:
+                self.settle(raises=True)
+            pending = 0 if learning else sum(self.state.intake.waiting().values())
+            limit = self.state.cfg.learner.batch_size if learning else self.state.batch_limit
+            room = limit - pending  # none: a full mini-batch waits (after a pause), learned now
+            records = poll(0 if learning else fill_wait_ms(), room) if room > 0 else []
+            if not records and (learning or not pending):
+                self.settle(raises=True)
+                return records, []
+            booked: Future[list[Outgoing]] = Future()
+            self.stepping = self.state.model_thread.submit(self._book_then_learn, records, booked)
+            return records, booked.result()
+        except BaseException:
+            self.settle(raises=False)
+            raise
+
+    def _book_then_learn(self, records: list, booked: Future[list[Outgoing]]) -> None:
+        """In the model thread: book ``records`` (handing back what to send), then learn what is pending if a
+        mini-batch is full or no records came."""
+        try:
+            booked.set_result(self.state.intake.accept(records, self.decoder))
+        except BaseException as e:
+            booked.set_exception(e)
+            raise
+        pending = sum(self.state.intake.waiting().values())
+        if pending >= self.state.batch_limit or (pending and not records):
+            self.state.learn_pending()
+
+    def settle(self, raises: bool) -> None:
+        """Wait for the model thread's turn in flight; ``raises``: its error, if it failed (a step's error, since its
+        booking's is raised where it is handed back)."""
+        stepping, self.stepping = self.stepping, None
+        if stepping is None:
+            return
+        wait([stepping])
+        if raises and (error := stepping.exception()) is not None:
+            raise error
