@@ -129,6 +129,41 @@ def test_the_next_poll_is_read_while_the_model_thread_learns_and_decoded_beside_
     assert learned == [(STREAM_ID, i) for i in range(32)] and consumer.committed == {"images:0": 32}
 
 
+def test_decoding_between_steps_the_model_thread_books_each_poll_and_starts_the_next_step_itself(
+        tmp_path, monkeypatch):
+    """Without a decode pool (a CPU learner) the model thread decodes and books each poll right after the step in
+    flight and, a mini-batch being full, learns it in the same turn: nothing passes between threads between two
+    steps. Forced: once the second poll is booked, the loop thread is held (its lag check waits) until the second
+    step has begun; a loop that hands each step to the model thread itself never gets there (it gives up after
+    10 s). Every sample is still learned once, in order."""
+    state, loop, learned = service(tmp_path, decode_workers=0)
+    decoders, steps, held, second_step = set(), [], [], threading.Event()
+    decode, learn, position = intake.decode_image, state.learn, FakeConsumer.position
+
+    def decode_and_tell(data, limits):
+        decoders.add(threading.current_thread().name)
+        return decode(data, limits)
+
+    def learn_and_tell(batch, key=None):
+        steps.append(threading.current_thread().name)
+        if len(steps) == 2:
+            second_step.set()
+        learn(batch, key)
+
+    def position_once_the_second_step_began(consumer, tp, timeout_ms):
+        if consumer.pos == 32 and not held:  # the loop's turn after the second poll was booked
+            held.append(second_step.wait(10))
+        return position(consumer, tp, timeout_ms)
+
+    monkeypatch.setattr(intake, "decode_image", decode_and_tell)
+    monkeypatch.setattr(FakeConsumer, "position", position_once_the_second_step_began)
+    state.learn = learn_and_tell
+    consumer = run_loop(monkeypatch, loop, [sample(i, i) for i in range(32)])
+    assert held == [True]
+    assert decoders == set(steps) == {"mepo-model"}
+    assert learned == [(STREAM_ID, i) for i in range(32)] and consumer.committed == {"images:0": 32}
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_decoding_each_poll_on_the_gpu_decides_exactly_as_inline_decoding(tmp_path, monkeypatch):
