@@ -14,10 +14,11 @@ learns through the state (``server.learner.state``), sends the dead letters the 
   (unless ``learn_replays``): every sample id is claimed in the book before its image is decoded.
 * Mini-batches are assembled in offset order, cut short where an any-time evaluation is scheduled
   (``LearnerState.batch_limit``); a partial batch is learned when the topic goes idle.
-* Keeping the model fed: the loop starts each learning turn before it polls, so the next records are read while the
-  model learns; a thread pool (``decode_workers``) also decodes and validates them meanwhile, between claims made and
-  results applied in offset order, so the outcome is the inline one (inline decoding waits for the turn: beside a CPU
-  forward it costs more than its own time). ``LearnerState.learn`` stacks the batch into pinned memory on a CUDA learner
+* Keeping the model fed: the next records are read while the model learns. A thread pool (``decode_workers``) also
+  decodes and validates them meanwhile, between claims made and results applied in offset order, so the outcome is
+  the inline one. Without a pool (beside a CPU forward, decoding costs more than its own time) the model thread books
+  each poll itself right after its step and goes on to the next (``server.learner.handover``), so no work passes
+  between threads between two steps. ``LearnerState.learn`` stacks the batch into pinned memory on a CUDA learner
   (``server.learner.staging``) for an asynchronous copy to the device; predictions are micro-batched
   (``server.batching``) into one forward on the snapshot's device.
 * Labels that come later (``--kafka.labels_topic``): the loop reads the labels topic too, and sends the
