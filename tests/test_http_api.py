@@ -4,6 +4,7 @@ Triton's own Python client, malformed /v2 input, body limits on every path, metr
 from __future__ import annotations
 
 import base64
+import gc
 import io
 import json
 import math
@@ -41,6 +42,16 @@ def live(broker, tmp_path_factory) -> Iterator[tuple[ServeConfig, httpx.Client]]
         produce(DATA, SiBlurryConfig(seed=1), cfg.kafka, ReplayConfig(limit=STREAM_LIMIT))
         wait_for(lambda: http.get("/v1/status").json()["samples_seen"] >= STREAM_LIMIT, what="a model to query")
         yield cfg, http
+
+
+def test_a_running_service_keeps_its_startup_heap_out_of_full_collections(broker, tmp_path):
+    """The modules, the model and the app live as long as the service: while it runs they are frozen, so a full
+    collection (it holds the interpreter lock that learning steps and requests need) scans only what the service
+    allocates as it runs; stopping gives them back to the collector."""
+    with LiveServer(settings(broker, tmp_path)) as http:
+        assert http.get("/livez").status_code == 200
+        frozen = gc.get_freeze_count()
+    assert frozen > 0 and gc.get_freeze_count() == 0
 
 
 def test_tritonclient_speaks_to_the_server_and_gets_the_v1_answer(live):

@@ -16,6 +16,7 @@ Example (without ``with``, the test client runs no lifespan: no model is loaded 
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -43,7 +44,11 @@ log = logging.getLogger(__name__)
 def create_app(settings: ServeConfig, start: Starter | None = None) -> FastAPI:
     """The app for ``settings``; ``start`` loads the model and starts the service (a learner, or a replica's
     follower) in the lifespan, not here. Both roles serve the same routers; without ``start`` nothing is served
-    but liveness (the routers' tests give their own service)."""
+    but liveness (the routers' tests give their own service).
+
+    Once started, the lifespan freezes the heap (``gc.freeze``) until it stops: the modules, the model and the app
+    live as long as the service, yet every full collection would scan them, holding the interpreter lock that the
+    learning steps and the requests need (a few hundred milliseconds each, docs/performance.md)."""
     metrics = ServerMetrics(settings.role)
 
     @asynccontextmanager
@@ -57,10 +62,13 @@ def create_app(settings: ServeConfig, start: Starter | None = None) -> FastAPI:
             log.error("refused to start: %s", e)
             raise
         grpc = None if settings.grpc_port is None else serve_grpc(service, settings)
+        gc.collect()
+        gc.freeze()  # the heap built so far (modules, model, app) stays: full collections skip it (see create_app)
         yield
         if grpc is not None:
             grpc.stop(grace=2).wait()
         service.stop()
+        gc.unfreeze()
 
     # FastAPIOffline: /docs and /redoc serve their assets from the installed fastapi-offline package, no CDN
     app = FastAPIOffline(title="mepo-stream", version=__version__, lifespan=lifespan,
