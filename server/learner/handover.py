@@ -39,6 +39,8 @@ class Handover:
         while the loop waits for the booking)."""
         self.stepping: Future | None = None
         """The model thread's last turn (booking a poll, then learning once a mini-batch is full); None: settled."""
+        self.learns = False
+        """Whether that turn goes on from its booking to a step (which learns everything pending)."""
         self.room = 0
         """The size of the mini-batch the last turn began to learn: the next poll's, as the loop's was."""
 
@@ -50,7 +52,7 @@ class Handover:
         everything pending), else what fills the pending one, waiting ``fill_wait_ms()`` for it. A poll that comes
         back empty learns what is pending (the topic went quiet), or, while a step runs, waits for that step."""
         try:
-            learning = self.stepping is not None and not self.stepping.done()
+            learning = self.learns and self.stepping is not None and not self.stepping.done()
             if not learning:
                 self.settle(raises=True)
             pending = 0 if learning else sum(self.state.intake.waiting().values())
@@ -60,24 +62,28 @@ class Handover:
             if not records and (learning or not pending):
                 self.settle(raises=True)
                 return records, []
-            booked: Future[list[Outgoing]] = Future()
+            booked: Future[tuple[list[Outgoing], bool]] = Future()
             self.stepping = self.state.model_thread.submit(self._book_then_learn, records, booked)
-            return records, booked.result()
+            outgoing, self.learns = booked.result()
+            return records, outgoing
         except BaseException:
             self.settle(raises=False)
             raise
 
-    def _book_then_learn(self, records: list, booked: Future[list[Outgoing]]) -> None:
-        """In the model thread: book ``records`` (handing back what to send), then learn what is pending if a
-        mini-batch is full or no records came. A full one waits for the next turn where the loop checkpoints at this
-        one: its capture then holds what was learned before this poll, without waiting for another step."""
+    def _book_then_learn(self, records: list, booked: Future[tuple[list[Outgoing], bool]]) -> None:
+        """In the model thread: book ``records`` (handing back what to send and whether a step follows), then learn
+        what is pending if a mini-batch is full or no records came. A full one waits for the next turn where the loop
+        checkpoints at this one: its capture then holds what was learned before this poll, without waiting for
+        another step."""
         try:
-            booked.set_result(self.state.intake.accept(records, self.decoder))
+            outgoing = self.state.intake.accept(records, self.decoder)
+            pending, self.room = sum(self.state.intake.waiting().values()), self.state.batch_limit
+            learns = (pending >= self.room and not self.checkpoint_due()) or bool(pending and not records)
         except BaseException as e:
             booked.set_exception(e)
             raise
-        pending, self.room = sum(self.state.intake.waiting().values()), self.state.batch_limit
-        if (pending >= self.room and not self.checkpoint_due()) or (pending and not records):
+        booked.set_result((outgoing, learns))
+        if learns:
             self.state.learn_pending()
 
     def settle(self, raises: bool) -> None:

@@ -385,8 +385,8 @@ class LearnerLoop(ConsumerThread):
     def accept(self, records: list, learning: Future | None = None) -> None:
         """Hand one poll's records (in offset order) to the intake, which claims and decodes them while
         ``learning`` runs, and books them after; send the dead letters and predictions it returns."""
-        send(self.producer, self.cfg.kafka, self.state.metrics, self.state.intake.accept(records, self.decoder,
-                                                                             learning))
+        outgoing = self.state.intake.accept(records, self.decoder, learning)
+        send(self.producer, self.cfg.kafka, self.state.metrics, outgoing)
 
     def persist(self, when: Persist = Persist.NOW) -> None:
         """The one way offsets leave the loop: checkpoint model and offsets together, then commit the same offsets
