@@ -41,7 +41,7 @@ class Handover:
         """The model thread's last turn (booking a poll, then learning once a mini-batch is full); None: settled."""
         self.learns = False
         """Whether that turn goes on from its booking to a step (which learns everything pending)."""
-        self.room = 0
+        self.step_limit = 0
         """The size of the mini-batch the last turn began to learn: the next poll's, as the loop's was."""
 
     def turn(self, poll: Poll, fill_wait_ms: Callable[[], int]) -> tuple[list, list[Outgoing]]:
@@ -56,7 +56,7 @@ class Handover:
             if not learning:
                 self.settle(raises=True)
             pending = 0 if learning else sum(self.state.intake.waiting().values())
-            limit = self.room if learning else self.state.batch_limit
+            limit = self.step_limit if learning else self.state.batch_limit
             room = limit - pending  # none: a full mini-batch waits (after a pause), learned now
             records = poll(0 if learning else fill_wait_ms(), room) if room > 0 else []
             if not records and (learning or not pending):
@@ -77,8 +77,8 @@ class Handover:
         another step."""
         try:
             outgoing = self.state.intake.accept(records, self.decoder)
-            pending, self.room = sum(self.state.intake.waiting().values()), self.state.batch_limit
-            learns = (pending >= self.room and not self.checkpoint_due()) or bool(pending and not records)
+            pending, self.step_limit = sum(self.state.intake.waiting().values()), self.state.batch_limit
+            learns = (pending >= self.step_limit and not self.checkpoint_due()) or bool(pending and not records)
         except BaseException as e:
             booked.set_exception(e)
             raise

@@ -214,8 +214,8 @@ class LearnerLoop(ConsumerThread):
         if self.cfg.consumer == "librdkafka":
             check_available(self.cfg.kafka)
         self.decoder = decode_executor(self.cfg.decode_workers, state.learner.device)
-        self.handover = Handover(state, self.decoder, self.checkpoint_due) if isinstance(self.decoder, InlineExecutor) \
-            else None
+        inline = isinstance(self.decoder, InlineExecutor)
+        self.handover = Handover(state, self.decoder, self.periodic_checkpoint_due) if inline else None
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="mepo-checkpoint")
         self._writing: Future | None = None  # the checkpoint being written, to its offsets
         self.refusal: str | None = None  # why learning must stop (set in a rebalance callback)
@@ -395,7 +395,7 @@ class LearnerLoop(ConsumerThread):
         Nothing is written when nothing changed since the last checkpoint. Dead letters are flushed first, so
         they are durable before the offsets that skip them. The commit never precedes the checkpoint, and its
         failure is only logged: the checkpoint is the source of truth. One write is in flight at a time."""
-        if when is Persist.IF_DUE and not self.checkpoint_due():
+        if when is Persist.IF_DUE and not self.periodic_checkpoint_due():
             return  # the next turn asks again
         self._finish_write(when.commits)
         flush = self.producer.flush if self.producer is not None else None
@@ -405,7 +405,7 @@ class LearnerLoop(ConsumerThread):
         if when.waits:
             self._finish_write(when.commits)
 
-    def checkpoint_due(self) -> bool:
+    def periodic_checkpoint_due(self) -> bool:
         """The periodic checkpoint is due (``Persist.IF_DUE``): ``checkpoint_due``, and no write in flight (or the one
         in flight is on disk: its offsets are committed first)."""
         return (self._writing is None or self._writing.done()) and checkpoint_due(self.state)
