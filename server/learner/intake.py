@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 
@@ -50,10 +51,23 @@ class DeadLetter:
 
 class InlineExecutor(Executor):
     """``decode_workers`` 0: no decode pool; each task runs as it is submitted, in the caller's thread (the intake
-    then decodes each image as it claims it)."""
+    then decodes each image as it claims it, with no future at all)."""
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         return finished(fn, *args, **kwargs)
+
+
+Decoding = Future | torch.Tensor | ImageError
+"""A claimed record's image: being decoded by a pool (its future), or decoded here (the tensor, or its error)."""
+
+
+def decoded(image: Decoding) -> torch.Tensor | ImageError:
+    """The decoded image or its error, waiting for a pool's decode."""
+    if not isinstance(image, Future):
+        return image
+    if isinstance(error := image.exception(), ImageError):
+        return error
+    return image.result()  # raises any other error: a bug, not a bad image
 
 
 def gpu_decode_device(gpu_decode: bool | None, model_device: torch.device) -> torch.device | None:
@@ -119,7 +133,7 @@ class _Claimed:
     """A record whose sample id is claimed (an image without a label: none) and whose image is being decoded."""
 
     meta: RecordMeta
-    image: Future  # of a uint8 [3, S, S] tensor, or an ImageError (the claim is then given back)
+    image: Decoding  # a uint8 [3, S, S] tensor, or an ImageError (the claim is then given back)
 
 
 @dataclass(frozen=True)
@@ -171,20 +185,21 @@ class Intake:
         decode has finished before this returns, even on an error, so no late claim release can race a reconnect's
         ``reread``.
         """
-        decoding: dict[tuple[str, int | str | None], Future] = {}
+        decoding: dict[tuple[str, int | str | None], Decoding] = {}
         try:
             ready = decode_on_device(records, self.cfg.kafka.labels_topic, self.limits, self.decode_device)
             claimed = [self._claim(record, decoder, decoding, ready.get(i)) for i, record in enumerate(records)]
             if learning is not None:
                 learning.result()
             arrivals = self._arrive(claimed) if self.join is not None else {}
-            booked = [self._book(record, outcome, arrivals.get(i))
-                      for i, (record, outcome) in enumerate(zip(records, claimed, strict=True))]
+            booked = [self._book(record, claim, arrivals.get(i))
+                      for i, (record, claim) in enumerate(zip(records, claimed, strict=True))]
+            self.metrics.records_consumed.inc(len(records))
             return [out for out in booked if out is not None] + self._expire()
         finally:
-            wait([*decoding.values(), *([learning] if learning is not None else [])])
+            wait([d for d in (*decoding.values(), learning) if isinstance(d, Future)])
 
-    def _claim(self, record, decoder: Executor, decoding: dict[tuple[str, int | str | None], Future],
+    def _claim(self, record, decoder: Executor, decoding: dict[tuple[str, int | str | None], Decoding],
                ready: torch.Tensor | ImageError | None = None
                ) -> _Claimed | _Label | _Tombstone | RecordError | None:
         """Parse the headers and claim the sample id before decoding (None: a replay); a label record is only
@@ -208,20 +223,23 @@ class Intake:
             decoding[(meta.stream_id, meta.id)] = self._decoding(record, meta, decoder, ready)
             return _Claimed(meta, decoding[(meta.stream_id, meta.id)])
         sample_id = (meta.stream_id, meta.sample_index)
-        if sample_id in decoding:
-            wait([decoding[sample_id]])
+        if isinstance(earlier := decoding.get(sample_id), Future):
+            wait([earlier])
         if not self.book.claim(*sample_id):  # learned or in flight: a replay
             return None
         decoding[sample_id] = self._decoding(record, meta, decoder, ready)
         return _Claimed(meta, decoding[sample_id])
 
     def _decoding(self, record, meta: RecordMeta, decoder: Executor, ready: torch.Tensor | ImageError | None
-                  ) -> Future:
-        """The record's image being decoded: by ``decoder`` (a pool's threads, or an ``InlineExecutor`` here and
-        now), or already, where the GPU decoded the poll (``ready``)."""
-        if ready is not None:
-            return finished(self._decode, record, meta, ready)
-        return decoder.submit(self._decode, record, meta)
+                  ) -> Decoding:
+        """The record's image: being decoded by a pool's threads, or decoded here and now (an ``InlineExecutor``:
+        no future), or already, where the GPU decoded the poll (``ready``)."""
+        if ready is None and not isinstance(decoder, InlineExecutor):
+            return decoder.submit(self._decode, record, meta)
+        try:
+            return self._decode(record, meta, ready)
+        except ImageError as e:
+            return e
 
     def _decode(self, record, meta: RecordMeta, ready: torch.Tensor | ImageError | None = None) -> torch.Tensor:
         """The record's image; a bad one gives its claim back, so a good copy of the sample is still learned."""
@@ -239,7 +257,6 @@ class Intake:
         """Book one record, in offset order: pending, a skipped replay, or a dead letter with its reason; where
         labels come later, a label or an image without one goes to the join (``_book_join``)."""
         key = tp_key(record)
-        self.metrics.records_consumed.inc()
         at = self._clock(record)  # every record moves the stream's clock: what a sample table's entry is timed by
         if outcome is None:
             self.metrics.replays_skipped.inc()
@@ -261,14 +278,11 @@ class Intake:
             assert self.join is not None  # a label without corrections is read only where labels come later
             source = (record.topic, record.partition, record.offset)
             return self._book_join(record, self.join.add_label(outcome.id, outcome.label, at, source))
-        try:
-            if isinstance(outcome, RecordError):
-                raise outcome
-            image = outcome.image.result()
-        except (RecordError, ImageError) as e:
+        image = outcome if isinstance(outcome, RecordError) else decoded(outcome.image)
+        if isinstance(image, (RecordError, ImageError)):
             self.book.skip(key, record.offset, dead_letter=True)
-            return DeadLetter(record, e.reason, e.message)
-        meta = outcome.meta
+            return DeadLetter(record, image.reason, image.message)
+        meta = cast(_Claimed, outcome).meta
         if arrival is None:
             self.book.add_pending(key, record.offset, Sample(image, meta))
             return None
@@ -323,8 +337,8 @@ class Intake:
     def _arrive(self, claimed: list) -> dict[int, Arrival]:
         """Labels may come later: predict the poll's good images as they arrive (one forward, in the model
         thread), by their index among the records."""
-        good = {i: c.image.result() for i, c in enumerate(claimed)
-                if isinstance(c, _Claimed) and c.image.exception() is None}
+        images = {i: decoded(c.image) for i, c in enumerate(claimed) if isinstance(c, _Claimed)}
+        good = {i: image for i, image in images.items() if not isinstance(image, ImageError)}
         if not good:
             return {}
         arrivals = self.model_thread.run(self._predict_arrivals, torch.stack(list(good.values())))
