@@ -46,6 +46,8 @@ class ModelThread:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=name, initializer=self._remember)
         self._name = name
         self._ident: int | None = None
+        self._queued = 0  # handed in from other threads, not begun
+        self._lock = threading.Lock()
 
     def _remember(self) -> None:
         threading.current_thread().name = self._name
@@ -59,8 +61,20 @@ class ModelThread:
         """``fn(*args, **kwargs)`` handed to the model thread without waiting for it: its future (already finished
         when called from the model thread itself, which runs it inline)."""
         if threading.get_ident() != self._ident:
-            return self._pool.submit(fn, *args, **kwargs)
+            with self._lock:
+                self._queued += 1
+            return self._pool.submit(self._begin, fn, *args, **kwargs)
         return finished(fn, *args, **kwargs)
+
+    def _begin(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        with self._lock:
+            self._queued -= 1
+        return fn(*args, **kwargs)
+
+    def others_waiting(self) -> bool:
+        """Work handed in from other threads waits to begin: a long run of work in the model thread (the learner's
+        turns while a backlog lasts) lets it in at its next turn, as a learning step would."""
+        return self._queued > 0
 
     def shutdown(self) -> None:
         """Finish the work handed in, then end the thread."""

@@ -164,6 +164,7 @@ def run_loop(monkeypatch, loop: LearnerLoop, log: list[FakeRecord], events: list
     monkeypatch.setattr(stream, "ensure_topics", lambda kafka, *topics: None)
     monkeypatch.setattr(stream, "open_producer", lambda kafka, **_: FakeProducer(consumer.events))
     monkeypatch.setattr(stream, "KafkaConsumer", lambda **options: consumer.options.update(options) or consumer)
+    monkeypatch.setattr(stream, "LibrdkafkaConsumer", lambda settings: consumer.options.update(settings) or consumer)
     loop.run()
     assert loop.error is None
     return consumer

@@ -164,6 +164,35 @@ def test_decoding_between_steps_the_model_thread_books_each_poll_and_starts_the_
     assert learned == [(STREAM_ID, i) for i in range(32)] and consumer.committed == {"images:0": 32}
 
 
+def test_a_backlog_is_learned_turn_after_turn_in_the_model_thread_and_a_prediction_waits_one_turn(
+        tmp_path, monkeypatch):
+    """With librdkafka and no decode pool, while records come the loop's whole turns run in the model thread (poll,
+    decode, step), with no thread handing work to another between two steps. Work handed to the model thread from
+    elsewhere (a prediction) runs after the turn in flight, not after the backlog. Forced: during the second poll,
+    another thread hands the model thread a task; it must run before the third poll. Every sample is still learned
+    once, in order, and the topic going quiet is noticed by the loop thread's own waiting poll."""
+    state, loop, learned = service(tmp_path, decode_workers=0, consumer="librdkafka")
+    polls, events = [], []
+    poll = FakeConsumer.poll
+
+    def poll_and_hand_over_a_task(consumer, timeout_ms, max_records):
+        polls.append((threading.current_thread().name, timeout_ms, consumer.pos))
+        events.append(("poll", consumer.pos))
+        if consumer.pos == 16:
+            elsewhere = threading.Thread(target=lambda: state.model_thread.submit(events.append, ("task", None)))
+            elsewhere.start()
+            elsewhere.join()
+        return poll(consumer, timeout_ms, max_records)
+
+    monkeypatch.setattr(FakeConsumer, "poll", poll_and_hand_over_a_task)
+    consumer = run_loop(monkeypatch, loop, [sample(i, i) for i in range(64)])
+    assert events.index(("task", None)) == events.index(("poll", 32)) - 1
+    assert [name for name, _, pos in polls if pos < 64] == ["mepo-model"] * 4
+    assert all(wait == 0 for name, wait, _ in polls if name == "mepo-model")
+    assert polls[-1][:2] == (threading.current_thread().name, 500)  # the topic quiet: the loop waits for records
+    assert learned == [(STREAM_ID, i) for i in range(64)] and consumer.committed == {"images:0": 64}
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_decoding_each_poll_on_the_gpu_decides_exactly_as_inline_decoding(tmp_path, monkeypatch):

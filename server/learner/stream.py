@@ -18,9 +18,10 @@ learns through the state (``server.learner.state``), sends the dead letters the 
   decodes and validates them meanwhile, between claims made and results applied in offset order, so the outcome is
   the inline one. Without a pool (beside a CPU forward, decoding costs more than its own time) the model thread books
   each poll itself right after its step and goes on to the next (``server.learner.handover``), so no work passes
-  between threads between two steps. ``LearnerState.learn`` stacks the batch into pinned memory on a CUDA learner
-  (``server.learner.staging``) for an asynchronous copy to the device; predictions are micro-batched
-  (``server.batching``) into one forward on the snapshot's device.
+  between threads between two steps; reading with librdkafka, whose rebalance callbacks run in the polling thread,
+  the loop's whole turns run there while a backlog lasts (``backlog``), polls included. ``LearnerState.learn``
+  stacks the batch into pinned memory on a CUDA learner (``server.learner.staging``) for an asynchronous copy to the
+  device; predictions are micro-batched (``server.batching``) into one forward on the snapshot's device.
 * Labels that come later (``--kafka.labels_topic``): the loop reads the labels topic too, and sends the
   predictions the state makes of images without a label to ``--kafka.predictions_topic`` (keyed by id, JSON;
   a crash may send one again, with the same id).
@@ -51,7 +52,7 @@ from server.config import ServeConfig
 from server.consumer import PROBE_EVERY_S, ConsumerThread, broker_answers
 from server.learner.arrival import Prediction, Retraction
 from server.learner.book import tp_key
-from server.learner.handover import Handover
+from server.learner.handover import Handover, backlog
 from server.learner.intake import DeadLetter, InlineExecutor, Outgoing
 from server.learner.librdkafka import LibrdkafkaConsumer, check_available, librdkafka_settings
 from server.learner.state import LearnerState, StateWriteFailed, changes_waiting, checkpoint_due
@@ -215,7 +216,11 @@ class LearnerLoop(ConsumerThread):
             check_available(self.cfg.kafka)
         self.decoder = decode_executor(self.cfg.decode_workers, state.learner.device)
         inline = isinstance(self.decoder, InlineExecutor)
-        self.handover = Handover(state, self.decoder, self.periodic_checkpoint_due) if inline else None
+        self.bursts = inline and self.cfg.consumer == "librdkafka"
+        """A backlog's turns run whole in the model thread (``backlog``): librdkafka calls the rebalance callbacks in
+        the polling thread; kafka-python's IO thread would wait for the model thread, which waits in its poll."""
+        between = inline and not self.bursts
+        self.handover = Handover(state, self.decoder, self.periodic_checkpoint_due) if between else None
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="mepo-checkpoint")
         self._writing: Future | None = None  # the checkpoint being written, to its offsets
         self.refusal: str | None = None  # why learning must stop (set in a rebalance callback)
@@ -315,29 +320,41 @@ class LearnerLoop(ConsumerThread):
     # --- the loop -----------------------------------------------------------------------------------------------
     def _consume(self) -> None:
         assert self.consumer is not None
+        model = self.state.model_thread
+        steered = lambda: any(e.is_set() for e in (self.stop_event, self._paused, self._checkpoint_request))  # noqa: E731
         while not self.stop_event.is_set():
-            self._check_rebalance()
-            if self._checkpoint_request.is_set():
-                self._checkpoint_request.clear()
-                self.state.learn_pending()
-                self.persist(Persist.ASKED)
-            if self._paused.is_set():
-                self.stop_event.wait(0.2)
-                continue
-            records = self._read_while_learning()
-            if not records and not self.state.intake.waiting():
-                self.state.on_idle()
-                self.persist()
-            self._commit_if_written()
-            self.persist(Persist.IF_DUE)
-            self.update_lag()
+            if not (self.bursts and model.run(backlog, self._turn, model, steered)):
+                self._turn(waits=True)
         self.state.learn_pending()
         self.persist()
 
-    def _read_while_learning(self) -> list:
+    def _turn(self, waits: bool) -> bool:
+        """One turn of the loop; whether it read records. ``waits``: the poll waits for records to fill a mini-batch
+        (never in the model thread's ``backlog``, where a prediction would wait behind it)."""
+        self._check_rebalance()
+        if self._checkpoint_request.is_set():
+            self._checkpoint_request.clear()
+            self.state.learn_pending()
+            self.persist(Persist.ASKED)
+        if self._paused.is_set():
+            self.stop_event.wait(0.2 if waits else 0)
+            return False
+        records = self._read_while_learning(waits)
+        if waits and not records and not self.state.intake.waiting():
+            self.state.on_idle()
+            self.persist()
+        if self._writing is not None and self._writing.done() and (offsets := self._written()):
+            commit_offsets(self.consumer, offsets,  # on disk: committed without waiting for the broker's answer
+                           lambda consumer, o: consumer.commit_async(o, callback=_log_failed_commit))
+        self.persist(Persist.IF_DUE)
+        self.update_lag()
+        return bool(records)
+
+    def _read_while_learning(self, waits: bool) -> list:
         """One turn's records, polled while the model thread learns the mini-batch waiting (or, the topic gone quiet,
         the partial one: at once where a correction or deletion waits), then booked: by the model thread after its
-        step where decoding runs between steps (``Handover``), else decoded by the pool meanwhile, booked after."""
+        step where decoding runs between steps (``Handover``), else decoded by the pool meanwhile, booked after. In
+        the model thread's ``backlog`` every call runs there in turn: learn, poll without waiting, book."""
         def fill_wait() -> int:
             return fill_wait_ms(self.consumer, self.cfg.kafka.labels_topic, changes_waiting(self.state))
 
@@ -348,8 +365,8 @@ class LearnerLoop(ConsumerThread):
         pending, limit = sum(self.state.intake.waiting().values()), self.state.batch_limit
         learning = self.state.start_learning() if (due := pending >= limit) else None
         try:
-            records = self._poll(0 if due else fill_wait(), limit if due else limit - pending)
-            if learning is None and pending and not records:
+            records = self._poll(fill_wait() if waits and not due else 0, limit if due else limit - pending)
+            if learning is None and pending and not records and waits:
                 learning = self.state.start_learning()
             self.accept(records, learning)
             return records
@@ -362,7 +379,9 @@ class LearnerLoop(ConsumerThread):
         assert self.consumer is not None
         polled = self.consumer.poll(timeout_ms=wait_ms, max_records=max_records)
         self._check_rebalance()
-        self._probe()
+        if time.monotonic() - self._probed_at > PROBE_EVERY_S or not self.connected:  # does the broker answer?
+            self.connected, self._probed_at = broker_answers(self.consumer), time.monotonic()
+            self.state.metrics.learner_up.set(int(self.connected))
         return in_order(polled, self.cfg.kafka.labels_topic)
 
     def _check_rebalance(self) -> None:
@@ -375,12 +394,6 @@ class LearnerLoop(ConsumerThread):
         if self._broken is not None:
             broken, self._broken = self._broken, None
             raise broken
-
-    def _probe(self) -> None:
-        """Every few seconds (and while disconnected), check that the broker still answers."""
-        if time.monotonic() - self._probed_at > PROBE_EVERY_S or not self.connected:
-            self.connected, self._probed_at = broker_answers(self.consumer), time.monotonic()
-            self.state.metrics.learner_up.set(int(self.connected))
 
     def accept(self, records: list, learning: Future | None = None) -> None:
         """Hand one poll's records (in offset order) to the intake, which claims and decodes them while
@@ -418,13 +431,6 @@ class LearnerLoop(ConsumerThread):
         offsets = self._written()
         if commit and offsets:
             commit_offsets(self.consumer, offsets, lambda consumer, o: consumer.commit(o, timeout_ms=5000))
-
-    def _commit_if_written(self) -> None:
-        """The loop's turn: once the checkpoint in flight is on disk, commit its offsets without waiting for the
-        broker (the checkpoint already holds them, so the loop need not wait a round trip)."""
-        if self._writing is not None and self._writing.done() and (offsets := self._written()):
-            commit_offsets(self.consumer, offsets,
-                           lambda consumer, o: consumer.commit_async(o, callback=_log_failed_commit))
 
     def _written(self) -> dict[str, int]:
         """The offsets of the checkpoint in flight, once on disk. A failed write raises here, in the loop, once: it
