@@ -166,14 +166,15 @@ def test_decoding_between_steps_the_model_thread_books_each_poll_and_starts_the_
 
 def test_a_backlog_is_learned_turn_after_turn_in_the_model_thread_and_a_prediction_waits_one_turn(
         tmp_path, monkeypatch):
-    """With librdkafka and no decode pool, while records come the loop's whole turns run in the model thread (poll,
-    decode, step), with no thread handing work to another between two steps. Work handed to the model thread from
-    elsewhere (a prediction) runs after the turn in flight, not after the backlog. Forced: during the second poll,
-    another thread hands the model thread a task; it must run before the third poll. Every sample is still learned
-    once, in order, and the topic going quiet is noticed by the loop thread's own waiting poll."""
+    """With librdkafka and no decode pool, while records come the loop's turns run in the model thread (learn, poll
+    without waiting, book), with no thread handing work to another between two steps. Work handed to the model thread
+    from elsewhere (a prediction) runs after the turn in flight, not after the backlog: forced, during the second poll
+    another thread hands the model thread a task, which must run before the third poll. What may wait for the broker
+    or the disk (checkpoints every 32 samples here, their commits, the broker probe) stays in the loop thread, and so
+    does the wait for records once the topic is quiet. Every sample is still learned once, in order."""
     state, loop, learned = service(tmp_path, decode_workers=0, consumer="librdkafka")
-    polls, events = [], []
-    poll = FakeConsumer.poll
+    polls, events, waits_on_broker = [], [], []
+    poll, commit, probe = FakeConsumer.poll, FakeConsumer.commit, FakeConsumer.beginning_offsets
 
     def poll_and_hand_over_a_task(consumer, timeout_ms, max_records):
         polls.append((threading.current_thread().name, timeout_ms, consumer.pos))
@@ -184,11 +185,20 @@ def test_a_backlog_is_learned_turn_after_turn_in_the_model_thread_and_a_predicti
             elsewhere.join()
         return poll(consumer, timeout_ms, max_records)
 
+    def told(method):
+        return lambda consumer, *a, **kw: waits_on_broker.append(threading.current_thread().name) or method(
+            consumer, *a, **kw)
+
     monkeypatch.setattr(FakeConsumer, "poll", poll_and_hand_over_a_task)
+    monkeypatch.setattr(FakeConsumer, "commit", told(commit))
+    monkeypatch.setattr(FakeConsumer, "beginning_offsets", told(probe))
     consumer = run_loop(monkeypatch, loop, [sample(i, i) for i in range(64)])
-    assert events.index(("task", None)) == events.index(("poll", 32)) - 1
-    assert [name for name, _, pos in polls if pos < 64] == ["mepo-model"] * 4
+    task = events.index(("task", None))
+    assert events[task - 1] == ("poll", 16) and events[task + 1][0] == "poll"
+    assert [name for name, _, _ in polls[:2]] == ["mepo-model"] * 2
     assert all(wait == 0 for name, wait, _ in polls if name == "mepo-model")
+    assert waits_on_broker and "mepo-model" not in waits_on_broker
+    assert any(e[1]["images:0"] < 64 for e in consumer.events if e[0] == "commit")  # checkpoints as it learns
     assert polls[-1][:2] == (threading.current_thread().name, 500)  # the topic quiet: the loop waits for records
     assert learned == [(STREAM_ID, i) for i in range(64)] and consumer.committed == {"images:0": 64}
 

@@ -8,12 +8,13 @@ it (``Intake.accept``: claims, decodes, books) right after the step in flight an
 it in the same turn. The loop waits only for the booking, sends what it returns, and reads the next poll while that
 step runs.
 
-Reading with librdkafka, ``backlog`` goes further: while records come, the loop's whole turns (learn, poll without
-waiting, book, persist when due) run one after another in the model thread, with nothing passed between threads at
-all, and the loop thread only waits for the topic when it goes quiet. kafka-python cannot: its rebalance callbacks
-run on its IO thread and hand work to the model thread, which would be waiting inside the poll. Those turns are the
-loop's own, in its order, so its guarantees hold as they do in the loop thread; a prediction handed in meanwhile
-runs after the turn in flight.
+Reading with librdkafka, ``backlog`` goes further: while records come, the loop's turns (learn, poll without
+waiting, book) run one after another in the model thread, with nothing passed between threads at all; the loop
+thread takes over to wait for the topic when it goes quiet, and for anything that may wait for the broker or the
+disk (a checkpoint, a commit, the broker probe). kafka-python cannot: its rebalance callbacks run on its IO thread
+and hand work to the model thread, which would be waiting inside the poll. Those turns are the loop's own, in its
+order, so its guarantees hold as they do in the loop thread; a prediction handed in meanwhile runs after the turn
+in flight.
 
 What keeps the guarantees of ``server.learner.stream``:
 
@@ -106,11 +107,12 @@ class Handover:
 
 
 def backlog(turn: Callable[[bool], bool], model: ModelThread, steered: Callable[[], bool]) -> bool:
-    """In the model thread: the loop's turns (``turn(waits=False)``: learn, poll without waiting, book, persist if
-    due), one after another while records come, so no work passes between threads between two steps. Returns
-    whether to go on: True once work handed to the model thread from elsewhere waits (a prediction runs after the
-    turn in flight, as it would after a step); False once a poll comes back empty, or once ``steered`` (stop, pause,
-    a checkpoint asked for): the loop thread's own turn then waits for records, or does what was asked."""
+    """In the model thread: the loop's turns (``turn(waits=False)``: learn, poll without waiting, book), one after
+    another while records come, so no work passes between threads between two steps. Returns whether to go on: True
+    once work handed to the model thread from elsewhere waits (a prediction runs after the turn in flight, as it
+    would after a step); False once a poll comes back empty, or once ``steered`` (stop, pause, a checkpoint asked
+    for or due, a write on disk to commit): the loop thread's own turn then waits for records, or does what may
+    wait for the broker or the disk, so the model thread, which answers predictions, never waits on either."""
     while not steered():
         if not turn(False):
             return False

@@ -217,8 +217,7 @@ class LearnerLoop(ConsumerThread):
         self.decoder = decode_executor(self.cfg.decode_workers, state.learner.device)
         inline = isinstance(self.decoder, InlineExecutor)
         self.bursts = inline and self.cfg.consumer == "librdkafka"
-        """A backlog's turns run whole in the model thread (``backlog``): librdkafka calls the rebalance callbacks in
-        the polling thread; kafka-python's IO thread would wait for the model thread, which waits in its poll."""
+        """A backlog's turns run in the model thread (``backlog``, where the client's callbacks run in its poll)."""
         between = inline and not self.bursts
         self.handover = Handover(state, self.decoder, self.periodic_checkpoint_due) if between else None
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="mepo-checkpoint")
@@ -320,8 +319,9 @@ class LearnerLoop(ConsumerThread):
     # --- the loop -----------------------------------------------------------------------------------------------
     def _consume(self) -> None:
         assert self.consumer is not None
-        model = self.state.model_thread
-        steered = lambda: any(e.is_set() for e in (self.stop_event, self._paused, self._checkpoint_request))  # noqa: E731
+        model, events = self.state.model_thread, (self.stop_event, self._paused, self._checkpoint_request)
+        steered = lambda: (any(e.is_set() for e in events) or self.periodic_checkpoint_due()  # noqa: E731
+                           or (self._writing is not None and self._writing.done()))  # the loop thread persists
         while not self.stop_event.is_set():
             if not (self.bursts and model.run(backlog, self._turn, model, steered)):
                 self._turn(waits=True)
@@ -340,21 +340,22 @@ class LearnerLoop(ConsumerThread):
             self.stop_event.wait(0.2 if waits else 0)
             return False
         records = self._read_while_learning(waits)
-        if waits and not records and not self.state.intake.waiting():
-            self.state.on_idle()
-            self.persist()
-        if self._writing is not None and self._writing.done() and (offsets := self._written()):
-            commit_offsets(self.consumer, offsets,  # on disk: committed without waiting for the broker's answer
-                           lambda consumer, o: consumer.commit_async(o, callback=_log_failed_commit))
-        self.persist(Persist.IF_DUE)
+        if waits:  # what may wait for the broker or the disk (a probe, a flush): never in the model thread
+            if not records and not self.state.intake.waiting():
+                self.state.on_idle()
+                self.persist()
+            if self._writing is not None and self._writing.done() and (offsets := self._written()):
+                commit_offsets(self.consumer, offsets,  # on disk: committed without waiting for the broker's answer
+                               lambda consumer, o: consumer.commit_async(o, callback=_log_failed_commit))
+            self.persist(Persist.IF_DUE)
         self.update_lag()
         return bool(records)
 
     def _read_while_learning(self, waits: bool) -> list:
         """One turn's records, polled while the model thread learns the mini-batch waiting (or, the topic gone quiet,
         the partial one: at once where a correction or deletion waits), then booked: by the model thread after its
-        step where decoding runs between steps (``Handover``), else decoded by the pool meanwhile, booked after. In
-        the model thread's ``backlog`` every call runs there in turn: learn, poll without waiting, book."""
+        step where decoding runs between steps (``Handover``), else decoded by the pool meanwhile, booked after (in
+        the model thread's ``backlog``, one after the other: learn, poll without waiting, book)."""
         def fill_wait() -> int:
             return fill_wait_ms(self.consumer, self.cfg.kafka.labels_topic, changes_waiting(self.state))
 
@@ -365,7 +366,7 @@ class LearnerLoop(ConsumerThread):
         pending, limit = sum(self.state.intake.waiting().values()), self.state.batch_limit
         learning = self.state.start_learning() if (due := pending >= limit) else None
         try:
-            records = self._poll(fill_wait() if waits and not due else 0, limit if due else limit - pending)
+            records = self._poll(fill_wait() if waits and not due else 0, limit if due else limit - pending, waits)
             if learning is None and pending and not records and waits:
                 learning = self.state.start_learning()
             self.accept(records, learning)
@@ -373,13 +374,13 @@ class LearnerLoop(ConsumerThread):
         finally:
             wait([learning] if learning is not None else [])
 
-    def _poll(self, wait_ms: int, max_records: int) -> list:
-        """Up to ``max_records`` records in order (``in_order``), waiting ``wait_ms`` for the first; a rebalance's
-        outcome is checked before any is booked (a partition whose state is not restored)."""
+    def _poll(self, wait_ms: int, max_records: int, probes: bool = True) -> list:
+        """Up to ``max_records`` records in order, waiting ``wait_ms`` for the first; a rebalance's outcome is checked
+        before any is booked. ``probes``: whether the broker answers, every few seconds (not in the model thread)."""
         assert self.consumer is not None
         polled = self.consumer.poll(timeout_ms=wait_ms, max_records=max_records)
         self._check_rebalance()
-        if time.monotonic() - self._probed_at > PROBE_EVERY_S or not self.connected:  # does the broker answer?
+        if probes and (time.monotonic() - self._probed_at > PROBE_EVERY_S or not self.connected):
             self.connected, self._probed_at = broker_answers(self.consumer), time.monotonic()
             self.state.metrics.learner_up.set(int(self.connected))
         return in_order(polled, self.cfg.kafka.labels_topic)
