@@ -332,7 +332,7 @@ class LearnerLoop(ConsumerThread):
         """One turn of the loop; whether it read records. ``waits``: the poll waits for records to fill a mini-batch
         (never in the model thread's ``backlog``, where a prediction would wait behind it)."""
         self._check_rebalance()
-        if self._checkpoint_request.is_set():
+        if waits and self._checkpoint_request.is_set():  # only the loop thread persists (a backlog hands back)
             self._checkpoint_request.clear()
             self.state.learn_pending()
             self.persist(Persist.ASKED)
