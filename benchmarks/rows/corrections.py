@@ -41,7 +41,6 @@ from mepo_stream.records import label_headers, record_headers
 from server.allocator import keep_freed_memory
 from server.config import CorrectionsConfig, ServeConfig
 from server.learner.state import LearnerState, checkpoint_due, open_learner
-from server.learner.stream import InlineExecutor
 from server.metrics import ServerMetrics
 
 START_MS = 1_700_000_000_000
@@ -100,7 +99,7 @@ def stream(n: int, size: int, n_classes: int, corrections: float, deletions: flo
 def run(cfg: ServeConfig, records: Iterator[Record], sample_every: int) -> dict:
     """Feed the records through a fresh learner state in polls of a mini-batch, checkpointing as the loop does."""
     state = open_learner(cfg, ServerMetrics())
-    decoder, poll, trace, tombstones, latencies = InlineExecutor(), [], [], {}, []
+    decoder, poll, trace, tombstones, latencies = None, [], [], {}, []
     start, images, checkpoints = time.perf_counter(), 0, 0
     for record in records:
         poll.append(record)

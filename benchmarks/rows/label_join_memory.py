@@ -39,7 +39,6 @@ from mepo_stream.records import label_headers, record_headers
 from server.allocator import keep_freed_memory
 from server.config import ServeConfig
 from server.learner.state import open_learner
-from server.learner.stream import InlineExecutor
 from server.metrics import ServerMetrics
 
 IMAGES, LABELS = "images", "labels"
@@ -90,7 +89,7 @@ def stream(n: int, size: int, delay: tuple[int, int], loss: float, n_classes: in
 def run(cfg: ServeConfig, n: int, sample_every: int, delay: tuple[int, int], loss: float) -> dict:
     """Stream ``n`` images through a fresh learner state; resident memory and store size along the way."""
     state = open_learner(cfg, ServerMetrics())
-    decoder, poll, trace = InlineExecutor(), [], []
+    decoder, poll, trace = None, [], []
     start, images = time.perf_counter(), 0
     for record in stream(n, cfg.limits.size, delay, loss, len(state.class_names)):
         poll.append(record)

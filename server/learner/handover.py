@@ -1,6 +1,6 @@
 """Decoding between steps: the model thread books each poll itself, then goes straight on to the next step.
 
-Beside a CPU model (an ``InlineExecutor``: no decode pool) a poll's images are decoded between two learning steps,
+Beside a CPU model (no decode pool) a poll's images are decoded between two learning steps,
 since decoding beside a CPU forward costs it more than the decoding's own time (docs/performance.md). Had the loop
 thread booked them, each turn would pass the model thread's work to the loop and back: two thread wake-ups and the
 loop's own checks between every two steps. Instead ``Handover.turn`` hands the poll to the model thread, which books
@@ -29,7 +29,7 @@ What keeps the guarantees of ``server.learner.stream``:
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Executor, Future, wait
+from concurrent.futures import Future, wait
 
 from server.learner.intake import Outgoing
 from server.learner.state import LearnerState
@@ -42,8 +42,8 @@ Poll = Callable[[int, int], list]
 class Handover:
     """The loop's turns where decoding runs between steps, over the model thread's turn in flight."""
 
-    def __init__(self, state: LearnerState, decoder: Executor, checkpoint_due: Callable[[], bool]):
-        self.state, self.decoder, self.checkpoint_due = state, decoder, checkpoint_due
+    def __init__(self, state: LearnerState, checkpoint_due: Callable[[], bool]):
+        self.state, self.checkpoint_due = state, checkpoint_due
         """``checkpoint_due``: the loop will checkpoint once this turn's poll is booked (asked in the model thread
         while the loop waits for the booking)."""
         self.stepping: Future | None = None
@@ -85,7 +85,7 @@ class Handover:
         checkpoints at this one: its capture then holds what was learned before this poll, without waiting for
         another step."""
         try:
-            outgoing = self.state.intake.accept(records, self.decoder)
+            outgoing = self.state.intake.accept(records)
             pending, self.step_limit = sum(self.state.intake.waiting().values()), self.state.batch_limit
             learns = (pending >= self.step_limit and not self.checkpoint_due()) or bool(pending and not records)
         except BaseException as e:

@@ -35,7 +35,7 @@ from server.learner.arrival import Arrival, Prediction, Retraction, arrive, kept
 from server.learner.book import Sample, StreamBook, tp_key
 from server.learner.corrections import Change, Corrections, Forget, Relabel
 from server.metrics import ServerMetrics
-from server.model_thread import ModelThread, finished
+from server.model_thread import ModelThread
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +47,6 @@ class DeadLetter:
     record: KafkaRecord
     reason: str
     message: str
-
-
-class InlineExecutor(Executor):
-    """``decode_workers`` 0: no decode pool; each task runs as it is submitted, in the caller's thread (the intake
-    then decodes each image as it claims it, with no future at all)."""
-
-    def submit(self, fn, /, *args, **kwargs) -> Future:
-        return finished(fn, *args, **kwargs)
 
 
 Decoding = Future | torch.Tensor | ImageError
@@ -172,11 +164,12 @@ class Intake:
         self.decode_device = gpu_decode_device(cfg.gpu_decode, learner.device)
         """Where each poll's JPEGs decode in one batch (None: one at a time, on the CPU)."""
 
-    def accept(self, records: list, decoder: Executor, learning: Future | None = None) -> list[Outgoing]:
-        """Claim the records' sample ids in offset order, decode their images (in ``decoder``'s threads, or here as
-        each is claimed where it is an ``InlineExecutor``), book the outcomes in offset order (pending, a skipped
-        replay, or a dead letter); returns the dead letters (and, where labels come later, the predictions of
-        images without one), for the loop to send before its next checkpoint.
+    def accept(self, records: list, decoder: Executor | None = None, learning: Future | None = None
+               ) -> list[Outgoing]:
+        """Claim the records' sample ids in offset order, decode their images (in a ``decoder`` pool's threads, or
+        here as each is claimed where there is none: ``decode_workers`` 0), book the outcomes in offset order
+        (pending, a skipped replay, or a dead letter); returns the dead letters (and, where labels come later, the
+        predictions of images without one), for the loop to send before its next checkpoint.
 
         ``learning`` (the pending mini-batch being learned in the model thread) runs while a pool claims and decodes
         these records, so the images of the next mini-batch are ready when the step ends (the loop lets an inline
@@ -199,7 +192,7 @@ class Intake:
         finally:
             wait([d for d in (*decoding.values(), learning) if isinstance(d, Future)])
 
-    def _claim(self, record, decoder: Executor, decoding: dict[tuple[str, int | str | None], Decoding],
+    def _claim(self, record, decoder: Executor | None, decoding: dict[tuple[str, int | str | None], Decoding],
                ready: torch.Tensor | ImageError | None = None
                ) -> _Claimed | _Label | _Tombstone | RecordError | None:
         """Parse the headers and claim the sample id before decoding (None: a replay); a label record is only
@@ -230,11 +223,10 @@ class Intake:
         decoding[sample_id] = self._decoding(record, meta, decoder, ready)
         return _Claimed(meta, decoding[sample_id])
 
-    def _decoding(self, record, meta: RecordMeta, decoder: Executor, ready: torch.Tensor | ImageError | None
+    def _decoding(self, record, meta: RecordMeta, decoder: Executor | None, ready: torch.Tensor | ImageError | None
                   ) -> Decoding:
-        """The record's image: being decoded by a pool's threads, or decoded here and now (an ``InlineExecutor``:
-        no future), or already, where the GPU decoded the poll (``ready``)."""
-        if ready is None and not isinstance(decoder, InlineExecutor):
+        """The record's image: a pool's future, or decoded here (no pool), or as the GPU decoded it (``ready``)."""
+        if ready is None and decoder is not None:
             return decoder.submit(self._decode, record, meta)
         try:
             return self._decode(record, meta, ready)

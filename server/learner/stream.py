@@ -37,7 +37,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from enum import Enum
 
 import torch
@@ -53,7 +53,7 @@ from server.consumer import PROBE_EVERY_S, ConsumerThread, broker_answers
 from server.learner.arrival import Prediction, Retraction
 from server.learner.book import tp_key
 from server.learner.handover import Handover, backlog
-from server.learner.intake import DeadLetter, InlineExecutor, Outgoing
+from server.learner.intake import DeadLetter, Outgoing
 from server.learner.librdkafka import LibrdkafkaConsumer, check_available, librdkafka_settings
 from server.learner.state import LearnerState, StateWriteFailed, changes_waiting, checkpoint_due
 from server.metrics import ServerMetrics
@@ -126,12 +126,12 @@ def unread(consumer: KafkaConsumer, labels_topic: str | None, waiting: Counter[s
     return lags
 
 
-def decode_executor(workers: int | None, dev: torch.device) -> Executor:
-    """A pool of ``workers`` decode threads; for 0, an ``InlineExecutor`` that decodes in the learner thread;
-    for None, a pool of 4 beside a GPU model and inline beside a CPU one (whose forward uses every core)."""
+def decode_executor(workers: int | None, dev: torch.device) -> ThreadPoolExecutor | None:
+    """A pool of ``workers`` decode threads; for 0, none (the intake decodes in the thread that books); for None, a
+    pool of 4 beside a GPU model and none beside a CPU one (whose forward uses every core)."""
     if workers is None:
         workers = 4 if dev.type == "cuda" else 0
-    return ThreadPoolExecutor(workers, thread_name_prefix="mepo-decode") if workers > 0 else InlineExecutor()
+    return ThreadPoolExecutor(workers, thread_name_prefix="mepo-decode") if workers > 0 else None
 
 
 CONSUMER_TIMING = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 2000, "max_poll_interval_ms": 600_000,
@@ -215,11 +215,10 @@ class LearnerLoop(ConsumerThread):
         if self.cfg.consumer == "librdkafka":
             check_available(self.cfg.kafka)
         self.decoder = decode_executor(self.cfg.decode_workers, state.learner.device)
-        inline = isinstance(self.decoder, InlineExecutor)
-        self.bursts = inline and self.cfg.consumer == "librdkafka"
+        inline = self.decoder is None
+        self.backlog_turns = inline and self.cfg.consumer == "librdkafka"
         """A backlog's turns run in the model thread (``backlog``, where the client's callbacks run in its poll)."""
-        between = inline and not self.bursts
-        self.handover = Handover(state, self.decoder, self.periodic_checkpoint_due) if between else None
+        self.handover = Handover(state, self.periodic_checkpoint_due) if inline and not self.backlog_turns else None
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="mepo-checkpoint")
         self._writing: Future | None = None  # the checkpoint being written, to its offsets
         self.refusal: str | None = None  # why learning must stop (set in a rebalance callback)
@@ -313,7 +312,8 @@ class LearnerLoop(ConsumerThread):
                 self.error = f"{type(e).__name__}: {e}"
                 break
         self._close()
-        self.decoder.shutdown()
+        if self.decoder is not None:
+            self.decoder.shutdown()
         self.writer.shutdown()
 
     # --- the loop -----------------------------------------------------------------------------------------------
@@ -323,7 +323,7 @@ class LearnerLoop(ConsumerThread):
         steered = lambda: (any(e.is_set() for e in events) or self.periodic_checkpoint_due()  # noqa: E731
                            or (self._writing is not None and self._writing.done()))  # the loop thread persists
         while not self.stop_event.is_set():
-            if not (self.bursts and model.run(backlog, self._turn, model, steered)):
+            if not (self.backlog_turns and model.run(backlog, self._turn, model, steered)):
                 self._turn(waits=True)
         self.state.learn_pending()
         self.persist()
