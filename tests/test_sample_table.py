@@ -5,8 +5,11 @@ table, and the table goes back to any checkpoint's generation after a crash."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -331,6 +334,50 @@ def test_a_read_that_waits_for_a_settles_reopening_uses_the_reopened_tables_hand
     settling.join(10)
     reading.join(10)
     assert got and got[0].label == 3
+
+
+
+CHURN = """
+import sys, threading, time
+from pathlib import Path
+import torch
+from server.learner.sample_table import Entry, SampleTable
+table = SampleTable(Path(sys.argv[2]) / "t", retention_s=1e9)
+for i in range(200):
+    table.put(f"s/{i}", Entry(i % 10, float(i), torch.ones(8)))
+end = time.monotonic() + float(sys.argv[1])
+
+def read():  # the intake and the learning step: each read's transaction is let go after the table's lock
+    i = 0
+    while time.monotonic() < end:
+        table.get(f"s/{i % 200}")
+        table.expire(1.0)
+        i += 1
+
+def checkpoint():  # the checkpoint thread: commit, then settle, which closes and reopens the environment
+    g = 1
+    while time.monotonic() < end:
+        table.put(f"s/{g % 200}", Entry(1, float(g), torch.ones(8)))
+        table.commit(g)
+        table.settle(g)
+        g += 1
+
+threads = [threading.Thread(target=f) for f in (read, read, checkpoint)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+table.close()
+print("survived")
+"""
+
+
+def test_a_table_reopened_at_every_checkpoint_while_other_threads_read_it_does_not_crash_the_process(tmp_path):
+    """Every settle closes and reopens the environment in the checkpoint thread while the model thread reads the
+    table. A binding that lets another thread drop its last transaction while the environment closes frees LMDB's
+    memory twice (py-lmdb before 2.0: an abort within two seconds here, and a test worker lost in CI), so this runs
+    the three threads for a few seconds in a process of its own."""
+    churn = subprocess.run([sys.executable, "-c", CHURN, "3", str(tmp_path)], capture_output=True, text=True,
+                           timeout=120, cwd=Path(__file__).parent.parent)
+    assert (churn.returncode, churn.stdout.strip()) == (0, "survived"), churn.stderr[-2000:]
 
 
 def test_a_partial_mini_batch_waits_for_samples_unless_a_change_waits_and_nothing_is_left_to_read():
