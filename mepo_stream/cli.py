@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import functools
 import io
 import json
@@ -278,6 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)  # kafka-python narrates every connection at INFO
+    faulthandler.enable()  # a crash in native code (a segfault, an abort) prints every thread's stack as it dies
     args = _underscore_options(sys.argv[1:] if argv is None else argv)
     runners: dict[type, Callable] = {}
     available, missing = _load_commands()

@@ -204,6 +204,21 @@ REFINE_ARGS = [*TINY_ARGS, "--data.train_per_class", "4", "--tasks.classes_per_g
                "--guard.skip", "true"]
 
 
+def test_a_crash_in_native_code_leaves_every_threads_python_stack_in_the_log(broker, tmp_path):
+    """A segfault or an abort in a C extension (a binding's race, a driver) ends the process before any Python
+    handler runs; the entry point's fault handler still writes where each thread was, so the log says which code
+    crashed. A SIGSEGV sent mid-run stands in for the crash."""
+    cfg = settings(broker, tmp_path)
+    producer = Command(["produce", *config_options(DATA, "--data."), *config_options(cfg.kafka, "--kafka."),
+                        "--replay.rate", "10"], tmp_path / "produce.log")
+    wait_for(lambda: producer.running() and end_offset(broker.bootstrap, cfg.kafka.topic) >= 2, 60,
+             "the first records in the topic", ignore=(Exception,))
+    assert producer.stop(signal.SIGSEGV) == -signal.SIGSEGV
+    out = producer.output()
+    assert "Fatal Python error: Segmentation fault" in out, out[-3000:]
+    assert "most recent call first" in out and "producers/siblurry.py" in out  # where the main thread was
+
+
 def test_refine_on_sigterm_checkpoints_its_meta_epoch_and_resume_continues(tmp_path):
     out = tmp_path / "refined"
     run = Command(["refine", "--out", str(out), "--loop.meta_epochs", "1000", *REFINE_ARGS], tmp_path / "refine.log")
