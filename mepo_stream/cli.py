@@ -279,7 +279,9 @@ def main(argv: list[str] | None = None) -> None:
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)  # kafka-python narrates every connection at INFO
-    faulthandler.enable()  # a crash in native code (a segfault, an abort) prints every thread's stack as it dies
+    # a crash in native code (a segfault, an abort) prints every thread's stack as it dies, to file descriptor 2
+    # (whoever calls ``main`` may have swapped sys.stderr for a stream that has none)
+    faulthandler.enable(file=2)
     args = _underscore_options(sys.argv[1:] if argv is None else argv)
     runners: dict[type, Callable] = {}
     available, missing = _load_commands()
