@@ -216,11 +216,14 @@ def test_scale_out_same_model_finds_the_sums_of_two_parts_the_whole_and_predicts
 
 
 def test_gpu_rows_smoke_on_the_cpu(tmp_path):
-    """The GPU rows' functions at tiny sizes (on the CPU without CUDA): bf16 service and bare loop, bare ViT."""
+    """The GPU rows' functions at tiny sizes (on the CPU without CUDA): bf16 service and bare loop, bare ViT; with
+    Sigma_pre from CIFAR-10, as on a lent GPU that has only gpu-pack's CIFAR-10 subset."""
     _run("benchmarks.run_all", "--quick", "true", "--gpu", "true", "--only", "gpu_learner_bf16,gpu_vit_b16", *TINY,
-         "--results", str(tmp_path / "results"), "--page", "null")
+         "--results", str(tmp_path / "results"), "--page", "null", "--sigma_data", "cifar10")
     results = _results(tmp_path / "results")
     assert set(results) == {"gpu_learner_bf16", "gpu_vit_b16"}
+    bundle = json.loads((Path(results["gpu_vit_b16"]["spec"]["mepo"]) / "manifest.json").read_text())
+    assert bundle["covariance"]["data"]["dataset"] == "cifar10" and bundle["covariance"]["n_classes"] == 10
     assert all(r["machine"]["dtype"] == "bfloat16" for r in results.values())
     learner = results["gpu_learner_bf16"]
     assert "learn_only" not in learner and all(math.isfinite(n) for r in results.values() for n in _numbers(r))
