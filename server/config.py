@@ -130,8 +130,8 @@ class ServeConfig:
     (docs/performance.md measures both)."""
     consumer: Literal["kafka-python", "librdkafka"] = "kafka-python"
     """The client the learner reads the stream with: kafka-python, or librdkafka (``confluent-kafka``, the
-    ``librdkafka`` extra), which parses records in C, off the interpreter lock a fast model's step needs (a learner
-    alone only; docs/performance.md measures both)."""
+    ``librdkafka`` extra), which parses records in C, off the interpreter lock a fast model's step needs
+    (docs/performance.md measures both)."""
     gpu_decode: bool | None = None
     """Decode the JPEGs of each Kafka poll on the model's GPU (nvjpeg, batched) and resize them there, instead of
     in ``decode_workers`` threads; other formats, and JPEGs the GPU cannot take, still decode on the CPU. Default:

@@ -19,6 +19,7 @@ from PIL import Image
 import server.learner.intake as intake
 import server.learner.stream as stream
 from mepo_stream.images import ImageLimits, decode_image
+from mepo_stream.kafka import KafkaConfig
 from mepo_stream.records import record_headers
 from server.learner.staging import stack_images
 from tests.fakes import STREAM_ID, FakeConsumer, FakeProducer, FakeRecord, jpeg, record, run_loop, service
@@ -201,6 +202,21 @@ def test_a_backlog_is_learned_turn_after_turn_in_the_model_thread_and_a_predicti
     assert any(e[1]["images:0"] < 64 for e in consumer.events if e[0] == "commit")  # checkpoints as it learns
     assert polls[-1][:2] == (threading.current_thread().name, 500)  # the topic quiet: the loop waits for records
     assert learned == [(STREAM_ID, i) for i in range(64)] and consumer.committed == {"images:0": 64}
+
+
+def test_in_a_group_librdkafka_is_polled_by_the_loop_thread_never_the_model_thread(tmp_path, monkeypatch):
+    """librdkafka runs the rebalance listener inside the poll, and in a group (``--kafka.state_topic``) the listener
+    writes the partitions' states and waits for the broker: so there the loop thread polls, as with kafka-python,
+    and the model thread, which answers predictions, runs no backlog. Every sample is still learned once, in order."""
+    kafka = KafkaConfig(bootstrap_servers="127.0.0.1:9", state_topic="states")  # no broker is used
+    state, loop, learned = service(tmp_path, decode_workers=0, consumer="librdkafka", kafka=kafka)
+    pollers = []
+    poll = FakeConsumer.poll
+    monkeypatch.setattr(FakeConsumer, "poll", lambda consumer, timeout_ms, max_records: pollers.append(
+        threading.current_thread().name) or poll(consumer, timeout_ms, max_records))
+    run_loop(monkeypatch, loop, [sample(i, i) for i in range(64)])
+    assert set(pollers) == {threading.current_thread().name}
+    assert learned == [(STREAM_ID, i) for i in range(64)]
 
 
 @pytest.mark.cuda

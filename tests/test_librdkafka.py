@@ -1,5 +1,6 @@
-"""``--consumer librdkafka``: where it is refused, and the settings librdkafka gets (its run against the real broker
-is ``tests/test_streaming.py::test_kill_9_mid_stream_then_a_restart_ends_exactly_as_an_uninterrupted_run``)."""
+"""``--consumer librdkafka``: where it is refused, and the settings librdkafka gets (its runs against the real broker
+are ``tests/test_streaming.py::test_kill_9_mid_stream_then_a_restart_ends_exactly_as_an_uninterrupted_run`` and, in
+a group, ``tests/test_scale_out.py::test_kill_9_of_a_learner_that_owns_partitions_mid_stream_twice_the_taker_...``)."""
 
 import pytest
 
@@ -9,16 +10,11 @@ from server.learner.librdkafka import check_available, librdkafka_settings
 from server.learner.stream import CONSUMER_TIMING
 
 
-def test_a_group_of_learners_is_refused_with_the_reason():
-    with pytest.raises(ConfigError, match="state_topic"):
-        check_available(KafkaConfig(state_topic="mepo.state"))
-    check_available(KafkaConfig())  # a learner alone may
-
-
 def test_without_confluent_kafka_the_refusal_names_the_extra(monkeypatch):
+    check_available()  # installed here (the test extra)
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(ConfigError, match=r"mepo-stream\[librdkafka\]"):
-        check_available(KafkaConfig())
+        check_available()
 
 
 def test_settings_carry_the_group_the_security_and_never_commit_on_their_own():

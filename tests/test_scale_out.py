@@ -626,8 +626,10 @@ def written_by(cfg: ServeConfig, since: float) -> dict[str, PartitionState]:
     return {k: s for k, s in Changelog(cfg.kafka).read_all().items() if s.learner == me and s.written_at > since}
 
 
+@pytest.mark.parametrize("consumer", ["kafka-python", "librdkafka"])
 def test_kill_9_of_a_learner_that_owns_partitions_mid_stream_twice_the_taker_restores_its_last_states(broker,
-                                                                                                     tmp_path):
+                                                                                                     tmp_path,
+                                                                                                     consumer):
     """Two learners of a group (and a single learner beside them) on a stream that arrives in three parts: the
     first 64 records, the first 128, then all 200 (each part replays the one before: those records are skipped as
     replays). After each of the first two parts, the second learner of the pair is killed with SIGKILL once it
@@ -635,8 +637,9 @@ def test_kill_9_of_a_learner_that_owns_partitions_mid_stream_twice_the_taker_res
     the machine's speed. Whoever takes its partitions over restores them from the dead learner's last states:
     every sample is learned exactly once (a taker that started such a partition from nothing would lose what the
     dead learner had learned of it, and the states would not add up to the stream), what the dead learner had
-    written is in its partitions' final states, and the model is the single learner's."""
-    base = settings(broker, tmp_path)
+    written is in its partitions' final states, and the model is the single learner's. With either client: each
+    runs the rebalance listener its own way (kafka-python on its IO thread, librdkafka inside the poll)."""
+    base = settings(broker, tmp_path, consumer=consumer)
     ensure_topics(base.kafka, base.kafka.topic, partitions=PARTITIONS)
     single = group_member(base, tmp_path, "single")
     pair = [group_member(base, tmp_path, "pair") for _ in range(2)]

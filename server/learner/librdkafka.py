@@ -8,13 +8,13 @@ model stays near half its bare loop"). librdkafka (``confluent-kafka``) fetches 
 (``server.learner.stream``) uses, with kafka-python's ``TopicPartition`` and ``KafkaError`` at the boundary, so the
 loop, its rebalance listener and its offsets are the same whichever client reads. What differs underneath:
 
-* the rebalance listener runs inside ``poll``, in the learner thread (kafka-python runs it on its IO thread while
+* the rebalance listener runs inside ``poll``, in the polling thread (kafka-python runs it on its IO thread while
   the learner thread waits in ``poll``); a seek asked for while partitions are assigned sets where they start;
 * a broker that does not answer is retried inside librdkafka: ``poll`` returns nothing, and the loop's probe
   (``beginning_offsets``, a round trip) is what can report it disconnected.
 
-Only a learner alone uses it for now: a group of learners (``--kafka.state_topic``) keeps kafka-python, and the
-broker-stall and group tests run kafka-python only.
+A learner alone or in a group (``--kafka.state_topic``) may use it: the group's kill -9 test, where partitions move
+to the learner that takes them over, runs with both clients. The broker-stall test runs kafka-python only.
 """
 
 from __future__ import annotations
@@ -89,13 +89,10 @@ def _as_kafka_error() -> Iterator[None]:
         raise KafkaError(str(e)) from e
 
 
-def check_available(kafka: KafkaConfig) -> None:
-    """Refuse ``--consumer librdkafka`` where it cannot run: without confluent-kafka, or in a group of learners."""
+def check_available() -> None:
+    """Refuse ``--consumer librdkafka`` where confluent-kafka is not installed, naming the extra that brings it."""
     if importlib.util.find_spec("confluent_kafka") is None:
         raise ConfigError("--consumer librdkafka needs confluent-kafka: pip install 'mepo-stream[librdkafka]'")
-    if kafka.state_topic is not None:
-        raise ConfigError("--consumer librdkafka runs a learner alone; a group of learners (--kafka.state_topic) "
-                          "reads with kafka-python")
 
 
 def librdkafka_settings(kafka: KafkaConfig, session_timeout_ms: int, heartbeat_interval_ms: int,

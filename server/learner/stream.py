@@ -134,6 +134,14 @@ def decode_executor(workers: int | None, dev: torch.device) -> ThreadPoolExecuto
     return ThreadPoolExecutor(workers, thread_name_prefix="mepo-decode") if workers > 0 else None
 
 
+def runs_backlog(cfg: ServeConfig, inline: bool) -> bool:
+    """Whether the model thread runs a backlog's turns itself (``backlog``): reading with librdkafka, whose rebalance
+    callbacks run in its poll, without a decode pool (``inline``), and alone. In a group the callbacks write the
+    partitions' states and wait for the broker, which the model thread, answering predictions, never does: there
+    the loop thread polls, as with kafka-python."""
+    return inline and cfg.consumer == "librdkafka" and cfg.kafka.state_topic is None
+
+
 CONSUMER_TIMING = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 2000, "max_poll_interval_ms": 600_000,
                    "fetch_max_bytes": 16 * 1024 * 1024, "fetch_max_wait_ms": 100}
 """The learner's consumer settings for either client. ``fetch_max_wait_ms`` is how long a fetch that finds nothing
@@ -213,10 +221,10 @@ class LearnerLoop(ConsumerThread):
         self.consumer: KafkaConsumer | LibrdkafkaConsumer | None = None
         self.producer: KafkaProducer | None = None
         if self.cfg.consumer == "librdkafka":
-            check_available(self.cfg.kafka)
+            check_available()
         self.decoder = decode_executor(self.cfg.decode_workers, state.learner.device)
         inline = self.decoder is None
-        self.backlog_turns = inline and self.cfg.consumer == "librdkafka"
+        self.backlog_turns = runs_backlog(self.cfg, inline)
         """A backlog's turns run in the model thread (``backlog``, where the client's callbacks run in its poll)."""
         self.handover = Handover(state, self.periodic_checkpoint_due) if inline and not self.backlog_turns else None
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="mepo-checkpoint")
