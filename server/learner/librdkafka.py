@@ -11,10 +11,12 @@ loop, its rebalance listener and its offsets are the same whichever client reads
 * the rebalance listener runs inside ``poll``, in the polling thread (kafka-python runs it on its IO thread while
   the learner thread waits in ``poll``); a seek asked for while partitions are assigned sets where they start;
 * a broker that does not answer is retried inside librdkafka: ``poll`` returns nothing, and the loop's probe
-  (``beginning_offsets``, a round trip) is what can report it disconnected.
+  (``beginning_offsets``, a round trip) is what can report it disconnected;
+* every commit is sent without waiting (librdkafka's waiting commit has no timeout), and ``close`` waits for those
+  in flight.
 
-A learner alone or in a group (``--kafka.state_topic``) may use it: the group's kill -9 test, where partitions move
-to the learner that takes them over, runs with both clients. The broker-stall test runs kafka-python only.
+A learner alone or in a group (``--kafka.state_topic``) may use it: the kill -9 tests, alone and in a group whose
+partitions move to the learner that takes them over, and the broker-stall test run with both clients.
 """
 
 from __future__ import annotations
@@ -160,19 +162,16 @@ class LibrdkafkaConsumer:
         self._consumer.seek(_partition(partition, offset))
 
     def commit(self, offsets: dict, timeout_ms: int | None = None) -> None:
-        self._commit(offsets, asynchronous=False)
+        """Sent as ``commit_async`` is: librdkafka's waiting commit takes no timeout, and a broker that stops answering
+        held it, and the loop with its readiness probe, for as long as the broker did. ``close`` waits for the
+        commits in flight."""
+        self.commit_async(offsets)
 
     def commit_async(self, offsets: dict, callback=None) -> None:
         """A failure is logged by the consumer's ``on_commit`` (``_log_failed_commit``), not by ``callback``."""
-        self._commit(offsets, asynchronous=True)
-
-    def _commit(self, offsets: dict, asynchronous: bool) -> None:
         partitions = [_partition(tp, meta.offset) for tp, meta in offsets.items()]
         with _as_kafka_error():
-            if asynchronous:  # two calls: confluent-kafka types ``commit`` by the literal value of ``asynchronous``
-                self._consumer.commit(offsets=partitions, asynchronous=True)
-            else:
-                self._consumer.commit(offsets=partitions, asynchronous=False)
+            self._consumer.commit(offsets=partitions, asynchronous=True)
 
     def assignment(self) -> set[TopicPartition]:
         return set(self._assigned)
