@@ -162,9 +162,9 @@ class LibrdkafkaConsumer:
         self._consumer.seek(_partition(partition, offset))
 
     def commit(self, offsets: dict, timeout_ms: int | None = None) -> None:
-        """Sent as ``commit_async`` is: librdkafka's waiting commit takes no timeout, and a broker that stops answering
-        held it, and the loop with its readiness probe, for as long as the broker did. ``close`` waits for the
-        commits in flight."""
+        """Sent as ``commit_async`` is: librdkafka's waiting commit takes no timeout, so a broker that stops answering
+        would hold it, and the loop with its readiness probe, for as long as it does not answer. ``close`` waits for
+        the commits in flight."""
         self.commit_async(offsets)
 
     def commit_async(self, offsets: dict, callback=None) -> None:
