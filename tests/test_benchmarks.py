@@ -57,9 +57,11 @@ their guarantees are held by tests/test_replica.py::test_two_replicas_follow_the
 survive_restarts (replicas follow the learner and answer while it learns) and tests/test_scale_out.py::\
 test_two_learners_on_four_partitions_build_the_single_learners_model (two learners build one learner's model, to
 1e-9 and top-1 identical at every shrinkage), and their arithmetic in-process here (test_scale_out_same_model_...)."""
-OWN_SMOKE = ("refine_frontier",)
-"""Smoke-run by a test of its own (tests/test_refine_frontier.py::test_quick_frontier_writes_every_point_the_table_\
-and_the_plot, through the same script): the run_all smoke keeps its committed result, as for the two-core rows."""
+OWN_SMOKE = ("refine_frontier", "learner_overhead")
+"""Smoke-run elsewhere: refine_frontier by a test of its own (tests/test_refine_frontier.py::test_quick_frontier_\
+writes_every_point_the_table_and_the_plot, through the same script), learner_overhead by this smoke's
+learner_throughput row (the same script on the same tiny model at the smoke sizes; its own stream and bare runs
+differ only at the full sizes). The run_all smoke keeps their committed results, as for the two-core rows."""
 
 
 def _results_with_committed(folder: Path, names: tuple[str, ...]) -> None:
