@@ -60,6 +60,7 @@ from benchmarks.tools.service import ROOT, ServiceSpec, paper_recipe
 from benchmarks.tools.table import Row
 from mepo_stream.cli import config_options
 from mepo_stream.data import DataConfig
+from offline.covariance import CovarianceConfig
 
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 BENCHMARKS = ("model_arithmetic", "learning_quality", "learning_quality_tinyimagenet", "learner_throughput",
@@ -93,9 +94,8 @@ CAMERA_PER_CLASS = 300
 (``benchmarks.tools.camera_streams``)."""
 CAMERA_CONFIGS = ("learn_only", "librdkafka_learn_only", "paper_recipe")
 """The GPU camera rows' configurations: the default learner read by each client, and the paper's recipe.
-kafka-python reads these 1280x960 records at about the rate an H200 learns them (2,600 to 3,500 a second alone on a
-2-core EPYC, against librdkafka's 5,700 to 7,000), in the interpreter the model thread needs: each client beside
-it tells whether the reading sets the default learner's pace."""
+kafka-python reads camera-size records at about the rate a GPU learns them, in the interpreter the model thread
+needs (docs/performance.md, "Camera JPEGs on a GPU"): each client beside it tells whether reading sets the pace."""
 
 
 def _run(module: str, args: list[str], cuda: bool, fresh: bool = True) -> None:
@@ -112,7 +112,7 @@ def _run(module: str, args: list[str], cuda: bool, fresh: bool = True) -> None:
                    env={**os.environ, "PYTHONPATH": str(ROOT), **hide})
 
 
-SIGMA_DATA = "tinyimagenet-pretrain"
+SIGMA_DATA = CovarianceConfig().data.dataset
 """What a Sigma_pre-only bundle is computed from by default: ``mepo covariance``'s own reference set."""
 
 

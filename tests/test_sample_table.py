@@ -336,7 +336,6 @@ def test_a_read_that_waits_for_a_settles_reopening_uses_the_reopened_tables_hand
     assert got and got[0].label == 3
 
 
-
 CHURN = """
 import sys, threading, time
 from pathlib import Path
