@@ -134,7 +134,8 @@ def test_service_and_evaluate_report_the_same_anytime_accuracy(tmp_path):
     for task in si_blurry_stream(train.targets.tolist(), seed=1).tasks:  # evaluate's batches: never across tasks
         while task:  # the service's rule: at most batch_limit samples, so a batch ends at each scheduled evaluation
             batch, task = task[: state.batch_limit], task[state.batch_limit :]
-            state.learn([Sample(train.images[i], RecordMeta(int(train.targets[i]), i, i, "s")) for i in batch])
+            state.model_thread.run(state.learn, [Sample(train.images[i], RecordMeta(int(train.targets[i]), i, i, "s"))
+                                                 for i in batch])
     served = state.reporter.status(RUNNING).anytime_accuracy.model_dump()
     assert served["samples"] == offline["samples"] == list(range(period, len(train) + 1, period))
     assert served["accuracy"] == pytest.approx(offline["accuracy"], abs=1e-6)

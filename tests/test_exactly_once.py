@@ -7,6 +7,8 @@ its original is still pending in a partial mini-batch, or inside the learning st
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import Counter
 
 import pytest
@@ -60,23 +62,27 @@ def test_a_replay_of_a_pending_sample_is_skipped(tmp_path):
     assert state.intake.book.offsets == {"images:0": 25}
 
 
-def test_a_replay_while_its_original_is_in_the_learning_step_is_skipped(tmp_path):
-    """Records accepted from inside the step: the replay is skipped, a new sample waits for the next batch."""
+def test_a_replay_handed_in_while_its_original_is_in_the_learning_step_is_booked_after_it_and_skipped(tmp_path):
+    """Records handed in from another thread during the step (forced: the step waits until they are queued) are
+    booked only after it, by the model thread: the replay is skipped, a new sample waits for the next batch."""
     state, loop, learned = service(tmp_path)
     for r in records([0, 1, 2, 3]):
         loop.accept([r])
-    observe, seen_in_step = state.learner.observe, {}
+    observe, seen_in_step, queued = state.learner.observe, {}, threading.Event()
+    handing = threading.Thread(target=lambda: (queued.set(), loop.accept([record(4, 0), record(5, 4)])))
 
     def observe_and_accept(images, labels, *rest):
         if not seen_in_step:
-            loop.accept([record(4, 0)])  # a replay of sample 0, which is in this very step
-            loop.accept([record(5, 4)])  # a new sample
+            handing.start()  # a replay of sample 0, which is in this step, and a new sample
+            assert queued.wait(10)
+            time.sleep(0.05)  # the other thread is now inside ``book``, queued behind this step
             seen_in_step.update(consumed=dict(state.intake.book.offsets), skipped=state.intake.book.replays_skipped)
         observe(images, labels, *rest)
 
     state.learner.observe = observe_and_accept
     loop.state.learn_pending()
-    assert seen_in_step == {"consumed": {}, "skipped": 1}  # no offset moved past the records in the step
+    handing.join(10)
+    assert seen_in_step == {"consumed": {}, "skipped": 0}  # nothing was booked during the step
     assert [s.meta.sample_index for _, _, s in state.intake.book.pending] == [4]
     assert state.intake.book.offsets == {"images:0": 5}  # up to the new sample, which is still pending
     loop.state.learn_pending()

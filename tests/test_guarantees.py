@@ -477,12 +477,12 @@ def test_lag_counts_the_records_read_but_not_yet_learned(tmp_path):
     loop.accept(next(iter(polled.values())))
     loop.update_lag()
     assert loop.lag == {f"{TOPIC}:0": 8}  # 3 unread + 5 waiting in the mini-batch
-    loop.state.learn_pending()
+    loop.learn_pending()
     loop.update_lag()
     metric = state.metrics.registry.get_sample_value("mepo_kafka_consumer_lag_records", {"partition": "0"})
     assert loop.lag == {f"{TOPIC}:0": 3} and metric == 3
     loop.accept(next(iter(consumer.poll(timeout_ms=0, max_records=5).values())))
-    loop.state.learn_pending()
+    loop.learn_pending()
     loop.update_lag()
     assert loop.lag == {f"{TOPIC}:0": 0}  # drained and learned
 

@@ -26,7 +26,7 @@ from mepo_stream.errors import ConfigError
 from mepo_stream.kafka import ReplayConfig
 from mepo_stream.label_delay import label_schedule
 from mepo_stream.label_join import JoinConfig
-from mepo_stream.records import label_headers, record_headers
+from mepo_stream.records import label_headers, record_headers, sample_id
 from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
 from producers.siblurry import produce, stream_id
 from server.config import DemoConfig, ServeConfig
@@ -139,8 +139,9 @@ def test_refused_labels_and_id_less_images_are_dead_lettered_with_a_reason_and_t
         learnable = sum(at is not None for at in due)
         wait_for(lambda: http.get("/v1/status").json()["samples_seen"] >= learnable, what="the labels that come")
         sid = stream_id(DATA, STREAM)
-        order = si_blurry_stream(list_files(DATA, "train").targets, 5, 50, 10, 1).order
-        labelled = next(f"{sid}/{i}" for i, at in zip(order, due, strict=False) if at is not None)
+        listing = list_files(DATA, "train")
+        order = si_blurry_stream(listing.targets, 5, 50, 10, 1).order
+        labelled = next(sample_id(sid, listing.names[i]) for i, at in zip(order, due, strict=False) if at is not None)
         send(cfg, k.labels_topic, label_headers(labelled, 0))  # its label was learned already
         send(cfg, k.labels_topic, label_headers("never-sent", 3))  # no image will come
         send(cfg, k.labels_topic, label_headers("x", 99))  # outside the label space
@@ -176,13 +177,13 @@ def test_a_learner_that_trains_through_the_backbone_keeps_the_image_and_a_reconn
     images = [FakeRecord(cfg.kafka.topic, 0, i, record_headers(None, 0, i, "s", "cifar10", id=f"i{i}"),
                          jpeg("red"), None) for i in range(4)]
     labels = [FakeRecord(cfg.kafka.labels_topic, 0, i, label_headers(f"i{i}", i % 2), b"", None) for i in range(4)]
-    out = loop.state.intake.accept(images, loop.decoder)
+    out = loop.state.accept(images).outgoing
     assert len(out) == 4 and state.intake.join.images["i0"].item.dtype == torch.uint8  # the image, [3, S, S]
-    loop.state.intake.accept(labels[:2], loop.decoder)
+    loop.state.accept(labels[:2])
     assert [p.sample.joined.id for p in state.intake.book.pending] == ["i0", "i1"]
-    state.intake.reread()  # a reconnect: the two label records are read again from the book's offsets
+    state.reread()  # a reconnect: the two label records are read again from the book's offsets
     assert state.offsets == {f"{cfg.kafka.topic}:0": 4} and state.intake.join.counts()["waiting_images"] == 4
-    assert loop.state.intake.accept(labels, loop.decoder) == []
+    assert loop.state.accept(labels).outgoing == []
     state.learn_pending()
     assert state.learner.samples_seen == 4 and state.intake.join.counts()["joined"] == 4
     assert state.offsets == {f"{cfg.kafka.topic}:0": 4, f"{cfg.kafka.labels_topic}:0": 4}

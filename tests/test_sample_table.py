@@ -185,7 +185,7 @@ def test_a_change_is_applied_once_in_its_place_and_a_restart_before_its_checkpoi
     final = {id: label for _, id, label in images if id not in ("i1", "i2")} | {"i0": 2, "i5": 3}
 
     def learned(state, loop, records) -> None:
-        loop.state.intake.accept(records, loop.decoder)
+        loop.state.accept(records)
         state.learn_pending()
 
     state, loop, _ = service(tmp_path / "a", **on)
@@ -229,15 +229,15 @@ def test_labels_inline_are_corrected_and_deleted_on_the_image_topic(tmp_path):
                FakeRecord(base.kafka.topic, 0, 13, [], None, b"s/5"),
                FakeRecord(base.kafka.topic, 0, 14, label_headers("s/99", 1), b"", b"s/99")]
     state, loop, _ = service(tmp_path / "a", **on)
-    loop.state.intake.accept(images[:8], loop.decoder)  # the first changes name a sample still pending
-    dead = loop.state.intake.accept(images[8:] + changes, loop.decoder)
+    loop.state.accept(images[:8])  # the first changes name a sample still pending
+    dead = loop.state.accept(images[8:] + changes).outgoing
     state.learn_pending()
     assert [d.reason for d in dead] == ["not_correctable"] and state.offsets == {f"{base.kafka.topic}:0": 15}
     assert state.intake.corrections.counts[None] == {"corrections_applied": 1, "corrections_refused": 1,
                                                "deletions_applied": 1, "deletions_refused": 0}
     final = [r for r in images if r.offset != 5]
     fresh, loop2, _ = service(tmp_path / "b", **on)
-    loop2.state.intake.accept(final, loop2.decoder)
+    loop2.state.accept(final)
     fresh.learn_pending()
     relabelled = fresh.learner.statistics()
     fresh.learner.relabel_features(fresh.intake.corrections.table(None).get("s/0").feature[None], torch.tensor([0]),

@@ -125,8 +125,8 @@ def single_checkpoint(tmp_path: Path, offsets: dict[str, int], fmt: str | None =
     state = open_learner(cfg, ServerMetrics())
     labels = torch.tensor([2, 7, 2, 7, 4, 4, 2, 7, 4, 2, 2, 7])
     images = color_images(labels % 8)
-    state.learn([Sample(image, RecordMeta(int(y), i, i, "s"))
-                 for i, (image, y) in enumerate(zip(images, labels, strict=True))])
+    state.model_thread.run(state.learn, [Sample(image, RecordMeta(int(y), i, i, "s"))
+                                         for i, (image, y) in enumerate(zip(images, labels, strict=True))])
     captured = state.capture()
     assert isinstance(captured, CheckpointCapture)
     checkpoint = {**captured.checkpoint, "offsets": offsets, "learned": {"s": torch.arange(12)}}

@@ -40,7 +40,7 @@ from mepo_stream.label_delay import label_schedule
 from mepo_stream.records import label_headers, record_headers
 from server.allocator import keep_freed_memory
 from server.config import CorrectionsConfig, ServeConfig
-from server.learner.state import LearnerState, checkpoint_due, open_learner
+from server.learner.state import LearnerState, open_learner
 from server.metrics import ServerMetrics
 
 START_MS = 1_700_000_000_000
@@ -99,19 +99,19 @@ def stream(n: int, size: int, n_classes: int, corrections: float, deletions: flo
 def run(cfg: ServeConfig, records: Iterator[Record], sample_every: int) -> dict:
     """Feed the records through a fresh learner state in polls of a mini-batch, checkpointing as the loop does."""
     state = open_learner(cfg, ServerMetrics())
-    decoder, poll, trace, tombstones, latencies = None, [], [], {}, []
+    poll, trace, tombstones, latencies = [], [], {}, []
     start, images, checkpoints = time.perf_counter(), 0, 0
     for record in records:
         poll.append(record)
         images += record.topic == IMAGES
         if len(poll) == cfg.learner.batch_size:
-            checkpoints += _turn(state, poll, decoder, tombstones, latencies)
+            checkpoints += _turn(state, poll, tombstones, latencies)
             poll = []
             if images % sample_every < cfg.learner.batch_size:
                 corrections = state.intake.corrections
                 trace.append({"images": images, **memory(),
                               "table_ids": 0 if corrections is None else len(corrections.table(None))})
-    _turn(state, poll, decoder, tombstones, latencies)
+    _turn(state, poll, tombstones, latencies)
     state.learn_pending()
     seconds = time.perf_counter() - start
     corrections = state.intake.corrections
@@ -130,7 +130,7 @@ def run(cfg: ServeConfig, records: Iterator[Record], sample_every: int) -> dict:
     return out
 
 
-def _turn(state: LearnerState, poll: list[Record], decoder, tombstones: dict[str, float], latencies: list[float]
+def _turn(state: LearnerState, poll: list[Record], tombstones: dict[str, float], latencies: list[float]
           ) -> int:
     """One poll: accept it while the pending mini-batch is learned, then checkpoint if due; the tombstones it read
     are timed until the version that applied them."""
@@ -138,11 +138,12 @@ def _turn(state: LearnerState, poll: list[Record], decoder, tombstones: dict[str
     for r in poll:
         if r.value is None:
             tombstones[r.key.decode()] = now
-    state.intake.accept(poll, decoder, state.start_learning())
+    state.learn_pending()
+    state.accept(poll)
     table = state.intake.corrections.table(None) if state.intake.corrections else None
     for id in [i for i in tombstones if table is not None and table.get(i) is None]:
         latencies.append(time.perf_counter() - tombstones.pop(id))
-    if not checkpoint_due(state) or (captured := state.capture()) is None:
+    if not state.accept([]).checkpoint_due or (captured := state.capture()) is None:
         return 0
     state.write(captured)
     return 1

@@ -1,6 +1,6 @@
 """Camera JPEGs to the model's size on a GPU (nvJPEG, batched, resized there) against the CPU's scaled decode.
 
-Why: beside a GPU model the learner decodes each poll's images either in ``--decode_workers`` threads (libjpeg's
+Why: beside a GPU model the learner decodes each poll's images either one by one on the CPU (libjpeg's
 scaled decode, ``mepo_stream.images.decode_image``) or, with ``--gpu_decode``, on the GPU in one batch
 (``decode_images``). This measures both, in images/s, on the same camera streams (``benchmarks.tools.camera_streams``):
 the CPU path in 1 thread and in pools of threads, the GPU path at a poll's batch size, each image ending as uint8
@@ -41,7 +41,7 @@ def rate(fn, blobs: list[bytes], rounds: int) -> float:
 
 
 def cpu_decoder(limits: ImageLimits, threads: int):
-    """The decode pool's path: ``decode_image`` on each, in ``threads`` threads."""
+    """The CPU path: ``decode_image`` on each, in ``threads`` threads."""
     def decode(blobs: list[bytes]) -> list[torch.Tensor]:
         if threads == 1:
             return [decode_image(b, limits) for b in blobs]

@@ -89,18 +89,19 @@ def stream(n: int, size: int, delay: tuple[int, int], loss: float, n_classes: in
 def run(cfg: ServeConfig, n: int, sample_every: int, delay: tuple[int, int], loss: float) -> dict:
     """Stream ``n`` images through a fresh learner state; resident memory and store size along the way."""
     state = open_learner(cfg, ServerMetrics())
-    decoder, poll, trace = None, [], []
+    poll, trace = [], []
     start, images = time.perf_counter(), 0
     for record in stream(n, cfg.limits.size, delay, loss, len(state.class_names)):
         poll.append(record)
         images += record.topic == IMAGES
         if len(poll) == cfg.learner.batch_size:
-            state.intake.accept(poll, decoder, state.start_learning())
+            state.learn_pending()
+            state.accept(poll)
             poll = []
             if images % sample_every < cfg.learner.batch_size:
                 trace.append({"images": images, "rss_bytes": rss_bytes(), "store": len(state.intake.join.images),
                               "labels_waiting": len(state.intake.join.labels)})
-    state.intake.accept(poll, decoder)
+    state.accept(poll)
     state.learn_pending()
     counts = state.intake.join.counts()
     assert counts["images"] == n and counts["joined"] == state.learner.samples_seen  # nothing lost, none twice

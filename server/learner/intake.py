@@ -19,7 +19,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, replace
 from typing import cast
 
@@ -47,19 +46,6 @@ class DeadLetter:
     record: KafkaRecord
     reason: str
     message: str
-
-
-Decoding = Future | torch.Tensor | ImageError
-"""A claimed record's image: being decoded by a pool (its future), or decoded here (the tensor, or its error)."""
-
-
-def decoded(image: Decoding) -> torch.Tensor | ImageError:
-    """The decoded image or its error, waiting for a pool's decode."""
-    if not isinstance(image, Future):
-        return image
-    if isinstance(error := image.exception(), ImageError):
-        return error
-    return image.result()  # raises any other error: a bug, not a bad image
 
 
 def gpu_decode_device(gpu_decode: bool | None, model_device: torch.device) -> torch.device | None:
@@ -122,10 +108,10 @@ tombstones that retract the predictions of deleted ids."""
 
 @dataclass
 class _Claimed:
-    """A record whose sample id is claimed (an image without a label: none) and whose image is being decoded."""
+    """A record whose sample id is claimed (an image without a label: none), with its decoded image."""
 
     meta: RecordMeta
-    image: Decoding  # a uint8 [3, S, S] tensor, or an ImageError (the claim is then given back)
+    image: torch.Tensor | ImageError  # uint8 [3, S, S], or why it is not an image (the claim was given back)
 
 
 @dataclass(frozen=True)
@@ -164,44 +150,26 @@ class Intake:
         self.decode_device = gpu_decode_device(cfg.gpu_decode, learner.device)
         """Where each poll's JPEGs decode in one batch (None: one at a time, on the CPU)."""
 
-    def accept(self, records: list, decoder: Executor | None = None, learning: Future | None = None
-               ) -> list[Outgoing]:
-        """Claim the records' sample ids in offset order, decode their images (in a ``decoder`` pool's threads, or
-        here as each is claimed where there is none: ``decode_workers`` 0), book the outcomes in offset order
-        (pending, a skipped replay, or a dead letter); returns the dead letters (and, where labels come later, the
-        predictions of images without one), for the loop to send before its next checkpoint.
+    def accept(self, records: list) -> list[Outgoing]:
+        """Claim the records' sample ids in offset order, decoding each image as it is claimed (a poll's JPEGs at
+        once on the GPU, where they decode there), and book the outcomes in offset order (pending, a skipped replay,
+        or a dead letter); returns the dead letters (and, where labels come later, the predictions of images without
+        one), for the loop to send before its next checkpoint. In the model thread, which owns the book."""
+        self.model_thread.check()
+        ready = decode_on_device(records, self.cfg.kafka.labels_topic, self.limits, self.decode_device)
+        claimed = [self._claim(record, ready.get(i)) for i, record in enumerate(records)]
+        arrivals = self._arrive(claimed) if self.join is not None else {}
+        booked = [self._book(record, claim, arrivals.get(i))
+                  for i, (record, claim) in enumerate(zip(records, claimed, strict=True))]
+        self.metrics.records_consumed.inc(len(records))
+        return [out for out in booked if out is not None] + self._expire()
 
-        ``learning`` (the pending mini-batch being learned in the model thread) runs while a pool claims and decodes
-        these records, so the images of the next mini-batch are ready when the step ends (the loop lets an inline
-        decoder start only after it); it is waited for before anything is booked. It learns only samples booked before
-        these records, so the order, the claims and the offsets are those of decoding first and learning after. Every
-        decode has finished before this returns, even on an error, so no late claim release can race a reconnect's
-        ``reread``.
-        """
-        decoding: dict[tuple[str, int | str | None], Decoding] = {}
-        try:
-            ready = decode_on_device(records, self.cfg.kafka.labels_topic, self.limits, self.decode_device)
-            claimed = [self._claim(record, decoder, decoding, ready.get(i)) for i, record in enumerate(records)]
-            if learning is not None:
-                learning.result()
-            arrivals = self._arrive(claimed) if self.join is not None else {}
-            booked = [self._book(record, claim, arrivals.get(i))
-                      for i, (record, claim) in enumerate(zip(records, claimed, strict=True))]
-            self.metrics.records_consumed.inc(len(records))
-            return [out for out in booked if out is not None] + self._expire()
-        finally:
-            wait([d for d in (*decoding.values(), learning) if isinstance(d, Future)])
-
-    def _claim(self, record, decoder: Executor | None, decoding: dict[tuple[str, int | str | None], Decoding],
-               ready: torch.Tensor | ImageError | None = None
+    def _claim(self, record, ready: torch.Tensor | ImageError | None = None
                ) -> _Claimed | _Label | _Tombstone | RecordError | None:
         """Parse the headers and claim the sample id before decoding (None: a replay); a label record is only
         parsed, and an image without a label claims nothing (the join refuses a second image of its id).
-        ``ready``: the image (or its error) when the poll was decoded on the GPU.
-
-        An earlier copy of the same sample among the records is waited for first: if its image is bad it has
-        given the claim back by then, and this copy is learned, as when records are decoded one at a time.
-        """
+        ``ready``: the image (or its error) when the poll was decoded on the GPU. A bad image gives its claim back,
+        so a good copy of the sample later in the stream is still learned."""
         n_classes = len(self.class_names)
         try:
             if self.corrections is not None and record.value is None:
@@ -212,37 +180,21 @@ class Intake:
             meta = parse_headers(record.headers, n_classes, ids=self.join is not None)
         except RecordError as e:
             return e
-        if meta.label is None:
-            decoding[(meta.stream_id, meta.id)] = self._decoding(record, meta, decoder, ready)
-            return _Claimed(meta, decoding[(meta.stream_id, meta.id)])
-        sample_id = (meta.stream_id, meta.sample_index)
-        if isinstance(earlier := decoding.get(sample_id), Future):
-            wait([earlier])
-        if not self.book.claim(*sample_id):  # learned or in flight: a replay
-            return None
-        decoding[sample_id] = self._decoding(record, meta, decoder, ready)
-        return _Claimed(meta, decoding[sample_id])
+        if meta.label is not None and not self.book.claim(meta.stream_id, meta.sample_index):
+            return None  # learned or pending: a replay
+        image = self._decode(record, ready)
+        if isinstance(image, ImageError) and meta.label is not None:
+            self.book.release(meta.stream_id, meta.sample_index)
+        return _Claimed(meta, image)
 
-    def _decoding(self, record, meta: RecordMeta, decoder: Executor | None, ready: torch.Tensor | ImageError | None
-                  ) -> Decoding:
-        """The record's image: a pool's future, or decoded here (no pool), or as the GPU decoded it (``ready``)."""
-        if ready is None and decoder is not None:
-            return decoder.submit(self._decode, record, meta)
+    def _decode(self, record, ready: torch.Tensor | ImageError | None) -> torch.Tensor | ImageError:
+        """The record's image, or why it is not one."""
+        if ready is not None:
+            return ready
         try:
-            return self._decode(record, meta, ready)
+            return decode_image(record.value or b"", self.limits)
         except ImageError as e:
             return e
-
-    def _decode(self, record, meta: RecordMeta, ready: torch.Tensor | ImageError | None = None) -> torch.Tensor:
-        """The record's image; a bad one gives its claim back, so a good copy of the sample is still learned."""
-        try:
-            if isinstance(ready, ImageError):
-                raise ready
-            return decode_image(record.value or b"", self.limits) if ready is None else ready
-        except ImageError:
-            if meta.label is not None:
-                self.book.release(meta.stream_id, meta.sample_index)
-            raise
 
     def _book(self, record, outcome: _Claimed | _Label | _Tombstone | RecordError | None, arrival: Arrival | None
               ) -> Outgoing | None:
@@ -270,7 +222,7 @@ class Intake:
             assert self.join is not None  # a label without corrections is read only where labels come later
             source = (record.topic, record.partition, record.offset)
             return self._book_join(record, self.join.add_label(outcome.id, outcome.label, at, source))
-        image = outcome if isinstance(outcome, RecordError) else decoded(outcome.image)
+        image = outcome if isinstance(outcome, RecordError) else outcome.image
         if isinstance(image, (RecordError, ImageError)):
             self.book.skip(key, record.offset, dead_letter=True)
             return DeadLetter(record, image.reason, image.message)
@@ -329,16 +281,14 @@ class Intake:
     def _arrive(self, claimed: list) -> dict[int, Arrival]:
         """Labels may come later: predict the poll's good images as they arrive (one forward, in the model
         thread), by their index among the records."""
-        images = {i: decoded(c.image) for i, c in enumerate(claimed) if isinstance(c, _Claimed)}
-        good = {i: image for i, image in images.items() if not isinstance(image, ImageError)}
+        good = {i: c.image for i, c in enumerate(claimed) if isinstance(c, _Claimed) and
+                not isinstance(c.image, ImageError)}
         if not good:
             return {}
-        arrivals = self.model_thread.run(self._predict_arrivals, torch.stack(list(good.values())))
-        return dict(zip(good, arrivals, strict=True))
-
-    def _predict_arrivals(self, images: torch.Tensor) -> list[Arrival]:
         with self.lock:
-            return arrive(self.learner, images, self.cfg.top_k, self.class_names, self.cfg.alignment.inference_mode)
+            arrivals = arrive(self.learner, torch.stack(list(good.values())), self.cfg.top_k, self.class_names,
+                              self.cfg.alignment.inference_mode)
+        return dict(zip(good, arrivals, strict=True))
 
     def _clock(self, record) -> float:
         """A record's time in seconds (its Kafka timestamp; now, for a record without one), which moves the

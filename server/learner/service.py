@@ -39,7 +39,7 @@ class Service(Serving):
         snapshots, and start learning from Kafka in the loop's thread."""
         model_thread = ModelThread()
         opened = open_group_learner if settings.kafka.state_topic is not None else open_learner
-        state = model_thread.run(opened, settings, metrics, model_thread)
+        state = opened(settings, metrics, model_thread)
         service = cls(state, LearnerLoop(state), MicroBatcher(run=model_thread.run), SnapshotPublisher.create(state))
         if isinstance(group := state.membership, InGroup):
             group.lag = service.loop.lag  # read when its partitions' states are written

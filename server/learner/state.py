@@ -29,6 +29,7 @@ import logging
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -49,7 +50,7 @@ from server.config import ServeConfig, model_config
 from server.learner.book import Pending, Sample, StreamBook
 from server.learner.corrections import ModelEdits
 from server.learner.evaluation import Evaluator
-from server.learner.intake import Intake
+from server.learner.intake import Intake, Outgoing
 from server.learner.monitor import StreamMonitor
 from server.learner.reporter import StateReporter
 from server.learner.staging import stack_images
@@ -114,6 +115,25 @@ class Restored:
 
     version: int
     last_checkpoint_time: float = math.nan
+
+
+@dataclass(frozen=True)
+class Booked:
+    """What a booking hands the loop, copied in the model thread: what to send, and the numbers the loop steers by,
+    so that it never reads the state the model thread owns."""
+
+    outgoing: list[Outgoing]
+    """Dead letters and predictions, for the loop to send before its next checkpoint."""
+    learns: bool
+    """Whether the model thread goes on to learn everything pending (the loop polls meanwhile)."""
+    waiting: Counter[str]
+    """Records waiting for a mini-batch after the booking, per partition."""
+    limit: int
+    """The next mini-batch's size (``LearnerState.batch_limit``)."""
+    changes_waiting: bool
+    """A correction or deletion waits for its turn (``changes_waiting``)."""
+    checkpoint_due: bool
+    """The periodic checkpoint is due (``checkpoint_due``, with the writer idle)."""
 
 
 def runs_of_samples(samples: list[Sample]) -> list[list[Sample]]:
@@ -218,13 +238,8 @@ class LearnerState:
     # --- serving ------------------------------------------------------------------------------------------
     @property
     def snapshot(self) -> Snapshot:
-        """What predictions use: ``refresh_snapshot``'s."""
-        return self.refresh_snapshot()
-
-    def refresh_snapshot(self) -> Snapshot:
-        """The learner's newest version, made now (in the model thread) if the learner moved on since the last one
-        (a request during a learning turn gets the version after it: one thread runs the model,
-        ``server.model_thread``).
+        """What predictions use: the learner's newest version, made if the learner moved on since the last one, in
+        the model thread (a prediction's batch runs there; from any other thread, through its queue).
 
         Why on demand: making one solves the LDA and copies the trainable state, work that a learner taking many
         mini-batches a second would otherwise spend on every one of them, for snapshots nobody reads
@@ -232,9 +247,10 @@ class LearnerState:
         """
         if self._snapshot is not None and self._snapshot.version == self.version:
             return self._snapshot
-        return self.model_thread.run(self._fresh)
+        return self._fresh() if self.model_thread.owns() else self.model_thread.run(self._fresh)
 
     def _fresh(self) -> Snapshot:
+        self.model_thread.check()
         with self.lock:
             if self._snapshot is None or self._snapshot.version != self.version:
                 self._snapshot = take_snapshot(self.learner, self.version, self.cfg.alignment.inference_mode)
@@ -264,20 +280,40 @@ class LearnerState:
 
     def learn_pending(self) -> None:
         """Learn the pending records in mini-batches of at most ``batch_limit`` (cut at a scheduled evaluation; in a
-        group, per partition), in one turn of the model thread; records accepted while it runs stay pending.
+        group, per partition), in one turn of the model thread, which takes them from the book itself."""
+        self.model_thread.run(self._learn_pending)
 
-        Why one turn: the model thread takes the records from the book itself, so no mini-batch is handed from one
-        thread to another. A prediction asked for meanwhile runs after the turn: a mini-batch's worth of samples at
-        most (the loop polls no more than ``batch_limit``), in more than one step only at an evaluation's cut or,
-        in a group, across partitions."""
-        self.start_learning().result()
+    def accept(self, records: list) -> Booked:
+        """Book one poll's records (claim, decode, book, in offset order) in the model thread, learning nothing: what
+        the loop must send, and the numbers it steers by."""
+        return self.model_thread.run(self._book, records, True)
 
-    def start_learning(self) -> Future:
-        """``learn_pending`` handed to the model thread without waiting: the loop reads and decodes the next records
-        while it runs, and books them once it is done (``Intake.accept``)."""
-        return self.model_thread.submit(self._learn_pending)
+    def accept_then_learn(self, records: list, booked: Future[Booked], writer_idle: bool) -> None:
+        """In the model thread: book ``records`` and hand back what the loop must send and steers by (``booked``),
+        then learn what is pending once a mini-batch is full, or once a poll came back empty.
+
+        A full mini-batch waits for the next turn where a checkpoint is due (and the writer idle): the loop's
+        capture, queued right behind this, then holds what was learned before this poll without waiting for
+        another step."""
+        try:
+            result = self._book(records, writer_idle)
+        except BaseException as e:
+            booked.set_exception(e)
+            raise
+        booked.set_result(result)
+        if result.learns:
+            self._learn_pending()
+
+    def _book(self, records: list, writer_idle: bool) -> Booked:
+        self.model_thread.check()
+        outgoing = self.intake.accept(records)
+        waiting, limit = self.intake.waiting(), self.batch_limit
+        pending, due = sum(waiting.values()), writer_idle and checkpoint_due(self)
+        learns = (pending >= limit and not due) or bool(pending and not records)
+        return Booked(outgoing, learns, waiting, limit, changes_waiting(self), due)
 
     def _learn_pending(self) -> None:
+        self.model_thread.check()
         for key, group in self.membership.groups(self.intake.book.pending):
             for run in runs_of_samples([p.sample for p in group]):
                 if run[0].change is not None:  # corrections and deletions in a row: one version
@@ -296,8 +332,8 @@ class LearnerState:
         sees the model behind them. A batch of corrections and deletions (``Sample.change``) applies them in order,
         as one version.
 
-        It runs in the calling thread: ``learn_pending`` calls it in the model thread (a test that drives a
-        learner with no loop may call it from its own)."""
+        It runs in the model thread only (``learn_pending``, or handed to it)."""
+        self.model_thread.check()
         if batch[0].change is not None:
             assert self.intake.corrections is not None
             with self.lock:
@@ -362,28 +398,36 @@ class LearnerState:
     def on_idle(self) -> None:
         """The topic is drained: snapshot the newest version (requests then never wait for it), and measure the
         accuracy here (A_last of the stream so far) once per new stretch of learning."""
-        self.refresh_snapshot()
-        if self.evaluator.idle_due(self.learner):
-            self.model_thread.run(self._evaluate_now)
+        self.model_thread.run(self._idle)
 
-    def _evaluate_now(self) -> None:
-        with self.lock:
-            self.evaluator.evaluate_idle(self.learner)
-        self.reporter.export()
+    def _idle(self) -> None:
+        self.model_thread.check()
+        self._fresh()
+        if self.evaluator.idle_due(self.learner):
+            with self.lock:
+                self.evaluator.evaluate_idle(self.learner)
+            self.reporter.export()
+
+    def reread(self) -> None:
+        """Forget what was read and not learned (``Intake.reread``): the loop reads it again from the book's
+        offsets, which ``positions`` tells."""
+        self.model_thread.run(self.intake.reread)
+
+    def positions(self, keys: list[str]) -> dict[str, int]:
+        """Where each of these partitions stands in the book (the next offset to read): where a consumer seeks."""
+        return self.model_thread.run(lambda: {k: o for k, o in self.intake.book.offsets.items() if k in keys})
 
     # --- persisting -----------------------------------------------------------------------------------------
-    def capture(self, before: Callable[[], None] | None = None) -> Capture | None:
-        """A copy of everything the membership persists (``Capture``), or None when it would equal the last one.
-        ``before`` runs first when a copy is taken (the loop flushes its dead letters: durable before the offsets
-        that skip them). The book counts its offsets as saved from here (a failed write counts them unsaved again,
-        and stops the loop)."""
-        if not (self.since_checkpoint > 0 or self.intake.book.unsaved_keys()):
-            return None
-        if before is not None:
-            before()
+    def capture(self) -> Capture | None:
+        """A copy of everything the membership persists (``Capture``), taken in the model thread between two steps,
+        or None when it would equal the last one. The book counts its offsets as saved from here (a failed write
+        counts them unsaved again, and stops the loop)."""
         return self.model_thread.run(self._capture)
 
-    def _capture(self) -> Capture:
+    def _capture(self) -> Capture | None:
+        self.model_thread.check()
+        if not (self.since_checkpoint > 0 or self.intake.book.unsaved_keys()):
+            return None
         with self.lock:
             captured = self.membership.capture()
             self.since_checkpoint, self.captured_at = 0, time.monotonic()
@@ -509,7 +553,14 @@ class Alone:
 def open_learner(cfg: ServeConfig, metrics: ServerMetrics, model_thread: ModelThread | None = None,
                  membership: Membership | None = None) -> LearnerState:
     """The factory: list the classes, load the test split, build the model (seeded: the augmentation's draws
-    follow from the seed), then restore what ``membership`` persisted (default: this learner's checkpoint file)."""
+    follow from the seed), then restore what ``membership`` persisted (default: this learner's checkpoint file),
+    all in the model thread (a new one unless given), which owns the state from then on."""
+    model_thread = model_thread or ModelThread()
+    return model_thread.run(_open, cfg, metrics, model_thread, membership)
+
+
+def _open(cfg: ServeConfig, metrics: ServerMetrics, model_thread: ModelThread, membership: Membership | None
+          ) -> LearnerState:
     listing = list_files(cfg.data, "train")
     class_names = dict(enumerate(listing.class_names))
     evaluation = None
@@ -522,7 +573,7 @@ def open_learner(cfg: ServeConfig, metrics: ServerMetrics, model_thread: ModelTh
                                        (cfg.alignment.inference_mode,))
     names = tuple(class_names[label] for label in range(len(class_names)))
     origin = Origin(cfg.model_name, model.to_json(), names, learner.method.backbone_sha256, model.mepo.sha256())
-    state = LearnerState(cfg, metrics, model_thread or ModelThread(), learner, class_names, origin,
+    state = LearnerState(cfg, metrics, model_thread, learner, class_names, origin,
                          Evaluator(evaluation, cfg.alignment.inference_mode),
                          membership or Alone(cfg.checkpoint_dir / CHECKPOINT))
     state.restore()

@@ -14,14 +14,13 @@ learns through the state (``server.learner.state``), sends the dead letters the 
   (unless ``learn_replays``): every sample id is claimed in the book before its image is decoded.
 * Mini-batches are assembled in offset order, cut short where an any-time evaluation is scheduled
   (``LearnerState.batch_limit``); a partial batch is learned when the topic goes idle.
-* Keeping the model fed: the next records are read while the model learns. A thread pool (``decode_workers``) also
-  decodes and validates them meanwhile, between claims made and results applied in offset order, so the outcome is
-  the inline one. Without a pool (beside a CPU forward, decoding costs more than its own time) the model thread books
-  each poll itself right after its step and goes on to the next (``server.learner.handover``), so no work passes
-  between threads between two steps; reading with librdkafka, whose rebalance callbacks run in the polling thread,
-  the loop's whole turns run there while a backlog lasts (``backlog``), polls included. ``LearnerState.learn``
-  stacks the batch into pinned memory on a CUDA learner (``server.learner.staging``) for an asynchronous copy to the
-  device; predictions are micro-batched (``server.batching``) into one forward on the snapshot's device.
+* One schedule, on every device: this loop thread owns the Kafka clients (poll, send, commit) and the model
+  thread (``server.model_thread``) owns the model and every piece of learner state. Each poll goes to the model
+  thread through its one queue (``LearnerState.accept_then_learn``): it claims, decodes and books the records, hands
+  back what to send and the numbers the loop steers by (``Booked``), then learns a full mini-batch (or, the topic
+  gone quiet, the partial one) while the loop reads the next poll. A prediction queued meanwhile runs after that
+  step. On a CUDA learner the batch is stacked into pinned memory (``server.learner.staging``) for an
+  asynchronous copy, and a poll's JPEGs decode on the GPU in one batch.
 * Labels that come later (``--kafka.labels_topic``): the loop reads the labels topic too, and sends the
   predictions the state makes of images without a label to ``--kafka.predictions_topic`` (keyed by id, JSON;
   a crash may send one again, with the same id).
@@ -37,10 +36,10 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from enum import Enum
 
-import torch
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.errors import KafkaError
@@ -52,10 +51,9 @@ from server.config import ServeConfig
 from server.consumer import PROBE_EVERY_S, ConsumerThread, broker_answers
 from server.learner.arrival import Prediction, Retraction
 from server.learner.book import tp_key
-from server.learner.handover import Handover, backlog
 from server.learner.intake import DeadLetter, Outgoing
 from server.learner.librdkafka import LibrdkafkaConsumer, check_available, librdkafka_settings
-from server.learner.state import LearnerState, StateWriteFailed, changes_waiting, checkpoint_due
+from server.learner.state import Booked, LearnerState, StateWriteFailed
 from server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -104,7 +102,7 @@ def in_order(polled: dict, labels_topic: str | None) -> list:
 
 def fill_wait_ms(consumer: KafkaConsumer, labels_topic: str | None, changes_waiting: bool) -> int:
     """How long a poll waits for samples to fill a partial mini-batch: 500 ms, but 20 where a correction or deletion
-    waits and nothing more is there to read (its user waits for it; a backlog still fills the mini-batch)."""
+    waits and nothing more is there to read (its user waits for it; records still to read fill the mini-batch)."""
     if changes_waiting and not any(unread(consumer, labels_topic, Counter()).values()):
         return 20
     return 500
@@ -124,22 +122,6 @@ def unread(consumer: KafkaConsumer, labels_topic: str | None, waiting: Counter[s
             continue
         lags[tp_key(tp)] = max(0, high - position) + waiting[tp_key(tp)]
     return lags
-
-
-def decode_executor(workers: int | None, dev: torch.device) -> ThreadPoolExecutor | None:
-    """A pool of ``workers`` decode threads; for 0, none (the intake decodes in the thread that books); for None, a
-    pool of 4 beside a GPU model and none beside a CPU one (whose forward uses every core)."""
-    if workers is None:
-        workers = 4 if dev.type == "cuda" else 0
-    return ThreadPoolExecutor(workers, thread_name_prefix="mepo-decode") if workers > 0 else None
-
-
-def runs_backlog(cfg: ServeConfig, inline: bool) -> bool:
-    """Whether the model thread runs a backlog's turns itself (``backlog``): reading with librdkafka, whose rebalance
-    callbacks run in its poll, without a decode pool (``inline``), and alone. In a group the callbacks write the
-    partitions' states and wait for the broker, which the model thread, answering predictions, never does: there
-    the loop thread polls, as with kafka-python."""
-    return inline and cfg.consumer == "librdkafka" and cfg.kafka.state_topic is None
 
 
 CONSUMER_TIMING = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 2000, "max_poll_interval_ms": 600_000,
@@ -222,13 +204,11 @@ class LearnerLoop(ConsumerThread):
         self.producer: KafkaProducer | None = None
         if self.cfg.consumer == "librdkafka":
             check_available()
-        self.decoder = decode_executor(self.cfg.decode_workers, state.learner.device)
-        inline = self.decoder is None
-        self.backlog_turns = runs_backlog(self.cfg, inline)
-        """A backlog's turns run in the model thread (``backlog``, where the client's callbacks run in its poll)."""
-        self.handover = Handover(state, self.periodic_checkpoint_due) if inline and not self.backlog_turns else None
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="mepo-checkpoint")
         self._writing: Future | None = None  # the checkpoint being written, to its offsets
+        self.stepping: Future | None = None  # the model thread's turn in flight (a booking, then maybe a step)
+        self.booked = Booked([], False, Counter(), state.cfg.learner.batch_size, False, False)
+        """What the last booking handed back: the numbers this loop steers by."""
         self.refusal: str | None = None  # why learning must stop (set in a rebalance callback)
         self.failure: StateWriteFailed | None = None  # a failed state write: learning stops, nothing more is written
         self._broken: KafkaError | None = None  # a broker error in a rebalance callback: reconnect
@@ -242,7 +222,8 @@ class LearnerLoop(ConsumerThread):
 
     def _connect(self) -> None:
         k = self.cfg.kafka
-        self.state.intake.reread()  # records read but not learned are read, and claimed, again from the book's offsets
+        self.state.reread()  # records read but not learned are read, and claimed, again from the book's offsets
+        self.booked = self.state.accept([])
         ensure_topics(k)
         if k.labels_topic is not None:
             ensure_topics(k, k.labels_topic, k.predictions_topic)
@@ -252,8 +233,7 @@ class LearnerLoop(ConsumerThread):
         self.consumer.subscribe(topics, listener=SeekToHandled(self))
 
     def _close(self) -> None:
-        if self.handover is not None:  # its step ends first: a reconnect forgets what is pending
-            self.handover.settle(raises=False)
+        self.settle(raises=False)  # its step ends first: a reconnect forgets what is pending
         for client in (self.consumer, self.producer):
             if client is not None:
                 try:
@@ -287,7 +267,7 @@ class LearnerLoop(ConsumerThread):
         (``poll`` would, and the loop reconnect forever): a failed write stops the loop, a broker error reconnects."""
         try:
             if self.failure is None:  # after a failed write (the consumer closing), nothing more is written
-                self.state.learn_pending()
+                self.learn_pending()
                 self.persist(Persist.BEFORE_REVOKE)
         except KafkaError as e:  # the dead letters could not be flushed: nothing was captured
             self._broken = e
@@ -299,7 +279,7 @@ class LearnerLoop(ConsumerThread):
     def seek_to_handled(self, assigned) -> None:
         """On assignment: seek each partition to the offset where this process's model stands (the book's)."""
         assert self.consumer is not None
-        offsets = self.state.offsets
+        offsets = self.state.positions([tp_key(tp) for tp in assigned])
         for tp in assigned:
             if tp_key(tp) in offsets:
                 self.consumer.seek(tp, offsets[tp_key(tp)])
@@ -320,75 +300,93 @@ class LearnerLoop(ConsumerThread):
                 self.error = f"{type(e).__name__}: {e}"
                 break
         self._close()
-        if self.decoder is not None:
-            self.decoder.shutdown()
         self.writer.shutdown()
 
     # --- the loop -----------------------------------------------------------------------------------------------
     def _consume(self) -> None:
         assert self.consumer is not None
-        model, events = self.state.model_thread, (self.stop_event, self._paused, self._checkpoint_request)
-        steered = lambda: (any(e.is_set() for e in events) or self.periodic_checkpoint_due()  # noqa: E731
-                           or (self._writing is not None and self._writing.done()))  # the loop thread persists
         while not self.stop_event.is_set():
-            if not (self.backlog_turns and model.run(backlog, self._turn, model, steered)):
-                self._turn(waits=True)
-        self.state.learn_pending()
+            self._turn()
+        self.learn_pending()
         self.persist()
 
-    def _turn(self, waits: bool) -> bool:
-        """One turn of the loop; whether it read records. ``waits``: the poll waits for records to fill a mini-batch
-        (never in the model thread's ``backlog``, where a prediction would wait behind it)."""
+    def _turn(self) -> None:
+        """One turn: a checkpoint asked for, or (unless paused) a poll read while the model thread learns and booked
+        by it after; then what may wait for the broker or the disk, in this thread: the idle checkpoint and
+        snapshot, the commit of a checkpoint on disk, the periodic checkpoint, the lag."""
         self._check_rebalance()
-        if waits and self._checkpoint_request.is_set():  # only the loop thread persists (a backlog hands back)
+        if self._checkpoint_request.is_set():
             self._checkpoint_request.clear()
-            self.state.learn_pending()
+            self.learn_pending()
             self.persist(Persist.ASKED)
         if self._paused.is_set():
-            self.stop_event.wait(0.2 if waits else 0)
-            return False
-        records = self._read_while_learning(waits)
-        if waits:  # what may wait for the broker or the disk (a probe, a flush): never in the model thread
-            if not records and not self.state.intake.waiting():
-                self.state.on_idle()
-                self.persist()
-            if self._writing is not None and self._writing.done() and (offsets := self._written()):
-                commit_offsets(self.consumer, offsets,  # on disk: committed without waiting for the broker's answer
-                               lambda consumer, o: consumer.commit_async(o, callback=_log_failed_commit))
+            self.stop_event.wait(0.2)
+            return
+        records = self._read_while_learning()
+        if not records and not self.booked.waiting:
+            self.state.on_idle()
+            self.persist()
+        if self._writing is not None and self._writing.done() and (offsets := self._written()):
+            commit_offsets(self.consumer, offsets,  # on disk: committed without waiting for the broker's answer
+                           lambda consumer, o: consumer.commit_async(o, callback=_log_failed_commit))
+        if self.booked.checkpoint_due:
+            self.booked = replace(self.booked, checkpoint_due=False)  # the next booking tells again
             self.persist(Persist.IF_DUE)
         self.update_lag()
-        return bool(records)
 
-    def _read_while_learning(self, waits: bool) -> list:
-        """One turn's records, polled while the model thread learns the mini-batch waiting (or, the topic gone quiet,
-        the partial one: at once where a correction or deletion waits), then booked: by the model thread after its
-        step where decoding runs between steps (``Handover``), else decoded by the pool meanwhile, booked after (in
-        the model thread's ``backlog``, one after the other: learn, poll without waiting, book)."""
-        def fill_wait() -> int:
-            return fill_wait_ms(self.consumer, self.cfg.kafka.labels_topic, changes_waiting(self.state))
+    def _read_while_learning(self) -> list:
+        """Read a poll while the model thread learns, and have it book the records and learn what is then due.
 
-        if self.handover is not None:
-            records, outgoing = self.handover.turn(self._poll, fill_wait)
-            send(self.producer, self.cfg.kafka, self.state.metrics, outgoing)
-            return records
-        pending, limit = sum(self.state.intake.waiting().values()), self.state.batch_limit
-        learning = self.state.start_learning() if (due := pending >= limit) else None
+        The poll is sized as a mini-batch: while a step runs, the size of its mini-batch (it learns everything
+        pending), else what fills the pending one, waiting for it (``fill_wait_ms``). A poll that comes back empty
+        learns what is pending (the topic went quiet), or, while a step runs, waits for that step."""
         try:
-            records = self._poll(fill_wait() if waits and not due else 0, limit if due else limit - pending, waits)
-            if learning is None and pending and not records and waits:
-                learning = self.state.start_learning()
-            self.accept(records, learning)
+            learning = self.booked.learns and self.stepping is not None and not self.stepping.done()
+            if not learning:
+                self.settle(raises=True)
+            pending = 0 if learning else sum(self.booked.waiting.values())
+            room = self.booked.limit - pending  # none: a full mini-batch waits (after a checkpoint), learned now
+            wait_ms = 0 if learning else fill_wait_ms(self.consumer, self.cfg.kafka.labels_topic,
+                                                      self.booked.changes_waiting)
+            records = self._poll(wait_ms, room) if room > 0 else []
+            if not records and (learning or not pending):
+                self.settle(raises=True)
+                return records
+            booked: Future[Booked] = Future()
+            writer_idle = self._writing is None or self._writing.done()
+            self.stepping = self.state.model_thread.submit(self.state.accept_then_learn, records, booked, writer_idle)
+            self.booked = booked.result()
+            send(self.producer, self.cfg.kafka, self.state.metrics, self.booked.outgoing)
             return records
-        finally:
-            wait([learning] if learning is not None else [])
+        except BaseException:
+            self.settle(raises=False)
+            raise
 
-    def _poll(self, wait_ms: int, max_records: int, probes: bool = True) -> list:
+    def settle(self, raises: bool) -> None:
+        """Wait for the model thread's turn in flight; ``raises``: its error, if it failed (a step's error, since its
+        booking's is raised where it is handed back). A turn that learned leaves nothing waiting."""
+        stepping, self.stepping = self.stepping, None
+        if stepping is None:
+            return
+        error = stepping.exception()  # waits for it
+        if self.booked.learns:
+            self.booked = replace(self.booked, learns=False, waiting=Counter())
+        if raises and error is not None:
+            raise error
+
+    def learn_pending(self) -> None:
+        """Learn everything pending, after the turn in flight: nothing waits for a mini-batch after it."""
+        self.settle(raises=True)
+        self.state.learn_pending()
+        self.booked = replace(self.booked, waiting=Counter())
+
+    def _poll(self, wait_ms: int, max_records: int) -> list:
         """Up to ``max_records`` records in order, waiting ``wait_ms`` for the first; a rebalance's outcome is checked
-        before any is booked. ``probes``: whether the broker answers, every few seconds (not in the model thread)."""
+        before any is booked, and every few seconds whether the broker answers."""
         assert self.consumer is not None
         polled = self.consumer.poll(timeout_ms=wait_ms, max_records=max_records)
         self._check_rebalance()
-        if probes and (time.monotonic() - self._probed_at > PROBE_EVERY_S or not self.connected):
+        if (time.monotonic() - self._probed_at > PROBE_EVERY_S or not self.connected):
             self.connected, self._probed_at = broker_answers(self.consumer), time.monotonic()
             self.state.metrics.learner_up.set(int(self.connected))
         return in_order(polled, self.cfg.kafka.labels_topic)
@@ -404,11 +402,11 @@ class LearnerLoop(ConsumerThread):
             broken, self._broken = self._broken, None
             raise broken
 
-    def accept(self, records: list, learning: Future | None = None) -> None:
-        """Hand one poll's records (in offset order) to the intake, which claims and decodes them while
-        ``learning`` runs, and books them after; send the dead letters and predictions it returns."""
-        outgoing = self.state.intake.accept(records, self.decoder, learning)
-        send(self.producer, self.cfg.kafka, self.state.metrics, outgoing)
+    def accept(self, records: list) -> None:
+        """Have the model thread book one poll's records (in offset order), learning nothing, and send the dead
+        letters and predictions it hands back."""
+        self.booked = self.state.accept(records)
+        send(self.producer, self.cfg.kafka, self.state.metrics, self.booked.outgoing)
 
     def persist(self, when: Persist = Persist.NOW) -> None:
         """The one way offsets leave the loop: checkpoint model and offsets together, then commit the same offsets
@@ -417,20 +415,16 @@ class LearnerLoop(ConsumerThread):
         Nothing is written when nothing changed since the last checkpoint. Dead letters are flushed first, so
         they are durable before the offsets that skip them. The commit never precedes the checkpoint, and its
         failure is only logged: the checkpoint is the source of truth. One write is in flight at a time."""
-        if when is Persist.IF_DUE and not self.periodic_checkpoint_due():
+        if when is Persist.IF_DUE and self._writing is not None and not self._writing.done():
             return  # the next turn asks again
         self._finish_write(when.commits)
-        flush = self.producer.flush if self.producer is not None else None
-        if (captured := self.state.capture(before=flush)) is None:
+        if self.producer is not None:
+            self.producer.flush()
+        if (captured := self.state.capture()) is None:
             return
         self._writing = self.writer.submit(self.state.write, captured)
         if when.waits:
             self._finish_write(when.commits)
-
-    def periodic_checkpoint_due(self) -> bool:
-        """The periodic checkpoint is due (``Persist.IF_DUE``): ``checkpoint_due``, and no write in flight (or the one
-        in flight is on disk: its offsets are committed first)."""
-        return (self._writing is None or self._writing.done()) and checkpoint_due(self.state)
 
     def _finish_write(self, commit: bool) -> None:
         """Wait for the checkpoint in flight to be on disk, then, if ``commit``, commit its offsets, waiting for the
@@ -456,6 +450,6 @@ class LearnerLoop(ConsumerThread):
         """Records not yet learned per partition: those behind the high watermark and those read but waiting in
         the mini-batch."""
         assert self.consumer is not None
-        for key, lag in unread(self.consumer, self.cfg.kafka.labels_topic, self.state.intake.waiting()).items():
+        for key, lag in unread(self.consumer, self.cfg.kafka.labels_topic, self.booked.waiting).items():
             self.lag[key] = lag
             self.state.metrics.lag.labels(key.rsplit(":", 1)[1]).set(lag)
