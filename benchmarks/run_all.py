@@ -171,7 +171,7 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path, sigma_data: str =
             configs = configs[:1] or ("prequential",)
         chosen = ["--configs", json.dumps(configs)] if configs else []
         return "rows.learner_throughput", [*stream(s, 10, full), "--bare_batches", n(2, bare_batches),
-                                           "--rounds", n(1, 3), *chosen]
+                                           "--rounds", n(1, 5), *chosen]
 
     def quality(s: ServiceSpec, train: int, test: int) -> tuple[str, list[str]]:
         """The default learner over seeds 1-3 (one at the smoke sizes): the README's headline table."""

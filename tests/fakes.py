@@ -11,20 +11,19 @@ import io
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from kafka import TopicPartition
-from kafka.structs import OffsetAndMetadata
 from PIL import Image
 
 import server.learner.stream as stream
 from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.records import record_headers
+from server.learner.consumer import Assigned, PartitionKey
 from server.learner.state import LearnerState, open_learner
 from server.learner.stream import LearnerLoop
 from server.metrics import ServerMetrics
 from tests.helpers import settings
 
 TOPIC, STREAM_ID = "images", "cifar10/test-stream"
-TP = TopicPartition(TOPIC, 0)
+TP = PartitionKey(TOPIC, 0)
 COLORS = ["red", "green", "blue", "yellow", "cyan", "magenta", "gray", "white", "black", "orange"]
 
 
@@ -76,7 +75,7 @@ class FakeProducer:
 
 
 class FakeConsumer:
-    """The part of KafkaConsumer the loop uses, over one partition whose record offsets are their list indices.
+    """``server.learner.consumer.Consumer`` over one partition whose record offsets are their list indices.
 
     ``poll`` serves at most ``max_records`` from the position, as Kafka does; once the records are drained it
     answers ``idle_polls`` empty polls (the topic is idle), then stops the loop. Commits go to ``committed`` and
@@ -86,14 +85,13 @@ class FakeConsumer:
     def __init__(self, loop: LearnerLoop, log: list[FakeRecord], events: list | None = None, idle_polls: int = 0):
         self.loop, self.log, self.pos, self.idle_polls = loop, log, 0, idle_polls
         self.committed: dict[str, int] = {}
-        self.options: dict = {}  # what the loop opened the consumer with (``run_loop``)
         self.events = [] if events is None else events
 
-    def subscribe(self, topics: list[str], listener) -> None:
-        listener.on_partitions_assigned([TP])  # the loop seeks to its checkpoint's offset
+    def subscribe(self, topics: list[str], on_rebalance) -> None:
+        starts = on_rebalance(Assigned((TP,)))  # the loop answers with its checkpoint's offset
+        self.pos = starts.get(TP, self.pos)
 
-    def poll(self, timeout_ms: int, max_records: int) -> dict:
-        assert timeout_ms is not None  # the loop must come back to its controls (stop, pause, checkpoint)
+    def poll(self, wait_ms: int, max_records: int) -> list:
         batch = self.log[self.pos: self.pos + max_records]
         self.pos += len(batch)
         if not batch:
@@ -101,41 +99,31 @@ class FakeConsumer:
             if self.idle_polls == 0:
                 self.loop.stop_event.set()
             self.idle_polls -= 1
-        return {TP: batch} if batch else {}
+        return batch
 
-    def seek(self, tp: TopicPartition, offset: int) -> None:
-        assert tp == TP, tp
+    def seek(self, key: PartitionKey, offset: int) -> None:
+        assert key == TP, key
         self.pos = offset
 
-    def assignment(self) -> set[TopicPartition]:
+    def assignment(self) -> set[PartitionKey]:
         return {TP}
 
-    def partitions_for_topic(self, topic: str) -> set[int]:
+    def partitions_of(self, topic: str) -> set[int]:
         return {TP.partition}
 
-    def beginning_offsets(self, tps, timeout_ms: int) -> dict:
-        return {tp: 0 for tp in tps}
+    def probe(self, timeout_s: float) -> bool:
+        return True
 
-    def highwater(self, tp: TopicPartition) -> int:
-        assert tp == TP, tp
-        return len(self.log)
+    def unread(self, key: PartitionKey) -> int:
+        assert key == TP, key
+        return len(self.log) - self.pos
 
-    def position(self, tp: TopicPartition, timeout_ms: int) -> int:
-        assert tp == TP and timeout_ms is not None, (tp, timeout_ms)  # a stalled broker must not hang the loop
-        return self.pos
-
-    def commit(self, offsets: dict, timeout_ms: int) -> None:
-        assert timeout_ms is not None  # a stalled broker must not hang the loop
-        assert all(meta == OffsetAndMetadata(meta.offset, "", -1) for meta in offsets.values()), offsets
-        self.committed = {stream.tp_key(tp): meta.offset for tp, meta in offsets.items()}
+    def commit(self, offsets: dict[PartitionKey, int]) -> None:
+        """Applied at once (a real one lands later)."""
+        self.committed = {str(key): offset for key, offset in offsets.items()}
         self.events.append(("commit", dict(self.committed)))
 
-    def commit_async(self, offsets: dict, callback) -> None:
-        """Applied at once (a real one lands at a later poll); the callback gets the response, as kafka-python's."""
-        self.commit(offsets, timeout_ms=0)
-        callback(offsets, object())
-
-    def close(self) -> None:
+    def close(self, timeout_s: float) -> None:
         pass
 
 
@@ -163,8 +151,7 @@ def run_loop(monkeypatch, loop: LearnerLoop, log: list[FakeRecord], events: list
     consumer = FakeConsumer(loop, log, events, idle_polls)
     monkeypatch.setattr(stream, "ensure_topics", lambda kafka, *topics: None)
     monkeypatch.setattr(stream, "open_producer", lambda kafka, **_: FakeProducer(consumer.events))
-    monkeypatch.setattr(stream, "KafkaConsumer", lambda **options: consumer.options.update(options) or consumer)
-    monkeypatch.setattr(stream, "LibrdkafkaConsumer", lambda settings: consumer.options.update(settings) or consumer)
+    monkeypatch.setattr(stream, "open_consumer", lambda client, kafka, max_records: consumer)
     loop.run()
     assert loop.error is None
     return consumer

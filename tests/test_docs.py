@@ -51,3 +51,32 @@ def test_every_mepo_command_in_the_docs_parses(page):
             parse(without_config_files(argv))
         except (SystemExit, Exception) as e:  # the CLI printed why
             pytest.fail(f"{page.name}: `mepo {' '.join(argv)}` does not parse ({type(e).__name__}: {e})")
+
+
+def test_the_architecture_page_names_every_thread_a_learner_starts(broker, tmp_path):
+    """docs/architecture.md's thread table against the threads of a running learner with every optional part on:
+    in a group, publishing snapshots, serving gRPC."""
+    import re
+    import threading
+    from dataclasses import replace
+
+    import tritonclient.grpc as grpcclient
+
+    from mepo_stream.sampler import SiBlurryConfig
+    from producers.siblurry import ReplayConfig, produce
+    from server.broker import free_port
+    from tests.helpers import DATA, LiveServer, settings, wait_for
+
+    cfg = settings(broker, tmp_path, grpc_port=free_port())
+    name = cfg.kafka.topic
+    cfg = replace(cfg, kafka=replace(cfg.kafka, state_topic=f"state-{name}", snapshot_topic=f"snapshots-{name}"))
+    produce(DATA, SiBlurryConfig(seed=1), cfg.kafka, ReplayConfig(limit=32))
+    with LiveServer(cfg) as http:
+        wait_for(lambda: http.get("/v1/status").json()["samples_seen"] >= 32, 180, "the stream learned")
+        assert grpcclient.InferenceServerClient(f"127.0.0.1:{cfg.grpc_port}").is_server_live()  # its pool's thread
+        running = {re.sub(r"_\d+$", "", t.name) for t in threading.enumerate() if t.name.startswith("mepo-")}
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    table = page[page.index("## Threads, and who owns what"):page.index("## Layout")]
+    named = set(re.findall(r"`(mepo-[a-z-]+)`", table))
+    assert {"mepo-learner", "mepo-model", "mepo-checkpoint", "mepo-publisher", "mepo-changelog", "mepo-grpc"} <= running
+    assert running <= named, f"threads the page does not name: {running - named}"

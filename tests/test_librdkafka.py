@@ -1,13 +1,12 @@
-"""``--consumer librdkafka``: where it is refused, and the settings librdkafka gets (its runs against the real broker
-are ``tests/test_streaming.py::test_kill_9_mid_stream_then_a_restart_ends_exactly_as_an_uninterrupted_run`` and, in
-a group, ``tests/test_scale_out.py::test_kill_9_of_a_learner_that_owns_partitions_mid_stream_twice_the_taker_...``)."""
+"""``--consumer librdkafka``: where it is refused, and the settings librdkafka gets in its own names (what it does
+against the real broker is the consumer contract's, ``tests/test_consumer_contract.py``)."""
 
 import pytest
 
 from mepo_stream.errors import ConfigError
 from mepo_stream.kafka import KafkaConfig
+from server.learner.consumer import TIMING
 from server.learner.librdkafka import check_available, librdkafka_settings
-from server.learner.stream import CONSUMER_TIMING
 
 
 def test_without_confluent_kafka_the_refusal_names_the_extra(monkeypatch):
@@ -21,7 +20,7 @@ def test_settings_carry_the_group_the_security_and_never_commit_on_their_own():
     kafka = KafkaConfig(bootstrap_servers="k1:9092,k2:9092", group_id="g", security_protocol="SASL_SSL",
                         sasl_mechanism="SCRAM-SHA-512", sasl_plain_username="learner", sasl_plain_password="pw",
                         ssl_cafile="/ca.pem")
-    settings = librdkafka_settings(kafka, **CONSUMER_TIMING)
+    settings = librdkafka_settings(kafka, **TIMING)
     assert settings["bootstrap.servers"] == "k1:9092,k2:9092" and settings["group.id"] == "g"
     assert (settings["security.protocol"], settings["sasl.mechanism"], settings["sasl.username"],
             settings["sasl.password"], settings["ssl.ca.location"]) == ("SASL_SSL", "SCRAM-SHA-512", "learner", "pw",
@@ -34,4 +33,4 @@ def test_librdkafka_takes_those_settings():
     """librdkafka refuses a setting it does not know, or a value of the wrong type, when the consumer is made."""
     from server.learner.librdkafka import LibrdkafkaConsumer
 
-    LibrdkafkaConsumer(librdkafka_settings(KafkaConfig(bootstrap_servers="127.0.0.1:1"), **CONSUMER_TIMING)).close()
+    LibrdkafkaConsumer(KafkaConfig(bootstrap_servers="127.0.0.1:1"), **TIMING).close(timeout_s=5)

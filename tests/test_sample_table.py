@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from kafka import TopicPartition
 
 import server.learner.sample_table as sample_table
 from mepo_stream.errors import StateRefused
 from mepo_stream.learner import LearnerConfig, OnlineLearner
+from server.learner.consumer import PartitionKey
 from server.learner.sample_table import Entry, SampleTable
 from server.learner.stream import fill_wait_ms
 from tests.fakes import service
@@ -383,18 +383,15 @@ def test_a_partial_mini_batch_waits_for_samples_unless_a_change_waits_and_nothin
     """A poll waits up to 500 ms for samples to fill a partial mini-batch; where a correction or deletion waits, only
     20 ms once the consumer has read to the end of every partition (its user waits), and 500 ms again while a
     backlog remains (it still fills the mini-batch)."""
-    class Consumer:  # the three reads fill_wait_ms makes of a KafkaConsumer
+    class Consumer:  # the two reads fill_wait_ms makes of the learner's consumer
         def __init__(self, position: int):
             self.at = position
 
         def assignment(self) -> set:
-            return {TopicPartition("images", 0)}
+            return {PartitionKey("images", 0)}
 
-        def highwater(self, tp) -> int:
-            return 10
-
-        def position(self, tp, timeout_ms: int) -> int:
-            return self.at
+        def unread(self, key) -> int:
+            return 10 - self.at
 
     assert fill_wait_ms(Consumer(10), None, changes_waiting=False) == 500
     assert fill_wait_ms(Consumer(10), None, changes_waiting=True) == 20

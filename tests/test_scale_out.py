@@ -25,8 +25,7 @@ import httpx
 import pytest
 import torch
 import yaml
-from kafka import TopicPartition
-from kafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError
+from kafka.errors import KafkaConnectionError, KafkaTimeoutError
 from PIL import Image
 
 import server.learner.stream as stream
@@ -44,9 +43,10 @@ from server.broker import free_port
 from server.config import ServeConfig, model_config, replica_of
 from server.learner.book import Sample
 from server.learner.changelog import Changelog
+from server.learner.consumer import Assigned, BrokerUnavailable, PartitionKey, Revoked
 from server.learner.partitioned import GroupCapture, migrated_state, open_group_learner
 from server.learner.state import CHECKPOINT, CheckpointCapture, LearnerState, open_learner
-from server.learner.stream import LearnerLoop, Persist, SeekToHandled
+from server.learner.stream import LearnerLoop, Persist
 from server.metrics import ServerMetrics
 from server.snapshot_topic import Origin
 from server.state_topic import FORMAT, PartitionState, StateFormatError, decode, encode
@@ -160,8 +160,8 @@ def test_a_single_learners_checkpoint_becomes_its_partitions_state_or_is_refused
 
 def test_a_second_learner_in_the_group_of_one_without_a_state_topic_stops_learning(tmp_path):
     state, loop, _ = service(tmp_path)
-    loop.consumer = SimpleNamespace(partitions_for_topic=lambda topic: {0, 1}, seek=lambda tp, offset: None)
-    loop.take_over([TopicPartition(state.cfg.kafka.topic, 0)])
+    loop.consumer = SimpleNamespace(partitions_of=lambda topic: {0, 1})
+    loop.on_rebalance(Assigned((PartitionKey(state.cfg.kafka.topic, 0),)))
     assert re.search("another learner joined.*--kafka.state_topic", loop.refusal)  # the loop stops at its next turn
 
 
@@ -350,8 +350,8 @@ def group_loop(root: Path, topic: dict[str, PartitionState], events: list, keys:
 
 
 def revoke(loop: LearnerLoop, *partitions: int) -> None:
-    """What kafka-python does in a rebalance that takes ``partitions`` away: the loop's listener is told."""
-    SeekToHandled(loop).on_partitions_revoked([TopicPartition(TOPIC, p) for p in partitions])
+    """What the consumer does in a rebalance that takes ``partitions`` away: the loop is told."""
+    loop.on_rebalance(Revoked(tuple(PartitionKey(TOPIC, p) for p in partitions)))
 
 
 def test_a_revoked_partitions_state_stands_at_the_offset_its_learner_handled_when_it_is_let_go(tmp_path,
@@ -419,39 +419,39 @@ def test_a_revocation_waits_for_the_state_write_in_flight_before_letting_the_par
 
 
 class RebalancingConsumer(FakeConsumer):
-    """kafka-python's consumer of images:0 and images:1 in a rebalance that takes images:0 away at the first poll:
-    the rebalance listener runs inside ``poll``, a listener that raises makes ``poll`` raise a KafkaError (the loop
-    would reconnect), and ``close`` revokes what is still assigned."""
+    """A consumer of images:0 and images:1 in a rebalance that takes images:0 away at the first poll: the handler
+    runs inside ``poll``, a handler that raises makes ``poll`` raise (the loop would reconnect), and ``close``
+    revokes what is still assigned."""
 
     def __init__(self, loop: LearnerLoop):
         super().__init__(loop, [])
-        self.assigned, self.polls = [TopicPartition(TOPIC, 0), TopicPartition(TOPIC, 1)], 0
+        self.assigned, self.polls = [PartitionKey(TOPIC, 0), PartitionKey(TOPIC, 1)], 0
 
-    def subscribe(self, topics, listener) -> None:
-        self.listener = listener
+    def subscribe(self, topics, on_rebalance) -> None:
+        self.on_rebalance = on_rebalance
 
-    def revoke(self, gone: list[TopicPartition]) -> None:
-        self.assigned = [tp for tp in self.assigned if tp not in gone]
+    def revoke(self, gone: list[PartitionKey]) -> None:
+        self.assigned = [key for key in self.assigned if key not in gone]
         try:
-            self.listener.on_partitions_revoked(gone)
+            self.on_rebalance(Revoked(tuple(gone)))
         except Exception as e:
-            raise KafkaError("User rebalance callback throws an error") from e
+            raise BrokerUnavailable("User rebalance callback throws an error") from e
 
-    def poll(self, timeout_ms: int, max_records: int) -> dict:
+    def poll(self, wait_ms: int, max_records: int) -> list:
         self.polls += 1
         if self.polls == 1:
-            self.revoke([TopicPartition(TOPIC, 0)])
+            self.revoke([PartitionKey(TOPIC, 0)])
         else:  # a loop that goes on after the failure: stop it here
             self.loop.stop_event.set()
-        return {}
+        return []
 
-    def assignment(self) -> set[TopicPartition]:
+    def assignment(self) -> set[PartitionKey]:
         return set(self.assigned)
 
-    def highwater(self, tp: TopicPartition) -> None:
+    def unread(self, key: PartitionKey) -> None:
         return None
 
-    def close(self) -> None:
+    def close(self, timeout_s: float) -> None:
         self.revoke(list(self.assigned))
 
 
@@ -486,7 +486,7 @@ def test_a_failed_state_write_during_a_revocation_lets_the_partition_go_and_stop
     consumer, connects = RebalancingConsumer(loop), []
     monkeypatch.setattr(stream, "ensure_topics", lambda kafka, *topics: None)
     monkeypatch.setattr(stream, "open_producer", lambda kafka, **_: FakeProducer())
-    monkeypatch.setattr(stream, "KafkaConsumer", lambda **_: connects.append(1) or consumer)
+    monkeypatch.setattr(stream, "open_consumer", lambda *_: connects.append(1) or consumer)
     loop.run()
     assert len(connects) == 1 and consumer.polls == 1  # stopped at the turn after the revocation, no reconnection
     assert loop.error is not None and re.search(rf"{P0} at offset 16\b", loop.error), loop.error

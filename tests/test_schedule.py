@@ -66,7 +66,7 @@ def run_stream(tmp_path, monkeypatch, **kw) -> dict:
     consumer, producer = FakeConsumer(loop, mixed_log()), FakeProducer()
     monkeypatch.setattr(stream, "ensure_topics", lambda kafka, *topics: None)
     monkeypatch.setattr(stream, "open_producer", lambda kafka, **_: producer)  # kept: the loop drops it on closing
-    monkeypatch.setattr(stream, "KafkaConsumer", lambda **_: consumer)
+    monkeypatch.setattr(stream, "open_consumer", lambda *_: consumer)
     loop.run()
     assert loop.error is None
     letters = [(dict(m["headers"])["error"], dict(m["headers"])["source_offset"]) for m in producer.sent]
@@ -92,8 +92,8 @@ def test_the_next_poll_is_read_while_the_model_thread_learns(tmp_path, monkeypat
     step_begun, next_poll, met = threading.Event(), threading.Event(), []
     learn, poll = state.learn, FakeConsumer.poll
 
-    def poll_and_tell(consumer, timeout_ms, max_records):
-        records = poll(consumer, timeout_ms, max_records)
+    def poll_and_tell(consumer, wait_ms, max_records):
+        records = poll(consumer, wait_ms, max_records)
         if consumer.pos > 16 and step_begun.wait(10):  # the second poll, read during the step
             next_poll.set()
         return records
@@ -116,8 +116,8 @@ def test_a_partial_mini_batch_is_learned_once_the_topic_goes_quiet_not_at_stop(t
     state, loop, learned = service(tmp_path)
     at_idle_polls, poll = [], FakeConsumer.poll
 
-    def poll_and_count(consumer, timeout_ms, max_records):
-        records = poll(consumer, timeout_ms, max_records)
+    def poll_and_count(consumer, wait_ms, max_records):
+        records = poll(consumer, wait_ms, max_records)
         if not records:
             loop.settle(raises=True)
             at_idle_polls.append(len(learned))

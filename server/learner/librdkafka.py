@@ -1,37 +1,36 @@
-"""The learner's consumer on librdkafka (``--consumer librdkafka``): the records parsed in C, off the GIL.
+"""The learner's consumer on librdkafka (``--consumer librdkafka``), behind ``server.learner.consumer.Consumer``:
+the records parsed in C, off the GIL.
 
 kafka-python parses every record in Python, under the interpreter lock the model thread needs between its
-operators; beside a fast model that parsing sets the learner's pace (docs/performance.md, "Why the nearly free
-model stays near half its bare loop"). librdkafka (``confluent-kafka``) fetches and parses in its own threads.
+operators; beside a fast model that parsing may set the learner's pace (docs/performance.md). librdkafka
+(``confluent-kafka``) fetches and parses in its own threads. What differs underneath, kept from the interface:
 
-``LibrdkafkaConsumer`` offers the part of kafka-python's ``KafkaConsumer`` the learner loop
-(``server.learner.stream``) uses, with kafka-python's ``TopicPartition`` and ``KafkaError`` at the boundary, so the
-loop, its rebalance listener and its offsets are the same whichever client reads. What differs underneath:
-
-* the rebalance listener runs inside ``poll``, in the polling thread (kafka-python runs it on its IO thread while
-  the learner thread waits in ``poll``); a seek asked for while partitions are assigned sets where they start;
-* a broker that does not answer is retried inside librdkafka: ``poll`` returns nothing, and the loop's probe
-  (``beginning_offsets``, a round trip) is what can report it disconnected;
-* every commit is sent without waiting (librdkafka's waiting commit has no timeout), and ``close`` waits for those
+* the rebalance callbacks run inside ``poll``, in the polling thread; an assignment starts where the handler says;
+* a broker that does not answer is retried inside librdkafka: ``poll`` returns nothing, and ``probe`` (a round
+  trip) is what reports it;
+* librdkafka's waiting commit takes no timeout, so every commit is sent without waiting; ``close`` waits for those
   in flight.
-
-A learner alone or in a group (``--kafka.state_topic``) may use it: the kill -9 tests, alone and in a group whose
-partitions move to the learner that takes them over, and the broker-stall test run with both clients.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple, cast
-
-from kafka import ConsumerRebalanceListener, TopicPartition
-from kafka.errors import KafkaError
+from typing import Any, cast
 
 from mepo_stream.errors import ConfigError
 from mepo_stream.kafka import KafkaConfig
+from server.learner.consumer import (
+    Assigned,
+    BrokerUnavailable,
+    OnRebalance,
+    PartitionKey,
+    Record,
+    Revoked,
+    close_within,
+)
 
 LIBRDKAFKA_NAMES = {"security_protocol": "security.protocol", "sasl_mechanism": "sasl.mechanism",
                     "sasl_plain_username": "sasl.username", "sasl_plain_password": "sasl.password",
@@ -40,18 +39,6 @@ LIBRDKAFKA_NAMES = {"security_protocol": "security.protocol", "sasl_mechanism": 
 """librdkafka's names of the options ``KafkaConfig.client_options`` gives kafka-python."""
 
 log = logging.getLogger(__name__)
-
-
-class Record(NamedTuple):
-    """A consumed record with the fields the intake and the dead letters read (``mepo_stream.records.KafkaRecord``)."""
-
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes | None
-    headers: list[tuple[str, bytes]] | None
-    timestamp: int  # ms
 
 
 def _record(message) -> Record:
@@ -73,22 +60,21 @@ def _log_failed_commit(error, partitions) -> None:
         log.warning("offset commit failed (the checkpoint holds them): %s", error)
 
 
-def _partition(tp: TopicPartition, offset: int | None = None):
-    """librdkafka's name of partition ``tp`` (at ``offset``); imported here, as confluent-kafka is an extra."""
-    from confluent_kafka import TopicPartition as Partition
+def _partition(key: PartitionKey, offset: int | None = None):
+    """librdkafka's name of a partition (at ``offset``); imported here, as confluent-kafka is an extra."""
+    from confluent_kafka import TopicPartition
 
-    return Partition(tp.topic, tp.partition) if offset is None else Partition(tp.topic, tp.partition, offset)
+    return TopicPartition(key.topic, key.partition) if offset is None else TopicPartition(*key, offset)
 
 
 @contextmanager
-def _as_kafka_error() -> Iterator[None]:
-    """librdkafka's exceptions as kafka-python's ``KafkaError``, which the loop handles (reconnects on)."""
+def _as_unavailable() -> Iterator[None]:
     from confluent_kafka import KafkaException
 
     try:
         yield
     except KafkaException as e:
-        raise KafkaError(str(e)) from e
+        raise BrokerUnavailable(str(e)) from e
 
 
 def check_available() -> None:
@@ -111,92 +97,77 @@ def librdkafka_settings(kafka: KafkaConfig, session_timeout_ms: int, heartbeat_i
 
 
 class LibrdkafkaConsumer:
-    """A group member reading through librdkafka, behind the calls the learner loop makes of a ``KafkaConsumer``."""
+    """A group member reading through librdkafka."""
 
-    def __init__(self, settings: dict[str, Any]):
+    def __init__(self, kafka: KafkaConfig, **timing: int):
         from confluent_kafka import Consumer
 
+        settings = librdkafka_settings(kafka, **timing)
         self._consumer = Consumer({**settings, "error_cb": _log_error, "on_commit": _log_failed_commit})
-        self._assigned: set[TopicPartition] = set()
-        self._starts: dict[TopicPartition, int] | None = None  # seeks asked for while partitions are assigned
+        self._assigned: set[PartitionKey] = set()
 
-    def subscribe(self, topics: list[str], listener: ConsumerRebalanceListener) -> None:
+    def subscribe(self, topics: list[str], on_rebalance: OnRebalance) -> None:
         def on_assign(consumer, partitions) -> None:
-            assigned = [TopicPartition(p.topic, p.partition) for p in partitions]
-            self._assigned |= set(assigned)
-            self._starts = {}
-            try:
-                listener.on_partitions_assigned(assigned)
-                for p in partitions:
-                    p.offset = self._starts.get(TopicPartition(p.topic, p.partition), p.offset)
-            finally:
-                self._starts = None
+            keys = tuple(PartitionKey(p.topic, p.partition) for p in partitions)
+            self._assigned |= set(keys)
+            starts = on_rebalance(Assigned(keys)) or {}
+            for p, key in zip(partitions, keys, strict=True):
+                p.offset = starts.get(key, p.offset)
             consumer.assign(partitions)
 
         def on_revoke(consumer, partitions) -> None:
-            revoked = [TopicPartition(p.topic, p.partition) for p in partitions]
+            keys = tuple(PartitionKey(p.topic, p.partition) for p in partitions)
             try:
-                listener.on_partitions_revoked(revoked)
+                on_rebalance(Revoked(keys))
             finally:
-                self._assigned -= set(revoked)
+                self._assigned -= set(keys)
                 consumer.unassign()
 
         self._consumer.subscribe(topics, on_assign=on_assign, on_revoke=on_revoke, on_lost=on_revoke)
 
-    def poll(self, timeout_ms: int = 0, max_records: int = 500) -> dict[TopicPartition, list[Record]]:
-        """Up to ``max_records`` records by partition, waiting at most ``timeout_ms`` for the first."""
-        polled: dict[TopicPartition, list[Record]] = {}
-        for message in self._consumer.consume(max_records, timeout_ms / 1000):
+    def poll(self, wait_ms: int, max_records: int) -> list[Record]:
+        records = []
+        for message in self._consumer.consume(max_records, wait_ms / 1000):
             if (error := message.error()) is not None:
                 if error.fatal():
-                    raise KafkaError(str(error))
+                    raise BrokerUnavailable(str(error))
                 continue  # librdkafka retries what it can; the probe reports a broker that does not answer
-            record = _record(message)
-            polled.setdefault(TopicPartition(record.topic, record.partition), []).append(record)
-        return polled
+            records.append(_record(message))
+        return records
 
-    def seek(self, partition: TopicPartition, offset: int) -> None:
-        if self._starts is not None:  # in the assignment callback: where the partition starts
-            self._starts[partition] = offset
-            return
-        self._consumer.seek(_partition(partition, offset))
+    def seek(self, key: PartitionKey, offset: int) -> None:
+        with _as_unavailable():
+            self._consumer.seek(_partition(key, offset))
 
-    def commit(self, offsets: dict, timeout_ms: int | None = None) -> None:
-        """Sent as ``commit_async`` is: librdkafka's waiting commit takes no timeout, so a broker that stops answering
-        would hold it, and the loop with its readiness probe, for as long as it does not answer. ``close`` waits for
-        the commits in flight."""
-        self.commit_async(offsets)
+    def commit(self, offsets: dict[PartitionKey, int]) -> None:
+        try:
+            self._consumer.commit(offsets=[_partition(k, o) for k, o in offsets.items()], asynchronous=True)
+        except Exception as e:  # not even queued (no coordinator): the checkpoint holds them
+            _log_failed_commit(e, offsets)
 
-    def commit_async(self, offsets: dict, callback=None) -> None:
-        """A failure is logged by the consumer's ``on_commit`` (``_log_failed_commit``), not by ``callback``."""
-        partitions = [_partition(tp, meta.offset) for tp, meta in offsets.items()]
-        with _as_kafka_error():
-            self._consumer.commit(offsets=partitions, asynchronous=True)
-
-    def assignment(self) -> set[TopicPartition]:
+    def assignment(self) -> set[PartitionKey]:
         return set(self._assigned)
 
-    def highwater(self, partition: TopicPartition) -> int | None:
-        """The partition's end offset as of its last fetch (None before any)."""
-        _, high = self._consumer.get_watermark_offsets(_partition(partition), cached=True)
-        return high if high is not None and high >= 0 else None
+    def unread(self, key: PartitionKey) -> int | None:
+        """Behind the end offset as of the last fetch (None before any, or without a position)."""
+        _, high = self._consumer.get_watermark_offsets(_partition(key), cached=True)
+        position = self._consumer.position([_partition(key)])[0].offset
+        return None if high is None or high < 0 or position < 0 else max(0, high - position)
 
-    def position(self, partition: TopicPartition, timeout_ms: int | None = None) -> int:
-        offset = self._consumer.position([_partition(partition)])[0].offset
-        if offset < 0:
-            raise KafkaError(f"no position yet for {partition}")
-        return offset
-
-    def partitions_for_topic(self, topic: str) -> set[int] | None:
-        with _as_kafka_error():
+    def partitions_of(self, topic: str) -> set[int] | None:
+        with _as_unavailable():
             topics = self._consumer.list_topics(topic, timeout=5).topics
         return set(topics[topic].partitions) if topic in topics and topics[topic].error is None else None
 
-    def beginning_offsets(self, partitions: Iterable[TopicPartition], timeout_ms: int) -> dict[TopicPartition, int]:
-        """Each partition's first offset, asked of the broker: a round trip (the loop's probe)."""
-        with _as_kafka_error():
-            return {tp: self._consumer.get_watermark_offsets(_partition(tp), timeout=timeout_ms / 1000)[0]
-                    for tp in partitions}
+    def probe(self, timeout_s: float) -> bool:
+        if not self._assigned:
+            return False
+        try:
+            for key in self._assigned:
+                self._consumer.get_watermark_offsets(_partition(key), timeout=timeout_s)
+            return True
+        except Exception:  # KafkaException: no answer in time
+            return False
 
-    def close(self) -> None:
-        self._consumer.close()
+    def close(self, timeout_s: float) -> None:
+        close_within(self._consumer.close, timeout_s)

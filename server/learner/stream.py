@@ -35,40 +35,25 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from enum import Enum
 
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka import KafkaProducer
 from kafka.errors import KafkaError
-from kafka.structs import OffsetAndMetadata
 
 from mepo_stream.errors import ConfigError
 from mepo_stream.kafka import KafkaConfig, ensure_topics, open_producer
-from server.config import ServeConfig
-from server.consumer import PROBE_EVERY_S, ConsumerThread, broker_answers
+from server.consumer import PROBE_EVERY_S, ConsumerThread
 from server.learner.arrival import Prediction, Retraction
-from server.learner.book import tp_key
+from server.learner.consumer import TIMING, Assigned, BrokerUnavailable, Consumer, PartitionKey, Rebalance, Record
 from server.learner.intake import DeadLetter, Outgoing
-from server.learner.librdkafka import LibrdkafkaConsumer, check_available, librdkafka_settings
+from server.learner.kafka_python import KafkaPythonConsumer
+from server.learner.librdkafka import LibrdkafkaConsumer, check_available
 from server.learner.state import Booked, LearnerState, StateWriteFailed
 from server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
-
-
-def parse_tp(key: str) -> TopicPartition:
-    topic, partition = key.rsplit(":", 1)
-    return TopicPartition(topic, int(partition))
-
-
-def _log_failed_commit(offsets: dict, result: object) -> None:
-    """``commit_async``'s callback (kafka-python passes the offsets and the response or the error): a failed
-    commit is only logged, the checkpoint holds the offsets."""
-    if isinstance(result, Exception):
-        log.warning("offset commit failed (the checkpoint holds them): %s", result)
 
 
 def dead_letter_headers(dead: DeadLetter) -> list[tuple[str, bytes]]:
@@ -94,13 +79,12 @@ def send(producer: KafkaProducer | None, kafka: KafkaConfig, metrics: ServerMetr
         log.info("dead-lettered %s:%d@%d: %s", record.topic, record.partition, record.offset, out.reason)
 
 
-def in_order(polled: dict, labels_topic: str | None) -> list:
+def in_order(records: list[Record], labels_topic: str | None) -> list[Record]:
     """A poll's records, images first (by partition and offset), then labels."""
-    return sorted((r for rs in polled.values() for r in rs), key=lambda r: (r.topic == labels_topic, r.partition,
-                                                                             r.offset))
+    return sorted(records, key=lambda r: (r.topic == labels_topic, r.partition, r.offset))
 
 
-def fill_wait_ms(consumer: KafkaConsumer, labels_topic: str | None, changes_waiting: bool) -> int:
+def fill_wait_ms(consumer: Consumer, labels_topic: str | None, changes_waiting: bool) -> int:
     """How long a poll waits for samples to fill a partial mini-batch: 500 ms, but 20 where a correction or deletion
     waits and nothing more is there to read (its user waits for it; records still to read fill the mini-batch)."""
     if changes_waiting and not any(unread(consumer, labels_topic, Counter()).values()):
@@ -108,49 +92,28 @@ def fill_wait_ms(consumer: KafkaConsumer, labels_topic: str | None, changes_wait
     return 500
 
 
-def unread(consumer: KafkaConsumer, labels_topic: str | None, waiting: Counter[str]) -> dict[str, int]:
+def unread(consumer: Consumer, labels_topic: str | None, waiting: Counter[str]) -> dict[str, int]:
     """Per image partition: records behind the high watermark plus those read but ``waiting`` for a mini-batch
     (a partition without a position or a high watermark yet is left out). The labels topic's lag is the join's
     backlog, not learning's."""
     lags = {}
-    for tp in consumer.assignment():
-        if tp.topic == labels_topic or (high := consumer.highwater(tp)) is None:
-            continue
-        try:
-            position = consumer.position(tp, timeout_ms=1000)
-        except KafkaError:  # no position yet, or the broker is stalled: keep the last lag
-            continue
-        lags[tp_key(tp)] = max(0, high - position) + waiting[tp_key(tp)]
+    for key in consumer.assignment():
+        if key.topic != labels_topic and (behind := consumer.unread(key)) is not None:
+            lags[str(key)] = behind + waiting[str(key)]
     return lags
 
 
-CONSUMER_TIMING = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 2000, "max_poll_interval_ms": 600_000,
-                   "fetch_max_bytes": 16 * 1024 * 1024, "fetch_max_wait_ms": 100}
-"""The learner's consumer settings for either client. ``fetch_max_wait_ms`` is how long a fetch that finds nothing
-new waits at the broker, not Kafka's 500: the embedded broker answers only once it is over, so a lone deletion
-waits it whole (docs/corrections.md)."""
+def open_consumer(client: str, kafka: KafkaConfig, max_records: int) -> Consumer:
+    """The learner's consumer on ``client`` (``--consumer``, checked at start): a group member that starts a partition
+    without a committed offset at its beginning."""
+    if client == "librdkafka":
+        return LibrdkafkaConsumer(kafka, **TIMING)
+    return KafkaPythonConsumer(kafka, max_records, **TIMING)
 
 
-def open_consumer(cfg: ServeConfig) -> KafkaConsumer | LibrdkafkaConsumer:
-    """The learner's consumer, on the client ``--consumer`` names: a group member that commits only what a
-    checkpoint holds and starts a partition without a committed offset at its beginning."""
-    if cfg.consumer == "librdkafka":
-        return LibrdkafkaConsumer(librdkafka_settings(cfg.kafka, **CONSUMER_TIMING))
-    return KafkaConsumer(**cfg.kafka.client_options(), group_id=cfg.kafka.group_id, enable_auto_commit=False,
-                         auto_offset_reset="earliest", max_poll_records=cfg.learner.batch_size, **CONSUMER_TIMING)
-
-
-def commit_offsets(consumer: KafkaConsumer | None, offsets: dict[str, int],
-                   commit: Callable[[KafkaConsumer, dict], object]) -> None:
-    """Commit the offsets of a written checkpoint through ``commit`` (waiting or not); a failure is only logged:
-    the checkpoint is the source of truth."""
-    if consumer is None:
-        return
-    to_commit = {parse_tp(k): OffsetAndMetadata(v, "", -1) for k, v in offsets.items()}
-    try:
-        commit(consumer, to_commit)
-    except KafkaError as e:
-        _log_failed_commit(to_commit, e)
+BROKER_ERRORS = (KafkaError, BrokerUnavailable)
+"""What a broker that cannot be reached raises: the consumer's own type, and kafka-python's from the producer and
+the group's state topic."""
 
 
 class Persist(Enum):
@@ -177,20 +140,6 @@ class Persist(Enum):
         return self is not Persist.BEFORE_REVOKE
 
 
-class SeekToHandled(ConsumerRebalanceListener):
-    """Runs on kafka-python's IO thread while the learner thread waits inside ``poll()`` or ``close()``."""
-
-    def __init__(self, loop: LearnerLoop):
-        self.loop = loop
-
-    def on_partitions_revoked(self, revoked):
-        """Persist, then let the partitions go (``LearnerLoop.let_go``)."""
-        self.loop.let_go([tp_key(tp) for tp in revoked])
-
-    def on_partitions_assigned(self, assigned):
-        self.loop.take_over(assigned)
-
-
 class LearnerLoop(ConsumerThread):
     """Runs in a thread next to the HTTP server; it reads Kafka, hands every poll to the state's intake (which
     books it) and learns through the state. Stopping learns the records in hand, checkpoints, commits and closes."""
@@ -200,7 +149,7 @@ class LearnerLoop(ConsumerThread):
     def __init__(self, state: LearnerState):
         self.state, self.cfg = state, state.cfg
         self._checkpoint_request = threading.Event()
-        self.consumer: KafkaConsumer | LibrdkafkaConsumer | None = None
+        self.consumer: Consumer | None = None
         self.producer: KafkaProducer | None = None
         if self.cfg.consumer == "librdkafka":
             check_available()
@@ -228,37 +177,48 @@ class LearnerLoop(ConsumerThread):
         if k.labels_topic is not None:
             ensure_topics(k, k.labels_topic, k.predictions_topic)
         self.producer = open_producer(k, linger_ms=5)
-        self.consumer = open_consumer(self.cfg)
+        self.consumer = open_consumer(self.cfg.consumer, k, self.cfg.learner.batch_size)
         topics = [k.topic] if k.labels_topic is None else [k.topic, k.labels_topic]
-        self.consumer.subscribe(topics, listener=SeekToHandled(self))
+        self.consumer.subscribe(topics, self.on_rebalance)
 
     def _close(self) -> None:
         self.settle(raises=False)  # its step ends first: a reconnect forgets what is pending
-        for client in (self.consumer, self.producer):
-            if client is not None:
-                try:
-                    client.close()
-                except Exception:  # closing after a broker failure must not mask the original error
-                    log.exception("error while closing a Kafka client")
+        try:  # closing after a broker failure must not mask the original error; the producer serves a last revocation
+            if self.consumer is not None:
+                self.consumer.close(timeout_s=5)  # waits for the commits in flight
+            if self.producer is not None:
+                self.producer.close()
+        except Exception:
+            log.exception("error while closing a Kafka client")
         self.consumer = self.producer = None
         self.connected = False
         self.state.metrics.learner_up.set(0)
 
-    def take_over(self, assigned) -> None:
+    def on_rebalance(self, event: Rebalance) -> dict[PartitionKey, int] | None:
+        """The consumer's rebalance events, while it polls: an assignment is taken over (answered with where each
+        partition starts), a revocation let go."""
+        if isinstance(event, Assigned):
+            return self.take_over(event.keys)
+        self.let_go([str(key) for key in event.keys])
+        return None
+
+    def take_over(self, assigned: tuple[PartitionKey, ...]) -> dict[PartitionKey, int]:
         """On assignment: restore the partitions' state (a learner in a group), or check that this learner has
         the whole topic (one learning alone: a second one in its group would split the stream between two models
-        that nothing adds up), then seek."""
+        that nothing adds up); each partition starts where this process's model stands (the book's offset)."""
+        keys = [str(key) for key in assigned]
         try:
-            self.state.membership.assign([tp_key(tp) for tp in assigned])
+            self.state.membership.assign(keys)
         except ConfigError as e:
             self.refusal = str(e)
-        except KafkaError as e:  # the partitions' states could not be read: reconnect, and be assigned again
+        except BROKER_ERRORS as e:  # the partitions' states could not be read: reconnect, and be assigned again
             self._broken = e
         if self.refusal is None and self.consumer is not None:
-            everything = self.consumer.partitions_for_topic(self.cfg.kafka.topic)  # None: not known yet
-            images = {tp.partition for tp in assigned if tp.topic != self.cfg.kafka.labels_topic}
+            everything = self.consumer.partitions_of(self.cfg.kafka.topic)  # None: not known yet
+            images = {key.partition for key in assigned if key.topic != self.cfg.kafka.labels_topic}
             self.refusal = self.state.membership.check_assignment(images, everything)
-        self.seek_to_handled(assigned)
+        log.info("assigned %s", keys)
+        return {PartitionKey.parse(key): offset for key, offset in self.state.positions(keys).items()}
 
     def let_go(self, keys: list[str]) -> None:
         """On revocation: learn what is pending and persist before another consumer takes the partitions over, then
@@ -269,21 +229,12 @@ class LearnerLoop(ConsumerThread):
             if self.failure is None:  # after a failed write (the consumer closing), nothing more is written
                 self.learn_pending()
                 self.persist(Persist.BEFORE_REVOKE)
-        except KafkaError as e:  # the dead letters could not be flushed: nothing was captured
+        except BROKER_ERRORS as e:  # the dead letters could not be flushed: nothing was captured
             self._broken = e
         except StateWriteFailed as e:
             log.error("%s; letting %s go", e, keys)
         finally:
             self.state.membership.revoke(keys)
-
-    def seek_to_handled(self, assigned) -> None:
-        """On assignment: seek each partition to the offset where this process's model stands (the book's)."""
-        assert self.consumer is not None
-        offsets = self.state.positions([tp_key(tp) for tp in assigned])
-        for tp in assigned:
-            if tp_key(tp) in offsets:
-                self.consumer.seek(tp, offsets[tp_key(tp)])
-        log.info("assigned %s", [tp_key(tp) for tp in assigned])
 
     def _run(self) -> None:
         while not self.stop_event.is_set():
@@ -291,7 +242,7 @@ class LearnerLoop(ConsumerThread):
                 self._connect()
                 self._consume()
                 break
-            except KafkaError as e:
+            except BROKER_ERRORS as e:
                 log.warning("Kafka unavailable (%s); retrying in 2 s", e)
                 self._close()
                 self.stop_event.wait(2.0)
@@ -327,8 +278,7 @@ class LearnerLoop(ConsumerThread):
             self.state.on_idle()
             self.persist()
         if self._writing is not None and self._writing.done() and (offsets := self._written()):
-            commit_offsets(self.consumer, offsets,  # on disk: committed without waiting for the broker's answer
-                           lambda consumer, o: consumer.commit_async(o, callback=_log_failed_commit))
+            self._commit(offsets)
         if self.booked.checkpoint_due:
             self.booked = replace(self.booked, checkpoint_due=False)  # the next booking tells again
             self.persist(Persist.IF_DUE)
@@ -340,6 +290,7 @@ class LearnerLoop(ConsumerThread):
         The poll is sized as a mini-batch: while a step runs, the size of its mini-batch (it learns everything
         pending), else what fills the pending one, waiting for it (``fill_wait_ms``). A poll that comes back empty
         learns what is pending (the topic went quiet), or, while a step runs, waits for that step."""
+        assert self.consumer is not None
         try:
             learning = self.booked.learns and self.stepping is not None and not self.stepping.done()
             if not learning:
@@ -380,14 +331,14 @@ class LearnerLoop(ConsumerThread):
         self.state.learn_pending()
         self.booked = replace(self.booked, waiting=Counter())
 
-    def _poll(self, wait_ms: int, max_records: int) -> list:
+    def _poll(self, wait_ms: int, max_records: int) -> list[Record]:
         """Up to ``max_records`` records in order, waiting ``wait_ms`` for the first; a rebalance's outcome is checked
         before any is booked, and every few seconds whether the broker answers."""
         assert self.consumer is not None
-        polled = self.consumer.poll(timeout_ms=wait_ms, max_records=max_records)
+        polled = self.consumer.poll(wait_ms, max_records)
         self._check_rebalance()
-        if (time.monotonic() - self._probed_at > PROBE_EVERY_S or not self.connected):
-            self.connected, self._probed_at = broker_answers(self.consumer), time.monotonic()
+        if time.monotonic() - self._probed_at > PROBE_EVERY_S or not self.connected:
+            self.connected, self._probed_at = self.consumer.probe(timeout_s=2.0), time.monotonic()
             self.state.metrics.learner_up.set(int(self.connected))
         return in_order(polled, self.cfg.kafka.labels_topic)
 
@@ -427,13 +378,18 @@ class LearnerLoop(ConsumerThread):
             self._finish_write(when.commits)
 
     def _finish_write(self, commit: bool) -> None:
-        """Wait for the checkpoint in flight to be on disk, then, if ``commit``, commit its offsets, waiting for the
-        broker's answer (never hanging on a stalled one)."""
+        """Wait for the checkpoint in flight to be on disk, then, if ``commit``, commit its offsets."""
         if self._writing is None:
             return
         offsets = self._written()
         if commit and offsets:
-            commit_offsets(self.consumer, offsets, lambda consumer, o: consumer.commit(o, timeout_ms=5000))
+            self._commit(offsets)
+
+    def _commit(self, offsets: dict[str, int]) -> None:
+        """Commit the offsets of a checkpoint on disk, without waiting for the broker (closing the consumer waits
+        for them): a failure is only logged, the checkpoint is the source of truth."""
+        if self.consumer is not None:
+            self.consumer.commit({PartitionKey.parse(key): offset for key, offset in offsets.items()})
 
     def _written(self) -> dict[str, int]:
         """The offsets of the checkpoint in flight, once on disk. A failed write raises here, in the loop, once: it
@@ -452,4 +408,4 @@ class LearnerLoop(ConsumerThread):
         assert self.consumer is not None
         for key, lag in unread(self.consumer, self.cfg.kafka.labels_topic, self.booked.waiting).items():
             self.lag[key] = lag
-            self.state.metrics.lag.labels(key.rsplit(":", 1)[1]).set(lag)
+            self.state.metrics.lag.labels(PartitionKey.parse(key).partition).set(lag)

@@ -1,0 +1,118 @@
+"""The learner's consumer: one interface, the project's own types, two clients behind it.
+
+The loop (``server.learner.stream``) reads the stream through ``Consumer`` only; ``open_consumer`` there picks the
+client. kafka-python (``server.learner.kafka_python``, the default) and librdkafka (``server.learner.librdkafka``,
+``--consumer librdkafka``) are adapters that keep its promises, checked by one contract suite against the real
+broker (``tests/test_consumer_contract.py``):
+
+* ``poll`` returns ``Record``s, each partition's in offset order, waiting at most ``wait_ms`` for the first.
+* A rebalance is an event (``Assigned``, ``Revoked``) handed to the handler given to ``subscribe``, while ``poll``
+  runs and before it returns: a revocation before the partitions go, so the learner can write their state before
+  another member reads it; an assignment is answered with where each partition starts. Which thread runs it is the
+  client's (kafka-python: its IO thread; librdkafka: the polling thread), so the handler hands state changes to
+  their owner, the model thread, and never writes state itself.
+* ``commit`` sends offsets without waiting for the broker (a failure is logged: the learner's checkpoint is the
+  source of truth); ``close`` waits, at most ``timeout_s``, for the commits in flight.
+* ``probe`` asks the broker a round trip, bounded by ``timeout_s``: a stopped broker keeps its TCP connections open,
+  so only an answer says it is there.
+* A broker that cannot be reached raises ``BrokerUnavailable`` (the loop reconnects), never a client's own type.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+log = logging.getLogger(__name__)
+
+
+class PartitionKey(NamedTuple):
+    """A topic's partition: the key of everything the learner keeps per partition; ``str`` gives ``topic:N``, the
+    form checkpoints, partition states and metrics carry, and ``parse`` reads it back."""
+
+    topic: str
+    partition: int
+
+    def __str__(self) -> str:
+        return f"{self.topic}:{self.partition}"
+
+    @classmethod
+    def parse(cls, key: str) -> PartitionKey:
+        topic, partition = key.rsplit(":", 1)
+        return cls(topic, int(partition))
+
+    @classmethod
+    def of(cls, record) -> PartitionKey:
+        """The partition a record (anything with ``topic`` and ``partition``) was read from."""
+        return cls(record.topic, record.partition)
+
+
+@dataclass(frozen=True)
+class Record:
+    """A consumed record with what the intake and the dead letters read (``mepo_stream.records.KafkaRecord``)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]] | None
+    timestamp: int  # ms; -1 where the client has none
+
+
+@dataclass(frozen=True)
+class Assigned:
+    """These partitions are now this member's; the handler answers where each starts (a missing one: at its
+    committed offset, or its beginning)."""
+
+    keys: tuple[PartitionKey, ...]
+
+
+@dataclass(frozen=True)
+class Revoked:
+    """These partitions go to another member once the handler returns (or were lost with the member's session)."""
+
+    keys: tuple[PartitionKey, ...]
+
+
+Rebalance = Assigned | Revoked
+OnRebalance = Callable[[Rebalance], dict[PartitionKey, int] | None]
+"""The handler: for ``Assigned``, where each partition starts; for ``Revoked``, None."""
+
+
+class BrokerUnavailable(Exception):
+    """The broker did not answer, or answered with an error the client does not retry itself."""
+
+
+class Consumer(Protocol):
+    """A member of the learner's consumer group that commits only what the learner's checkpoint holds."""
+
+    def subscribe(self, topics: list[str], on_rebalance: OnRebalance) -> None: ...
+    def poll(self, wait_ms: int, max_records: int) -> list[Record]: ...
+    def seek(self, key: PartitionKey, offset: int) -> None: ...
+    def commit(self, offsets: dict[PartitionKey, int]) -> None: ...
+    def assignment(self) -> set[PartitionKey]: ...
+    def unread(self, key: PartitionKey) -> int | None: ...
+    def partitions_of(self, topic: str) -> set[int] | None: ...
+    def probe(self, timeout_s: float) -> bool: ...
+    def close(self, timeout_s: float) -> None: ...
+
+
+def close_within(close: Callable[[], None], timeout_s: float) -> None:
+    """Run a client's ``close`` (which waits for its commits in flight, and to leave its group, as long as the broker
+    takes) for at most ``timeout_s``; past that the member is left behind, to expire with its session."""
+    closing = threading.Thread(target=close, name="mepo-consumer-close", daemon=True)
+    closing.start()
+    closing.join(timeout_s)
+    if closing.is_alive():
+        log.warning("the consumer did not close within %.0f s (the broker does not answer); left behind", timeout_s)
+
+
+TIMING = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 2000, "max_poll_interval_ms": 600_000,
+          "fetch_max_bytes": 16 * 1024 * 1024, "fetch_max_wait_ms": 100}
+"""The learner's consumer settings for either client. ``fetch_max_wait_ms`` is how long a fetch that finds nothing
+new waits at the broker, not Kafka's 500: the embedded broker answers only once it is over, so a lone deletion
+waits it whole (docs/corrections.md)."""

@@ -1,0 +1,131 @@
+"""The learner's consumer on kafka-python (the default client), behind ``server.learner.consumer.Consumer``.
+
+kafka-python runs the rebalance listener on its IO thread while ``poll`` waits, so the handler's seeks are made
+there, before the fetches of the new assignment begin. Its commits are sent without waiting; ``close`` commits the
+last offsets sent again, waiting, so none is lost in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from kafka import ConsumerRebalanceListener, KafkaConsumer, TopicPartition
+from kafka.errors import KafkaError
+from kafka.structs import OffsetAndMetadata
+
+from mepo_stream.kafka import KafkaConfig
+from server.learner.consumer import (
+    Assigned,
+    BrokerUnavailable,
+    OnRebalance,
+    PartitionKey,
+    Record,
+    Revoked,
+    close_within,
+)
+
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def _as_unavailable() -> Iterator[None]:
+    try:
+        yield
+    except KafkaError as e:
+        raise BrokerUnavailable(str(e)) from e
+
+
+def _log_failed_commit(offsets: dict, result: object) -> None:
+    """``commit_async``'s callback: a failed commit is only logged, the checkpoint holds the offsets."""
+    if isinstance(result, Exception):
+        log.warning("offset commit failed (the checkpoint holds them): %s", result)
+
+
+class _Listener(ConsumerRebalanceListener):
+    """kafka-python's listener, turning its calls into the interface's events."""
+
+    def __init__(self, consumer: KafkaPythonConsumer, on_rebalance: OnRebalance):
+        self.consumer, self.on_rebalance = consumer, on_rebalance
+
+    def on_partitions_revoked(self, revoked):
+        try:
+            self.on_rebalance(Revoked(tuple(PartitionKey(tp.topic, tp.partition) for tp in revoked)))
+        finally:
+            for tp in revoked:  # another member commits them from now on
+                self.consumer.sent.pop(tp, None)
+
+    def on_partitions_assigned(self, assigned):
+        starts = self.on_rebalance(Assigned(tuple(PartitionKey(tp.topic, tp.partition) for tp in assigned))) or {}
+        for key, offset in starts.items():
+            self.consumer.seek(key, offset)
+
+
+class KafkaPythonConsumer:
+    """A group member reading through kafka-python."""
+
+    def __init__(self, kafka: KafkaConfig, max_records: int, **timing: int):
+        with _as_unavailable():
+            self._consumer = KafkaConsumer(**kafka.client_options(), group_id=kafka.group_id,
+                                           enable_auto_commit=False, auto_offset_reset="earliest",
+                                           max_poll_records=max_records, **timing)
+        self.sent: dict[TopicPartition, OffsetAndMetadata] = {}
+        """The last offsets committed, per assigned partition: ``close`` commits them again, waiting."""
+
+    def subscribe(self, topics: list[str], on_rebalance: OnRebalance) -> None:
+        self._consumer.subscribe(topics, listener=_Listener(self, on_rebalance))
+
+    def poll(self, wait_ms: int, max_records: int) -> list[Record]:
+        with _as_unavailable():
+            polled = self._consumer.poll(timeout_ms=wait_ms, max_records=max_records)
+        return [Record(r.topic, r.partition, r.offset, r.key, r.value, list(r.headers or []), r.timestamp)
+                for records in polled.values() for r in records]
+
+    def seek(self, key: PartitionKey, offset: int) -> None:
+        self._consumer.seek(TopicPartition(*key), offset)
+
+    def commit(self, offsets: dict[PartitionKey, int]) -> None:
+        sent = {TopicPartition(*key): OffsetAndMetadata(offset, "", -1) for key, offset in offsets.items()}
+        self.sent.update(sent)
+        try:
+            self._consumer.commit_async(sent, callback=_log_failed_commit)
+        except KafkaError as e:  # not even sent (no coordinator): the checkpoint holds them
+            _log_failed_commit(sent, e)
+
+    def assignment(self) -> set[PartitionKey]:
+        return {PartitionKey(tp.topic, tp.partition) for tp in self._consumer.assignment()}
+
+    def unread(self, key: PartitionKey) -> int | None:
+        tp = TopicPartition(*key)
+        if (high := self._consumer.highwater(tp)) is None:
+            return None
+        try:
+            return max(0, high - self._consumer.position(tp, timeout_ms=1000))
+        except KafkaError:  # no position yet, or the broker is stalled
+            return None
+
+    def partitions_of(self, topic: str) -> set[int] | None:
+        return self._consumer.partitions_for_topic(topic)
+
+    def probe(self, timeout_s: float) -> bool:
+        """The assigned partitions' first offsets asked of the broker (Tansu's end offsets are off; these are not
+        used, only the answer)."""
+        if not (assigned := self._consumer.assignment()):
+            return False
+        try:
+            self._consumer.beginning_offsets(list(assigned), timeout_ms=int(timeout_s * 1000))
+            return True
+        except KafkaError:
+            return False
+
+    def close(self, timeout_s: float) -> None:
+        close_within(self._close, timeout_s)
+
+    def _close(self) -> None:
+        if self.sent:
+            try:
+                self._consumer.commit(self.sent)
+            except KafkaError as e:
+                _log_failed_commit(self.sent, e)
+        self._consumer.close(autocommit=False)
