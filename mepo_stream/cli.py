@@ -279,6 +279,9 @@ def main(argv: list[str] | None = None) -> None:
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)  # kafka-python narrates every connection at INFO
+    # its network loop warns when one of its steps took over 0.1 s: on a busy CPU the model's steps hold the
+    # interpreter lock that long, which slows the client's thread but breaks nothing (timeouts are seconds)
+    logging.getLogger("kafka.net.selector").setLevel(logging.ERROR)
     # a crash in native code (a segfault, an abort) prints every thread's stack as it dies, to file descriptor 2
     # (whoever calls ``main`` may have swapped sys.stderr for a stream that has none)
     faulthandler.enable(file=2)

@@ -87,7 +87,9 @@ class DataConfig:
     test_per_class: int | None = None
     """Keep only the first N test images of each class; null keeps all."""
     load_size: int | None = None
-    """Resize every image to this square size when decoding; null keeps the native size (must be uniform)."""
+    """Resize every image to this square size when decoding; null keeps the native size (where images are decoded
+    together, as ``mepo evaluate`` does, they must then share it; a stream's images are each resized to the model's
+    input and may differ)."""
     data_dir: Path | None = None
     """Folder holding the bundled archives (default: $MEPO_DATA_DIR, else ../shared/data)."""
 
@@ -175,6 +177,8 @@ class FileList:
     targets: list[int]
     classes: list[str]
     class_names: list[str]
+    names: list[str]
+    """Each file relative to its dataset's root (``train/cat/0001.jpg``): what its owner calls it, on any machine."""
 
 
 def list_files(cfg: DataConfig, split: str) -> FileList:
@@ -183,14 +187,16 @@ def list_files(cfg: DataConfig, split: str) -> FileList:
     split_roots = [_split_dir(root, split) for root in roots]
     folders = sorted(p.name for p in split_roots[0].iterdir() if p.is_dir())[class_slice][: cfg.num_classes]
     per_class = cfg.train_per_class if split == "train" else cfg.test_per_class
-    files, targets = [], []
+    files, targets, names = [], [], []
     for label, folder in enumerate(folders):
-        paths = [path for split_root in split_roots for path in _images(split_root / folder)][:per_class]
-        files += paths
-        targets += [label] * len(paths)
+        found = [(path, root) for root, split_root in zip(roots, split_roots, strict=True)
+                 for path in _images(split_root / folder)][:per_class]
+        files += [path for path, _ in found]
+        names += [path.relative_to(root).as_posix() for path, root in found]
+        targets += [label] * len(found)
     if not files:
         raise ValueError(f"{split_roots[0]}: no images found")
-    return FileList(files, targets, folders, _class_names(roots[0], folders))
+    return FileList(files, targets, folders, _class_names(roots[0], folders), names)
 
 
 def _images(folder: Path) -> list[Path]:

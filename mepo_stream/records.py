@@ -7,8 +7,13 @@ One record per image: the value is the encoded image (JPEG/PNG bytes); headers (
 * ``id``: the image's id, which its later label names (required on an image without a label);
 * ``sample_index``: the image's index in its dataset split (what "learned exactly once" is counted by);
 * ``stream_position``: its position in the Si-Blurry order;
-* ``stream_id``: which replay of which stream it belongs to (dataset, sampler settings, seed);
+* ``stream_id``: which replay of which stream it belongs to (dataset, sampler settings, seed: ``stream_id``);
+* ``file``: the image's file, relative to the dataset's root (``train/cat/0001.jpg``), where it came from one;
 * ``dataset`` and ``content-type``, for people reading the topic.
+
+A replayed image's id is its stream id and its ``file`` (``sample_id``): ``photos/T5-N50-M10/seed1/train/cat/0001.jpg``
+names one photo of one replay, so a person can address a correction or a deletion by the file they know, and two
+replays of a folder (other seeds) stay two samples, each correctable exactly.
 
 A label that comes later is a record of its own on the labels topic: an empty value and the headers ``id`` and
 ``label`` (``label_headers``, read back by ``parse_label``).
@@ -29,13 +34,54 @@ Example:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
+
+from mepo_stream.data import BUNDLED, DataConfig
+from mepo_stream.sampler import SiBlurryConfig
 
 SCHEMA = "mepo-image/1"
 LABEL_SCHEMA = "mepo-label/1"
 MAX_ID = 256
 """Longest id, in characters (ids are kept in memory and in the checkpoint until their label comes)."""
+_SAMPLE_ID = re.compile(r"^[^/]+(?:/\d+pc)?/T\d+-N\d+-M\d+/seed-?\d+/(?P<file>.+)$")
+
+
+def dataset_name(dataset: str) -> str:
+    """A dataset as stream ids name it: a bundled one by its name, a folder by its own name, not its path (the path
+    is one machine's; the folder's name is what its owner calls it)."""
+    return dataset if dataset in BUNDLED else Path(dataset).expanduser().resolve().name
+
+
+def stream_id(data: DataConfig, stream: SiBlurryConfig) -> str:
+    """The id of one replay of a dataset: its name, the per-class cap, the sampler's settings and seed.
+
+    Example:
+        >>> stream_id(DataConfig("cifar10", train_per_class=50), SiBlurryConfig())
+        'cifar10/50pc/T5-N50-M10/seed1'
+    """
+    per_class = f"/{data.train_per_class}pc" if data.train_per_class else ""
+    return f"{dataset_name(data.dataset)}{per_class}/T{stream.n_tasks}-N{stream.n}-M{stream.m}/seed{stream.seed}"
+
+
+def sample_id(stream_id: str, file: str) -> str:
+    """The id of the image ``file`` (relative to its dataset's root) in the replay ``stream_id``; ``sample_file``
+    reads the file back.
+
+    Example:
+        >>> id = sample_id("photos/T5-N50-M10/seed1", "train/cat/0001.jpg")
+        >>> id, sample_file(id)
+        ('photos/T5-N50-M10/seed1/train/cat/0001.jpg', 'train/cat/0001.jpg')
+    """
+    return f"{stream_id}/{file}"
+
+
+def sample_file(id: str) -> str | None:
+    """The file a replayed image's id names (``sample_id``); None for an id of another kind (an HTTP upload's)."""
+    found = _SAMPLE_ID.match(id)
+    return None if found is None else found.group("file")
 
 
 class RecordError(ValueError):
@@ -60,10 +106,12 @@ class RecordMeta:
 
 
 def record_headers(label: int | None, sample_index: int, position: int, stream_id: str, dataset: str,
-                   content_type: str = "image/jpeg", id: str | None = None) -> list[tuple[str, bytes]]:
-    """An image record's headers; ``label`` None (with an ``id``) for an image whose label comes later."""
+                   content_type: str = "image/jpeg", id: str | None = None, file: str | None = None
+                   ) -> list[tuple[str, bytes]]:
+    """An image record's headers; ``label`` None (with an ``id``) for an image whose label comes later; ``file``: the
+    image's file relative to the dataset's root."""
     values = {"schema": SCHEMA, "label": label, "id": id, "sample_index": sample_index, "stream_position": position,
-              "stream_id": stream_id, "dataset": dataset, "content-type": content_type}
+              "stream_id": stream_id, "file": file, "dataset": dataset, "content-type": content_type}
     return [(k, str(v).encode()) for k, v in values.items() if v is not None]
 
 

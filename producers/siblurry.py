@@ -8,8 +8,11 @@ position`` deals the stream round-robin over the topic's partitions (for learner
 ``label`` keys records by label; each partition keeps its records in stream order. With the idempotent producer
 (``acks=all``) retries cannot reorder or duplicate records.
 
+Every image carries its id, ``<stream id>/<file>`` (``mepo_stream.records.sample_id``; the stream id names the
+dataset by its folder's name), and its ``file`` relative to the dataset's root: what a correction or deletion names.
+
 ``--replay.label_delay D`` replays the stream as images now and labels later: each image goes without its label but
-with an id (``<stream id>/<sample index>``), and its label goes to ``--kafka.labels_topic`` D records later (or
+with its id, and its label goes to ``--kafka.labels_topic`` D records later (or
 drawn up to ``--replay.label_delay_max``; a share ``--replay.label_loss`` never comes: ``mepo_stream.label_delay``).
 
 On SIGINT or SIGTERM it flushes the records sent so far, logs how many, and exits with 130 or 143 (the stream is
@@ -32,17 +35,12 @@ from mepo_stream.data import DataConfig, list_files
 from mepo_stream.errors import ConfigError
 from mepo_stream.kafka import KafkaConfig, ReplayConfig, ensure_topics, open_producer, record_key
 from mepo_stream.label_delay import label_schedule
-from mepo_stream.records import label_headers, record_headers
+from mepo_stream.records import MAX_ID, label_headers, record_headers, sample_id, stream_id
 from mepo_stream.sampler import SiBlurryConfig, si_blurry_stream
 from mepo_stream.shutdown import Stopped
 
 log = logging.getLogger(__name__)
 CONTENT_TYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".webp": "image/webp"}
-
-
-def stream_id(data: DataConfig, stream: SiBlurryConfig) -> str:
-    per_class = f"/{data.train_per_class}pc" if data.train_per_class else ""
-    return f"{data.dataset}{per_class}/T{stream.n_tasks}-N{stream.n}-M{stream.m}/seed{stream.seed}"
 
 
 def produce(
@@ -63,6 +61,7 @@ def produce(
     order = si_blurry_stream(listing.targets, stream.n_tasks, stream.n, stream.m, stream.seed).order
     order = order[: replay.limit] if replay.limit is not None else order
     sid = stream_id(data, stream)
+    ids = _ids(sid, listing.names)
     labels_later = _labels_later(kafka, replay, [(i, listing.targets[i]) for i in order], stream.seed)
     ensure_topics(kafka, kafka.topic, partitions=replay.partitions)
     if labels_later is not None:
@@ -76,18 +75,18 @@ def produce(
             path, label = listing.files[index], listing.targets[index]
             content_type = CONTENT_TYPES.get(path.suffix.lower(), "application/octet-stream")
             headers = record_headers(None if labels_later is not None else label, index, position, sid, data.dataset,
-                                     content_type, id=f"{sid}/{index}")  # the id a correction or deletion names
+                                     content_type, id=ids[index], file=listing.names[index])
             producer.send(kafka.topic, value=path.read_bytes(), headers=headers,
-                          key=f"{sid}/{index}".encode() if replay.partition_by == "id" else
+                          key=ids[index].encode() if replay.partition_by == "id" else
                           record_key(sid, label if replay.partition_by == "label" else None),
                           partition=position % n_partitions if replay.partition_by == "position" else None)
             sent += 1
             if labels_later is not None:
-                _send_labels(producer, kafka, sid, labels_later.pop(position, []))
+                _send_labels(producer, kafka, ids, labels_later.pop(position, []))
             if replay.rate:
                 time.sleep(max(0.0, start + sent / replay.rate - time.monotonic()))
         for _, labelled in sorted((labels_later or {}).items()):  # labels due after the last image
-            _send_labels(producer, kafka, sid, labelled)
+            _send_labels(producer, kafka, ids, labelled)
         producer.flush()
     except Stopped as stop:  # SIGINT or SIGTERM (mepo_stream.shutdown): what was sent reaches the broker first
         producer.flush()
@@ -119,8 +118,17 @@ def _labels_later(kafka: KafkaConfig, replay: ReplayConfig, stream: list[tuple[i
     return due
 
 
-def _send_labels(producer, kafka: KafkaConfig, sid: str, labelled: list[tuple[int, int]]) -> None:
+def _ids(sid: str, names: list[str]) -> list[str]:
+    """Each image's id (``sample_id``), by sample index; a file whose id would pass ``MAX_ID`` is refused before
+    anything is sent (a learner dead-letters such a record)."""
+    ids = [sample_id(sid, name) for name in names]
+    if too_long := next((id for id in ids if len(id) > MAX_ID), None):
+        raise ConfigError(f"the id of {too_long!r} passes {MAX_ID} characters: give the folder or its files "
+                          "shorter names")
+    return ids
+
+
+def _send_labels(producer, kafka: KafkaConfig, ids: list[str], labelled: list[tuple[int, int]]) -> None:
     """Send the labels of these (sample index, label) pairs to the labels topic, each keyed by its image's id."""
     for index, label in labelled:
-        producer.send(kafka.labels_topic, value=b"", key=f"{sid}/{index}".encode(),
-                      headers=label_headers(f"{sid}/{index}", label))
+        producer.send(kafka.labels_topic, value=b"", key=ids[index].encode(), headers=label_headers(ids[index], label))

@@ -21,7 +21,11 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
+from mepo_stream.errors import ConfigError
 from mepo_stream.shutdown import stop_process
+
+LOOPBACK = ("127.0.0.1", "localhost")
+"""The hosts an embedded broker may be asked for: it listens on loopback only."""
 
 
 def tansu_binary() -> Path:
@@ -39,6 +43,34 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def embedded_port(bootstrap_servers: str) -> int | None:
+    """The port an embedded broker listens on, from ``--kafka.bootstrap_servers`` (``127.0.0.1:9092``): port 0 asks
+    for a free one (None); an address it cannot take is refused with why, never dropped in silence.
+
+    Example:
+        >>> embedded_port("127.0.0.1:9092"), embedded_port("localhost:0")
+        (9092, None)
+    """
+    host, _, port = bootstrap_servers.rpartition(":")
+    if "," in bootstrap_servers or host not in LOOPBACK or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"--kafka.bootstrap_servers {bootstrap_servers}: the embedded broker listens on one "
+                          f"loopback port (127.0.0.1:PORT; port 0 takes a free one); to stream through that "
+                          f"cluster, pass --embedded_broker false")
+    if int(port) and not _free(int(port)):
+        raise ConfigError(f"--kafka.bootstrap_servers {bootstrap_servers}: port {port} is in use; give another port, "
+                          "or 0 for a free one")
+    return int(port) or None
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class EmbeddedBroker:
@@ -78,6 +110,15 @@ class EmbeddedBroker:
             except OSError:
                 time.sleep(0.1)
         raise TimeoutError(f"the broker did not listen on {self.bootstrap} within {timeout} s")
+
+    def last_words(self) -> str:
+        """The last line the broker logged (why it stopped, where it says), or nothing without a log."""
+        if self.log_path is None or not self.log_path.is_file():
+            return ""
+        with open(self.log_path, "rb") as log:
+            log.seek(max(0, log.seek(0, 2) - 4096))
+            lines = log.read().decode(errors="replace").strip().splitlines()
+        return lines[-1] if lines else ""
 
     def stop(self) -> None:
         """Terminate the broker and wait for it (killed after 10 s, or when a second stop signal interrupts)."""

@@ -123,19 +123,14 @@ class ServeConfig:
     """Predict each mini-batch before learning it (test-then-train accuracy, drift detection)."""
     limits: ImageLimits = ImageLimits()
     """Upload and record limits, and the size images are decoded to (default: the model's input size)."""
-    decode_workers: int | None = None
-    """Threads decoding and validating the images of one Kafka poll while the model learns the previous
-    mini-batch (PIL releases the GIL while decoding); 0 decodes inline in the learner thread, between steps.
-    Default: 4 when the model runs on a GPU, 0 on a CPU, whose cores the model's forward already fills
-    (docs/performance.md measures both)."""
     consumer: Literal["kafka-python", "librdkafka"] = "kafka-python"
     """The client the learner reads the stream with: kafka-python, or librdkafka (``confluent-kafka``, the
     ``librdkafka`` extra), which parses records in C, off the interpreter lock a fast model's step needs
     (docs/performance.md measures both)."""
     gpu_decode: bool | None = None
     """Decode the JPEGs of each Kafka poll on the model's GPU (nvjpeg, batched) and resize them there, instead of
-    in ``decode_workers`` threads; other formats, and JPEGs the GPU cannot take, still decode on the CPU. Default:
-    on when the model runs on CUDA. It needs a CUDA model."""
+    one by one in the model thread; other formats, and JPEGs the GPU cannot take, still decode on the CPU.
+    Default: on when the model runs on CUDA. It needs a CUDA model."""
     max_files: int = 16
     """Most images in one prediction request."""
     max_inflight_bytes: int = 512 * 2**20
@@ -164,7 +159,10 @@ class DemoConfig(ServeConfig):
     """
 
     data: DataConfig = DataConfig(dataset="cifar10", train_per_class=50, test_per_class=20)
-    """Bundled dataset to stream (cifar10, tinyimagenet-downstream) or an ImageFolder root, and its test split."""
+    """Bundled dataset to stream (cifar10, tinyimagenet-downstream) or an ImageFolder root (with train/ and test/
+    class folders), and its test split; at most 50 training and 20 test images a class, a short first look
+    (--data.train_per_class null --data.test_per_class null streams a folder whole). The demo's first line says
+    what it streams and what caps it."""
     default_img_size: ClassVar[int] = 84
     """Without a bundle the demo runs at 84 px: fast on a CPU."""
     command: ClassVar[str] = "demo"
@@ -182,7 +180,9 @@ class DemoConfig(ServeConfig):
     until_done: bool = False
     """Exit (and print a summary) once the whole stream is learned, instead of serving on."""
     embedded_broker: bool = True
-    """Start a local broker; false streams through the cluster at --kafka.bootstrap_servers instead."""
+    """Start a local broker, listening on --kafka.bootstrap_servers' loopback port (127.0.0.1:9092 by default; port 0
+    takes a free one; the port is printed at start); false streams through the cluster at --kafka.bootstrap_servers
+    instead."""
 
 
 @dataclass(frozen=True)

@@ -13,20 +13,66 @@ Example:
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
 PREDICT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 SNAPSHOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
+class LiveRegistry(CollectorRegistry):
+    """A registry that brings the series a service reads from its state up to date each time it is read
+    (``refresh``): ``/metrics`` then says what the state holds at that moment, as ``/v1/status`` does, and a change
+    made between two learning steps (a refused deletion on an idle stream) is exported as soon as it is made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refresh: Callable[[], None] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.refresh is not None:
+            self.refresh()
+        yield from super().collect()
+
+
+class Totals(Collector):
+    """A counter whose counts another object keeps (and checkpoints), exported as ``<name>_total``: a
+    ``prometheus_client.Counter`` can only be incremented, and these counts come back from a checkpoint (or, in a
+    group, with a partition) at their value."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry | None):
+        self.name, self.documentation, self.labelnames = name, documentation, list(labelnames)
+        self._values: dict[tuple[str, ...], float] = {}
+        self._lock = threading.Lock()
+        if registry is not None:
+            registry.register(self)
+
+    def set(self, labels: Sequence[str], value: float) -> None:
+        with self._lock:
+            self._values[tuple(labels)] = value
+
+    def describe(self) -> list[Metric]:
+        return [CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)]
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        with self._lock:
+            for labels, value in sorted(self._values.items()):
+                family.add_metric(list(labels), value)
+        yield family
+
+
 class ServerMetrics:
     """Named after Prometheus conventions: base units, ``_total`` counters, ``_ratio`` for 0-1 values."""
 
     def __init__(self, role: Literal["learner", "replica"] = "learner") -> None:
-        self.registry = r = CollectorRegistry()
+        self.registry = r = LiveRegistry()
         lr = r if role == "learner" else None  # a metric with no registry works but is not exported
         self.samples_learned = Counter("mepo_samples_learned", "Samples learned from the stream", registry=lr)
         self.learn_steps = Counter("mepo_learn_steps", "Stream mini-batches learned", registry=lr)
@@ -93,12 +139,15 @@ class ServerMetrics:
                                  "them (joined, in_flight, waiting, expired)", ["state"], registry=r)
         self.join_labels = Gauge("mepo_label_join_labels", "Labels waiting for their image, and labels refused",
                                  ["state"], registry=r)
-        self.changes = Gauge("mepo_sample_changes", "Corrections and deletions of learned samples, applied or "
-                             "refused (--corrections.enabled; checkpointed, so gauges)", ["kind", "outcome"],
-                             registry=r)
+        self.changes = Totals("mepo_sample_changes", "Corrections and deletions of learned samples, applied or "
+                              "refused (--corrections.enabled)", ["kind", "outcome"], registry=r)
         self.table_ids = Gauge("mepo_sample_table_ids", "Learned ids that can still be corrected or deleted",
                                registry=r)
         self.table_bytes = Gauge("mepo_sample_table_bytes", "Pages of the sample table in use", registry=r)
+
+    def read_from(self, refresh: Callable[[], None]) -> None:
+        """Bring the series up to date with ``refresh`` whenever ``/metrics`` is read (``LiveRegistry``)."""
+        self.registry.refresh = refresh
 
     def _publishing(self, r: CollectorRegistry | None) -> None:
         """The learner's snapshot publisher (``server.learner.publisher``)."""

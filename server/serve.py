@@ -21,12 +21,15 @@ from fastapi import FastAPI
 
 from mepo_stream.cli import config_options
 from mepo_stream.data import list_files
+from mepo_stream.errors import ConfigError
 from mepo_stream.kafka import ensure_topics
 from mepo_stream.label_delay import label_schedule
+from mepo_stream.records import stream_id
 from mepo_stream.sampler import SiBlurryConfig
 from mepo_stream.shutdown import Stopped, child_process
 from server.allocator import keep_freed_memory
-from server.broker import EmbeddedBroker
+from server.broker import EmbeddedBroker, embedded_port
+from server.children import Child, Supervised, Watch, stderr_tail
 from server.config import DemoConfig, ReplicaConfig, ServeConfig
 from server.learner.corrections import TABLE
 from server.learner.service import Service
@@ -68,19 +71,18 @@ def _stop_when_learned(app: FastAPI, server: uvicorn.Server, producer: subproces
     """Ask the server to exit once the producer is done and the learner has learned and evaluated it all."""
     while not server.should_exit:
         service = getattr(app.state, "service", None)
-        if producer.poll() is not None and service is not None and service.reporter.settled(expected):
+        if producer.poll() == 0 and service is not None and service.reporter.settled(expected):
             server.should_exit = True
         time.sleep(1.0)
 
 
-def _producer_command(cfg: DemoConfig) -> list[str]:
-    """``mepo produce`` of the demo's dataset into its broker, run as a child process."""
-    produce = [sys.executable, "-m", "mepo_stream.cli", "produce", "--data.dataset", str(cfg.data.dataset),
-               "--data.train_per_class", str(cfg.data.train_per_class),
-               "--kafka.bootstrap_servers", cfg.kafka.bootstrap_servers, "--kafka.topic", cfg.kafka.topic]
-    if cfg.kafka.labels_topic is not None:
-        produce += ["--kafka.labels_topic", cfg.kafka.labels_topic]
-    return produce + config_options(cfg.replay, "--replay.")
+def producer_command(cfg: DemoConfig) -> list[str]:
+    """``mepo produce`` of the demo's dataset into its broker, run as a child process: its data, replay and topics
+    options as the demo has them (null as null: ``config_options``)."""
+    kafka = ["--kafka.bootstrap_servers", cfg.kafka.bootstrap_servers, "--kafka.topic", cfg.kafka.topic,
+             "--kafka.labels_topic", cfg.kafka.labels_topic or "null"]
+    return [sys.executable, "-m", "mepo_stream.cli", "produce", *config_options(cfg.data, "--data."), *kafka,
+            *config_options(cfg.replay, "--replay.")]
 
 
 def expected_samples(cfg: DemoConfig) -> int:
@@ -120,21 +122,50 @@ def _summary(app: FastAPI, wall_time: float) -> None:
 
 
 def demo(cfg: DemoConfig = DemoConfig()) -> None:
-    """Start a local broker, replay a Si-Blurry stream of bundled data into it, and serve the learner (the
-    options are ``DemoConfig``'s: every ``mepo serve`` option plus --replay.*, --until_done, --embedded_broker)."""
+    """Start a local broker, replay a Si-Blurry stream of bundled data (or of your own ImageFolder) into it, and serve
+    the learner (the options are ``DemoConfig``'s: every ``mepo serve`` option plus --replay.*, --until_done,
+    --embedded_broker). A child that stops before its work is done (``server.children``) is named in the log,
+    ``/v1/status`` and ``/readyz``, and the demo exits non-zero (at once with --until_done, else when stopped)."""
     cfg = labels_later(cfg)
+    broker = _broker(cfg)
+    print(data_line(cfg), flush=True)
     cfg.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     (cfg.checkpoint_dir / CHECKPOINT).unlink(missing_ok=True)  # the in-memory broker starts empty too
     shutil.rmtree(cfg.checkpoint_dir / TABLE, ignore_errors=True)  # and the sample table with the checkpoint
-    broker = EmbeddedBroker(log_path=cfg.checkpoint_dir.parent / "broker.log") if cfg.embedded_broker \
-        else nullcontext()
-    with broker:
-        if isinstance(broker, EmbeddedBroker):
+    with broker or nullcontext():
+        if broker is not None:
             cfg = replace(cfg, kafka=replace(cfg.kafka, bootstrap_servers=broker.bootstrap))
         ensure_topics(cfg.kafka)
-        with child_process(_producer_command(cfg)) as producer:  # stopped on every way out, as the broker is
-            app, wall_time = _serve_demo(cfg, producer)
+        # stopped on every way out, as the broker is; its stderr is copied to ours, its last line kept
+        with child_process(producer_command(cfg), stderr=subprocess.PIPE) as producer:
+            children = [Child("the producer (mepo produce)", producer, True, stderr_tail(producer).last)]
+            if broker is not None and broker.process is not None:
+                children.append(Child("the embedded broker (tansu)", broker.process, False, broker.last_words))
+            app, wall_time, failure = _serve_demo(cfg, children)
         _summary(app, wall_time)
+    if failure is not None:
+        raise SystemExit(f"mepo demo: {failure}")
+
+
+def _broker(cfg: DemoConfig) -> EmbeddedBroker | None:
+    """The embedded broker, on the port --kafka.bootstrap_servers names (its default 9092, as a Kafka broker's; 0: a
+    free one), not started yet; None with --embedded_broker false, which needs the cluster's address."""
+    if cfg.embedded_broker:
+        return EmbeddedBroker(embedded_port(cfg.kafka.bootstrap_servers), cfg.checkpoint_dir.parent / "broker.log")
+    if cfg.kafka.bootstrap_servers.endswith(":0"):
+        raise ConfigError("--embedded_broker false streams through a cluster: give its --kafka.bootstrap_servers")
+    return None
+
+
+def data_line(cfg: DemoConfig) -> str:
+    """One line at start: what the demo streams and tests on, what caps it, and the stream id its images' ids begin
+    with (``<stream id>/<file>``: a correction or deletion names a photo so)."""
+    train, test = len(list_files(cfg.data, "train").files), len(list_files(cfg.data, "test").files)
+    caps = [f"--data.{split}_per_class {n}" for split, n in (("train", cfg.data.train_per_class),
+                                                             ("test", cfg.data.test_per_class)) if n is not None]
+    lift = f" (capped by {' '.join(caps)}: null streams all)" if caps else " (all of it)"
+    return (f"streaming {train} training images of {cfg.data.dataset}, testing on {test}{lift}; "
+            f"image ids: {stream_id(cfg.data, SiBlurryConfig())}/<file>")
 
 
 def labels_later(cfg: DemoConfig) -> DemoConfig:
@@ -151,19 +182,38 @@ def labels_later(cfg: DemoConfig) -> DemoConfig:
     return cfg
 
 
-def _serve_demo(cfg: DemoConfig, producer: subprocess.Popen) -> tuple[FastAPI, float]:
-    """Serve the learner until the stream is learned (``--until_done``) or a stop signal; returns the app and the
-    seconds it served."""
+def _serve_demo(cfg: DemoConfig, children: list[Child]) -> tuple[FastAPI, float, str | None]:
+    """Serve the learner until the stream is learned (``--until_done``), a child fails (with ``--until_done``) or a
+    stop signal; returns the app, the seconds it served, and the failed child's error (None: none failed)."""
     keep_freed_memory()
-    app = create_app(cfg, start_role)
+
+    def failed(failure: str) -> None:
+        if cfg.until_done:  # done it will never be: exit now, non-zero; else serve on, not ready, naming why
+            server.should_exit = True
+
+    watch = Watch(children, stopping=lambda: server.should_exit, on_failure=failed)
+    app = create_app(cfg, lambda settings, metrics: _supervised(settings, metrics, watch))
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning"))
     if cfg.until_done:
         expected = expected_samples(cfg)
-        threading.Thread(target=_stop_when_learned, args=(app, server, producer, expected), daemon=True).start()
+        threading.Thread(target=_stop_when_learned, args=(app, server, children[0].process, expected),
+                         daemon=True).start()
     url = f"http://127.0.0.1:{cfg.port}"
     print(f"live page: {url}/", flush=True)
     print(f"Kafka {cfg.kafka.bootstrap_servers}; API docs {url}/docs ; status {url}/v1/status ; "
           f"metrics {url}/metrics", flush=True)
     start = time.monotonic()
-    _run_until_stopped(server)
-    return app, time.monotonic() - start
+    watch.start()
+    try:
+        _run_until_stopped(server)
+    finally:
+        watch.stop()
+    return app, time.monotonic() - start, watch.failure
+
+
+def _supervised(settings: ServeConfig, metrics: ServerMetrics, watch: Watch) -> Supervised:
+    """The demo's learner, which names a failed child in its status and readiness."""
+    service = Supervised.start(settings, metrics)
+    assert isinstance(service, Supervised)  # ``Service.start`` builds its own class
+    service.watch = watch
+    return service

@@ -22,7 +22,7 @@ from server.config import ServeConfig
 from server.consumer import ConsumerThread
 from server.metrics import ServerMetrics
 from server.snapshot import Snapshot
-from server.status import LearnerReadiness, LearnerStatus, ReplicaReadiness, ReplicaStatus
+from server.status import HeldSample, LearnerReadiness, LearnerStatus, ReplicaReadiness, ReplicaStatus
 from server.uploads import UploadForwarder
 
 
@@ -61,6 +61,19 @@ class Checkpointing(Protocol):
     route asks for one, and answers 409 ``not_a_learner`` to a service that is not one."""
 
     def request_checkpoint(self) -> None: ...
+
+
+class CorrectionsOff(LookupError):
+    """The service keeps no sample table: corrections are off (or it is a replica)."""
+
+
+@runtime_checkable
+class HoldsSamples(Protocol):
+    """A service that can say what it holds of a learned id (a learner): ``GET /v1/samples/{id}``."""
+
+    def sample(self, id: str) -> HeldSample | None:
+        """What is held of ``id`` (None: unknown); ``CorrectionsOff`` where no sample table is kept."""
+        ...
 
 
 Starter = Callable[[ServeConfig, ServerMetrics], ServingModel]

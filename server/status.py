@@ -20,6 +20,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
+CHILD_ERROR = ("Why a process this command started (mepo demo's producer or broker) stopped before its work was "
+               "done, if one did")
+
 
 class AnytimeAccuracy(BaseModel):
     """Accuracy on the held-out images of the classes seen so far, at each scheduled evaluation."""
@@ -91,6 +94,17 @@ class CorrectionsStatus(BaseModel):
     retention_s: float
 
 
+class HeldSample(BaseModel):
+    """``GET /v1/samples/{id}``: what the learner holds of a learned id, which a correction or deletion acts on."""
+
+    id: str
+    label: int = Field(description="The label it is learned with now (its latest correction's)")
+    class_name: str
+    time: float = Field(description="Record time (s since the epoch) of its latest label: retention counts from it")
+    file: str | None = Field(description="Its image's file, relative to the dataset's root, where its id names one "
+                                         "(a replayed image's: ``<stream id>/<file>``)")
+
+
 class GroupLearner(BaseModel):
     """A learner of a group (``--kafka.state_topic``): its partitions, learning rate and lag."""
 
@@ -126,6 +140,7 @@ class LearnerStatus(ServiceStatus):
 
     role: Literal["learner"] = "learner"
     learner_error: str | None = Field(description="Why the learning thread stopped, if it did")
+    child_error: str | None = Field(default=None, description=CHILD_ERROR)
     anytime_accuracy: AnytimeAccuracy
     a_last: float | None
     prequential_accuracy: PrequentialAccuracy
@@ -176,6 +191,7 @@ class LearnerReadiness(ServiceReadiness):
     role: Literal["learner"] = "learner"
     learner_error: str | None = Field(description="Why the learning thread stopped, if it did")
     publisher_error: str | None = Field(description="Why the snapshot publisher stopped, if a bug stopped it")
+    child_error: str | None = Field(default=None, description=CHILD_ERROR)
 
 
 class ReplicaReadiness(ServiceReadiness):

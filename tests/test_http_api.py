@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.images import ImageLimits
 from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce
@@ -83,11 +84,10 @@ def test_the_docs_client_examples_run_against_a_live_server(live, tmp_path, monk
     (tmp_path / "cat.jpg").write_bytes(jpeg("red"))
     monkeypatch.chdir(tmp_path)
     curls = [line for block in code_blocks(page, "bash") for line in block.splitlines() if line.startswith("curl")]
-    assert len(curls) == 2
-    for line in curls:
-        out = subprocess.run(line.replace("127.0.0.1:8000", address), shell=True, capture_output=True, text=True,
-                             check=True).stdout
-        assert json.loads(out)
+    assert len(curls) == 3
+    answers = [json.loads(subprocess.run(line.replace("127.0.0.1:8000", address), shell=True, capture_output=True,
+                                         text=True, check=True).stdout) for line in curls]
+    assert all(answers) and answers[2]["outputs"][0]["shape"] == [1, 3]  # the inference protocol's, top 3
     clients = code_blocks(page, "python")
     assert len(clients) == 2
     for python in clients:
@@ -140,6 +140,29 @@ def test_malformed_v2_requests_get_a_4xx_in_the_error_model(live, name):
                   content=body if isinstance(body, bytes) else json.dumps(body).encode())
     assert 400 <= r.status_code < 500, (r.status_code, r.text)
     assert set(r.json()) == {"error", "reason"}, r.text
+
+
+def test_a_label_not_a_json_integer_of_a_class_is_refused_naming_it_and_never_written(broker, tmp_path):
+    """A boolean, a string or a float for a label, or a negative one, is a typo in an operator's script, not a
+    relabelling: each gets a 422 naming ``label`` and writes nothing (the valid label sent after them, with the same
+    id and so to the same partition, is the labels topic's first record there). The served schema bounds a label
+    by the running learner's classes, as the route does."""
+    from tests.test_labels_later import later
+
+    cfg = later(settings(broker, tmp_path, protocol=ProtocolConfig(eval_period=0)))
+    admin = {"authorization": f"Bearer {cfg.admin_token}"}
+    with LiveServer(cfg) as http:
+        for body in ({"label": False}, {"label": "3"}, {"label": 3.0}, {"label": -1}):
+            refused = http.post("/v1/labels/sample-7", json=body, headers=admin)
+            assert refused.status_code == 422 and refused.json()["error"].startswith("body.label: "), (body,
+                                                                                                      refused.text)
+        written = http.post("/v1/labels/sample-7", json={"label": 3}, headers=admin)
+        label = http.get("/openapi.json").json()["components"]["schemas"]["NewLabel"]["properties"]["label"]
+        past = http.post("/v1/labels/sample-7", json={"label": label["maximum"] + 1}, headers=admin)
+    assert written.status_code == 202, written.text
+    assert (written.json()["topic"], written.json()["offset"]) == (cfg.kafka.labels_topic, 0)
+    assert (label["minimum"], label["maximum"]) == (0, 9)  # CIFAR-10's ten classes
+    assert past.status_code == 422 and past.json()["reason"] == "label_out_of_range"
 
 
 def test_v2_requests_failed_ones_included_are_counted_in_the_metrics(live):

@@ -12,6 +12,7 @@ import signal
 import time
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
 import httpx
 import pytest
@@ -209,33 +210,111 @@ def test_secrets_never_appear_in_status_metrics_config_or_logs(broker, tmp_path,
     assert secret not in exposed and secret not in caplog.text
 
 
-def test_schemathesis_all_checks_pass(broker, tmp_path):
-    """Property-based requests generated from the served OpenAPI schema pass every check (no 5xx, only listed
-    statuses, bodies and headers as the schema says, 405 with Allow, negative data refused, ...). A fixed seed,
-    deterministic generation and a bounded number of examples keep it reproducible and short."""
+FUZZ_CONFIG = """\
+# Valid requests get a 2xx: every other answer a route gives to a request its schema allows is named here, with
+# what JSON Schema cannot say that causes it.
+[checks.positive_data_acceptance]
+expected-statuses = ["2xx"]
+
+# Invalid requests get schemathesis's default list of refusals, and 413: more images than --max_files (the schema's
+# maxItems on /v1/predict's files and a /v2 input's data) are refused as too large, as every body over a limit is.
+[checks.negative_data_rejection]
+expected-statuses = ["400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429", "5xx"]
+
+[[operations]]
+# the bytes of an upload (`format: binary`) must decode as an image; an `id` names one image, not a multipart's
+# several (a query parameter bounding the body's item count)
+include-name = "POST /v1/predict"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "422"]
+
+[[operations]]
+# a base64 item must decode as an image (422); `shape` must equal the number of data items, and
+# `binary_data_size` the bytes after the JSON header (400: values of one field bounding another); a number
+# without a fraction (`1.0`) is JSON Schema's integer and refused for `shape` or `top_k` (422)
+include-name = "POST /v2/models/{name}/infer"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "422"]
+
+[[operations]]
+# a number without a fraction (`3.0`) is JSON Schema's integer, and refused as a label: a typo, not a relabelling
+include-name = "POST /v1/labels/{id}"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "422"]
+
+[[operations]]
+# an id the learner holds nothing of (never learned, or deleted): which ids exist, no schema says
+include-name = "GET /v1/samples/{id}"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "404"]
+"""
+REPLICA_FUZZ_CONFIG = """
+[[operations]]
+# a replica keeps no checkpoint (the learner's is the source of truth): the route is the learner's, served alike
+include-name = "POST /v1/admin/checkpoint"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "409"]
+"""
+ADMIN_WITH_INPUT = ("POST /v1/labels/{id}", "GET /v1/samples/{id}", "DELETE /v1/samples/{id}")
+ADMIN_ACTIONS = ("POST /v1/admin/checkpoint", "POST /v1/admin/pause", "POST /v1/admin/resume")
+"""The admin operations that take no input: each request to one is the same request, so the fuzzer sends it a few
+times with the token, in its stateful sequences, and more without or with a wrong one."""
+
+
+def fuzz(http: httpx.Client, token: str, folder: Path, config: str) -> Counter[str]:
+    """Run schemathesis against ``http``'s server as its callers would (the admin token, every check, a fixed seed
+    and deterministic generation: reproducible and short) with ``config``; returns the requests each operation
+    got past its token and method checks (from the HAR report: it hides the token), after asserting that every
+    check passed."""
+    import json
     import subprocess
     import sys
-    from pathlib import Path
 
-    cfg = settings(broker, tmp_path)
-    with LiveServer(cfg) as http:
-        produce(DATA, STREAM, cfg.kafka, ReplayConfig(limit=32))
-        wait_for(lambda: http.get("/v1/status").json()["samples_seen"] >= 32, what="a model to query")
-        cli = Path(sys.executable).parent / "schemathesis"  # installed by the test extra, next to python
-        # What JSON Schema cannot say: an upload's bytes (`format: binary`) or a /v2 base64 string must decode as
-        # an image, and a /v2 shape must equal the number of data items. A schema-valid request may therefore get
-        # the listed 400 (shape, base64) or 422 (not an image), and `/v1/predict?id=` the listed 409 on a learner
-        # without --kafka.labels_topic; every other check is run as schemathesis has it.
-        expected = '["2xx", "400", "401", "403", "404", "409", "422"]'
-        config = f"[checks.positive_data_acceptance]\nexpected-statuses = {expected}\n"
-        (tmp_path / "schemathesis.toml").write_text(config)
-        out = subprocess.run([str(cli), "run", f"{http.base_url}/openapi.json", "--checks", "all",
-                              "--max-examples", "25", "--seed", "21", "--generation-deterministic",
-                              "--workers", "1", "--no-color"],
-                             capture_output=True, text=True, timeout=600, cwd=tmp_path)  # its cache stays out
-    assert out.returncode == 0, out.stdout[-4000:]
-    tested = re.search(r"(\d+) generated, (\d+) passed", out.stdout)
-    assert tested and int(tested.group(2)) >= 100, out.stdout[-2000:]  # the routes were really exercised
+    folder.mkdir()
+    (folder / "schemathesis.toml").write_text(f'{config}\n[auth.openapi.AdminToken]\nbearer = "{token}"\n')
+    cli = Path(sys.executable).parent / "schemathesis"  # installed by the test extra, next to python
+    start = time.monotonic()
+    out = subprocess.run([str(cli), "run", f"{http.base_url}/openapi.json", "--checks", "all",
+                          "--max-examples", "40", "--seed", "2026", "--generation-deterministic", "--workers", "1",
+                          "--no-color", "--report", "har", "--report-dir", "report"],
+                         capture_output=True, text=True, timeout=600, cwd=folder)  # its cache stays out
+    (folder / "schemathesis.log").write_text(out.stdout)
+    assert out.returncode == 0, "\n".join(line[:300] for line in out.stdout.splitlines()[-150:])
+    cases = re.search(r"Tested: (\d+).*?(\d+ generated, \d+ passed)", out.stdout, re.S)
+    assert cases, out.stdout[-2000:]
+    print(f"\n{folder.name}: {cases.group(2)} over {cases.group(1)} operations in {time.monotonic() - start:.0f} s")
+    entries = json.loads(next((folder / "report").glob("har-*.json")).read_text())["log"]["entries"]
+    return Counter(operation(e["request"]["method"], e["request"]["url"]) for e in entries
+                   if e["response"]["status"] not in (401, 403, 405))
+
+
+def operation(method: str, url: str) -> str:
+    """The operation a request went to, as schemathesis names it (``POST /v1/labels/{id}``)."""
+    path = "/" + url.split("/", 3)[3].split("?")[0]
+    for prefix, template in (("/v1/labels/", "/v1/labels/{id}"), ("/v1/samples/", "/v1/samples/{id}")):
+        path = template if path.startswith(prefix) else path
+    return f"{method} {path}"
+
+
+def test_schemathesis_all_checks_pass(broker, tmp_path):
+    """Property-based requests generated from the served OpenAPI schema pass every check (no 5xx, only listed
+    statuses, bodies and headers as the schema says, 405 with Allow, negative data refused, the admin routes
+    refused without their token, ...), run as callers run them: with the admin token, against a learner with
+    corrections on and labels that come later, and against its replica; every admin operation gets generated
+    requests of its own."""
+    from server.broker import free_port
+    from server.config import replica_of
+    from tests.test_corrections import corrected
+    from tests.test_replica import learner_settings
+
+    cfg = corrected(learner_settings(broker, tmp_path))
+    with LiveServer(cfg) as learner:
+        produce(DATA, STREAM, cfg.kafka, ReplayConfig(limit=32, label_delay=5, label_delay_max=20))
+        wait_for(lambda: learner.get("/v1/status").json()["samples_seen"] >= 32, what="a model to query")
+        with LiveServer(replica_of(cfg, port=free_port())) as replica:
+            wait_for(lambda: replica.get("/readyz").status_code == 200, what="the replica serving a snapshot")
+            runs = {"learner": fuzz(learner, cfg.admin_token, tmp_path / "learner", FUZZ_CONFIG),
+                    "replica": fuzz(replica, cfg.admin_token, tmp_path / "replica", FUZZ_CONFIG + REPLICA_FUZZ_CONFIG)}
+    for role, requests in runs.items():
+        print(f"{role}: {sum(requests.values())} requests past the token; admin: "
+              f"{ {op: requests[op] for op in ADMIN_WITH_INPUT + ADMIN_ACTIONS} }")
+        assert all(requests[op] >= 25 for op in ADMIN_WITH_INPUT), (role, requests)
+        assert all(requests[op] >= 1 for op in ADMIN_ACTIONS), (role, requests)
 
 
 def run_to_the_end(cfg, log, crashes: int = 0, seed: int = 0) -> tuple[dict, float]:

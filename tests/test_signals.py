@@ -124,6 +124,7 @@ def demo_args(tmp_path: Path) -> list[str]:
     comes), no periodic checkpoint (only the one written at the stop), no evaluation."""
     base = settings(NO_BROKER, tmp_path, checkpoint_every=100_000, protocol=ProtocolConfig(eval_period=0))
     cfg = DemoConfig(**{f.name: getattr(base, f.name) for f in fields(ServeConfig)})
+    cfg = replace(cfg, kafka=replace(cfg.kafka, bootstrap_servers="127.0.0.1:0"))  # the embedded broker: a free port
     return ["demo", *config_options(replace(cfg, data=replace(DATA, train_per_class=5, test_per_class=1),
                                             replay=ReplayConfig(rate=2.0)))]
 

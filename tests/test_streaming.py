@@ -163,7 +163,7 @@ def test_open_inference_protocol_infer(broker, tmp_path):
         out = {o["name"]: o for o in r.json()["outputs"]}
         assert out["label"]["shape"] == [2, 2] and len(out["probability"]["data"]) == 4 and r.json()["id"] == "r1"
         bad = {"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "data": ["%%%"]}]}
-        assert http.post("/v2/models/mepo/infer", json=bad).status_code == 400
+        assert http.post("/v2/models/mepo/infer", json=bad).status_code == 422  # not base64: the schema refuses it
         assert http.get("/v2/models/mepo").json()["inputs"][0]["datatype"] == "BYTES"
 
 
@@ -214,7 +214,7 @@ def test_demo_runs_the_whole_pipeline_and_exits_when_done(tmp_path, later):
     out = subprocess.run(
         [sys.executable, "-m", "mepo_stream.cli", "demo", "--data.train_per_class", "2", "--data.test_per_class", "1",
          "--backbone.img_size", "28", "--protocol.eval_period", "5", "--until_done", "true", "--port", str(free_port()),
-         "--checkpoint_dir", str(tmp_path / "checkpoint"), *later],
+         "--kafka.bootstrap_servers", "127.0.0.1:0", "--checkpoint_dir", str(tmp_path / "checkpoint"), *later],
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])

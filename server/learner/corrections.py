@@ -153,6 +153,11 @@ class Corrections:
         self.expire(now)
         return pending or (join is not None and id in join.in_flight) or self.table(key).get(id) is not None
 
+    def held(self, id: str) -> Entry | None:
+        """What is held of ``id`` (its label, record time and feature), from whichever table has it (in a group, the
+        owned partition's that learned it); None: never learned here, deleted, or past retention."""
+        return next((entry for table in list(self.tables.values()) if (entry := table.get(id)) is not None), None)
+
     # --- in the learning step ---------------------------------------------------------------------------------------
     def keep(self, id: str, label: int, time: float, feature: torch.Tensor, key: str | None = None) -> None:
         """A sample was learned: keep what it added, until it is corrected, deleted or past retention."""

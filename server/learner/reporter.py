@@ -1,8 +1,10 @@
-"""What a learner shows of itself: ``/v1/status`` and the Prometheus gauges, read from its state's view.
+"""What a learner shows of itself: ``/v1/status`` and the Prometheus series, read from its state's view.
 
 The state (``server.learner.state``) learns and checkpoints; its reporter reads a ``LearnerView``
 (``server.learner.view``), a typed copy the state makes on demand, and writes nothing back. The state tells it to
-``export`` when the model changed; ``status`` is read by the routers (``/v1/status``) and by ``mepo demo``'s summary.
+``export`` when the model changed, and every read of ``/metrics`` exports first (``server.metrics.LiveRegistry``), so
+``/metrics`` and ``/v1/status`` say the same at every moment; ``status`` is read by the routers (``/v1/status``) and
+by ``mepo demo``'s summary.
 
 Example (a learner in a group also reports its partitions, from the view's ``group``)::
 
@@ -28,6 +30,7 @@ class StateReporter:
 
     def __init__(self, view: Callable[[], LearnerView], metrics: ServerMetrics):
         self.view, self.metrics = view, metrics
+        metrics.read_from(self.export)  # /metrics reads the view /v1/status reads, when it is read
 
     @property
     def curve(self) -> AnytimeCurve:
@@ -65,7 +68,7 @@ class StateReporter:
         if (corrections := v.corrections) is not None:
             for kind in ("corrections", "deletions"):
                 for outcome in ("applied", "refused"):
-                    m.changes.labels(kind, outcome).set(corrections[f"{kind}_{outcome}"])
+                    m.changes.set((kind, outcome), corrections[f"{kind}_{outcome}"])
             m.table_ids.set(corrections["ids"])
             m.table_bytes.set(corrections["bytes_on_disk"])
         if v.group is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mepo_stream.records import sample_file
 from server.batching import MicroBatcher
 from server.config import ServeConfig
 from server.learner.changelog import ChangelogFollower
@@ -19,8 +20,8 @@ from server.learner.state import LearnerState, open_learner
 from server.learner.stream import LearnerLoop
 from server.metrics import ServerMetrics
 from server.model_thread import ModelThread
-from server.serving import Serving
-from server.status import LearnerReadiness, LearnerStatus
+from server.serving import CorrectionsOff, Serving
+from server.status import HeldSample, LearnerReadiness, LearnerStatus
 
 
 @dataclass
@@ -73,6 +74,18 @@ class Service(Serving):
 
     def request_checkpoint(self) -> None:
         self.loop.request_checkpoint()
+
+    def sample(self, id: str) -> HeldSample | None:
+        """What the sample table holds of ``id`` (None: unknown), read in the model thread, which changes the table:
+        between two steps, never inside one, nor while a rebalance swaps a group's tables."""
+        corrections = self.state.intake.corrections
+        if corrections is None:
+            raise CorrectionsOff("the learner keeps no sample table: start it with --corrections.enabled")
+        entry = self.state.model_thread.run(corrections.held, id)
+        if entry is None:
+            return None
+        return HeldSample(id=id, label=entry.label, class_name=self.class_names.get(entry.label, str(entry.label)),
+                          time=entry.time, file=sample_file(id))
 
     def readiness(self) -> LearnerReadiness:
         """``/readyz``'s checks (all true: ready) and the learner's and the publisher's errors, if they stopped on

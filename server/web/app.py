@@ -24,6 +24,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import iter_route_contexts
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -36,9 +37,17 @@ from server.metrics import ServerMetrics
 from server.serving import Starter
 from server.web.dependencies import error_response
 from server.web.middleware import BodyLimit, PredictCounter
+from server.web.openapi import serve_bounded_schema
 from server.web.routers import inference_v2, ops, page, predict, samples
 
 log = logging.getLogger(__name__)
+
+
+def allowed_methods(app: FastAPI, path: str) -> str:
+    """Every method the app serves at ``path``, for a 405's ``Allow``: Starlette's names only those of the first
+    route whose path matched, and one path may be several routes' (``GET`` and ``DELETE /v1/samples/{id}``)."""
+    return ", ".join(sorted({method for route in iter_route_contexts(app.routes) if route.methods
+                             and route.path_regex.match(path) for method in route.methods}))
 
 
 def create_app(settings: ServeConfig, start: Starter | None = None) -> FastAPI:
@@ -82,6 +91,7 @@ def create_app(settings: ServeConfig, start: Starter | None = None) -> FastAPI:
     app.include_router(ops.router)
     app.include_router(samples.router)
     app.include_router(page.router)
+    serve_bounded_schema(app)
 
     @app.get("/metrics", include_in_schema=False)
     def prometheus_metrics() -> Response:
@@ -89,8 +99,10 @@ def create_app(settings: ServeConfig, start: Starter | None = None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), getattr(exc, "reason", "http_error"),
-                              dict(exc.headers) if exc.headers else None)
+        headers = dict(exc.headers) if exc.headers else None
+        if exc.status_code == 405:
+            headers = {**(headers or {}), "Allow": allowed_methods(app, request.scope["path"])}
+        return error_response(exc.status_code, str(exc.detail), getattr(exc, "reason", "http_error"), headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -11,14 +11,14 @@ plus ``parameters.names`` with the class names; an output asked for with ``binar
 from __future__ import annotations
 
 import base64
-import binascii
 import json
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.config import JsonDict
 from starlette.concurrency import run_in_threadpool
 
 from mepo_stream import __version__
@@ -55,49 +55,80 @@ EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
 ``GET /v2`` to know what they may call (the model-repository extension is left out: only its index is here)."""
 
 
+BASE64 = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+"""Standard base64 with its padding, as a pattern: the schema tells clients and the validation refuses (naming the
+item) what the route could not decode."""
+
+
 class TensorParameters(BaseModel):
     """A tensor's parameters: ``binary_data_size`` (an input's raw bytes after the JSON header) and
-    ``binary_data`` (an output wanted raw); others are ignored."""
+    ``binary_data`` (an output wanted raw); others are ignored, as the protocol lets parameters carry any key."""
 
-    model_config = ConfigDict(extra="allow")
-    binary_data_size: int | None = Field(default=None, ge=0, strict=True)
-    binary_data: bool | None = Field(default=None, strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
+    binary_data_size: int = Field(default=None, ge=0)  # type: ignore[assignment]  # absent, never null
+    binary_data: bool = Field(default=None)  # type: ignore[assignment]
+
+
+DATA_OR_RAW: JsonDict = {"oneOf": [
+    {"required": ["data"]},
+    {"required": ["parameters"], "properties": {"parameters": {"type": "object", "required": ["binary_data_size"]}}},
+]}
+"""An input's data is in ``data`` or raw after the JSON header, never both (``InferInput``'s check, in JSON Schema)."""
 
 
 class InferInput(BaseModel):
     """The images: a ``BYTES`` tensor of shape ``[N]``, one base64 string per encoded image in ``data``, or its
     raw form after the JSON header (``parameters.binary_data_size``). The schema says all it can; ``shape``
-    matching the data and the data decoding to images are checked by the route: 400, 422."""
+    matching the data and the data decoding to images are checked by the route: 400, 422. The protocol names a
+    tensor's fields, so any other is refused."""
 
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=DATA_OR_RAW)
     name: str
-    shape: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, max_length=1)
+    shape: list[Annotated[int, Field(ge=1)]] = Field(min_length=1, max_length=1)
     datatype: Literal["BYTES"]
-    parameters: TensorParameters | None = None
-    data: list[str] | None = None
+    parameters: TensorParameters = Field(default=None)  # type: ignore[assignment]
+    data: list[Annotated[str, Field(pattern=BASE64)]] = Field(default=None, min_length=1)  # type: ignore[arg-type]
+
+    @model_validator(mode="after")
+    def data_or_raw(self) -> InferInput:
+        """Both, or neither, would leave the route guessing which bytes are the images."""
+        if (self.data is None) == (self.raw_size is None):
+            raise ValueError("an input needs either data or parameters.binary_data_size, not both")
+        return self
+
+    @property
+    def raw_size(self) -> int | None:
+        """The bytes of this input after the JSON header (None: its data is in ``data``)."""
+        return None if self.parameters is None else self.parameters.binary_data_size
 
 
 class RequestedOutput(BaseModel):
     """An output the answer should hold (all of them when none is named), raw with ``parameters.binary_data``."""
 
+    model_config = ConfigDict(strict=True, extra="forbid")
     name: Literal["label", "probability"]
-    parameters: TensorParameters | None = None
+    parameters: TensorParameters = Field(default=None)  # type: ignore[assignment]
 
 
 class InferParameters(BaseModel):
     """Request parameters: ``top_k``, strictly a JSON integer (never a string, float or bool to coerce), and
     ``binary_data_output`` (every output raw); other parameters clients send are ignored."""
 
-    model_config = ConfigDict(extra="allow")
-    top_k: int = Field(default=None, ge=1, le=MAX_TOP_K, strict=True,  # type: ignore[assignment]
+    model_config = ConfigDict(extra="allow", strict=True)
+    top_k: int = Field(default=None, ge=1, le=MAX_TOP_K,  # type: ignore[assignment]
                        description="labels per image; default the server's --top_k")
-    binary_data_output: bool = Field(default=False, strict=True)
+    binary_data_output: bool = Field(default=False)
 
 
 class InferRequest(BaseModel):
+    """An inference request. Fields besides the protocol's are ignored, not refused: KServe's own client sends
+    ``model_name`` here."""
+
+    model_config = ConfigDict(strict=True)
     id: str | None = None
-    parameters: InferParameters | None = None
+    parameters: InferParameters = Field(default=None)  # type: ignore[assignment]
     inputs: list[InferInput] = Field(min_length=1, max_length=1)
-    outputs: list[RequestedOutput] | None = None
+    outputs: list[RequestedOutput] = Field(default=None)  # type: ignore[arg-type]
 
 
 def inline_schema(model: type[BaseModel]) -> dict:
@@ -211,13 +242,6 @@ def repository_index(service: Annotated[ServingModel, Depends(get_service)],
                             reason="" if ready else "no classes learned yet")]
 
 
-def _decode_b64(item: str, index: int) -> bytes:
-    try:
-        return base64.b64decode(item, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise ApiError(400, f"inputs[0].data[{index}] is not valid base64", "invalid_request") from e
-
-
 def parse_infer(body: bytes, header_length: str | None) -> tuple[InferRequest, list[bytes]]:
     """The request and its images' bytes, from a JSON body or a binary-extension one (``header_length`` bytes of
     JSON, then the raw input): 422 for a request the schema refuses, 400 for parts that disagree."""
@@ -230,11 +254,9 @@ def parse_infer(body: bytes, header_length: str | None) -> tuple[InferRequest, l
     except ValidationError as e:
         raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from e
     tensor, raw = request.inputs[0], memoryview(body)[split:]
-    size = tensor.parameters.binary_data_size if tensor.parameters else None
-    if (size is None) == (tensor.data is None):
-        raise ApiError(400, "inputs[0] needs either data or parameters.binary_data_size", "invalid_request")
-    if tensor.data is not None:  # and no binary_data_size
-        items = [_decode_b64(d, i) for i, d in enumerate(tensor.data)]
+    size = tensor.raw_size
+    if tensor.data is not None:  # base64 (``BASE64``), and no binary_data_size (``InferInput.data_or_raw``)
+        items = [base64.b64decode(d) for d in tensor.data]
     elif size != len(raw):
         raise ApiError(400, f"inputs[0] says {size} binary bytes but {len(raw)} follow the JSON header",
                        "invalid_request")

@@ -37,7 +37,7 @@ def status(service: Annotated[ServingModel, Depends(get_service)]) -> LearnerSta
     return service.status()
 
 
-@router.post("/v1/admin/checkpoint", dependencies=[Depends(require_admin)], responses=ADMIN_ERRORS,
+@router.post("/v1/admin/checkpoint", dependencies=[Depends(require_admin)], responses=errors(401, 403, 409, 503),
              summary="Checkpoint now")
 def checkpoint(service: Annotated[ServingModel, Depends(get_service)]) -> Action:
     if not isinstance(service, Checkpointing):

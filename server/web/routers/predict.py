@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
 from kafka.errors import KafkaError
+from pydantic import BeforeValidator, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
@@ -13,11 +14,12 @@ from mepo_stream.records import MAX_ID
 from server.config import ServeConfig
 from server.serving import ServingModel
 from server.uploads import LabelsOff
-from server.web.dependencies import ApiError, errors, get_service, get_settings
+from server.web.dependencies import ApiError, digits_only, errors, get_service, get_settings
 from server.web.prediction import predict_uploads
 from server.web.schemas import FilePrediction, Label, PredictResponse
 
 router = APIRouter(tags=["predict"])
+TopK = Annotated[int, Field(ge=1, le=100), BeforeValidator(digits_only)]
 
 
 def keep_for_label(service: ServingModel, id: str, image: bytes, content_type: str, prediction: int) -> None:
@@ -69,7 +71,7 @@ async def predict(
     request: Request,
     service: Annotated[ServingModel, Depends(get_service)],
     settings: Annotated[ServeConfig, Depends(get_settings)],
-    top_k: Annotated[int | None, Query(ge=1, le=100, description="labels per image")] = None,
+    top_k: Annotated[TopK | None, Query(description="labels per image")] = None,
     id: Annotated[str | None, Query(min_length=1, max_length=MAX_ID, description=(
         "Keep this one image for a label that comes later: a label with this id on the labels topic teaches the "
         "model with it, and scores this answer (needs the learner's --kafka.labels_topic)"))] = None,

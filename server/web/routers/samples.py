@@ -5,7 +5,11 @@
 broker has the record, with where it landed. The learner reads them as it reads every
 label: a label for an id it learned corrects it, a tombstone deletes it (``server.learner.corrections``), so an
 HTTP change has the stream's guarantees (ordered with the stream's other changes to that id, never lost, applied
-once).
+once). ``GET /v1/samples/{id}`` answers what the learner holds of an id now (its label, time and file), so a change
+can be checked where it landed.
+
+A replayed image's id is ``<stream id>/<file>``: its stream's id (the dataset's folder name, the sampler's settings,
+the seed; ``mepo_stream.records.stream_id``) and its file relative to the dataset's root, also in its ``file`` header.
 """
 
 from __future__ import annotations
@@ -14,11 +18,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path
 from kafka.errors import KafkaError
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from mepo_stream.records import MAX_ID
 from server.config import ServeConfig
-from server.serving import ServingModel
+from server.serving import CorrectionsOff, HoldsSamples, ServingModel
+from server.status import HeldSample
 from server.uploads import LabelsOff
 from server.web.dependencies import ApiError, errors, get_service, get_settings, require_admin
 
@@ -27,7 +32,12 @@ Id = Annotated[str, Path(min_length=1, max_length=MAX_ID, description="The sampl
 
 
 class NewLabel(BaseModel):
-    label: int = Field(ge=0, description="The label the sample should have")
+    """A label, strictly a JSON integer: a boolean, string or float is a typo in an operator's script, and taking
+    it would relabel a sample; its upper bound, the class count, is the running service's (``server.web.openapi``
+    writes it into the served schema)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    label: int = Field(ge=0, description="The label the sample should have: below the class count")
 
 
 class Written(BaseModel):
@@ -40,13 +50,26 @@ class Written(BaseModel):
 
 
 @router.post("/v1/labels/{id:path}", dependencies=[Depends(require_admin)], status_code=202,
-             responses=errors(400, 401, 403, 409, 422, 503),
+             responses=errors(400, 401, 403, 409, 413, 422, 503),
              summary="Label a sample by id, or correct its label (a record on the labels topic)")
 def label(id: Id, body: NewLabel, service: Annotated[ServingModel, Depends(get_service)]) -> Written:
     if body.label >= len(service.class_names):
         raise ApiError(422, f"label {body.label} is outside the label space [0, {len(service.class_names)})",
                        "label_out_of_range")
     return _write(service, id, body.label)
+
+
+@router.get("/v1/samples/{id:path}", dependencies=[Depends(require_admin)], responses=errors(401, 403, 404, 503),
+            summary="What the learner holds of a learned id: its label, time and file (--corrections.enabled)")
+def held(id: Id, service: Annotated[ServingModel, Depends(get_service)]) -> HeldSample:
+    try:
+        sample = service.sample(id) if isinstance(service, HoldsSamples) else None
+    except CorrectionsOff as e:
+        raise ApiError(404, f"{e}: it holds nothing by id", "corrections_off") from e
+    if sample is None:
+        raise ApiError(404, f"no learned sample {id!r}: never learned, deleted, or past --corrections.retention_s",
+                       "unknown_id")
+    return sample
 
 
 @router.delete("/v1/samples/{id:path}", dependencies=[Depends(require_admin)], status_code=202,
