@@ -50,6 +50,7 @@ from benchmarks.rows import (
     model_arithmetic,
     predict_latency,
     predict_throughput,
+    predict_while_learning,
     protocol_latency,
     refine_throughput,
     replica_latency,
@@ -67,7 +68,7 @@ BENCHMARKS = ("model_arithmetic", "learning_quality", "learning_quality_tinyimag
               "predict_latency", "predict_throughput", "protocol_latency", "replica_latency", "alignment_cost",
               "refine_throughput", "scale_out", "label_join_memory", "corrections", "batch_invariance",
               "refine_frontier", "decode", "camera_learner", "predict_latency_camera", "learner_overhead",
-              "corrections_service")
+              "corrections_service", "predict_while_learning")
 LONG_BENCHMARKS = ("refine_frontier",)
 """Rows of hours at the full sizes (a dozen refines and their evaluations): the smoke run runs them, the full run
 only when ``--only`` names them (the table keeps their last result)."""
@@ -196,6 +197,9 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path, sigma_data: str =
                                             full=OVERHEAD_PER_CLASS,
                                             bare_batches=OVERHEAD_BARE_BATCHES),
         "predict_latency": latency,
+        "predict_while_learning": lambda: ("rows.predict_while_learning", [
+            *config_options(replace(spec, train_per_class=int(n(10, 100))), "--spec."), "--batches", n(4, 30),
+            "--rounds", n(1, 5), "--bare_repeats", n(10, 50)]),
         "predict_throughput": lambda: ("rows.predict_throughput", [*stream(spec, 2, 10), "--seconds", n(3, 30),
                                                                    "--bare_seconds", n(1, 10)]),
         "protocol_latency": lambda: ("rows.protocol_latency", [*stream(spec, 2, 10), "--requests", n(10, 100),
@@ -250,6 +254,7 @@ ROWS: dict[str, Callable[[dict], list[Row]]] = {
     "model_arithmetic": model_arithmetic.table_rows, "learning_quality": learning_quality.table_rows,
     "learning_quality_tinyimagenet": learning_quality.table_rows, "learner_throughput": learner_throughput.table_rows,
     "predict_latency": predict_latency.table_rows, "protocol_latency": protocol_latency.table_rows,
+    "predict_while_learning": predict_while_learning.table_rows,
     "predict_throughput": predict_throughput.table_rows, "replica_latency": replica_latency.table_rows,
     "alignment_cost": alignment_cost.table_rows, "refine_throughput": refine_throughput.table_rows,
     "scale_out": scale_out.table_rows, "label_join_memory": label_join_memory.table_rows,

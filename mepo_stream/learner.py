@@ -32,11 +32,14 @@ Example:
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from mepo_stream.alignment import AlignMode
 from mepo_stream.backbone import normalization
@@ -104,6 +107,18 @@ PAPER_LDA_RECIPE = build(LearnerConfig, load("paper_lda"))
 at a smaller step, predicting by streaming LDA on the aligned feature over the classes seen: it does not collapse
 where ``PAPER_RECIPE`` does (docs/fidelity.md, "What keeps the recipe from collapsing"). The smaller step keeps the
 LDA's statistics of earlier prompts' features from going stale (``--learner mepo_stream/recipes/paper_lda.yaml``)."""
+
+
+@contextmanager
+def pausing(backbone: nn.Module, between: Callable[[], None]) -> Iterator[None]:
+    """Within it, ``between()`` runs after each of ``backbone``'s transformer blocks (timm's ``blocks``): a long
+    forward pauses there for other work, without cutting its batch (whose shape fixes its features' bits)."""
+    handles = [block.register_forward_hook(lambda *_: between()) for block in getattr(backbone, "blocks", ())]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class OnlineLearner:
@@ -336,9 +351,14 @@ class OnlineLearner:
         table[: len(self.exposed)] = torch.tensor(self.exposed, dtype=torch.long)
         return table[index.cpu()]
 
-    def encode(self, images: torch.Tensor) -> Encoded:
-        """The eval-mode encoding of uint8 images [B, 3, H, W], as predictions see them."""
-        return self.method.encode_images(images)
+    def encode(self, images: torch.Tensor, between: Callable[[], None] | None = None) -> Encoded:
+        """The eval-mode encoding of uint8 images [B, 3, H, W], as predictions see them. ``between``: called after
+        each transformer block of the forward (a service answers waiting predictions there); the forward, so the
+        encoding, is the same."""
+        if between is None:
+            return self.method.encode_images(images)
+        with pausing(self.method.backbone, between):
+            return self.method.encode_images(images)
 
     def logits(self, encoded: Encoded, align_modes: tuple[AlignMode, ...] = ("running",)
                ) -> dict[AlignMode, torch.Tensor]:

@@ -44,7 +44,7 @@ class Tail(threading.Thread):
     command's log, and its last words can name why it stopped."""
 
     def __init__(self, pipe: IO[bytes] | None, out: IO[bytes] | None = None, keep: int = 20):
-        super().__init__(name="child-stderr", daemon=True)
+        super().__init__(name="mepo-child-stderr", daemon=True)
         self.pipe, self.out = pipe, out
         self.lines: collections.deque[str] = collections.deque(maxlen=keep)
         self.start()
@@ -88,7 +88,7 @@ class Watch(threading.Thread):
 
     def __init__(self, children: list[Child], stopping: Callable[[], bool],
                  on_failure: Callable[[str], None] = lambda failure: None, period: float = 0.5):
-        super().__init__(name="children", daemon=True)
+        super().__init__(name="mepo-children", daemon=True)
         self.children, self.stopping, self.on_failure, self.period = children, stopping, on_failure, period
         self.failure: str | None = None
         self._stopped = threading.Event()

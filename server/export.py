@@ -40,7 +40,7 @@ from mepo_stream.export import (
 from mepo_stream.model import ModelConfig, create_model
 from server.config import ServeConfig, model_config
 from server.learner.state import CHECKPOINT, read_checkpoint
-from server.replica.follower import Refused, ReplicaModel
+from server.replica.follower import ReplicaModel, SnapshotRefused
 from server.snapshot import Snapshot
 from server.snapshot_topic import Assembler, SnapshotMessage, decode
 
@@ -121,7 +121,7 @@ def from_snapshot(cfg: ExportConfig) -> tuple[Snapshot, list[str]]:
     message = replace(message, origin=replace(message.origin, model_config=learner.to_json()))
     try:
         snapshot = ReplicaModel(cfg).snapshot(message)
-    except Refused as e:
+    except SnapshotRefused as e:
         raise ConfigError(f"cannot build the snapshot's model here: {e}") from e
     return snapshot, list(message.origin.class_names)
 

@@ -91,8 +91,9 @@ def test_dashboard_is_valid_and_uses_only_real_metrics():
                  "mepo_predict_duration_seconds_bucket", "mepo_samples_learned_total", "mepo_replica_lag_versions",
                  "mepo_replica_snapshot_age_seconds", "mepo_replica_snapshots_refused_total",
                  "mepo_class_accuracy_ratio", "mepo_last_learned_timestamp_seconds", "mepo_predict_requests_total",
-                 "mepo_delayed_accuracy_ratio", "mepo_label_delay_seconds", "mepo_label_join_images",
-                 "mepo_label_join_labels"):
+                 "mepo_delayed_accuracy_ratio", "mepo_label_delay_seconds", "mepo_label_join_images_pending",
+                 "mepo_label_join_images_total", "mepo_label_join_labels_waiting",
+                 "mepo_label_join_labels_refused_total"):
         assert name in used, f"the dashboard does not show {name}"
     provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/dashboard.yml").read_text())
     assert provider["providers"][0]["type"] == "file"

@@ -33,7 +33,7 @@ from mepo_stream.records import RecordError, parse_headers, record_headers
 from server.config import ServeConfig, model_config, replica_of
 from server.learner.state import CHECKPOINT, StateWriteFailed, build_learner, open_learner
 from server.metrics import ServerMetrics
-from server.replica.follower import Refused, ReplicaModel
+from server.replica.follower import ReplicaModel, SnapshotRefused
 from server.snapshot import take_snapshot
 from server.snapshot_topic import Origin, SnapshotMessage
 from server.web.app import create_app
@@ -420,17 +420,17 @@ def test_a_replica_refuses_another_bundle_other_backbone_weights_and_options_tha
     model = ReplicaModel(replica_of(cfg))
     assert model.config(ours) == model_config(cfg)
     for theirs, shown in ((None, "None"), ("f" * 64, "f" * 12)):
-        with pytest.raises(Refused, match=f"bundle has sha256 {shown}…, this replica's {bundle_sha256[:12]}… "
+        with pytest.raises(SnapshotRefused, match=f"bundle has sha256 {shown}…, this replica's {bundle_sha256[:12]}… "
                                           f".give it the learner's bundle with --mepo") as e:
             model.config(replace(ours, bundle_sha256=theirs))
         assert e.value.reason == "bundle_mismatch"
     message = SnapshotMessage(learner.method.trainable_state_dict(), ours, 1, 0, (), 0.0)
     assert model.snapshot(message).version == 1
-    with pytest.raises(Refused, match="backbone has sha256 000000000000…") as e:
+    with pytest.raises(SnapshotRefused, match="backbone has sha256 000000000000…") as e:
         model.snapshot(replace(message, origin=replace(ours, backbone_sha256="0" * 64)))
     assert e.value.reason == "backbone_mismatch"
     other = ReplicaModel(replica_of(cfg, backbone=replace(cfg.backbone, img_size=48)))
-    with pytest.raises(Refused, match="--backbone.img_size 48 contradicts the learner's 32") as e:
+    with pytest.raises(SnapshotRefused, match="--backbone.img_size 48 contradicts the learner's 32") as e:
         other.config(ours)
     assert e.value.reason == "backbone_mismatch"
 
@@ -498,16 +498,16 @@ def test_only_a_named_refusal_stops_the_learner_as_a_refusal(tmp_path, monkeypat
     """A state the options cannot take is a refusal (one line, a metric, the learner stops cleanly); a
     ``ValueError`` from a bug is not read as one: it keeps its traceback."""
     state, loop, _ = service(tmp_path)
-    loop.consumer = SimpleNamespace(partitions_for_topic=lambda topic: {0}, seek=lambda tp, offset: None)
+    loop.consumer = SimpleNamespace(partitions_of=lambda topic: {0})
 
     def assign(keys):
         raise raised
 
     monkeypatch.setattr(state.membership, "assign", assign)
     if refused:
-        loop.take_over([TP])
-        assert loop.refusal == "another model's state"
+        loop.take_over((TP,))
+        assert loop.refusal is raised
     else:
         with pytest.raises(ValueError, match="a bug"):
-            loop.take_over([TP])
+            loop.take_over((TP,))
         assert loop.refusal is None

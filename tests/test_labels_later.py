@@ -103,7 +103,8 @@ def test_labels_delayed_by_50_to_200_records_teach_the_model_that_labels_attache
     assert (accuracy is None) == (join["scored"] == 0) and (accuracy is None or 0 <= accuracy <= 1)
     assert 0.2 < join["delay_p50_s"] <= join["delay_p99_s"]  # 250-1000 ms
     assert status["delayed"]["prequential_accuracy"]["samples"] == join["scored"]  # scored at arrival
-    assert 'mepo_label_join_images{state="joined"} 200.0' in metrics and "mepo_delayed_accuracy_ratio" in metrics
+    assert 'mepo_label_join_images_total{outcome="joined"} 200.0' in metrics
+    assert "mepo_delayed_accuracy_ratio" in metrics
     print(f"\nprequential accuracy, labels attached: {status['attached']['prequential_accuracy']['cumulative']:.3f}; "
           f"delayed (arrival predictions scored at the join): {accuracy} of {join['scored']}")
 

@@ -162,7 +162,24 @@ def test_a_second_learner_in_the_group_of_one_without_a_state_topic_stops_learni
     state, loop, _ = service(tmp_path)
     loop.consumer = SimpleNamespace(partitions_of=lambda topic: {0, 1})
     loop.on_rebalance(Assigned((PartitionKey(state.cfg.kafka.topic, 0),)))
-    assert re.search("another learner joined.*--kafka.state_topic", loop.refusal)  # the loop stops at its next turn
+    assert re.search("another learner joined.*--kafka.state_topic", str(loop.refusal))  # it stops at its next turn
+
+
+def test_a_refusal_stops_the_learner_with_its_one_line_reason_as_its_error_never_a_traceback(tmp_path, monkeypatch,
+                                                                                             caplog):
+    """From where it arises (a second learner in the group of one) to the status field and the log: the same
+    refusal, its message whole, one line."""
+    state, loop, _ = service(tmp_path)
+    monkeypatch.setattr(FakeConsumer, "partitions_of", lambda consumer, topic: {0, 1})
+    consumer = FakeConsumer(loop, [])
+    monkeypatch.setattr(stream, "ensure_topics", lambda kafka, *topics: None)
+    monkeypatch.setattr(stream, "open_producer", lambda kafka, **_: FakeProducer())
+    monkeypatch.setattr(stream, "open_consumer", lambda *_: consumer)
+    with caplog.at_level("ERROR", logger="server.learner.stream"):
+        loop.run()
+    assert loop.error is not None and loop.error.startswith("another learner joined consumer group")
+    logged = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert [r.getMessage() for r in logged] == [f"learning stopped: {loop.error}"] and logged[0].exc_info is None
 
 
 def test_a_state_of_another_model_is_never_merged(tmp_path, monkeypatch):
@@ -176,10 +193,10 @@ def test_a_state_of_another_model_is_never_merged(tmp_path, monkeypatch):
     stats = LabelStatistics.zeros(*state.learner.statistics().shape)
     stats.add(torch.ones(3, stats.shape[1]), torch.tensor([1, 1, 2]), torch.zeros(stats.shape[2]))
     state.membership.merge_remote(PartitionState("images:1", stats, 3, {}, foreign, "other:1", 0.0, 0.0, 0))
-    assert "another model (its backbone_sha256 differ" in state.refusal and state.learner.samples_seen == 0
+    assert "another model (its backbone_sha256 differ" in str(state.refusal) and state.learner.samples_seen == 0
     state.membership.merge_remote(PartitionState("images:1", stats, 3, {}, state.origin, "other:1", 0.0, 0.0, 0))
     assert state.learner.samples_seen == 3 and state.learner.exposed == [1, 2]  # its own model's state merges
-    assert "another model" in state.refusal  # and the refusal stays: learning stops at the loop's next turn
+    assert "another model" in str(state.refusal)  # and the refusal stays: learning stops at the loop's next turn
     state.model_thread.shutdown()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import threading
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -18,6 +19,7 @@ from PIL import Image
 import server.learner.stream as stream
 from mepo_stream.images import ImageLimits, decode_image
 from mepo_stream.records import record_headers
+from server.batching import MicroBatcher
 from server.learner.staging import stack_images
 from server.model_thread import WrongThread
 from tests.fakes import STREAM_ID, FakeConsumer, FakeProducer, FakeRecord, jpeg, record, run_loop, service
@@ -203,3 +205,53 @@ def test_a_batch_for_a_cuda_learner_is_pinned():
     images = [torch.full((3, 4, 4), i, dtype=torch.uint8) for i in range(3)]
     batch = stack_images(images, torch.device("cuda"))
     assert torch.equal(batch, torch.stack(images)) and batch.is_pinned()
+
+
+def tensors_of(state) -> list:
+    """Every tensor of a nested state dict, in a fixed order."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for key in sorted(state, key=str) for t in tensors_of(state[key])]
+    if isinstance(state, list | tuple):
+        return [t for item in state for t in tensors_of(item)]
+    return []
+
+
+def test_a_prediction_during_a_learning_step_is_answered_between_its_blocks_and_changes_nothing_learned(tmp_path):
+    """Forced: the second step's forward, after its first transformer block, waits until a prediction is handed in
+    from another thread. The prediction is answered before the step's next block, from the model before the step,
+    and the model learned is bit-identical to one learned with no prediction at all."""
+    log = [sample(i, i) for i in range(32)]
+    quiet, quiet_loop, _ = service(tmp_path / "quiet")
+    busy, busy_loop, _ = service(tmp_path / "busy")
+    for state, loop in ((quiet, quiet_loop), (busy, busy_loop)):
+        loop.accept(log[:16])
+        state.learn_pending()
+    batcher = MicroBatcher(run=busy.model_thread.run_first)
+    blocks, answered, handed = [], [], threading.Event()
+    image = decode_image(noisy_jpeg(99), busy.intake.limits)
+
+    def predict() -> None:
+        handed.set()
+        batcher.run(lambda: answered.append((len(blocks), busy.version)) or busy.snapshot, [image])
+
+    def hand_in_a_prediction_after_the_first_block(module, args, output) -> None:
+        blocks.append(module)
+        if len(blocks) == 1:
+            threading.Thread(target=predict).start()
+            assert handed.wait(10)
+            time.sleep(0.1)  # the prediction is now handed in, waiting for the model thread
+
+    backbone = busy.learner.method.backbone
+    hooks = [block.register_forward_hook(hand_in_a_prediction_after_the_first_block) for block in backbone.blocks]
+    version = busy.version
+    busy_loop.accept(log[16:])
+    busy.learn_pending()
+    for hook in hooks:
+        hook.remove()
+    quiet_loop.accept(log[16:])
+    quiet.learn_pending()
+    assert len(blocks) >= len(backbone.blocks) > 1 and answered == [(1, version)]  # after block 1, the model before
+    learned, alone = tensors_of(busy.learner.state_dict()), tensors_of(quiet.learner.state_dict())
+    assert len(learned) == len(alone) and all(torch.equal(a, b) for a, b in zip(learned, alone, strict=True))

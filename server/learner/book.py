@@ -41,12 +41,13 @@ import torch
 
 from mepo_stream.label_join import Joined
 from mepo_stream.records import RecordMeta
+from server.learner.consumer import PartitionKey
 from server.learner.corrections import Change
 
 
 def tp_key(tp) -> str:
-    """The book's name of a partition (of a ``TopicPartition`` or a record): ``"topic:partition"``."""
-    return f"{tp.topic}:{tp.partition}"
+    """The book's name of a partition (of a record, or anything with ``topic`` and ``partition``)."""
+    return str(PartitionKey.of(tp))
 
 
 @dataclass

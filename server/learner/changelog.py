@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
 
+from mepo_stream.errors import StateRefused
 from mepo_stream.kafka import KafkaConfig
 from server.snapshot_topic import Assembler, CorruptSnapshot, close_quietly, open_parts_producer
 from server.state_topic import FORMAT, PartitionState, StateFormatError, decode, ensure_state_topic, state_records
@@ -124,7 +125,7 @@ class ChangelogFollower:
     read goes to ``on_error`` and stops the follower (sums of another model are never added)."""
 
     def __init__(self, kafka: KafkaConfig, on_state: Callable[[PartitionState], None],
-                 on_error: Callable[[str], None]):
+                 on_error: Callable[[StateRefused], None]):
         self.kafka, self.on_state, self.on_error = kafka, on_state, on_error
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="mepo-changelog", daemon=True)
@@ -154,11 +155,11 @@ class ChangelogFollower:
                 log.warning("state topic unavailable (%s); retrying in %.0f s", e, RETRY_S)
                 self._stop.wait(RETRY_S)
             except StateFormatError as e:
-                self.on_error(str(e))
+                self.on_error(e)
                 return
-            except Exception as e:  # a bug: stop following, report it
+            except Exception as e:  # a bug: stop following, and learning, which could no longer merge the states
                 log.exception("the changelog follower failed")
-                self.on_error(f"{type(e).__name__}: {e}")
+                self.on_error(StateRefused(f"the state topic's follower failed ({type(e).__name__}: {e})"))
                 return
             finally:
                 if consumer is not None:

@@ -18,8 +18,9 @@ import logging
 import math
 import shutil
 from dataclasses import dataclass
+from enum import Enum, StrEnum
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 
@@ -65,7 +66,34 @@ class ModelEdits(Protocol):
     def relabel_features(self, features: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> None: ...
 
 
-COUNTS = ("corrections_applied", "corrections_refused", "deletions_applied", "deletions_refused")
+class Count(StrEnum):
+    """What the corrections count, per partition: the keys of their counts in checkpoints, partition states and
+    the status."""
+
+    CORRECTIONS_APPLIED = "corrections_applied"
+    CORRECTIONS_REFUSED = "corrections_refused"
+    DELETIONS_APPLIED = "deletions_applied"
+    DELETIONS_REFUSED = "deletions_refused"
+
+
+COUNTS = tuple(count.value for count in Count)
+"""Their keys as plain strings: what checkpoints and partition states carry."""
+
+
+class LabelKind(Enum):
+    """What a label for an id is, when it is read (``Corrections.kind_of_label``)."""
+
+    CORRECTION = "correction"
+    NOT_CORRECTABLE = "not_correctable"
+    JOIN = "join"
+
+
+class TombstoneKind(Enum):
+    """What a tombstone for an id is, when it is read (``Corrections.kind_of_tombstone``)."""
+
+    FORGET = "forget"
+    WAITING = "waiting"
+    NOT_CORRECTABLE = "not_correctable"
 
 
 class Corrections:
@@ -89,7 +117,7 @@ class Corrections:
         """The table of a record of partition ``key``."""
         return self.tables[key if self.by_partition else None]
 
-    def _count(self, key: str | None, what: str) -> None:
+    def _count(self, key: str | None, what: Count) -> None:
         self.counts[key if self.by_partition else None][what] += 1
 
     # --- a group's partitions come and go -------------------------------------------------------------------------
@@ -123,30 +151,30 @@ class Corrections:
 
     # --- what a record is, when it is read ------------------------------------------------------------------------
     def kind_of_label(self, id: str, join: LabelJoin | None, now: float, pending: bool, key: str | None = None
-                      ) -> Literal["correction", "not_correctable", "join"]:
+                      ) -> LabelKind:
         """A label for ``id`` read at record time ``now`` from partition ``key``: a correction of a sample learned or
         about to be (``pending`` in the book, or its join in flight), refused for one learned but no longer in the
         table (or, with labels inline, one never learned), else a label for the join. The join is asked first: the
         learning step writes a sample to the table before it lets go of its join."""
         if self._learned(id, join, now, pending, key):
-            return "correction"
+            return LabelKind.CORRECTION
         if join is None or id in join.joined_ids:
-            self._count(key, "corrections_refused")
-            return "not_correctable"
-        return "join"
+            self._count(key, Count.CORRECTIONS_REFUSED)
+            return LabelKind.NOT_CORRECTABLE
+        return LabelKind.JOIN
 
     def kind_of_tombstone(self, id: str, join: LabelJoin | None, now: float, pending: bool, key: str | None = None
-                          ) -> Literal["forget", "waiting", "not_correctable"]:
+                          ) -> TombstoneKind:
         """A tombstone for ``id`` read at record time ``now`` from partition ``key``: a sample to take out (learned,
         ``pending`` or in flight), an image or label let go from the join now, or refused (never learned, or past
         retention)."""
         if self._learned(id, join, now, pending, key):
-            return "forget"
+            return TombstoneKind.FORGET
         if join is not None and join.forget(id):
-            self._count(key, "deletions_applied")
-            return "waiting"
-        self._count(key, "deletions_refused")
-        return "not_correctable"
+            self._count(key, Count.DELETIONS_APPLIED)
+            return TombstoneKind.WAITING
+        self._count(key, Count.DELETIONS_REFUSED)
+        return TombstoneKind.NOT_CORRECTABLE
 
     def _learned(self, id: str, join: LabelJoin | None, now: float, pending: bool, key: str | None) -> bool:
         """The id's sample is learned and still correctable at record time ``now``, or about to be learned."""
@@ -168,10 +196,11 @@ class Corrections:
         since it was read (a deletion or retention came first) is counted as refused."""
         table = self.table(key)
         entry = table.get(change.id)
-        kind = "corrections" if isinstance(change, Relabel) else "deletions"
+        relabel = isinstance(change, Relabel)
         if entry is None:
-            self._count(key, f"{kind}_refused")
-            log.info("%s of %s not applied: it is no longer in the sample table", kind[:-1], change.id)
+            self._count(key, Count.CORRECTIONS_REFUSED if relabel else Count.DELETIONS_REFUSED)
+            log.info("%s of %s not applied: it is no longer in the sample table", "correction" if relabel else
+                     "deletion", change.id)
             return
         if isinstance(change, Relabel):
             if change.label != entry.label:
@@ -182,7 +211,7 @@ class Corrections:
             table.delete(change.id)
             if join is not None:
                 join.forget(change.id)
-        self._count(key, f"{kind}_applied")
+        self._count(key, Count.CORRECTIONS_APPLIED if relabel else Count.DELETIONS_APPLIED)
 
     def expire(self, now: float) -> None:
         """Let the ids past retention at record time ``now`` go (they stay learned, no longer correctable); once per

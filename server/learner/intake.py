@@ -32,7 +32,7 @@ from mepo_stream.records import KafkaRecord, RecordError, RecordMeta, parse_head
 from server.config import ServeConfig
 from server.learner.arrival import Arrival, Prediction, Retraction, arrive, kept_label
 from server.learner.book import Sample, StreamBook, tp_key
-from server.learner.corrections import Change, Corrections, Forget, Relabel
+from server.learner.corrections import Change, Corrections, Forget, LabelKind, Relabel, TombstoneKind
 from server.metrics import ServerMetrics
 from server.model_thread import ModelThread
 
@@ -212,10 +212,10 @@ class Intake:
             if self.corrections is not None:
                 kind = self.corrections.kind_of_label(outcome.id, self.join, at,
                                                       waits_for(outcome.id, self.book), key)
-                if kind == "correction":
+                if kind is LabelKind.CORRECTION:
                     book_change(self.book, record, Relabel(outcome.id, outcome.label, at))
                     return None
-                if kind == "not_correctable":
+                if kind is LabelKind.NOT_CORRECTABLE:
                     return refuse(self.book, record, f"{outcome.id} is not correctable: learned more than "
                                                      f"--corrections.retention_s ago, or (labels inline) never"
                                                      f"{elsewhere(self.book, key)}")
@@ -247,11 +247,11 @@ class Intake:
         key = tp_key(record)
         assert self.corrections is not None  # a null value is a tombstone only with corrections on
         kind = self.corrections.kind_of_tombstone(id, self.join, at, waits_for(id, self.book), key)
-        if kind == "not_correctable":
+        if kind is TombstoneKind.NOT_CORRECTABLE:
             return refuse(self.book, record, f"no sample with id {id} can be deleted: none was received, or it was "
                                              f"learned more than --corrections.retention_s ago"
                                              f"{elsewhere(self.book, key)}")
-        if kind == "forget":
+        if kind is TombstoneKind.FORGET:
             book_change(self.book, record, Forget(id))
         else:
             self.book.skip(tp_key(record), record.offset)

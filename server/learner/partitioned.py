@@ -49,7 +49,7 @@ from mepo_stream.learner import OnlineLearner
 from mepo_stream.methods.base import Encoded
 from server.config import ServeConfig
 from server.learner.book import Pending, Sample, StreamBook
-from server.learner.changelog import Changelog
+from server.learner.changelog import Changelog, ChangelogFollower
 from server.learner.sample_table import SampleTable
 from server.learner.state import CHECKPOINT, Capture, LearnerState, Restored, open_learner, read_checkpoint
 from server.learner.table_changelog import PartitionTables, Write
@@ -148,14 +148,15 @@ class InGroup:
         self.steps: dict[str, int] = {}  # per owned partition: samples learned and changes applied, ever
         self.remote: dict[str, PartitionState] = {}
         self.written: dict[str, PartitionState] = {}  # the last state this learner wrote, per partition
-        self.lag: dict[str, int] = {}  # the loop's, per partition (``Service.start`` shares it)
+        self.lag: dict[str, int] = {}  # the loop's, per partition (``start_following`` shares it)
+        self.follower: ChangelogFollower | None = None
         self._remote_total: LabelStatistics | None = None
         self._replaced = 0  # remote states folded into ``_remote_total`` by replacement since it was summed afresh
         self._migration: PartitionState | None = None
         self.rate_mark = (time.monotonic(), 0)  # (when, learned_here) at the last persist
         self.learned_here = 0  # samples this learner learned (not merged from others)
         self.state: LearnerState  # the state this membership serves, once bound to it
-        self.refusal: str | None = None  # a state on the topic this learner cannot use: learning stops
+        self.refusal: StateRefused | None = None  # a state on the topic this learner cannot use: learning stops
 
     def bind(self, state: LearnerState) -> None:
         self.state = state
@@ -258,8 +259,8 @@ class InGroup:
         def merge() -> None:
             try:
                 check_origin(state, self.state.origin, self.state.cfg.kafka.state_topic)
-            except ConfigError as e:
-                self.refuse(str(e))
+            except StateRefused as e:
+                self.refuse(e)
                 return
             with s.lock:
                 if not self._newer_remote(state):
@@ -271,10 +272,21 @@ class InGroup:
 
         s.model_thread.run(merge)
 
-    def refuse(self, why: str) -> None:
+    def start_following(self, lag: dict[str, int]) -> None:
+        """Tail the state topic for the other learners' states; ``lag`` (the loop's, per partition) is what this
+        learner's partition states report."""
+        self.lag = lag
+        self.follower = ChangelogFollower(self.state.cfg.kafka, self.merge_remote, self.refuse)
+        self.follower.start()
+
+    def stop_following(self) -> None:
+        if self.follower is not None:
+            self.follower.stop()
+        self.changelog.close()
+
+    def refuse(self, refused: StateRefused) -> None:
         """Stop learning (the loop raises it at its next turn): a state on the topic this learner cannot use."""
-        log.error("refused: %s", why)
-        self.refusal = why
+        self.refusal = refused
 
     def _newer_remote(self, state: PartitionState) -> bool:
         """Keep ``state`` as a partition's remote sums if it is not owned here and is newer than the kept one (the
@@ -309,7 +321,7 @@ class InGroup:
 
     groups = staticmethod(partition_groups)  # one partition's records a mini-batch: each adds to its partition's sums
 
-    def check_assignment(self, images: set[int], everything: set[int] | None) -> None:
+    def check_assignment(self, images: set[int], everything: set[int] | None) -> StateRefused | None:
         """Any share of the partitions: the group's states add up to the model."""
         return None
 

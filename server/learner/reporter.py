@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from mepo_stream.anytime import AnytimeCurve
 from server.consumer import LoopHealth
+from server.learner.consumer import PartitionKey
 from server.learner.view import LearnerView
 from server.metrics import ServerMetrics
 from server.status import LearnerStatus
@@ -73,7 +74,7 @@ class StateReporter:
             m.table_bytes.set(corrections["bytes_on_disk"])
         if v.group is not None:
             for key, n in v.group.partition_samples.items():
-                m.partition_samples.labels(key.rsplit(":", 1)[1]).set(n)
+                m.partition_samples.labels(PartitionKey.parse(key).partition).set(n)
 
     def _export_join(self, join: dict) -> None:  # pragma: no mutate block (reporting: tests/test_labels_later.py)
         m = self.metrics
@@ -82,10 +83,12 @@ class StateReporter:
         for q in ("p50", "p99"):
             if join[f"delay_{q}_s"] is not None:
                 m.label_delay.labels(f"0.{q[1:]}").set(join[f"delay_{q}_s"])
-        for state in ("joined", "in_flight", "waiting", "expired", "deleted"):
-            m.join_images.labels(state).set(join["images"][state])
-        for state in ("waiting", "refused"):
-            m.join_labels.labels(state).set(join["labels"][state])
+        for outcome in ("received", "joined", "expired", "deleted"):
+            m.join_images.set((outcome,), join["images"][outcome])
+        for state in ("waiting", "in_flight"):
+            m.join_pending.labels(state).set(join["images"][state])
+        m.join_labels_waiting.set(join["labels"]["waiting"])
+        m.join_labels_refused.set((), join["labels"]["refused"])
 
     def status(self, health: LoopHealth) -> LearnerStatus:  # pragma: no mutate block (reporting: test_streaming.py)
         """``/v1/status``: the view, with the learning thread's ``health``."""

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from mepo_stream.records import sample_file
 from server.batching import MicroBatcher
 from server.config import ServeConfig
-from server.learner.changelog import ChangelogFollower
-from server.learner.partitioned import InGroup, open_group_learner
+from server.learner.partitioned import open_group_learner
 from server.learner.publisher import SnapshotPublisher
 from server.learner.reporter import StateReporter
 from server.learner.state import LearnerState, open_learner
@@ -32,7 +31,6 @@ class Service(Serving):
     loop: LearnerLoop
     batcher: MicroBatcher
     publisher: SnapshotPublisher | None = None
-    follower: ChangelogFollower | None = None
 
     @classmethod
     def start(cls, settings: ServeConfig, metrics: ServerMetrics) -> Service:
@@ -41,11 +39,9 @@ class Service(Serving):
         model_thread = ModelThread()
         opened = open_group_learner if settings.kafka.state_topic is not None else open_learner
         state = opened(settings, metrics, model_thread)
-        service = cls(state, LearnerLoop(state), MicroBatcher(run=model_thread.run), SnapshotPublisher.create(state))
-        if isinstance(group := state.membership, InGroup):
-            group.lag = service.loop.lag  # read when its partitions' states are written
-            service.follower = ChangelogFollower(settings.kafka, group.merge_remote, group.refuse)
-            service.follower.start()
+        batcher = MicroBatcher(run=model_thread.run_first)  # a prediction waits for a part of a step, not the whole
+        service = cls(state, LearnerLoop(state), batcher, SnapshotPublisher.create(state))
+        state.membership.start_following(service.loop.lag)
         if service.publisher is not None:
             state.on_learned = service.publisher.notify
             service.publisher.start()  # it publishes the model as it starts (restored, or empty) first
@@ -55,9 +51,7 @@ class Service(Serving):
     def stop(self) -> None:
         """Learn the records in hand, checkpoint and commit, then stop learning; publish the last snapshot."""
         self.loop.stop()
-        if self.follower is not None and isinstance(group := self.state.membership, InGroup):
-            self.follower.stop()
-            group.changelog.close()
+        self.state.membership.stop_following()
         if self.publisher is not None:
             self.publisher.stop()
         self.state.model_thread.shutdown()

@@ -68,6 +68,7 @@ CHECKPOINT_FORMAT = "mepo-checkpoint/2"
 READABLE_FORMATS = ("mepo-checkpoint/1", CHECKPOINT_FORMAT)
 
 
+
 class StateWriteFailed(RuntimeError):
     """A write of the learner's state (its checkpoint file, or its partitions' states) failed: the learner stops,
     since what it learned since its last written state is in no state. Not a ``KafkaError``, which the loop takes for
@@ -168,7 +169,7 @@ class Membership(Protocol):
 
     ``bind`` hands it the state it serves; ``capture`` runs in the model thread with the state's lock held."""
 
-    refusal: str | None
+    refusal: StateRefused | None
     """Why learning must stop (a learner in a group: another model's state on the topic); None while it may go on."""
 
     def bind(self, state: LearnerState) -> None: ...
@@ -178,7 +179,7 @@ class Membership(Protocol):
     def update(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample], encoded: Encoded | None,
                key: str | None) -> torch.Tensor | None: ...
     def edits(self, key: str | None) -> ModelEdits: ...
-    def check_assignment(self, images: set[int], everything: set[int] | None) -> str | None: ...
+    def check_assignment(self, images: set[int], everything: set[int] | None) -> StateRefused | None: ...
     def next_version(self) -> int: ...
     def capture(self) -> Capture: ...
     def write(self, captured: Capture) -> None: ...
@@ -186,6 +187,8 @@ class Membership(Protocol):
     def revoke(self, keys: list[str]) -> None: ...
     def group_view(self) -> GroupView | None: ...
     def merge_remote(self, remote: PartitionState) -> None: ...
+    def start_following(self, lag: dict[str, int]) -> None: ...
+    def stop_following(self) -> None: ...
 
 def watch_drift(monitor: StreamMonitor, metrics: ServerMetrics, labels: torch.Tensor, pred: torch.Tensor | None,
                 seen_before: int) -> None:
@@ -346,20 +349,21 @@ class LearnerState:
                 self.changed()
             self.announce(0)
             return
-        labels = torch.tensor([s.label for s in batch])
-        encoded: Encoded | None = None
+        labels, start = torch.tensor([s.label for s in batch]), time.perf_counter()
         kept = [s.feature for s in batch if s.feature is not None]  # at arrival (labels that come later): all or none
         images = None if kept else stack_images([s.image for s in batch if s.image is not None],
                                                 self.learner.device)  # [B, 3, S, S]
+        encoded: Encoded | None = None
+        if images is not None and not self.learner.trains_by_gradient:  # answering predictions between its blocks
+            encoded = self.learner.encode(images, self.model_thread.answer_waiting)
         with self.lock:
-            start, seen_before = time.perf_counter(), self.learner.samples_seen
+            seen_before = self.learner.samples_seen
             if kept:
                 self.learner.observe_features(torch.stack(kept), labels)  # [B, D]
                 scored = [(s.label, s.prediction) for s in batch if s.prediction is not None]
                 labels, pred = torch.tensor(scored).T if scored else (labels, None)  # the predictions at arrival
-            else:  # corrections keep each sample's feature: encoded here, the same forward learns it
+            else:  # the learner's own forward where it trains by gradient; else the encoding above
                 assert images is not None
-                encoded = None if self.intake.corrections is None else self.learner.encode(images)
                 pred = self.membership.update(images, labels, batch, encoded, key)
             if self.cfg.prequential:
                 watch_drift(self.monitor, self.metrics, labels, pred, seen_before)
@@ -370,7 +374,7 @@ class LearnerState:
         self.announce(len(batch))
 
     @property
-    def refusal(self) -> str | None:
+    def refusal(self) -> StateRefused | None:
         """Why learning must stop (the membership's: a learner in a group refuses another model's state)."""
         return self.membership.refusal
 
@@ -451,7 +455,7 @@ class LearnerState:
 class Alone:
     """One learner over the whole topic: its checkpoint file holds model, offsets and learned ids together."""
 
-    refusal: str | None = None  # nothing another learner writes reaches it
+    refusal: StateRefused | None = None  # nothing another learner writes reaches it
 
     def __init__(self, path: Path):
         self.path = path
@@ -481,15 +485,16 @@ class Alone:
             return None
         return s.learner.test_then_train(images, labels, s.cfg.alignment.inference_mode, encoded)
 
-    def check_assignment(self, images: set[int], everything: set[int] | None) -> str | None:
+    def check_assignment(self, images: set[int], everything: set[int] | None) -> StateRefused | None:
         """A learner alone must have the whole topic: a second one in its group would split the stream between two
         models that nothing adds up (None: it has; also while the partitions are not known yet)."""
         if not everything or images == everything:
             return None
         kafka = self.state.cfg.kafka
-        return (f"another learner joined consumer group {kafka.group_id!r} and took some of {kafka.topic}'s "
-                f"partitions: each would learn a part of the stream into a model of its own. Learning in several "
-                f"processes needs --kafka.state_topic (docs: Scale-out), and a model whose sums add up")
+        return StateRefused(f"another learner joined consumer group {kafka.group_id!r} and took some of "
+                            f"{kafka.topic}'s partitions: each would learn a part of the stream into a model of its "
+                            f"own. Learning in several processes needs --kafka.state_topic (docs: Scale-out), and a "
+                            f"model whose sums add up")
 
     def restore(self) -> Restored | None:
         """Load the checkpoint file, if there is one: model, monitor, book, join, sample table, curve and the RNG."""
@@ -548,6 +553,12 @@ class Alone:
     def merge_remote(self, remote: PartitionState) -> None:
         """A learner alone follows no state topic: a partition state reaching it is a wiring error."""
         raise RuntimeError(f"a learner alone got {remote.key}'s state from a group's state topic")
+
+    def start_following(self, lag: dict[str, int]) -> None:
+        """A learner alone follows no other learner."""
+
+    def stop_following(self) -> None:
+        """Nothing followed, nothing to stop."""
 
 
 def open_learner(cfg: ServeConfig, metrics: ServerMetrics, model_thread: ModelThread | None = None,

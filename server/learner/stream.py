@@ -18,9 +18,10 @@ learns through the state (``server.learner.state``), sends the dead letters the 
   thread (``server.model_thread``) owns the model and every piece of learner state. Each poll goes to the model
   thread through its one queue (``LearnerState.accept_then_learn``): it claims, decodes and books the records, hands
   back what to send and the numbers the loop steers by (``Booked``), then learns a full mini-batch (or, the topic
-  gone quiet, the partial one) while the loop reads the next poll. A prediction queued meanwhile runs after that
-  step. On a CUDA learner the batch is stacked into pinned memory (``server.learner.staging``) for an
-  asynchronous copy, and a poll's JPEGs decode on the GPU in one batch.
+  gone quiet, the partial one) while the loop reads the next poll. A prediction that comes meanwhile is answered
+  after a block of that step's forward (``ModelThread.run_first``). On a CUDA learner the batch is stacked into
+  pinned memory (``server.learner.staging``) for an asynchronous copy, and a poll's JPEGs decode on the GPU in one
+  batch.
 * Labels that come later (``--kafka.labels_topic``): the loop reads the labels topic too, and sends the
   predictions the state makes of images without a label to ``--kafka.predictions_topic`` (keyed by id, JSON;
   a crash may send one again, with the same id).
@@ -42,7 +43,7 @@ from enum import Enum
 from kafka import KafkaProducer
 from kafka.errors import KafkaError
 
-from mepo_stream.errors import ConfigError
+from mepo_stream.errors import StateRefused
 from mepo_stream.kafka import KafkaConfig, ensure_topics, open_producer
 from server.consumer import PROBE_EVERY_S, ConsumerThread
 from server.learner.arrival import Prediction, Retraction
@@ -158,9 +159,9 @@ class LearnerLoop(ConsumerThread):
         self.stepping: Future | None = None  # the model thread's turn in flight (a booking, then maybe a step)
         self.booked = Booked([], False, Counter(), state.cfg.learner.batch_size, False, False)
         """What the last booking handed back: the numbers this loop steers by."""
-        self.refusal: str | None = None  # why learning must stop (set in a rebalance callback)
+        self.refusal: StateRefused | None = None  # why learning must stop (set in a rebalance callback)
         self.failure: StateWriteFailed | None = None  # a failed state write: learning stops, nothing more is written
-        self._broken: KafkaError | None = None  # a broker error in a rebalance callback: reconnect
+        self._broken: Exception | None = None  # a broker error in a rebalance callback: reconnect
         super().__init__("mepo-learner")
 
     writing = property(lambda self: self._writing, doc="The checkpoint being written (None: none in flight).")
@@ -209,8 +210,8 @@ class LearnerLoop(ConsumerThread):
         keys = [str(key) for key in assigned]
         try:
             self.state.membership.assign(keys)
-        except ConfigError as e:
-            self.refusal = str(e)
+        except StateRefused as e:
+            self.refusal = e
         except BROKER_ERRORS as e:  # the partitions' states could not be read: reconnect, and be assigned again
             self._broken = e
         if self.refusal is None and self.consumer is not None:
@@ -246,6 +247,10 @@ class LearnerLoop(ConsumerThread):
                 log.warning("Kafka unavailable (%s); retrying in 2 s", e)
                 self._close()
                 self.stop_event.wait(2.0)
+            except StateRefused as e:  # a state these options cannot take: learning stops, serving goes on
+                log.error("learning stopped: %s", e)
+                self.error = str(e)
+                break
             except Exception as e:  # a bug, not a broker problem: stop learning, report it, keep serving
                 log.exception("the learner loop failed")
                 self.error = f"{type(e).__name__}: {e}"
@@ -348,7 +353,7 @@ class LearnerLoop(ConsumerThread):
         if self.failure is not None:
             raise self.failure
         if (refusal := self.refusal or self.state.refusal) is not None:
-            raise RuntimeError(refusal)
+            raise refusal
         if self._broken is not None:
             broken, self._broken = self._broken, None
             raise broken

@@ -30,6 +30,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from mepo_stream.errors import StateRefused
 from mepo_stream.kafka import KafkaConfig, ensure_topics, open_producer
 from server.learner.changelog import ACK_TIMEOUT_S, read_to_end
+from server.learner.consumer import PartitionKey
 from server.learner.corrections import Corrections
 from server.learner.sample_table import Entry, SampleTable
 from server.snapshot_topic import close_quietly
@@ -70,7 +71,7 @@ def included(record, committed: dict[str, int]) -> bool:
 
 def partition_of(key: str) -> int:
     """The image topic partition of a book key ``topic:partition``: the changelog partition of its table."""
-    return int(key.rsplit(":", 1)[1])
+    return PartitionKey.parse(key).partition
 
 
 class TableChangelog:

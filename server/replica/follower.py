@@ -63,7 +63,7 @@ NO_SNAPSHOT = Snapshot(model=None, exposed=(), version=0, samples_seen=0)
 RETRY_S = 2.0
 
 
-class Refused(ValueError):
+class SnapshotRefused(ValueError):
     """A snapshot this replica cannot serve; ``reason`` labels the refusal metric."""
 
     def __init__(self, reason: str, message: str):
@@ -101,19 +101,20 @@ class ReplicaModel:
 
     def config(self, origin: Origin) -> ModelConfig:
         """The learner's model configuration, with this replica's ``--mepo`` path if it has one (the same bundle
-        elsewhere on this disk); ``Refused`` if an option of the replica contradicts it, or the bundle differs."""
+        elsewhere on this disk); ``SnapshotRefused`` if an option of the replica contradicts it, or the bundle
+        differs."""
         learner = ModelConfig.from_json(origin.model_config)
         mine, unset = model_config(self.cfg), model_config(ServeConfig())
         mine_but_bundle, learner_but_bundle = replace(mine, mepo=BundleParts()), replace(learner, mepo=BundleParts())
         for option, value, theirs in contradictions(mine_but_bundle, learner_but_bundle, unset):
             reason = "backbone_mismatch" if option.startswith("--backbone.") else "incompatible"
-            raise Refused(reason, f"{option} {value} contradicts the learner's {theirs}: a replica builds the model "
-                          f"its snapshots define; leave the option out")
+            raise SnapshotRefused(reason, f"{option} {value} contradicts the learner's {theirs}: a replica builds the "
+                                          f"model its snapshots define; leave the option out")
         config = learner if not mine.mepo.bundles else replace(learner, mepo=mine.mepo)
         if config.mepo.sha256() != origin.bundle_sha256:
-            raise Refused("bundle_mismatch", f"the learner's bundle has sha256 {str(origin.bundle_sha256)[:12]}…, "
-                          f"this replica's {str(config.mepo.sha256())[:12]}… (give it the learner's bundle "
-                          f"with --mepo)")
+            learners, ours = str(origin.bundle_sha256)[:12], str(config.mepo.sha256())[:12]
+            raise SnapshotRefused("bundle_mismatch", f"the learner's bundle has sha256 {learners}…, this replica's "
+                                                     f"{ours}… (give it the learner's bundle with --mepo)")
         return config
 
     def snapshot(self, message: SnapshotMessage) -> Snapshot:
@@ -122,12 +123,13 @@ class ReplicaModel:
         model = self._model(config, len(message.origin.class_names))
         if model.backbone_sha256 != message.origin.backbone_sha256:
             theirs, mine = message.origin.backbone_sha256 or "?", model.backbone_sha256 or "?"
-            raise Refused("backbone_mismatch", f"the learner's backbone has sha256 {theirs[:12]}…, this replica's "
-                          f"{mine[:12]}… (the backbone weights on this machine differ from the learner's)")
+            raise SnapshotRefused("backbone_mismatch", f"the learner's backbone has sha256 {theirs[:12]}…, this "
+                                  f"replica's {mine[:12]}… (the backbone weights on this machine differ from the "
+                                  f"learner's)")
         try:
             model.load_trainable_state_dict(message.tensors)
         except StateRefused as e:
-            raise Refused("incompatible", str(e)) from e
+            raise SnapshotRefused("incompatible", str(e)) from e
         return Snapshot(model.inference_copy(), message.exposed, message.version, message.samples_seen,
                         config.alignment.inference_mode)
 
@@ -170,7 +172,7 @@ class ReplicaState:
         except CorruptSnapshot as e:
             self.refuse("corrupt", f"skipped a corrupt snapshot: {e}")
             return
-        except Refused as e:
+        except SnapshotRefused as e:
             self.refuse(e.reason, f"refused snapshot version {message.version}: {e}")
             return
         self.class_names = dict(enumerate(message.origin.class_names))
