@@ -105,17 +105,22 @@ def test_an_assignment_starts_each_partition_where_the_handler_says_and_seek_mov
         member.consumer.close(timeout_s=10)
 
 
+def where_the_next_member_starts(client: str, kafka: KafkaConfig, records: int) -> dict[int, int]:
+    """Each partition's first offset, as a new member of the group reads ``records`` records."""
+    member = Member(client, kafka)
+    try:
+        member.read(records)
+        return member.first_offsets()
+    finally:
+        member.consumer.close(timeout_s=10)
+
+
 def test_nothing_is_committed_unless_asked_and_a_new_group_starts_at_the_beginning(broker, client):
     kafka = topic_with(broker, 4)
     first = Member(client, kafka)
     first.read(8)
     first.consumer.close(timeout_s=10)
-    again = Member(client, kafka)
-    try:
-        again.read(8)
-        assert again.first_offsets() == {0: 0, 1: 0}
-    finally:
-        again.consumer.close(timeout_s=10)
+    assert where_the_next_member_starts(client, kafka, 8) == {0: 0, 1: 0}
 
 
 def test_a_commit_sent_just_before_close_is_read_back_by_the_next_member(broker, client):
@@ -127,12 +132,7 @@ def test_a_commit_sent_just_before_close_is_read_back_by_the_next_member(broker,
     first.consumer.commit({PartitionKey(kafka.topic, 0): 7, PartitionKey(kafka.topic, 1): 3})
     assert time.monotonic() - started < 1.0
     first.consumer.close(timeout_s=10)
-    after = Member(client, kafka)
-    try:
-        after.read(3 + 7)
-        assert after.first_offsets() == {0: 7, 1: 3}
-    finally:
-        after.consumer.close(timeout_s=10)
+    assert where_the_next_member_starts(client, kafka, 3 + 7) == {0: 7, 1: 3}
 
 
 def test_a_revocation_is_an_event_handled_before_the_partitions_go_to_another_member(broker, client):

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -99,6 +100,20 @@ class Consumer(Protocol):
     def partitions_of(self, topic: str) -> set[int] | None: ...
     def probe(self, timeout_s: float) -> bool: ...
     def close(self, timeout_s: float) -> None: ...
+
+
+@contextmanager
+def unavailable_on(*errors: type[BaseException]) -> Iterator[None]:
+    """A client's own errors (``errors``) raised as ``BrokerUnavailable``, which the loop reconnects on."""
+    try:
+        yield
+    except errors as e:
+        raise BrokerUnavailable(str(e)) from e
+
+
+def log_failed_commit(error: object) -> None:
+    """A commit that failed is only logged: the learner's checkpoint holds its offsets."""
+    log.warning("offset commit failed (the checkpoint holds them): %s", error)
 
 
 def close_within(close: Callable[[], None], timeout_s: float) -> None:

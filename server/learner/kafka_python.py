@@ -8,8 +8,6 @@ last offsets sent again, waiting, so none is lost in flight.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from kafka import ConsumerRebalanceListener, KafkaConsumer, TopicPartition
 from kafka.errors import KafkaError
@@ -18,29 +16,22 @@ from kafka.structs import OffsetAndMetadata
 from mepo_stream.kafka import KafkaConfig
 from server.learner.consumer import (
     Assigned,
-    BrokerUnavailable,
     OnRebalance,
     PartitionKey,
     Record,
     Revoked,
     close_within,
+    log_failed_commit,
+    unavailable_on,
 )
 
 log = logging.getLogger(__name__)
 
 
-@contextmanager
-def _as_unavailable() -> Iterator[None]:
-    try:
-        yield
-    except KafkaError as e:
-        raise BrokerUnavailable(str(e)) from e
-
-
-def _log_failed_commit(offsets: dict, result: object) -> None:
-    """``commit_async``'s callback: a failed commit is only logged, the checkpoint holds the offsets."""
+def _on_commit(offsets: dict, result: object) -> None:
+    """``commit_async``'s callback (the offsets, and the broker's answer or the error)."""
     if isinstance(result, Exception):
-        log.warning("offset commit failed (the checkpoint holds them): %s", result)
+        log_failed_commit(result)
 
 
 class _Listener(ConsumerRebalanceListener):
@@ -66,7 +57,7 @@ class KafkaPythonConsumer:
     """A group member reading through kafka-python."""
 
     def __init__(self, kafka: KafkaConfig, max_records: int, **timing: int):
-        with _as_unavailable():
+        with unavailable_on(KafkaError):
             self._consumer = KafkaConsumer(**kafka.client_options(), group_id=kafka.group_id,
                                            enable_auto_commit=False, auto_offset_reset="earliest",
                                            max_poll_records=max_records, **timing)
@@ -77,7 +68,7 @@ class KafkaPythonConsumer:
         self._consumer.subscribe(topics, listener=_Listener(self, on_rebalance))
 
     def poll(self, wait_ms: int, max_records: int) -> list[Record]:
-        with _as_unavailable():
+        with unavailable_on(KafkaError):
             polled = self._consumer.poll(timeout_ms=wait_ms, max_records=max_records)
         return [Record(r.topic, r.partition, r.offset, r.key, r.value, list(r.headers or []), r.timestamp)
                 for records in polled.values() for r in records]
@@ -89,9 +80,9 @@ class KafkaPythonConsumer:
         sent = {TopicPartition(*key): OffsetAndMetadata(offset, "", -1) for key, offset in offsets.items()}
         self.sent.update(sent)
         try:
-            self._consumer.commit_async(sent, callback=_log_failed_commit)
+            self._consumer.commit_async(sent, callback=_on_commit)
         except KafkaError as e:  # not even sent (no coordinator): the checkpoint holds them
-            _log_failed_commit(sent, e)
+            log_failed_commit(e)
 
     def assignment(self) -> set[PartitionKey]:
         return {PartitionKey(tp.topic, tp.partition) for tp in self._consumer.assignment()}
@@ -127,5 +118,5 @@ class KafkaPythonConsumer:
             try:
                 self._consumer.commit(self.sent)
             except KafkaError as e:
-                _log_failed_commit(self.sent, e)
+                log_failed_commit(e)
         self._consumer.close(autocommit=False)

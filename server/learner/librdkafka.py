@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, cast
 
 from mepo_stream.errors import ConfigError
@@ -30,6 +28,8 @@ from server.learner.consumer import (
     Record,
     Revoked,
     close_within,
+    log_failed_commit,
+    unavailable_on,
 )
 
 LIBRDKAFKA_NAMES = {"security_protocol": "security.protocol", "sasl_mechanism": "sasl.mechanism",
@@ -54,10 +54,10 @@ def _log_error(error) -> None:
     log.warning("librdkafka: %s", error)
 
 
-def _log_failed_commit(error, partitions) -> None:
-    """An asynchronous commit's answer: a failure is only logged, the checkpoint holds the offsets."""
+def _on_commit(error, partitions) -> None:
+    """An asynchronous commit's answer (the error, or None)."""
     if error is not None:
-        log.warning("offset commit failed (the checkpoint holds them): %s", error)
+        log_failed_commit(error)
 
 
 def _partition(key: PartitionKey, offset: int | None = None):
@@ -67,14 +67,11 @@ def _partition(key: PartitionKey, offset: int | None = None):
     return TopicPartition(key.topic, key.partition) if offset is None else TopicPartition(*key, offset)
 
 
-@contextmanager
-def _as_unavailable() -> Iterator[None]:
+def _as_unavailable():
+    """librdkafka's errors as ``BrokerUnavailable``; imported here, as confluent-kafka is an extra."""
     from confluent_kafka import KafkaException
 
-    try:
-        yield
-    except KafkaException as e:
-        raise BrokerUnavailable(str(e)) from e
+    return unavailable_on(KafkaException)
 
 
 def check_available() -> None:
@@ -103,7 +100,7 @@ class LibrdkafkaConsumer:
         from confluent_kafka import Consumer
 
         settings = librdkafka_settings(kafka, **timing)
-        self._consumer = Consumer({**settings, "error_cb": _log_error, "on_commit": _log_failed_commit})
+        self._consumer = Consumer({**settings, "error_cb": _log_error, "on_commit": _on_commit})
         self._assigned: set[PartitionKey] = set()
 
     def subscribe(self, topics: list[str], on_rebalance: OnRebalance) -> None:
@@ -143,7 +140,7 @@ class LibrdkafkaConsumer:
         try:
             self._consumer.commit(offsets=[_partition(k, o) for k, o in offsets.items()], asynchronous=True)
         except Exception as e:  # not even queued (no coordinator): the checkpoint holds them
-            _log_failed_commit(e, offsets)
+            log_failed_commit(e)
 
     def assignment(self) -> set[PartitionKey]:
         return set(self._assigned)
