@@ -18,8 +18,8 @@ from kafka.errors import KafkaError
 PROBE_EVERY_S = 5.0
 
 
-def broker_answers(consumer: KafkaConsumer) -> bool:
-    """Partitions assigned and the broker answering a small request within 2 s.
+def broker_answers(consumer: KafkaConsumer, timeout_s: float = 2.0) -> bool:
+    """Partitions assigned and the broker answering a small request within ``timeout_s``.
 
     A stopped or partitioned broker keeps its TCP connections open, so a connection check would still say
     yes; an actual round trip does not. (The offsets it returns are not used: Tansu's end offsets are off.)
@@ -28,7 +28,7 @@ def broker_answers(consumer: KafkaConsumer) -> bool:
     if not assignment:
         return False
     try:
-        consumer.beginning_offsets(list(assignment), timeout_ms=2000)
+        consumer.beginning_offsets(list(assignment), timeout_ms=int(timeout_s * 1000))
         return True
     except KafkaError:
         return False

@@ -14,6 +14,7 @@ from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
 from mepo_stream.kafka import KafkaConfig
+from server.consumer import broker_answers
 from server.learner.consumer import (
     Assigned,
     OnRebalance,
@@ -100,15 +101,7 @@ class KafkaPythonConsumer:
         return self._consumer.partitions_for_topic(topic)
 
     def probe(self, timeout_s: float) -> bool:
-        """The assigned partitions' first offsets asked of the broker (Tansu's end offsets are off; these are not
-        used, only the answer)."""
-        if not (assigned := self._consumer.assignment()):
-            return False
-        try:
-            self._consumer.beginning_offsets(list(assigned), timeout_ms=int(timeout_s * 1000))
-            return True
-        except KafkaError:
-            return False
+        return broker_answers(self._consumer, timeout_s)
 
     def close(self, timeout_s: float) -> None:
         close_within(self._close, timeout_s)

@@ -39,7 +39,7 @@ class Service(Serving):
         model_thread = ModelThread()
         opened = open_group_learner if settings.kafka.state_topic is not None else open_learner
         state = opened(settings, metrics, model_thread)
-        batcher = MicroBatcher(run=model_thread.run_first)  # a prediction waits for a part of a step, not the whole
+        batcher = MicroBatcher(run=model_thread.run_first)  # a prediction waits for a block of a step, not the whole
         service = cls(state, LearnerLoop(state), batcher, SnapshotPublisher.create(state))
         state.membership.start_following(service.loop.lag)
         if service.publisher is not None:

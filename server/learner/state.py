@@ -68,7 +68,6 @@ CHECKPOINT_FORMAT = "mepo-checkpoint/2"
 READABLE_FORMATS = ("mepo-checkpoint/1", CHECKPOINT_FORMAT)
 
 
-
 class StateWriteFailed(RuntimeError):
     """A write of the learner's state (its checkpoint file, or its partitions' states) failed: the learner stops,
     since what it learned since its last written state is in no state. Not a ``KafkaError``, which the loop takes for
