@@ -32,19 +32,18 @@ demo: setup $(DEMO_OUT)/refined/manifest.json
 		--mepo $(DEMO_OUT)/refined --checkpoint_dir $(DEMO_OUT)/checkpoint
 
 # Two workers (pytest-xdist): most of the slow tests wait on a broker, a server or a process, so two share 2 cores
-# well (7 min 38 s where one worker took 12 min 18 s, docs/reliability.md). WORKERS=0 runs in this process.
+# well (docs/design/test-workers.md has the measured times). WORKERS=0 runs in this process.
 WORKERS ?= 2
 
 # Lint and type-check first ([tool.ruff] in pyproject.toml: pyflakes, pycodestyle, isort, pyupgrade, bugbear,
-# simplify; [tool.mypy]: every module of the four packages): under a minute.
+# simplify; [tool.mypy]: every module of the four packages).
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -n $(WORKERS) --durations=25
 
 # The edit loop: no broker, no live server, no process, no browser (tests/conftest.py marks those tests by the
-# fixtures and helpers they use), nothing slow, on the same two workers. Minutes, where `make test` (what CI runs)
-# takes many more.
+# fixtures and helpers they use), nothing slow, on the same two workers; the README's "What to expect" has its time.
 test-fast: setup
 	$(BIN)/python -m pytest -q -n $(WORKERS) --durations=10 -m "not slow and not broker and not server and not subprocess and not browser"
 
@@ -55,8 +54,8 @@ bench: setup
 docs: setup
 	$(BIN)/mkdocs build --strict
 
-# Mutation testing of the modules behind the reliability guarantees ([tool.mutmut] in pyproject.toml; not in CI,
-# about an hour on 2 cores). Prints the score and every surviving mutant; `mutmut show NAME` shows its diff.
+# Mutation testing of the modules behind the reliability guarantees ([tool.mutmut] in pyproject.toml; not in CI:
+# long on 2 cores). Prints the score and every surviving mutant; `mutmut show NAME` shows its diff.
 mutate: setup
 	$(BIN)/pip install -q -e '.[test,mutate]' -c constraints.txt
 	$(BIN)/mutmut run --max-children $$(nproc)

@@ -28,6 +28,7 @@ from typing import ClassVar, Literal
 from kafka import KafkaConsumer, TopicPartition
 
 from mepo_stream.backbone import device
+from mepo_stream.checkpoint import LearnerCheckpoint
 from mepo_stream.data import list_files
 from mepo_stream.errors import ConfigError, StateRefused
 from mepo_stream.export import (
@@ -37,11 +38,12 @@ from mepo_stream.export import (
     write_onnx,
     write_triton_repository,
 )
+from mepo_stream.learner import OnlineLearner
 from mepo_stream.model import ModelConfig, create_model
 from server.config import ServeConfig, model_config
-from server.learner.state import CHECKPOINT, read_checkpoint
+from server.learner.state import CHECKPOINT
 from server.replica.follower import ReplicaModel, SnapshotRefused
-from server.snapshot import Snapshot
+from server.snapshot import Snapshot, take_snapshot
 from server.snapshot_topic import Assembler, SnapshotMessage, decode
 
 IDLE_POLL_MS = 1000
@@ -131,18 +133,16 @@ def from_checkpoint(cfg: ExportConfig) -> tuple[Snapshot, list[str]]:
     path = cfg.checkpoint_dir / CHECKPOINT
     if not path.is_file():
         raise ConfigError(f"no learner checkpoint at {path}: pass the learner's --checkpoint_dir")
-    state = read_checkpoint(path)
-    learned = state["learner"]
+    saved = LearnerCheckpoint.load(path)
     names = list_files(cfg.data, "train").class_names
-    model = create_model(in_fp32(model_config(cfg)), len(names), device())
+    config = in_fp32(model_config(cfg))
+    learner = OnlineLearner(create_model(config, len(names), device()), config.learner)
     try:
-        model.load_trainable_state_dict(learned["method"])
+        learner.load_state_dict(saved.learner)
     except StateRefused as e:
         raise ConfigError(f"{path} was written by another model than these options build (give the learner's "
                           f"--method, --backbone.*, --mepo, --learner.* options): {e}") from e
-    exposed = tuple(int(y) for y in learned["exposed"])
-    return Snapshot(model.inference_copy(), exposed, int(state["version"]), int(learned["samples_seen"]),
-                    cfg.alignment.inference_mode), names
+    return take_snapshot(learner, saved.version, cfg.alignment.inference_mode), names
 
 
 def export(cfg: ExportConfig) -> Path:

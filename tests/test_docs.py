@@ -5,6 +5,7 @@ command in them parses against the CLI as it is. The HTTP clients' examples run 
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -13,7 +14,12 @@ import pytest
 from mepo_stream.cli import parse
 from tests.helpers import ROOT, code_blocks, mepo_commands
 
-PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+PAGES = sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
+USER_PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]  # docs/design/ holds the dated records
+GENERATED_BLOCKS = re.compile(r"<!-- (benchmarks:start|frontier:begin|expect:start) -->.*?"
+                              r"<!-- (benchmarks:end|frontier:end|expect:end) -->", re.S)
+DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+TIME_OF_DAY = re.compile(r"(?<![\d.:])[0-2]\d:[0-5]\d(?![\d:])")
 
 
 def test_mepo_commands_are_found_in_bash_blocks():
@@ -56,7 +62,6 @@ def test_every_mepo_command_in_the_docs_parses(page):
 def test_the_architecture_page_names_every_thread_a_learner_starts(broker, tmp_path):
     """docs/architecture.md's thread table against the threads of a running learner with every optional part on:
     in a group, publishing snapshots, serving gRPC."""
-    import re
     import threading
     from dataclasses import replace
 
@@ -80,3 +85,39 @@ def test_the_architecture_page_names_every_thread_a_learner_starts(broker, tmp_p
     named = set(re.findall(r"`(mepo-[a-z-]+)`", table))
     assert {"mepo-learner", "mepo-model", "mepo-checkpoint", "mepo-publisher", "mepo-changelog", "mepo-grpc"} <= running
     assert running <= named, f"threads the page does not name: {running - named}"
+
+
+def run_log(text: str) -> list[str]:
+    """What makes a page a run log: dates and times of day outside the generated tables, runs made by hand."""
+    text = GENERATED_BLOCKS.sub("", text)
+    return DATE.findall(text) + TIME_OF_DAY.findall(text) + re.findall(r"(?:once|passed|ran|measured),? by hand|by hand,? once|throwaway|sitting", text)
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=lambda p: p.name)
+def test_no_user_page_is_a_run_log(page):
+    """Dated runs, times of day and one-off runs belong in docs/design/'s records, not in the user pages."""
+    assert not run_log(page.read_text()), f"{page.name}: move these to a design record: {run_log(page.read_text())}"
+
+
+def test_the_run_log_check_finds_dates_and_times_and_spares_generated_tables():
+    assert run_log("2026-11-29 at 09:52, measured by hand") == ["2026-11-29", "09:52", "measured by hand"]
+    assert run_log("experiments, run by hand (hours)") == []
+    assert run_log("<!-- benchmarks:start -->\nMeasured 2026-11-25T09:08:06Z\n<!-- benchmarks:end -->") == []
+    assert run_log("kafka-1:9092, 127.0.0.1:8000, 1920x1080, 1e-04") == []
+
+
+def test_the_readme_and_the_performance_page_are_short_and_every_page_is_in_the_navigation():
+    import yaml
+
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 120
+    performance = (ROOT / "docs" / "performance.md").read_text()
+    assert len(performance.splitlines()) <= 250
+    assert performance.index("<!-- benchmarks:start -->") < performance.index("\n## ", performance.index("\n## ") + 1)
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("", lambda loader, suffix, node: None)  # the config's !!python tags
+    nav = str(yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=Loader)["nav"])
+    pages = [p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")]
+    assert not [p for p in pages if f"'{p}'" not in nav], "pages missing from mkdocs.yml's nav"

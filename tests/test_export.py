@@ -20,7 +20,7 @@ import torch
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from mepo_stream.checkpoint import save_checkpoint
+from mepo_stream.checkpoint import LearnerCheckpoint, StreamPosition
 from mepo_stream.cli import config_options
 from mepo_stream.data import load_split
 from mepo_stream.errors import ConfigError
@@ -31,7 +31,7 @@ from mepo_stream.sampler import SiBlurryConfig
 from producers.siblurry import ReplayConfig, produce
 from server.config import ServeConfig, model_config
 from server.export import ExportConfig, export
-from server.learner.state import CHECKPOINT, CHECKPOINT_FORMAT
+from server.learner.state import CHECKPOINT
 from tests.helpers import (
     DATA,
     NO_BROKER,
@@ -107,7 +107,7 @@ def test_onnx_answers_as_the_server(learner, test_images, tmp_path, source):
     model = onnx.load(tmp_path / "model.onnx")
     assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"  # a dynamic batch dimension
     assert_onnx_answers_as_the_server(tmp_path / "model.onnx", http, test_images)
-    [example] = [b for b in code_blocks((ROOT / "docs" / "operations.md").read_text(), "python") if "onnxruntime" in b]
+    [example] = [b for b in code_blocks((ROOT / "docs" / "export.md").read_text(), "python") if "onnxruntime" in b]
     ran = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert ran.returncode == 0 and ran.stdout.strip().startswith("["), ran.stderr[-2000:]  # the docs' example runs
 
@@ -187,8 +187,8 @@ def test_a_bf16_learners_checkpoint_exports_its_weights_as_loaded_not_as_cast(tm
     for _ in range(3):
         learner.observe(torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8, generator=noise),
                         torch.tensor([0, 1, 2, 3] * 4))
-    save_checkpoint(cfg.checkpoint_dir / CHECKPOINT, {"format": CHECKPOINT_FORMAT, "learner": learner.state_dict(),
-                                                      "version": 3})
+    LearnerCheckpoint(learner.state_dict(), 3, 0.0, StreamPosition({}, {}), {}, None, torch.get_rng_state()).save(
+        cfg.checkpoint_dir / CHECKPOINT)
     export(cfg)
     fp32 = create_model(model_config(replace(cfg, learner=replace(cfg.learner, precision="fp32"))), 10)
     fp32.load_trainable_state_dict(learner.state_dict()["method"])

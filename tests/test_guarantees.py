@@ -22,10 +22,9 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 
 import mepo_stream.checkpoint as checkpoint
-import server.learner.state as state_module
 from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.artifacts import SIGMA_PRE, write_bundle
-from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
+from mepo_stream.checkpoint import LearnerCheckpoint, load_checkpoint, save_checkpoint
 from mepo_stream.errors import StateRefused
 from mepo_stream.images import ImageLimits
 from mepo_stream.model import BundleParts
@@ -42,15 +41,18 @@ from tests.fakes import STREAM_ID, TOPIC, TP, FakeConsumer, record, records, run
 from tests.helpers import NO_BROKER, RUNNING, color_images, settings
 
 
+SAVE = LearnerCheckpoint.save  # the real write, under the tests' wrappers
+
+
 def logged_checkpoints(monkeypatch, events: list) -> None:
     """Every checkpoint written goes to ``events`` as ("checkpoint", offsets), once it is on disk."""
 
-    def save(path, state):
-        written = save_checkpoint(path, state)
-        events.append(("checkpoint", dict(state["offsets"])))
+    def save(checkpoint, path):
+        written = SAVE(checkpoint, path)
+        events.append(("checkpoint", dict(checkpoint.position.offsets)))
         return written
 
-    monkeypatch.setattr(state_module, "save_checkpoint", save)
+    monkeypatch.setattr(LearnerCheckpoint, "save", save)
 
 
 # --- offsets, checkpoints and dead letters ----------------------------------------------------------------------
@@ -90,20 +92,20 @@ def test_a_checkpoint_written_while_the_loop_learns_on_holds_the_model_of_its_of
     state, loop, _ = service(tmp_path, checkpoint_every=16)
     written = []
 
-    def save_after_more_learning(path, saved):
+    def save_after_more_learning(saved, path):
         if not written:  # the first periodic checkpoint: let the loop learn the next mini-batch first
             deadline = time.monotonic() + 10
             while state.samples_seen < 32 and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert state.samples_seen >= 32, "the loop waited for the checkpoint instead of learning on"
         written.append(saved)
-        return save_checkpoint(path, saved)
+        return SAVE(saved, path)
 
-    monkeypatch.setattr(state_module, "save_checkpoint", save_after_more_learning)
+    monkeypatch.setattr(LearnerCheckpoint, "save", save_after_more_learning)
     run_loop(monkeypatch, loop, records(list(range(48))))
     first = written[0]
-    assert first["offsets"] == {f"{TOPIC}:0": 16} and first["learner"]["samples_seen"] == 16
-    assert int(first["learner"]["method"]["classifier.counts"].sum()) == 16  # not the 32+ learned meanwhile
+    assert first.position.offsets == {f"{TOPIC}:0": 16} and first.samples_seen == 16
+    assert int(first.learner["method"]["classifier.counts"].sum()) == 16  # not the 32+ learned meanwhile
 
 
 @pytest.mark.parametrize("first_in_flight_at_32", [False, True])
@@ -115,17 +117,17 @@ def test_a_failed_checkpoint_commits_nothing(tmp_path, monkeypatch, first_in_fli
     events: list = []
     calls, failed = [], []
 
-    def save_once_then_fail(path, saved):
+    def save_once_then_fail(saved, path):
         calls.append(1)
         if len(calls) > 1:
-            failed.append(saved["offsets"][f"{TOPIC}:0"])
+            failed.append(saved.position.offsets[f"{TOPIC}:0"])
             raise OSError("disk full")
         deadline = time.monotonic() + 10
         while first_in_flight_at_32 and state.samples_seen < 32 and time.monotonic() < deadline:
             time.sleep(0.01)
-        return save_checkpoint(path, saved)
+        return SAVE(saved, path)
 
-    monkeypatch.setattr(state_module, "save_checkpoint", save_once_then_fail)
+    monkeypatch.setattr(LearnerCheckpoint, "save", save_once_then_fail)
     consumer = FakeConsumer(loop, records(list(range(40))), events)
     monkeypatch.setattr("server.learner.stream.ensure_topics", lambda kafka, *topics: None)
     monkeypatch.setattr("server.learner.stream.open_producer", lambda kafka, **_: loop.producer)
@@ -500,10 +502,10 @@ def test_only_a_named_refusal_stops_the_learner_as_a_refusal(tmp_path, monkeypat
     state, loop, _ = service(tmp_path)
     loop.consumer = SimpleNamespace(partitions_of=lambda topic: {0})
 
-    def assign(keys):
+    def read(keys, corrections):
         raise raised
 
-    monkeypatch.setattr(state.membership, "assign", assign)
+    monkeypatch.setattr(state.membership, "read", read)
     if refused:
         loop.take_over((TP,))
         assert loop.refusal is raised

@@ -1,6 +1,12 @@
-"""The README's headline numbers are the results files' (``benchmarks/results/*.json``): each line of the section
-is written here again from the files, and every number in the section must come from one of these lines. The
-``make demo`` summary the README shows is the one the other pages quote."""
+"""The numbers the README and the docs pages show are the results files' (``benchmarks/results/*.json``).
+
+* The README's headline section: each line is written here again from the files, and every number in the section
+  must come from one of these lines.
+* The README's "what to expect" rows: written from ``expect.json`` (one entry per CPU kind, each value with its
+  source), and the ``make demo`` summary it shows is the one ``expect.json`` records and the other pages quote.
+* The docs pages' measured blocks (``<!-- numbers: FILE ... -->`` ... ``<!-- /numbers -->``): every number in one
+  is a value of the named results files, at the precision shown, in one of the units the pages use.
+"""
 
 from __future__ import annotations
 
@@ -98,14 +104,99 @@ def test_a_stale_or_unsourced_number_is_caught():
     stale = readme.replace(row, row.replace(row.split(" | ")[1], "66.93 ± 0.92 %"))
     missing, untraced = disagreements(stale)
     assert missing == [row] and untraced == ["0.92", "66.93"]
-    assert disagreements(readme.replace("## Documentation", "Up to 3× faster.\n\n## Documentation"))[1] == ["3"]
+    assert disagreements(readme.replace("## Install", "Up to 3× faster.\n\n## Install"))[1] == ["3"]
     assert NUMBER.findall("bf16 at 84 px, ViT-S/14, CIFAR-10, 1e-04, 1,000") == ["84", "1e-04", "1,000"]
 
 
 @pytest.mark.parametrize("page,pattern", [
-    ("docs/getting-started.md", "A_last {a_last}, A_AUC {a_auc}**, prequential {prequential}"),
     ("docs/results.md", "A_last **{a_last}**,\nA_AUC {a_auc}, prequential {prequential}"),
 ])
 def test_the_demo_summary_is_the_same_on_every_page(page, pattern):
     summary = json.loads(re.search(r'^(\{"samples_seen".*\})$', (ROOT / "README.md").read_text(), re.M).group(1))
     assert pattern.format(**summary) in (ROOT / page).read_text()
+
+
+# --- the docs pages: "what to expect", and the numbers of every measured block ------------------------------------
+BLOCK = re.compile(r"<!-- numbers: ([\w ]+) -->\n(.*?)<!-- /numbers -->", re.S)
+USER_PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+SCALES = (1, 100, 1000, 1e-3, 1e-6, 2 ** -20, 1 / 60, 1e9)  # as is, %, ms (µs), k, MB, MiB, min, ns
+
+
+def generated():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("generated", ROOT / "docs" / "_hooks" / "generated.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def values(node) -> list[float]:
+    """Every number a results file holds, its strings' and keys' numbers included ("1920x1080", "224")."""
+    if isinstance(node, bool) or node is None:
+        return []
+    if isinstance(node, (int, float)):
+        return [float(node)]
+    if isinstance(node, str):
+        return [float(n) for n in re.findall(r"\d+(?:\.\d+)?", node)]
+    if isinstance(node, dict):  # keys name sizes too ({"224": ...})
+        return [v for key, item in node.items() for v in values(key) + values(item)]
+    return [v for item in node for v in values(item)]
+
+
+def traced(token: str, held: list[float]) -> bool:
+    """Whether a number as a page shows it (``1,284``, ``0.82``, ``2.9``) is one of ``held`` at the page's precision,
+    in one of the units the pages use."""
+    shown = float(token.replace(",", ""))
+    half = 0.5 * 10 ** -(len(token.split(".")[1]) if "." in token else 0)
+    return any(abs(v * scale - shown) <= half * (1 + 1e-9) for v in held for scale in SCALES)
+
+
+def untraced(page_text: str) -> list[tuple[str, str]]:
+    """``(results files, number)`` for each number of a measured block that its named results files do not hold."""
+    out = []
+    for names, body in BLOCK.findall(page_text):
+        held = [v for name in names.split() for v in values(result(name))]
+        body = re.sub(r"`[^`]*`|\]\([^)]*\)|<!--.*?-->", "", body)
+        out += [(names, n) for n in NUMBER.findall(body) if not traced(n, held)]
+    return out
+
+
+def test_the_readme_what_to_expect_rows_are_written_from_the_results_file():
+    """One row per CPU kind of ``expect.json``; ``python docs/_hooks/generated.py readme`` rewrites them."""
+    readme = (ROOT / "README.md").read_text()
+    module = generated()
+    rows = readme.split(module.EXPECT_START, 1)[1].split(module.EXPECT_END, 1)[0].strip()
+    assert rows == module.expect_rows(), "stale: run python docs/_hooks/generated.py readme"
+    expect = result("expect")
+    assert len(rows.splitlines()) == 2 + len(expect["machines"])
+    for machine in expect["machines"]:
+        for run in (machine["demo"], machine["test"], machine["test_fast"]):
+            assert run is None or (run["source"] and run["commit"] and run["date"]), machine["cpu"]
+    assert module.minutes(305) == "5 min 5 s" and module.minutes(771) == "12 min 51 s"
+
+
+def test_the_demo_summary_the_readme_shows_is_the_recorded_one():
+    readme = (ROOT / "README.md").read_text()
+    shown = json.loads(re.search(r'^(\{"samples_seen".*\})$', readme, re.M).group(1))
+    assert shown == result("expect")["example_summary"]["summary"]
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=lambda p: p.name)
+def test_every_number_of_a_measured_block_is_in_its_results_file(page):
+    assert not untraced(page.read_text()), f"{page.name}: numbers its results files do not hold"
+
+
+def test_the_measured_blocks_are_where_the_pages_show_measurements():
+    blocks = {p.name: BLOCK.findall(p.read_text()) for p in USER_PAGES}
+    for name in ("your-images.md", "scale-out.md", "corrections.md", "labels-later.md"):
+        assert blocks[name], f"{name} has no <!-- numbers: FILE --> block"
+    assert all((RESULTS / f"{n}.json").is_file() for found in blocks.values() for names, _ in found
+               for n in names.split())
+
+
+def test_a_stale_number_in_a_measured_block_is_caught():
+    block = "<!-- numbers: scale_out -->\n{}\n<!-- /numbers -->\n"
+    assert untraced(block.format("two learners learn 337.2 samples/s, 1.96× one, in 49.1 s")) == []
+    assert untraced(block.format("two learners learn 337.9 samples/s")) == [("scale_out", "337.9")]
+    assert untraced(block.format("a state of 1.2 MB, `337.9` in code")) == []

@@ -30,7 +30,7 @@ from PIL import Image
 
 import server.learner.stream as stream
 from mepo_stream.anytime import ProtocolConfig
-from mepo_stream.checkpoint import save_checkpoint
+from mepo_stream.checkpoint import StreamPosition, load_checkpoint, save_checkpoint
 from mepo_stream.data import load_split
 from mepo_stream.kafka import ensure_topics
 from mepo_stream.label_statistics import LabelStatistics
@@ -129,12 +129,15 @@ def single_checkpoint(tmp_path: Path, offsets: dict[str, int], fmt: str | None =
                                          for i, (image, y) in enumerate(zip(images, labels, strict=True))])
     captured = state.capture()
     assert isinstance(captured, CheckpointCapture)
-    checkpoint = {**captured.checkpoint, "offsets": offsets, "learned": {"s": torch.arange(12)}}
+    saved = captured.checkpoint
+    path = saved.__class__(**{**vars(saved), "position": StreamPosition(offsets, {"s": torch.arange(12)})}).save(
+        cfg.checkpoint_dir / CHECKPOINT)
+    checkpoint = load_checkpoint(path)
     if fmt is None:
         del checkpoint["format"]
     else:
         checkpoint["format"] = fmt
-    save_checkpoint(cfg.checkpoint_dir / CHECKPOINT, checkpoint)
+    save_checkpoint(path, checkpoint)
     return cfg
 
 
@@ -192,9 +195,9 @@ def test_a_state_of_another_model_is_never_merged(tmp_path, monkeypatch):
     foreign = replace(state.origin, backbone_sha256="0" * 64)
     stats = LabelStatistics.zeros(*state.learner.statistics().shape)
     stats.add(torch.ones(3, stats.shape[1]), torch.tensor([1, 1, 2]), torch.zeros(stats.shape[2]))
-    state.membership.merge_remote(PartitionState("images:1", stats, 3, {}, foreign, "other:1", 0.0, 0.0, 0))
+    state.merge_remote(PartitionState("images:1", stats, 3, {}, foreign, "other:1", 0.0, 0.0, 0))
     assert "another model (its backbone_sha256 differ" in str(state.refusal) and state.learner.samples_seen == 0
-    state.membership.merge_remote(PartitionState("images:1", stats, 3, {}, state.origin, "other:1", 0.0, 0.0, 0))
+    state.merge_remote(PartitionState("images:1", stats, 3, {}, state.origin, "other:1", 0.0, 0.0, 0))
     assert state.learner.samples_seen == 3 and state.learner.exposed == [1, 2]  # its own model's state merges
     assert "another model" in str(state.refusal)  # and the refusal stays: learning stops at the loop's next turn
     state.model_thread.shutdown()
@@ -213,7 +216,7 @@ def test_newer_states_replace_their_partitions_part_of_the_model(tmp_path, monke
             stats = LabelStatistics.zeros(*shape)
             stats.add(torch.randn(offset, shape[1], generator=rng), torch.randint(0, 10, (offset,), generator=rng),
                       torch.zeros(shape[2]))
-            state.membership.merge_remote(PartitionState(key, stats, offset, {}, state.origin, "other:1", 0.0, 0.0, 0))
+            state.merge_remote(PartitionState(key, stats, offset, {}, state.origin, "other:1", 0.0, 0.0, 0))
             if offset >= newest.get(key, (-1,))[0]:
                 newest[key] = (offset, stats)
             expected = LabelStatistics.total(s for _, s in newest.values())
@@ -261,21 +264,21 @@ def test_a_partition_handed_over_is_restored_from_its_last_state_and_every_model
                 assert torch.allclose(getattr(got, name), getattr(expected, name), rtol=1e-12, atol=1e-9), name
 
     topic.update({key: state(key, sums(n), n, a) for key, n in (("images:0", 7), ("images:1", 5), ("images:2", 9))})
-    a.membership.assign(["images:0", "images:1"])
-    b.membership.assign(["images:2"])
+    a.assign(["images:0", "images:1"])
+    b.assign(["images:2"])
     assert sorted(a.membership.own) == ["images:0", "images:1"] and sorted(b.membership.own) == ["images:2"]
     assert_the_sum_of_the_topic(a, b)
     size = a.intake.limits.size  # a learns 4 more of images:0 and writes its state; b merges it
     images = torch.randint(0, 256, (4, 3, size, size), dtype=torch.uint8, generator=rng)
-    a.membership.update(images, torch.tensor([0, 1, 2, 3]), [], None, "images:0")
+    a.membership.update(a.learner, images, torch.tensor([0, 1, 2, 3]), None, "images:0")
     written = state("images:0", a.membership.own["images:0"].clone(), 11, a)
-    a.membership.write(GroupCapture({"images:0": 11}, written.written_at, [written], []))
-    b.membership.merge_remote(written)
+    a.membership.write(GroupCapture({"images:0": 11}, written.written_at, [written], []), None)
+    b.merge_remote(written)
     assert_the_sum_of_the_topic(a, b)
     a.membership.own["images:0"].add(torch.randn(3, shape[1], generator=rng), torch.tensor([1, 2, 3]),
                                      torch.zeros(shape[2]))  # learned after the last write: not kept
-    a.membership.revoke(["images:0"])
-    b.membership.assign(["images:0", "images:2"])
+    a.revoke(["images:0"])
+    b.assign(["images:0", "images:2"])
     assert torch.equal(b.membership.own["images:0"].sums, written.stats.sums) and "images:0" not in a.membership.own
     assert b.intake.book.partition("images:0")[0] == 11  # the taker goes on from the written offset
     assert_the_sum_of_the_topic(a, b)
@@ -353,12 +356,12 @@ def group_loop(root: Path, topic: dict[str, PartitionState], events: list, keys:
     ("let go", keys, {key: the offset of its state on the topic then})."""
     cfg = settings(NO_BROKER, root, protocol=ProtocolConfig(eval_period=0))
     state = open_group_learner(replace(cfg, kafka=replace(cfg.kafka, state_topic="state")), ServerMetrics())
-    state.membership.assign(keys)
+    state.assign(keys)
     revoke = state.membership.revoke
 
-    def let_go(revoked: list[str]) -> None:
+    def let_go(learner, revoked: list[str]) -> list[str]:
         events.append(("let go", revoked, {k: topic[k].offset for k in revoked if k in topic}))
-        revoke(revoked)
+        return revoke(learner, revoked)
 
     state.membership.revoke = let_go
     loop = LearnerLoop(state)
@@ -495,9 +498,9 @@ def test_a_failed_state_write_during_a_revocation_lets_the_partition_go_and_stop
     monkeypatch.setattr(Changelog, "write", unacknowledged)
     let_go, seen = a.membership.revoke, []
 
-    def watched(keys: list[str]) -> None:  # what the book counts as saved when a partition is let go
+    def watched(learner, keys: list[str]) -> list[str]:  # what the book counts as saved when a partition goes
         seen.append((keys, sorted(a.intake.book.unsaved_keys())))
-        let_go(keys)
+        return let_go(learner, keys)
 
     a.membership.revoke = watched
     consumer, connects = RebalancingConsumer(loop), []

@@ -24,6 +24,7 @@ from typing import cast
 
 import torch
 
+from mepo_stream.checkpoint import StreamPosition
 from mepo_stream.errors import ConfigError
 from mepo_stream.images import ImageError, ImageLimits, decode_image, decode_images
 from mepo_stream.label_join import Joined, LabelJoin, Refused
@@ -333,13 +334,17 @@ class Intake:
         """Records waiting for a mini-batch, per partition (the loop sizes its polls and its lag by them)."""
         return Counter(p.key for p in self.book.pending)
 
-    def state_dict(self) -> dict:
-        """The checkpoint's bookkeeping: the book's keys, the join's state and its clock."""
-        return {**self.book.state_dict(), "join": None if self.join is None else self.join.state_dict(),
-                "stream_time": self.stream_time}
+    def position(self) -> StreamPosition:
+        """Where the stream stands for a checkpoint: the book's offsets, learned ids and counts, the join and its
+        clock."""
+        book = self.book.state_dict()
+        return StreamPosition(book["offsets"], book["learned"], book["dead_lettered"], book["replays_skipped"],
+                              None if self.join is None else self.join.state_dict(), self.stream_time)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.book.load_state_dict(state)
-        if self.join is not None and state.get("join") is not None:
-            self.join.load_state_dict(state["join"])
-            self.stream_time = float(state["stream_time"])
+    def restore(self, saved: StreamPosition) -> None:
+        """Back to a checkpoint's position: nothing pending, nothing in flight."""
+        self.book.load_state_dict({"offsets": saved.offsets, "learned": saved.learned,
+                                   "dead_lettered": saved.dead_lettered, "replays_skipped": saved.replays_skipped})
+        if self.join is not None and saved.join is not None:
+            self.join.load_state_dict(saved.join)
+            self.stream_time = float(saved.stream_time)

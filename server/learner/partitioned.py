@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,15 +44,16 @@ from typing import Any
 import torch
 from kafka.errors import KafkaError
 
+from mepo_stream.checkpoint import LearnerCheckpoint
 from mepo_stream.errors import ConfigError, StateRefused
 from mepo_stream.label_statistics import LabelStatistics
 from mepo_stream.learner import OnlineLearner
 from mepo_stream.methods.base import Encoded
 from server.config import ServeConfig
-from server.learner.book import Pending, Sample, StreamBook
+from server.learner.book import Pending, StreamBook
 from server.learner.changelog import Changelog, ChangelogFollower
-from server.learner.sample_table import SampleTable
-from server.learner.state import CHECKPOINT, Capture, LearnerState, Restored, open_learner, read_checkpoint
+from server.learner.corrections import Corrections
+from server.learner.state import CHECKPOINT, Adopted, Capture, Incoming, LearnerState, Restored, open_learner
 from server.learner.table_changelog import PartitionTables, Write
 from server.learner.view import GroupView
 from server.metrics import ServerMetrics
@@ -69,23 +71,23 @@ def migrated_state(path: Path, origin: Origin, learner_id: str, shape: tuple[int
     several partitions is refused (its sums cannot be split), and so is one of another model's shape."""
     if not path.is_file():
         return None
-    state = read_checkpoint(path)
-    if "corrections" in state:
+    saved = LearnerCheckpoint.load(path)
+    if saved.corrections is not None:
         raise StateRefused(f"{path} is the checkpoint of one learner with --corrections.enabled: its sample table "
                            f"cannot move into a group's changelog. Keep learning alone, or move the checkpoint "
                            f"and its samples/ folder away to learn the stream again in a group")
-    keys = sorted(state["offsets"])
+    keys = sorted(saved.position.offsets)
     if len(keys) > 1:
         raise StateRefused(f"{path} is the checkpoint of one learner over {len(keys)} partitions ({keys}): its "
-                         f"sums cannot be split between them. Keep learning without --kafka.state_topic, or "
-                         f"move the checkpoint away to learn the stream again in a group")
-    stats = OnlineLearner.statistics_in(state["learner"])
+                           f"sums cannot be split between them. Keep learning without --kafka.state_topic, or "
+                           f"move the checkpoint away to learn the stream again in a group")
+    stats = OnlineLearner.statistics_in(saved.learner)
     if stats.shape != shape:
         raise StateRefused(f"{path} holds a model of shape {stats.shape}, this learner's is {shape}")
-    learned = {s: v.tolist() for s, v in state["learned"].items()}
+    learned = {s: v.tolist() for s, v in saved.position.learned.items()}
     key = keys[0] if keys else ""
-    return PartitionState(key, stats, int(state["offsets"].get(key, 0)), learned, origin, learner_id, time.time(),
-                          0.0, 0)
+    return PartitionState(key, stats, int(saved.position.offsets.get(key, 0)), learned, origin, learner_id,
+                          time.time(), 0.0, 0)
 
 
 def check_origin(state: PartitionState, mine: Origin, topic: str | None) -> None:
@@ -125,25 +127,32 @@ class PartitionEdits:
     learner: OnlineLearner
     moved: Callable[[int], None]
     """Told how many samples a change moved (the group then loads the new total)."""
+    lock: threading.Lock
+    """The group's: its view reads the sums from other threads."""
 
     def forget_features(self, features: torch.Tensor, labels: torch.Tensor) -> None:
-        self.part.remove(self.learner.classifier_inputs(features), labels)
+        with self.lock:
+            self.part.remove(self.learner.classifier_inputs(features), labels)
         self.moved(len(labels))
 
     def relabel_features(self, features: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> None:
-        self.part.move(self.learner.classifier_inputs(features), old, new)
+        with self.lock:
+            self.part.move(self.learner.classifier_inputs(features), old, new)
         self.moved(len(old))
 
 
 class InGroup:
     """A learner in a group: sums per owned partition in ``own``, the others' newest states in ``remote``; the
-    learner's classifier always holds their total."""
+    learner it is handed always holds their total. Its fields are the model thread's; ``lock`` guards what the
+    HTTP threads read (``group_view``)."""
 
-    def __init__(self, changelog: Changelog, learner_id: str, checkpoint_path: Path,
+    def __init__(self, cfg: ServeConfig, metrics: ServerMetrics, changelog: Changelog, learner_id: str,
                  tables: PartitionTables | None = None):
-        self.changelog, self.learner_id, self.checkpoint_path = changelog, learner_id, checkpoint_path
+        self.cfg, self.metrics, self.changelog, self.learner_id = cfg, metrics, changelog, learner_id
+        self.checkpoint_path = cfg.checkpoint_dir / CHECKPOINT
         self.tables = tables
         """The owned partitions' sample tables on Kafka (``--corrections.enabled``; None: off)."""
+        self.lock = threading.Lock()
         self.own: dict[str, LabelStatistics] = {}
         self.steps: dict[str, int] = {}  # per owned partition: samples learned and changes applied, ever
         self.remote: dict[str, PartitionState] = {}
@@ -155,138 +164,111 @@ class InGroup:
         self._migration: PartitionState | None = None
         self.rate_mark = (time.monotonic(), 0)  # (when, learned_here) at the last persist
         self.learned_here = 0  # samples this learner learned (not merged from others)
-        self.state: LearnerState  # the state this membership serves, once bound to it
-        self.refusal: StateRefused | None = None  # a state on the topic this learner cannot use: learning stops
-
-    def bind(self, state: LearnerState) -> None:
-        self.state = state
 
     # --- start ------------------------------------------------------------------------------------------------
-    def restore(self) -> Restored | None:
+    def restore(self, learner: OnlineLearner, origin: Origin) -> Restored | None:
         """Refuse what cannot be merged, prepare a migration, and load every partition's newest state."""
-        s = self.state
-        if (why := s.learner.not_mergeable) is not None:
+        if (why := learner.not_mergeable) is not None:
             raise ConfigError(f"--kafka.state_topic: learners in a group add their partitions' sums into one model, "
-                             f"but --method {s.cfg.method} with --learner.classifier "
-                             f"{s.cfg.learner.classifier} cannot be merged: {why}")
-        self._empty = s.learner.statistics()  # zeros of this model's shape
-        self._migration = migrated_state(self.checkpoint_path, s.origin, self.learner_id, self._empty.shape)
+                              f"but --method {self.cfg.method} with --learner.classifier "
+                              f"{self.cfg.learner.classifier} cannot be merged: {why}")
+        self.origin, self._empty = origin, learner.statistics()  # zeros of this model's shape
+        self._migration = migrated_state(self.checkpoint_path, origin, self.learner_id, self._empty.shape)
         try:
             states = self.changelog.read_all()
         except KafkaError as e:  # the follower and the assignment read the topic once the broker is back
             log.warning("could not read the state topic at start (%s); the partitions' states come later", e)
             return None
         for state in states.values():
-            check_origin(state, self.state.origin, self.state.cfg.kafka.state_topic)
+            self._check(state)
             self.remote[state.key] = state
         self._remote_total = None
-        self._load_total()
-        return Restored(self.next_version())
+        self._load_total(learner)
+        return Restored(self.next_version(0))
+
+    def _check(self, state: PartitionState) -> None:
+        check_origin(state, self.origin, self.cfg.kafka.state_topic)
 
     # --- partitions come and go -------------------------------------------------------------------------------
-    def assign(self, keys: list[str]) -> None:
-        """Restore each assigned partition from its newest state (or a migrated checkpoint, or nothing)."""
+    def read(self, keys: list[str], corrections: Corrections | None) -> Incoming:
+        """Every partition's newest state (the assigned ones' from a migrated checkpoint if it has none yet), and
+        the assigned partitions' sample tables rebuilt from the changelog."""
         states = self.changelog.read_all()
         for state in states.values():
-            check_origin(state, self.state.origin, self.state.cfg.kafka.state_topic)
+            self._check(state)
         if self._migration is not None and self._migration.key in keys and self._migration.key not in states:
             migrated = self._migration
             self.changelog.write([migrated])
             self.checkpoint_path.rename(self.checkpoint_path.with_name(self.checkpoint_path.name + MIGRATED))
             log.info("migrated %s into %s's state on %s", self.checkpoint_path, migrated.key,
-                     self.state.cfg.kafka.state_topic)
+                     self.cfg.kafka.state_topic)
             states[migrated.key], self._migration = migrated, None
-        corrections = self.state.intake.corrections
         tables = {} if self.tables is None or corrections is None else self.tables.restore(keys, states, corrections)
-        self.state.model_thread.run(self._assign, keys, states, tables)
+        return Incoming(states, tables)
 
-    def _assign(self, keys: list[str], states: dict[str, PartitionState],
-                tables: dict[str, tuple[SampleTable, bool]]) -> None:
-        s = self.state
-        with s.lock:
-            for key, state in states.items():
+    def adopt(self, learner: OnlineLearner, keys: list[str], incoming: Incoming) -> list[Adopted]:
+        """Own each assigned partition from its newest state (or nothing), keep the others' newer states, and load
+        the new total."""
+        adopted = []
+        with self.lock:
+            for key, state in incoming.states.items():
                 if key not in keys:
                     self._newer_remote(state)
             for key in keys:
-                found = states.get(key)
+                found = incoming.states.get(key)
                 self.own[key] = self._empty.clone() if found is None else found.stats.clone()
-                offset = 0 if found is None else found.offset
-                s.intake.book.adopt(key, offset, {} if found is None else found.learned)
                 self.remote.pop(key, None)
                 self.steps[key] = 0 if found is None else found.moves
                 if self.tables is not None:
                     self.tables.adopt(key, found)
-                if key in tables and s.intake.corrections is not None:
-                    table, stale = tables[key]
-                    s.intake.corrections.adopt(key, table, {} if found is None else found.changes)
-                    if stale:  # written out again at the next capture, under this owner's epoch
-                        s.intake.book.mark_saved({key: offset}, failed=True)
                 if found is not None:
                     self.written[key] = found
+                table, stale = incoming.tables.get(key, (None, False))
+                adopted.append(Adopted(key, 0 if found is None else found.offset,
+                                       {} if found is None else found.learned, table,
+                                       {} if found is None else found.changes, stale))
             self._remote_total = None
-            self._load_total()
-            s.changed()
-        s.metrics.partitions_owned.set(len(self.own))
-        log.info("learning partitions %s from offsets %s", sorted(self.own), s.offsets)
-        s.announce(0)
+        self._load_total(learner)
+        self.metrics.partitions_owned.set(len(self.own))
+        return adopted
 
-    def revoke(self, keys: list[str]) -> None:
+    def revoke(self, learner: OnlineLearner, keys: list[str]) -> list[str]:
         """Let revoked partitions go (persisted just before): their sums stay in the model as their last state."""
-        s = self.state
+        with self.lock:
+            for key in keys:
+                self.own.pop(key, None)
+                self.steps.pop(key, None)
+                if self.tables is not None:
+                    self.tables.drop(key)
+                if key in self.written:
+                    self.remote[key] = self.written[key]
+            self._remote_total = None
+        self._load_total(learner)
+        self.metrics.partitions_owned.set(len(self.own))
+        return keys
 
-        def let_go() -> None:
-            with s.lock:
-                for key in keys:
-                    s.intake.book.drop(key)
-                    self.own.pop(key, None)
-                    self.steps.pop(key, None)
-                    if self.tables is not None and s.intake.corrections is not None:
-                        self.tables.drop(key)
-                        s.intake.corrections.drop(key)
-                    if key in self.written:
-                        self.remote[key] = self.written[key]
-                self._remote_total = None
-                self._load_total()
-            s.metrics.partitions_owned.set(len(self.own))
-            s.reporter.export()
+    def merge(self, learner: OnlineLearner, state: PartitionState) -> bool:
+        """Another learner's newer state of a partition: its sums replace the old ones (False: not newer); another
+        model's is refused (``StateRefused``)."""
+        self._check(state)
+        with self.lock:
+            if not self._newer_remote(state):
+                return False
+        self._load_total(learner)
+        return True
 
-        s.model_thread.run(let_go)
-
-    def merge_remote(self, state: PartitionState) -> None:
-        """Another learner's newer state of a partition (the follower thread): its sums replace the old ones."""
-        s = self.state
-
-        def merge() -> None:
-            try:
-                check_origin(state, self.state.origin, self.state.cfg.kafka.state_topic)
-            except StateRefused as e:
-                self.refuse(e)
-                return
-            with s.lock:
-                if not self._newer_remote(state):
-                    return
-                self._load_total()
-                s.changed()
-            s.metrics.state_merges.inc()
-            s.announce(0)
-
-        s.model_thread.run(merge)
-
-    def start_following(self, lag: dict[str, int]) -> None:
+    def start_following(self, lag: dict[str, int], on_state: Callable[[PartitionState], None],
+                        on_error: Callable[[StateRefused], None]) -> None:
         """Tail the state topic for the other learners' states; ``lag`` (the loop's, per partition) is what this
         learner's partition states report."""
         self.lag = lag
-        self.follower = ChangelogFollower(self.state.cfg.kafka, self.merge_remote, self.refuse)
+        self.follower = ChangelogFollower(self.cfg.kafka, on_state, on_error)
         self.follower.start()
 
     def stop_following(self) -> None:
         if self.follower is not None:
             self.follower.stop()
         self.changelog.close()
-
-    def refuse(self, refused: StateRefused) -> None:
-        """Stop learning (the loop raises it at its next turn): a state on the topic this learner cannot use."""
-        self.refusal = refused
 
     def _newer_remote(self, state: PartitionState) -> bool:
         """Keep ``state`` as a partition's remote sums if it is not owned here and is newer than the kept one (the
@@ -303,7 +285,7 @@ class InGroup:
             self._remote_total, self._replaced = None, 0
         return True
 
-    def _load_total(self) -> None:
+    def _load_total(self, learner: OnlineLearner) -> None:
         """The classifier becomes the sum of every partition's sums. The remote partitions' total is kept: a newer
         state replaces its partition's part in it (two additions, whatever the number of partitions), and it is
         summed afresh once every ``len(remote)`` replacements, so a merge costs O(1) parts amortised."""
@@ -311,8 +293,8 @@ class InGroup:
         if self._remote_total is None:
             self._remote_total = LabelStatistics.total([s.stats for s in self.remote.values()], like=self._empty)
             self._replaced = 0
-        self.state.learner.load_statistics(LabelStatistics.total([self._remote_total, *self.own.values()]))
-        self.state.metrics.merge_seconds.observe(time.perf_counter() - start)
+        learner.load_statistics(LabelStatistics.total([self._remote_total, *self.own.values()]))
+        self.metrics.merge_seconds.observe(time.perf_counter() - start)
 
     # --- learning ---------------------------------------------------------------------------------------------
     def new_book(self, learn_replays: bool) -> StreamBook:
@@ -325,65 +307,65 @@ class InGroup:
         """Any share of the partitions: the group's states add up to the model."""
         return None
 
-    def update(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample], encoded: Encoded | None,
+    def update(self, learner: OnlineLearner, images: torch.Tensor, labels: torch.Tensor, encoded: Encoded | None,
                key: str | None) -> torch.Tensor | None:
         """Predict with the merged model, add the batch to its partition's sums (``key``: the state cuts each
         mini-batch from one partition, ``groups``), load the new total. ``encoded``: the batch's encoding, where the
         sample table keeps its features."""
         assert key is not None
-        pred, h, hits = self.state.learner.statistics_step(images, labels, encoded)
-        self.own[key].add(h, labels, hits)
-        self._moved(key, len(labels))
+        pred, h, hits = learner.statistics_step(images, labels, encoded)
+        with self.lock:
+            self.own[key].add(h, labels, hits)
+        self._moved(learner, key, len(labels))
         self.learned_here += len(labels)
         return pred
 
-    def edits(self, key: str | None) -> PartitionEdits:
+    def edits(self, learner: OnlineLearner, key: str | None) -> PartitionEdits:
         """A change is learned in its partition's sums."""
         assert key is not None
-        return PartitionEdits(self.own[key], self.state.learner, partial(self._moved, key))
+        return PartitionEdits(self.own[key], learner, partial(self._moved, learner, key), self.lock)
 
-    def _moved(self, key: str, n: int) -> None:
+    def _moved(self, learner: OnlineLearner, key: str, n: int) -> None:
         """``n`` samples or changes moved partition ``key``'s sums: the classifier loads the new total."""
         self.steps[key] += n
-        self._load_total()
+        self._load_total(learner)
 
-    def next_version(self) -> int:
+    def next_version(self, version: int) -> int:
         """How often the merged model moved, summed over partitions (samples learned, changes applied): the same on
         every learner once they have the same states, and growing whatever a change takes out."""
         return sum(self.steps.values()) + sum(state.moves for state in self.remote.values())
 
     # --- persisting: the state topic instead of a checkpoint file --------------------------------------------
-    def capture(self) -> GroupCapture:
-        """The state of every partition whose offset moved since the last capture; they count as saved here."""
-        now, book = time.time(), self.state.intake.book
+    def capture(self, checkpoint: Callable[[], LearnerCheckpoint], moved: list[tuple[str, int | None, dict]],
+                corrections: Corrections | None) -> GroupCapture:
+        """The state of every partition whose offset moved since the last capture (``moved``: key, offset,
+        learned ids), with the sample-table changes they include."""
+        now = time.time()
         (then, learned), rate_mark = self.rate_mark, (time.monotonic(), self.learned_here)
         rate, self.rate_mark = (self.learned_here - learned) / max(rate_mark[0] - then, 1e-3), rate_mark
-        moved = [(key, *book.partition(key)) for key in book.unsaved_keys()]
-        book.mark_saved(book.offsets)
-        corrections = self.state.intake.corrections
         tables = [] if self.tables is None or corrections is None else [
             write for key, _, _ in moved if (write := self.tables.capture(key, corrections.tables[key])) is not None]
-        states = [PartitionState(key, self.own[key].clone(), offset, learned, self.state.origin, self.learner_id,
+        states = [PartitionState(key, self.own[key].clone(), offset, learned, self.origin, self.learner_id,
                                  now, rate, int(self.lag.get(key, 0)), self.steps[key],
                                  {} if self.tables is None else self.tables.included(key),
                                  {} if corrections is None else dict(corrections.counts[key]))
                   for key, offset, learned in moved if offset is not None]  # moved: handled records
         return GroupCapture({s.key: s.offset for s in states}, now, states, tables)
 
-    def write(self, captured: Capture) -> None:
+    def write(self, captured: Capture, corrections: Corrections | None) -> None:
         """Write the captured table changes to the sample changelog, then the partition states that include them
         to the state topic, each acknowledged."""
         assert isinstance(captured, GroupCapture)  # what this membership's capture took
         written = self.tables.changelog.write(captured.tables) if self.tables and captured.tables else 0
         written += self.changelog.write(captured.states) if captured.states else 0
-        with self.state.lock:
+        with self.lock:
             self.written.update({s.key: s for s in captured.states})
-        self.state.metrics.state_writes.inc(len(captured.states))
-        self.state.metrics.state_bytes.inc(written)
+        self.metrics.state_writes.inc(len(captured.states))
+        self.metrics.state_bytes.inc(written)
 
     def group_view(self) -> GroupView:
         """Each learner's partitions, rate and lag, and what the model holds of each partition."""
-        with self.state.lock:
+        with self.lock:
             samples = {k: st.stats.samples for k, st in self.remote.items()} | {
                 k: st.samples for k, st in self.own.items()}
             then, learned = self.rate_mark
@@ -408,6 +390,5 @@ def open_group_learner(cfg: ServeConfig, metrics: ServerMetrics, model_thread: M
                           "holds its image, which a group's partitioning does not promise yet; learn labels "
                           "that come later with one learner")
     tables = PartitionTables(cfg.kafka) if cfg.corrections.enabled else None
-    membership = InGroup(Changelog(cfg.kafka), f"{socket.gethostname()}:{cfg.port}", cfg.checkpoint_dir / CHECKPOINT,
-                         tables)
+    membership = InGroup(cfg, metrics, Changelog(cfg.kafka), f"{socket.gethostname()}:{cfg.port}", tables)
     return open_learner(cfg, metrics, model_thread, membership)

@@ -41,7 +41,7 @@ class Service(Serving):
         state = opened(settings, metrics, model_thread)
         batcher = MicroBatcher(run=model_thread.run_first)  # a prediction waits for a block of a step, not the whole
         service = cls(state, LearnerLoop(state), batcher, SnapshotPublisher.create(state))
-        state.membership.start_following(service.loop.lag)
+        state.start_following(service.loop.lag)
         if service.publisher is not None:
             state.on_learned = service.publisher.notify
             service.publisher.start()  # it publishes the model as it starts (restored, or empty) first
@@ -51,7 +51,7 @@ class Service(Serving):
     def stop(self) -> None:
         """Learn the records in hand, checkpoint and commit, then stop learning; publish the last snapshot."""
         self.loop.stop()
-        self.state.membership.stop_following()
+        self.state.stop_following()
         if self.publisher is not None:
             self.publisher.stop()
         self.state.model_thread.shutdown()

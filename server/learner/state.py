@@ -9,15 +9,15 @@ Kafka Streams splits a stateful task the same way (StreamTask, RecordCollector, 
 * the **persistence** is a strategy handed in (``Membership``): ``Alone`` here, a learner with a checkpoint file
   of its own, or ``InGroup`` (``server.learner.partitioned``), a learner in a group whose partitions' states are
   in the state topic. Both answer the same verbs (``new_book``, ``restore``, ``groups``, ``update``,
-  ``check_assignment``, ``capture``, ``write``, ...): they return typed values and never write this state's
-  fields, and nothing asks which one it is.
+  ``check_assignment``, ``capture``, ``write``, ``adopt``, ...): they are handed what they act on, return typed
+  values (a checkpoint, partitions to adopt at their offsets, keys to let go) that this state applies, and never
+  write its fields; nothing asks which one it is.
 
 A record goes from the poll to the model update through the loop, the intake, its book, this state (which the model
 thread runs, taking its mini-batches from the book itself) and the learner (docs/architecture.md).
 
-A checkpoint holds the trainable state, optimizer, seen classes, running alignment statistics, monitor state,
-any-time history, the learned sample ids per stream, the label join, and the next offset per partition, so model
-and offsets roll back together. Constructing a ``LearnerState`` reads nothing: ``open_learner`` (here) and
+A learner alone's checkpoint is a ``mepo_stream.checkpoint.LearnerCheckpoint``. Constructing a ``LearnerState``
+reads nothing: ``open_learner`` (here) and
 ``open_group_learner`` (``server.learner.partitioned``) load the test split, build the model and restore.
 Status and metrics are read by the state's ``reporter`` (``server.learner.reporter``) through ``view``.
 """
@@ -33,6 +33,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -40,7 +41,7 @@ import torch
 
 from mepo_stream.anytime import AnytimeEvaluation
 from mepo_stream.backbone import device
-from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
+from mepo_stream.checkpoint import LearnerCheckpoint
 from mepo_stream.data import list_files, load_split
 from mepo_stream.errors import StateRefused
 from mepo_stream.learner import OnlineLearner
@@ -48,11 +49,12 @@ from mepo_stream.methods.base import Encoded
 from mepo_stream.model import create_model
 from server.config import ServeConfig, model_config
 from server.learner.book import Pending, Sample, StreamBook
-from server.learner.corrections import ModelEdits
+from server.learner.corrections import Corrections, ModelEdits
 from server.learner.evaluation import Evaluator
 from server.learner.intake import Intake, Outgoing
 from server.learner.monitor import StreamMonitor
 from server.learner.reporter import StateReporter
+from server.learner.sample_table import SampleTable
 from server.learner.staging import stack_images
 from server.learner.view import GroupView, LearnerView, join_summary
 from server.metrics import ServerMetrics
@@ -63,9 +65,6 @@ from server.state_topic import PartitionState
 
 log = logging.getLogger(__name__)
 CHECKPOINT = "learner.pt"
-CHECKPOINT_FORMAT = "mepo-checkpoint/2"
-"""What a checkpoint holds: version 2 is version 1 with the ``format`` key (a checkpoint without it is version 1)."""
-READABLE_FORMATS = ("mepo-checkpoint/1", CHECKPOINT_FORMAT)
 
 
 class StateWriteFailed(RuntimeError):
@@ -79,16 +78,6 @@ class StateWriteFailed(RuntimeError):
         super().__init__(f"the state write of {where} failed ({why}); the learner stops: "
                          f"nothing was committed past its last written state, a restart resumes from there")
         self.offsets = dict(offsets)
-
-
-def read_checkpoint(path: Path) -> dict:
-    """A learner checkpoint this version reads; another format is refused whole, with what to do."""
-    state = load_checkpoint(path)
-    fmt = state.get("format", "mepo-checkpoint/1")
-    if fmt not in READABLE_FORMATS:
-        raise StateRefused(f"{path} is a checkpoint of format {fmt!r}; this version of mepo reads {READABLE_FORMATS}. "
-                         f"Run the version that wrote it, or move it away to start learning from scratch")
-    return state
 
 
 @dataclass(frozen=True)
@@ -106,15 +95,40 @@ class Capture:
 class CheckpointCapture(Capture):
     """A learner alone's: the content of its checkpoint file (model, offsets and learned ids together)."""
 
-    checkpoint: dict
+    checkpoint: LearnerCheckpoint
 
 
 @dataclass(frozen=True)
 class Restored:
-    """What a membership's restore brings back beside the model, for the state to show."""
+    """What a membership's restore brings back: the version to show, and a learner alone's checkpoint for the state
+    to load (a group loads its sums into the learner it is handed)."""
 
     version: int
-    last_checkpoint_time: float = math.nan
+    checkpoint: LearnerCheckpoint | None = None
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """A partition a learner in a group takes over: where it stands, and its sample table (corrections on)."""
+
+    key: str
+    offset: int
+    learned: dict[str, list[int]]
+    table: SampleTable | None = None
+    changes: dict[str, int] | None = None
+    """The counts of the corrections its state includes."""
+    stale: bool = False
+    """Its changelog holds writes its state does not include: the partition is written again at the next capture."""
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """What a group's rebalance read for the partitions assigned: every partition's newest state on the topic, and
+    the assigned ones' sample tables rebuilt from the changelog, each with whether it holds writes its state does
+    not include."""
+
+    states: dict[str, PartitionState]
+    tables: dict[str, tuple[SampleTable, bool]]
 
 
 @dataclass(frozen=True)
@@ -166,27 +180,27 @@ def build_learner(cfg: ServeConfig, n_classes: int) -> OnlineLearner:
 class Membership(Protocol):
     """One learner alone, or a learner in a group: where its state persists and how its steps are cut and taken.
 
-    ``bind`` hands it the state it serves; ``capture`` runs in the model thread with the state's lock held."""
+    Every call but ``read`` (the rebalance's reading, on the thread it comes on), ``group_view`` (any reader) and the
+    following runs in the model thread; each is handed what it acts on and returns what the state applies."""
 
-    refusal: StateRefused | None
-    """Why learning must stop (a learner in a group: another model's state on the topic); None while it may go on."""
-
-    def bind(self, state: LearnerState) -> None: ...
     def new_book(self, learn_replays: bool) -> StreamBook: ...
-    def restore(self) -> Restored | None: ...
+    def restore(self, learner: OnlineLearner, origin: Origin) -> Restored | None: ...
     def groups(self, pending: list[Pending]) -> list[tuple[str | None, list[Pending]]]: ...
-    def update(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample], encoded: Encoded | None,
+    def update(self, learner: OnlineLearner, images: torch.Tensor, labels: torch.Tensor, encoded: Encoded | None,
                key: str | None) -> torch.Tensor | None: ...
-    def edits(self, key: str | None) -> ModelEdits: ...
+    def edits(self, learner: OnlineLearner, key: str | None) -> ModelEdits: ...
     def check_assignment(self, images: set[int], everything: set[int] | None) -> StateRefused | None: ...
-    def next_version(self) -> int: ...
-    def capture(self) -> Capture: ...
-    def write(self, captured: Capture) -> None: ...
-    def assign(self, keys: list[str]) -> None: ...
-    def revoke(self, keys: list[str]) -> None: ...
+    def next_version(self, version: int) -> int: ...
+    def capture(self, checkpoint: Callable[[], LearnerCheckpoint], moved: list[tuple[str, int | None, dict]],
+                corrections: Corrections | None) -> Capture: ...
+    def write(self, captured: Capture, corrections: Corrections | None) -> None: ...
+    def read(self, keys: list[str], corrections: Corrections | None) -> Incoming | None: ...
+    def adopt(self, learner: OnlineLearner, keys: list[str], incoming: Incoming) -> list[Adopted]: ...
+    def revoke(self, learner: OnlineLearner, keys: list[str]) -> list[str]: ...
+    def merge(self, learner: OnlineLearner, remote: PartitionState) -> bool: ...
     def group_view(self) -> GroupView | None: ...
-    def merge_remote(self, remote: PartitionState) -> None: ...
-    def start_following(self, lag: dict[str, int]) -> None: ...
+    def start_following(self, lag: dict[str, int], on_state: Callable[[PartitionState], None],
+                        on_error: Callable[[StateRefused], None]) -> None: ...
     def stop_following(self) -> None: ...
 
 def watch_drift(monitor: StreamMonitor, metrics: ServerMetrics, labels: torch.Tensor, pred: torch.Tensor | None,
@@ -221,7 +235,7 @@ class LearnerState:
         self.cfg, self.metrics, self.model_thread, self.learner = cfg, metrics, model_thread, learner
         self.class_names, self.origin, self.evaluator = class_names, origin, evaluator
         """``origin``: what this learner's snapshots and partition states share, and what a reader must match."""
-        self.lock = threading.Lock()  # one writer at a time: the learner thread, or kafka-python's in a rebalance
+        self.lock = threading.Lock()  # the model thread writes under it; the HTTP threads' view reads under it
         self.intake = Intake(cfg, learner, class_names, metrics, model_thread, self.lock, lambda: self.version,
                              membership.new_book(cfg.learn_replays))
         self.monitor = StreamMonitor(cfg.monitor)
@@ -234,7 +248,8 @@ class LearnerState:
         self.on_learned: Callable[[], None] | None = None  # told of every new version (the publisher)
         self.reporter = StateReporter(self.view, metrics)
         self.membership = membership
-        membership.bind(self)
+        self.refusal: StateRefused | None = None
+        """Why learning must stop (a state another model wrote on the group's topic); the loop raises it."""
         self._snapshot: Snapshot | None = None
 
     # --- serving ------------------------------------------------------------------------------------------
@@ -339,7 +354,7 @@ class LearnerState:
         if batch[0].change is not None:
             assert self.intake.corrections is not None
             with self.lock:
-                model = self.membership.edits(key)
+                model = self.membership.edits(self.learner, key)
                 for s in batch:
                     assert s.change is not None  # a run of changes holds nothing else (``runs_of_samples``)
                     self.intake.corrections.apply(s.change, self.intake.join, model, key)
@@ -363,7 +378,7 @@ class LearnerState:
                 labels, pred = torch.tensor(scored).T if scored else (labels, None)  # the predictions at arrival
             else:  # the learner's own forward where it trains by gradient; else the encoding above
                 assert images is not None
-                pred = self.membership.update(images, labels, batch, encoded, key)
+                pred = self.membership.update(self.learner, images, labels, encoded, key)
             if self.cfg.prequential:
                 watch_drift(self.monitor, self.metrics, labels, pred, seen_before)
             self.intake.learned(batch, None if kept or encoded is None else encoded.feature, key)
@@ -372,21 +387,39 @@ class LearnerState:
             self.changed()
         self.announce(len(batch))
 
-    @property
-    def refusal(self) -> StateRefused | None:
-        """Why learning must stop (the membership's: a learner in a group refuses another model's state)."""
-        return self.membership.refusal
-
     def restore(self) -> None:
-        """Restore what the membership persisted, and show its version."""
-        if (restored := self.membership.restore()) is not None:
+        """Restore what the membership persisted (a learner alone: its checkpoint file's model, monitor, book,
+        join, sample table, curve and RNG), and show its version."""
+        self.model_thread.check()
+        restored = self.membership.restore(self.learner, self.origin)
+        if (saved := None if restored is None else restored.checkpoint) is not None:
+            self._load(saved)
+        elif self.intake.corrections is not None and not self.intake.corrections.by_partition:
+            self.intake.corrections.restore(None)
+        if restored is not None:
             self.version, self.samples_seen = restored.version, self.learner.samples_seen
-            self.last_checkpoint_time = restored.last_checkpoint_time
+
+    def _load(self, saved: LearnerCheckpoint) -> None:
+        try:
+            self.learner.load_state_dict(saved.learner)
+        except StateRefused as e:  # tensors of another model
+            raise StateRefused(f"{self.cfg.checkpoint_dir / CHECKPOINT} was written by another model than these "
+                               f"options build (start with the options that wrote it, or move it away to learn "
+                               f"from scratch): {e}") from e
+        self.monitor.load_state_dict(saved.monitor)
+        self.intake.restore(saved.position)
+        if self.intake.corrections is not None:
+            self.intake.corrections.restore(saved.corrections)
+        self.evaluator.load_state_dict(saved.anytime)
+        torch.set_rng_state(saved.rng)
+        self.last_checkpoint_time = saved.time
+        log.info("restored checkpoint %s: %d samples learned, offsets %s", self.cfg.checkpoint_dir / CHECKPOINT,
+                 saved.samples_seen, saved.position.offsets)
 
     def changed(self) -> None:
         """The model changed: run the evaluations now due, then move ``version`` and ``samples_seen``."""
         self.metrics.anytime_evals.inc(self.evaluator.after_batch(self.learner))
-        self.version, self.samples_seen = self.membership.next_version(), self.learner.samples_seen
+        self.version, self.samples_seen = self.membership.next_version(self.version), self.learner.samples_seen
 
     def announce(self, learned: int) -> None:
         """Tell the publisher and the metrics of a new version (``learned`` samples learned here for it)."""
@@ -431,17 +464,28 @@ class LearnerState:
         self.model_thread.check()
         if not (self.since_checkpoint > 0 or self.intake.book.unsaved_keys()):
             return None
+        book = self.intake.book
         with self.lock:
-            captured = self.membership.capture()
+            moved = [(key, *book.partition(key)) for key in book.unsaved_keys()]
+            captured = self.membership.capture(self._checkpoint, moved, self.intake.corrections)
+            book.mark_saved(book.offsets)
             self.since_checkpoint, self.captured_at = 0, time.monotonic()
         return captured
+
+    def _checkpoint(self) -> LearnerCheckpoint:
+        """A detached copy of everything a learner alone's checkpoint holds."""
+        corrections = self.intake.corrections  # its table's changes are on disk before the checkpoint naming them
+        return copy.deepcopy(LearnerCheckpoint(
+            self.learner.state_dict(), self.version, time.time(), self.intake.position(), self.monitor.state_dict(),
+            self.evaluator.state_dict(), torch.get_rng_state(),
+            None if corrections is None else corrections.checkpoint()))
 
     def write(self, captured: Capture) -> dict[str, int]:
         """Persist what ``capture`` took (the membership's way) and time it; returns its offsets. A failed write
         raises ``StateWriteFailed``, and the book no longer counts its offsets as saved."""
         start = time.perf_counter()
         try:
-            self.membership.write(captured)
+            self.membership.write(captured, self.intake.corrections)
         except Exception as e:
             self.intake.book.mark_saved(captured.offsets, failed=True)
             raise StateWriteFailed(captured.offsets, e) from e
@@ -450,110 +494,153 @@ class LearnerState:
         self.metrics.last_checkpoint.set(self.last_checkpoint_time)
         return captured.offsets
 
+    # --- a group's partitions come and go (``InGroup``; nothing for a learner alone) ---------------------------
+    def check_assignment(self, images: set[int], everything: set[int] | None) -> StateRefused | None:
+        """Whether this learner may learn these partitions of the image topic (``Membership.check_assignment``)."""
+        return self.membership.check_assignment(images, everything)
+
+    def assign(self, keys: list[str]) -> None:
+        """Partitions assigned (the rebalance's thread): read their states here, then adopt them in the model
+        thread, each where its state stands."""
+        if (incoming := self.membership.read(keys, self.intake.corrections)) is not None:
+            self.model_thread.run(self._adopt, keys, incoming)
+
+    def _adopt(self, keys: list[str], incoming: Incoming) -> None:
+        self.model_thread.check()
+        book, corrections = self.intake.book, self.intake.corrections
+        with self.lock:
+            for p in self.membership.adopt(self.learner, keys, incoming):
+                book.adopt(p.key, p.offset, p.learned)
+                if corrections is not None and p.table is not None:
+                    corrections.adopt(p.key, p.table, p.changes or {})
+                if p.stale:  # written out again at the next capture, under this owner's epoch
+                    book.mark_saved({p.key: p.offset}, failed=True)
+            self.changed()
+        log.info("learning partitions %s from offsets %s", sorted(book.offsets), book.offsets)
+        self.announce(0)
+
+    def revoke(self, keys: list[str]) -> None:
+        """Partitions taken away, persisted just before: the membership lets them go, and so do the book and the
+        sample tables (a learner alone keeps them: its checkpoint holds them)."""
+        self.model_thread.run(self._let_go, keys)
+
+    def _let_go(self, keys: list[str]) -> None:
+        self.model_thread.check()
+        with self.lock:
+            for key in self.membership.revoke(self.learner, keys):
+                self.intake.book.drop(key)
+                if self.intake.corrections is not None and self.intake.corrections.by_partition:
+                    self.intake.corrections.drop(key)
+        self.reporter.export()
+
+    def merge_remote(self, remote: PartitionState) -> None:
+        """Another learner's newer state of a partition (the follower's thread): merged in the model thread."""
+        self.model_thread.run(self._merge, remote)
+
+    def _merge(self, remote: PartitionState) -> None:
+        self.model_thread.check()
+        try:
+            with self.lock:
+                if not self.membership.merge(self.learner, remote):
+                    return
+                self.changed()
+        except StateRefused as e:
+            self.refusal = e
+            return
+        self.metrics.state_merges.inc()
+        self.announce(0)
+
+    def start_following(self, lag: dict[str, int]) -> None:
+        """Follow the group's other learners (``lag``: the loop's, per partition, which partition states report)."""
+        self.membership.start_following(lag, self.merge_remote, partial(self.model_thread.run, self._refuse))
+
+    def _refuse(self, refused: StateRefused) -> None:
+        self.refusal = refused
+
+    def stop_following(self) -> None:
+        self.membership.stop_following()
+
 
 class Alone:
     """One learner over the whole topic: its checkpoint file holds model, offsets and learned ids together."""
 
-    refusal: StateRefused | None = None  # nothing another learner writes reaches it
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.state: LearnerState  # the state this membership serves, once bound to it
-
-    def bind(self, state: LearnerState) -> None:
-        self.state = state
+    def __init__(self, path: Path, cfg: ServeConfig):
+        self.path, self.cfg = path, cfg
 
     def new_book(self, learn_replays: bool) -> StreamBook:
         return StreamBook(learn_replays=learn_replays)
+
+    def restore(self, learner: OnlineLearner, origin: Origin) -> Restored | None:
+        """The checkpoint file, if there is one, for the state to load."""
+        if not self.path.is_file():
+            return None
+        saved = LearnerCheckpoint.load(self.path)
+        return Restored(saved.version, saved)
 
     def groups(self, pending: list[Pending]) -> list[tuple[str | None, list[Pending]]]:
         """Mini-batches may mix every partition's records."""
         return [(None, pending)]
 
-    def edits(self, key: str | None) -> ModelEdits:
-        """Changes are learned in the model itself."""
-        return self.state.learner
-
-    def update(self, images: torch.Tensor, labels: torch.Tensor, batch: list[Sample], encoded: Encoded | None,
+    def update(self, learner: OnlineLearner, images: torch.Tensor, labels: torch.Tensor, encoded: Encoded | None,
                key: str | None = None) -> torch.Tensor | None:
         """Fold the batch into the model (from ``encoded``, its encoding, where the caller has it); its
         test-then-train predictions (None: not prequential) feed the drift monitor."""
-        s = self.state
-        if not s.cfg.prequential:
-            s.learner.observe(images, labels, encoded)
+        if not self.cfg.prequential:
+            learner.observe(images, labels, encoded)
             return None
-        return s.learner.test_then_train(images, labels, s.cfg.alignment.inference_mode, encoded)
+        return learner.test_then_train(images, labels, self.cfg.alignment.inference_mode, encoded)
+
+    def edits(self, learner: OnlineLearner, key: str | None) -> ModelEdits:
+        """Changes are learned in the model itself."""
+        return learner
 
     def check_assignment(self, images: set[int], everything: set[int] | None) -> StateRefused | None:
         """A learner alone must have the whole topic: a second one in its group would split the stream between two
         models that nothing adds up (None: it has; also while the partitions are not known yet)."""
         if not everything or images == everything:
             return None
-        kafka = self.state.cfg.kafka
+        kafka = self.cfg.kafka
         return StateRefused(f"another learner joined consumer group {kafka.group_id!r} and took some of "
-                            f"{kafka.topic}'s partitions: each would learn a part of the stream into a model of its "
-                            f"own. Learning in several processes needs --kafka.state_topic (docs: Scale-out), and a "
-                            f"model whose sums add up")
+                            f"{kafka.topic}'s partitions: each would learn a part of the stream into a model "
+                            f"of its own. Learning in several processes needs --kafka.state_topic (docs: Scale-out), "
+                            f"and a model whose sums add up")
 
-    def restore(self) -> Restored | None:
-        """Load the checkpoint file, if there is one: model, monitor, book, join, sample table, curve and the RNG."""
-        if not self.path.is_file():
-            if self.state.intake.corrections is not None:
-                self.state.intake.corrections.restore(None)
-            return None
-        s, saved = self.state, read_checkpoint(self.path)
-        try:
-            s.learner.load_state_dict(saved["learner"])
-        except StateRefused as e:  # tensors of another model
-            raise StateRefused(f"{self.path} was written by another model than these options build (start with the "
-                               f"options that wrote it, or move it away to learn from scratch): {e}") from e
-        s.monitor.load_state_dict(saved["monitor"])
-        s.intake.load_state_dict(saved)
-        if s.intake.corrections is not None:
-            s.intake.corrections.restore(saved.get("corrections"))
-        s.evaluator.load_state_dict(saved["anytime"])
-        torch.set_rng_state(saved["rng"])
-        log.info("restored checkpoint %s: %d samples learned, offsets %s", self.path, s.learner.samples_seen,
-                 s.offsets)
-        return Restored(int(saved["version"]), float(saved["time"]))
+    def next_version(self, version: int) -> int:
+        return version + 1
 
-    def next_version(self) -> int:
-        return self.state.version + 1
+    def capture(self, checkpoint: Callable[[], LearnerCheckpoint], moved: list[tuple[str, int | None, dict]],
+                corrections: Corrections | None) -> CheckpointCapture:
+        """A detached copy of everything the checkpoint holds."""
+        saved = checkpoint()
+        return CheckpointCapture(saved.position.offsets, saved.time, saved)
 
-    def capture(self) -> CheckpointCapture:
-        """A detached copy of everything the checkpoint holds; the book counts its offsets as saved."""
-        s = self.state
-        checkpoint = copy.deepcopy({
-            "format": CHECKPOINT_FORMAT, "learner": s.learner.state_dict(), "monitor": s.monitor.state_dict(),
-            "version": s.version, **s.intake.state_dict(), "time": time.time(), "anytime": s.evaluator.state_dict(),
-            "rng": torch.get_rng_state(),  # the augmentation draws continue as if nothing had happened
-        })
-        if s.intake.corrections is not None:  # the table's changes are on disk before the checkpoint that names them
-            checkpoint["corrections"] = s.intake.corrections.checkpoint()
-        s.intake.book.mark_saved(checkpoint["offsets"])
-        return CheckpointCapture(checkpoint["offsets"], checkpoint["time"], checkpoint)
-
-    def write(self, captured: Capture) -> None:
+    def write(self, captured: Capture, corrections: Corrections | None) -> None:
         """Write the copy atomically (temporary file, fsync, rename)."""
         assert isinstance(captured, CheckpointCapture)  # what this membership's capture took
-        save_checkpoint(self.path, captured.checkpoint)
-        if (corrections := self.state.intake.corrections) is not None:
-            corrections.settle(captured.checkpoint["corrections"])
+        captured.checkpoint.save(self.path)
+        if corrections is not None and captured.checkpoint.corrections is not None:
+            corrections.settle(captured.checkpoint.corrections)
 
-    def assign(self, keys: list[str]) -> None:
+    def read(self, keys: list[str], corrections: Corrections | None) -> None:
         """Partitions assigned: the checkpoint already holds where each one stands."""
+        return None
 
-    def revoke(self, keys: list[str]) -> None:
-        """Partitions taken away (after a checkpoint): the checkpoint keeps them, nothing to do."""
+    def adopt(self, learner: OnlineLearner, keys: list[str], incoming: Incoming) -> list[Adopted]:
+        return []
+
+    def revoke(self, learner: OnlineLearner, keys: list[str]) -> list[str]:
+        """Partitions taken away (after a checkpoint): the checkpoint keeps them, nothing to let go."""
+        return []
+
+    def merge(self, learner: OnlineLearner, remote: PartitionState) -> bool:
+        """A learner alone follows no state topic: a partition state reaching it is a wiring error."""
+        raise RuntimeError(f"a learner alone got {remote.key}'s state from a group's state topic")
 
     def group_view(self) -> None:
         return None
 
-    def merge_remote(self, remote: PartitionState) -> None:
-        """A learner alone follows no state topic: a partition state reaching it is a wiring error."""
-        raise RuntimeError(f"a learner alone got {remote.key}'s state from a group's state topic")
-
-    def start_following(self, lag: dict[str, int]) -> None:
+    def start_following(self, lag: dict[str, int], on_state: Callable[[PartitionState], None],
+                        on_error: Callable[[StateRefused], None]) -> None:
         """A learner alone follows no other learner."""
 
     def stop_following(self) -> None:
@@ -585,7 +672,7 @@ def _open(cfg: ServeConfig, metrics: ServerMetrics, model_thread: ModelThread, m
     origin = Origin(cfg.model_name, model.to_json(), names, learner.method.backbone_sha256, model.mepo.sha256())
     state = LearnerState(cfg, metrics, model_thread, learner, class_names, origin,
                          Evaluator(evaluation, cfg.alignment.inference_mode),
-                         membership or Alone(cfg.checkpoint_dir / CHECKPOINT))
+                         membership or Alone(cfg.checkpoint_dir / CHECKPOINT, cfg))
     state.restore()
     metrics.info.info({"backbone": cfg.backbone.name, "mepo_bundle": str(cfg.mepo or ""), "method": cfg.method,
                        "n_classes": str(len(class_names))})

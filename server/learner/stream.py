@@ -209,7 +209,7 @@ class LearnerLoop(ConsumerThread):
         that nothing adds up); each partition starts where this process's model stands (the book's offset)."""
         keys = [str(key) for key in assigned]
         try:
-            self.state.membership.assign(keys)
+            self.state.assign(keys)
         except StateRefused as e:
             self.refusal = e
         except BROKER_ERRORS as e:  # the partitions' states could not be read: reconnect, and be assigned again
@@ -217,7 +217,7 @@ class LearnerLoop(ConsumerThread):
         if self.refusal is None and self.consumer is not None:
             everything = self.consumer.partitions_of(self.cfg.kafka.topic)  # None: not known yet
             images = {key.partition for key in assigned if key.topic != self.cfg.kafka.labels_topic}
-            self.refusal = self.state.membership.check_assignment(images, everything)
+            self.refusal = self.state.check_assignment(images, everything)
         log.info("assigned %s", keys)
         return {PartitionKey.parse(key): offset for key, offset in self.state.positions(keys).items()}
 
@@ -235,7 +235,7 @@ class LearnerLoop(ConsumerThread):
         except StateWriteFailed as e:
             log.error("%s; letting %s go", e, keys)
         finally:
-            self.state.membership.revoke(keys)
+            self.state.revoke(keys)
 
     def _run(self) -> None:
         while not self.stop_event.is_set():
