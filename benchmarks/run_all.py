@@ -10,7 +10,7 @@ The CPU rows run with CUDA hidden, so they stay CPU rows wherever ``make bench``
 GPU rows follow (skipped with a note elsewhere): the service against the bare loop on the GPU at fp32 and at
 bf16, predict latency while learning against the bare forward on the same GPU, the bare learner of ViT-B/16 at
 224 px in bf16 with the paper's recipe, camera JPEGs decoded on the GPU against the CPU's scaled decode, and
-ViT-B/16 learning a 1280x960 JPEG stream with its JPEGs decoded on the GPU and by the decode pool. Every row says
+ViT-B/16 learning a 1280x960 JPEG stream with its JPEGs decoded on the GPU and on the CPU. Every row says
 where it was measured (device and dtype).
 
 Usage:
@@ -48,6 +48,8 @@ from benchmarks.rows import (
     learner_throughput,
     learning_quality,
     model_arithmetic,
+    novelty,
+    novelty_cost,
     predict_latency,
     predict_throughput,
     predict_while_learning,
@@ -68,7 +70,7 @@ BENCHMARKS = ("model_arithmetic", "learning_quality", "learning_quality_tinyimag
               "predict_latency", "predict_throughput", "protocol_latency", "replica_latency", "alignment_cost",
               "refine_throughput", "scale_out", "label_join_memory", "corrections", "batch_invariance",
               "refine_frontier", "decode", "camera_learner", "predict_latency_camera", "learner_overhead",
-              "corrections_service", "predict_while_learning")
+              "corrections_service", "predict_while_learning", "novelty", "novelty_cost")
 LONG_BENCHMARKS = ("refine_frontier",)
 """Rows of hours at the full sizes (a dozen refines and their evaluations): the smoke run runs them, the full run
 only when ``--only`` names them (the table keeps their last result)."""
@@ -154,7 +156,7 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path, sigma_data: str =
         return paper_recipe(replace(s, learner=replace(s.learner, precision="bf16")))
 
     def camera(gpu_decode: bool) -> tuple[str, list[str]]:
-        """ViT-B/16 in bf16 learning a 1280x960 JPEG stream, its JPEGs decoded on the GPU or by the decode pool;
+        """ViT-B/16 in bf16 learning a 1280x960 JPEG stream, its JPEGs decoded on the GPU or on the CPU;
         one round each (the GPU's time is short), against its bare loop on tensors already on the device."""
         per_class = int(n(3, CAMERA_PER_CLASS))
         folder = camera_folder(DataConfig(dataset="cifar10", train_per_class=per_class, test_per_class=5), 1280, 960)
@@ -233,11 +235,17 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path, sigma_data: str =
                                                                     "--idle_requests", n(10, 100),
                                                                     "--camera", "1920x1080"]),
         "camera_learner": lambda: ("rows.camera_learner", [
-            *config_options(spec, "--spec."), "--images_per_class", n(3, 50), "--rounds", n(1, 3),
+            *config_options(spec, "--spec."), "--images_per_class", n(3, 50), "--rounds", n(1, 5),
             "--bare_batches", n(2, 8), "--source", spec.dataset if quick else "tinyimagenet-downstream",
             "--work", str(work / name)]),
         "batch_invariance": lambda: ("rows.batch_invariance", [*config_options(spec, "--spec."), "--batches", n(1, 10),
                                                                "--rounds", n(1, 5), "--repeats", n(3, 30)]),
+        "novelty": lambda: ("rows.novelty", [  # the demo's bundle (make runs/demo/refined/manifest.json)
+            *config_options(spec if quick else replace(spec, mepo=Path("runs/demo/refined")), "--spec."),
+            "--work", str(work / name), *(["--train_per_class", "[10, 5]", "--test_per_class", "[5, 2]",
+                                           "--eval_period", "50"] if quick else [])]),
+        "novelty_cost": lambda: ("rows.novelty_cost", [*config_options(spec, "--spec."), "--rounds", n(1, 7),
+                                                       "--repeats", n(5, 50)]),
         "gpu_learner_fp32": lambda: learner(pinned("fp32"), *GPU_LEARNER_CONFIGS, full=GPU_STREAM_PER_CLASS),
         "gpu_learner_bf16": lambda: learner(pinned("bf16"), *GPU_LEARNER_CONFIGS, full=GPU_STREAM_PER_CLASS),
         "gpu_predict_latency": lambda: latency(GPU_STREAM_PER_CLASS),
@@ -260,6 +268,7 @@ ROWS: dict[str, Callable[[dict], list[Row]]] = {
     "scale_out": scale_out.table_rows, "label_join_memory": label_join_memory.table_rows,
     "corrections": corrections.table_rows, "batch_invariance": batch_invariance.table_rows,
     "corrections_service": corrections_service.table_rows,
+    "novelty": novelty.table_rows, "novelty_cost": novelty_cost.table_rows,
     "refine_frontier": refine_frontier.table_rows,
     "decode": decode.table_rows, "camera_learner": camera_learner.table_rows,
     "predict_latency_camera": predict_latency.camera_rows,
@@ -268,7 +277,7 @@ ROWS: dict[str, Callable[[dict], list[Row]]] = {
     "gpu_vit_b16": bare_learner.table_rows, "gpu_decode": gpu_decode.table_rows,
     "gpu_camera_learner": lambda r: learner_throughput.camera_rows(r, "decoded on the GPU"),
     "gpu_camera_learner_cpu_decode": lambda r: learner_throughput.camera_rows(
-        r, "decoded by the decode pool's threads"),
+        r, "decoded on the CPU (measured with the decode pool, since removed)"),
 }
 """Each result's rows in the table, in the table's order: each formatted by the script that measures it."""
 

@@ -10,7 +10,12 @@ same stream. Definitions follow the reference trainer (MISA/MePo ``_trainer.py``
   short at ``next_eval`` instead (``AnytimeEvaluation.room``), so the evaluation "at 500" sees 500 samples;
 * an *end-of-task* evaluation runs after each (hidden) task; **A_last** is the last one, **A_avg** their mean;
 * **F_last** is the mean, over classes whose best earlier end-of-task accuracy is > 0, of that best earlier
-  accuracy minus the final accuracy.
+  accuracy minus the final accuracy;
+* **novelty AUROC** (not in the paper; issue 67): at every any-time evaluation, how well the learner's novelty
+  score (``mepo_stream.novelty``, ``OnlineLearner.novelty``) tells the test images of the classes not learned yet
+  from those of the classes learned, over the test images of *every* class (the accuracy sees only the learned
+  ones); undefined (None) while no class, or every class, is learned. ``novelty_auroc_mean`` averages the defined
+  ones, as A_AUC averages the accuracies.
 
 Example:
     >>> curve = AnytimeCurve()
@@ -30,6 +35,7 @@ from mepo_stream.alignment import AlignMode
 from mepo_stream.data import ImageSet
 from mepo_stream.learner import OnlineLearner
 from mepo_stream.methods.base import Encoded
+from mepo_stream.novelty import auroc
 
 
 @dataclass(frozen=True)
@@ -63,10 +69,18 @@ class AnytimeCurve:
     """Accuracy after each task."""
     task_class_accuracy: list[dict[int, float]] = field(default_factory=list)
     """Per-class accuracy after each task, keyed by class id."""
+    novelty_auroc: list[float | None] = field(default_factory=list)
+    """AUROC of the novelty score, not-yet-learned against learned test images, at each any-time evaluation that
+    measured it (``AnytimeEvaluation`` measures it at every one); None where it is undefined."""
 
-    def add_anytime(self, samples_seen: int, acc: float) -> None:
+    def add_anytime(self, samples_seen: int, acc: float, novelty_auroc: float | None = None,
+                    measured: bool = False) -> None:
+        """Record an any-time evaluation; with ``measured``, its novelty AUROC too (None or NaN: undefined)."""
         self.samples.append(int(samples_seen))
         self.accuracy.append(float(acc))
+        if measured:
+            defined = novelty_auroc is not None and novelty_auroc == novelty_auroc
+            self.novelty_auroc.append(float(novelty_auroc) if defined else None)  # type: ignore[arg-type]
 
     def add_end_of_task(self, acc: float, class_acc: dict[int, float]) -> None:
         self.task_accuracy.append(float(acc))
@@ -75,6 +89,12 @@ class AnytimeCurve:
     @property
     def a_auc(self) -> float:
         return sum(self.accuracy) / len(self.accuracy) if self.accuracy else float("nan")
+
+    @property
+    def novelty_auroc_mean(self) -> float:
+        """The mean of the defined novelty AUROCs (NaN when none is)."""
+        defined = [a for a in self.novelty_auroc if a is not None]
+        return sum(defined) / len(defined) if defined else float("nan")
 
     @property
     def a_last(self) -> float:
@@ -97,7 +117,8 @@ class AnytimeCurve:
         return sum(drops) / len(drops) if drops else 0.0
 
     def summary(self) -> dict[str, float]:
-        return {"A_auc": self.a_auc, "A_last": self.a_last, "A_avg": self.a_avg, "F_last": self.f_last}
+        return {"A_auc": self.a_auc, "A_last": self.a_last, "A_avg": self.a_avg, "F_last": self.f_last,
+                "novelty_auroc_mean": self.novelty_auroc_mean}
 
     def to_dict(self) -> dict:
         return {**asdict(self), **self.summary()}
@@ -106,7 +127,8 @@ class AnytimeCurve:
     def from_dict(cls, d: dict) -> AnytimeCurve:
         """Inverse of ``to_dict`` (JSON or checkpoint round trip; JSON turns class ids into strings)."""
         return cls(list(d["samples"]), list(d["accuracy"]), list(d["task_accuracy"]),
-                   [{int(k): float(v) for k, v in c.items()} for c in d["task_class_accuracy"]])
+                   [{int(k): float(v) for k, v in c.items()} for c in d["task_class_accuracy"]],
+                   list(d.get("novelty_auroc", [])))  # absent in curves written before it was measured
 
 
 def batch_room(samples_seen: int, batch_size: int, eval_period: int) -> int:
@@ -197,6 +219,24 @@ def evaluate_seen(learner: OnlineLearner, encodings: EncodedTestSet, modes: tupl
     return out
 
 
+@torch.no_grad()
+def novelty_auroc(learner: OnlineLearner, encodings: EncodedTestSet, modes: tuple[AlignMode, ...] = ("running",)
+                  ) -> dict[AlignMode, float]:
+    """AUROC of the learner's novelty score (``OnlineLearner.novelty``) ranking the test images of classes not
+    learned yet above those of learned classes, over every test image, per alignment mode (NaN while no class, or
+    every class, is learned). Batches as ``evaluate_seen``'s, in dataset order."""
+    test = encodings.test
+    learned = torch.isin(test.targets, torch.tensor(learner.exposed, dtype=torch.long))  # [N]
+    if bool(learned.all()) or not bool(learned.any()):
+        return {m: float("nan") for m in modes}
+    scores: dict[AlignMode, list[torch.Tensor]] = {m: [] for m in modes}
+    for chunk in torch.arange(len(test)).split(encodings.batch_size):
+        encoded = encodings.get(learner, chunk)
+        for mode in modes:
+            scores[mode].append(learner.novelty(encoded, align_mode=mode))
+    return {m: auroc(torch.cat(parts), ~learned) for m, parts in scores.items()}
+
+
 class AnytimeEvaluation:
     """One run's any-time evaluation: the schedule, the test encodings and a curve per mode.
 
@@ -243,8 +283,9 @@ class AnytimeEvaluation:
         if self.eval_period <= 0 or learner.samples_seen < self.next_eval:
             return None
         results = evaluate_seen(learner, self.encodings, self.modes)
+        novelty = novelty_auroc(learner, self.encodings, self.modes)
         for mode, (acc, _) in results.items():
-            self.curves[mode].add_anytime(self.next_eval, acc)
+            self.curves[mode].add_anytime(self.next_eval, acc, novelty[mode], measured=True)
         self.next_eval += self.eval_period
         return results
 

@@ -10,7 +10,9 @@ holds the classes seen so far only, in the learner's head order, as ``/v1/predic
 * ``image``: uint8 RGB images ``[N, 3, S, S]`` (not normalised: the graph normalises), ``N`` dynamic;
 * ``probability``: float32 ``[N, K]`` over the K classes seen, their names in the model's metadata
   (``labels``, JSON) and, in a Triton repository, in ``labels.txt`` (``label_filename``), for Triton's
-  classification extension.
+  classification extension;
+* ``novelty``: float32 ``[N, 1]``, each image's novelty score (``mepo_stream.novelty``: its factorisations are
+  constants here too); the threshold it was answered against is in the metadata (``novelty_threshold``).
 
 Example:
     >>> from mepo_stream.backbone import BackboneConfig
@@ -18,8 +20,8 @@ Example:
     >>> model = create_model(ModelConfig(backbone=BackboneConfig(name="test_vit", weights=None, img_size=32)), 3)
     >>> _ = model.classifier.update(torch.randn(4, 64), torch.tensor([0, 1, 0, 1]))
     >>> graph = ProbabilityGraph(model.inference_copy(), n_seen=2)
-    >>> graph(torch.zeros(5, 3, 32, 32, dtype=torch.uint8)).shape
-    torch.Size([5, 2])
+    >>> [t.shape for t in graph(torch.zeros(5, 3, 32, 32, dtype=torch.uint8))]
+    [torch.Size([5, 2]), torch.Size([5, 1])]
     >>> print(triton_config("mepo", image_size=32, n_classes=2, max_batch_size=8))  # doctest: +ELLIPSIS
     name: "mepo"
     platform: "onnxruntime_onnx"
@@ -50,11 +52,12 @@ from mepo_stream.backbone import input_size
 from mepo_stream.files import atomic_path
 from mepo_stream.heads import StreamingLDA
 from mepo_stream.methods.base import ContinualMethod, Encoded
+from mepo_stream.novelty import DEFAULT_SCORE, NoveltyScore, novelty_scores
 
 if TYPE_CHECKING:
     import onnx
 
-INPUT, OUTPUT = "image", "probability"
+INPUT, OUTPUT, NOVELTY = "image", "probability", "novelty"
 LABELS_FILE = "labels.txt"
 OPSET = 18
 
@@ -90,7 +93,8 @@ class ProbabilityGraph(nn.Module):
     """uint8 images [B, 3, S, S] at the backbone's resolution S -> probabilities [B, n_seen] of an inference copy
     (``inference_copy``), in fp32."""
 
-    def __init__(self, model: ContinualMethod, n_seen: int, align_mode: AlignMode = "running"):
+    def __init__(self, model: ContinualMethod, n_seen: int, align_mode: AlignMode = "running",
+                 novelty: NoveltyScore = DEFAULT_SCORE):
         super().__init__()
         if n_seen < 1:
             raise ValueError("the model has not learned any class yet: nothing to export")
@@ -102,7 +106,7 @@ class ProbabilityGraph(nn.Module):
         self.model = on_cpu.inference_copy()  # solved and factorised again, here: constants, not traced steps
         lda = self.model.classifier if isinstance(self.model.classifier, StreamingLDA) else None
         self.solved = None if lda is None or not lda.seen else SolvedLDA(lda)
-        self.n_seen, self.align_mode = n_seen, align_mode
+        self.n_seen, self.align_mode, self.novelty = n_seen, align_mode, novelty
 
     @property
     def image_size(self) -> int:
@@ -114,12 +118,14 @@ class ProbabilityGraph(nn.Module):
             return self.model.logits(encoded, self.align_mode)
         return self.solved(self.model.aligned(encoded, self.align_mode))
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.model.transform is not None  # a learner's model normalises its own input (``create_model``)
         x = self.model.transform(images)  # [B, 3, S, S] normalised, at the backbone's resolution
         encoded = self.model.encode(x)
         encoded.feature = encoded.feature.float()  # [B, D]
-        return F.softmax(self.logits(encoded).float()[:, : self.n_seen], dim=1)  # [B, K]
+        logits = self.logits(encoded).float()[:, : self.n_seen]  # [B, K]
+        h = self.model.aligned(encoded, self.align_mode)  # [B, D]
+        return F.softmax(logits, dim=1), novelty_scores(self.model.classifier, h, logits, self.novelty)[:, None]
 
 
 def onnx_model(graph: ProbabilityGraph, metadata: dict[str, str]) -> onnx.ModelProto:
@@ -134,8 +140,9 @@ def onnx_model(graph: ProbabilityGraph, metadata: dict[str, str]) -> onnx.ModelP
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the tracer's notes on those Python branches
         torch.onnx.export(graph, (example,), buffer,  # type: ignore[arg-type]  # a file object: the TorchScript exporter writes to it
-                          input_names=[INPUT], output_names=[OUTPUT], opset_version=OPSET,
-                          dynamic_axes={INPUT: {0: "batch"}, OUTPUT: {0: "batch"}}, dynamo=False)
+                          input_names=[INPUT], output_names=[OUTPUT, NOVELTY], opset_version=OPSET,
+                          dynamic_axes={INPUT: {0: "batch"}, OUTPUT: {0: "batch"}, NOVELTY: {0: "batch"}},
+                          dynamo=False)
     onnx = onnx_package()
     model = onnx.load_from_string(buffer.getvalue())
     onnx.helper.set_model_props(model, metadata)
@@ -158,7 +165,8 @@ def triton_config(name: str, image_size: int, n_classes: int, max_batch_size: in
             f'input [\n  {{\n    name: "{INPUT}"\n    data_type: TYPE_UINT8\n'
             f"    dims: [ 3, {image_size}, {image_size} ]\n  }}\n]\n"
             f'output [\n  {{\n    name: "{OUTPUT}"\n    data_type: TYPE_FP32\n    dims: [ {n_classes} ]\n'
-            f'    label_filename: "{LABELS_FILE}"\n  }}\n]\n'
+            f'    label_filename: "{LABELS_FILE}"\n  }},\n'
+            f'  {{\n    name: "{NOVELTY}"\n    data_type: TYPE_FP32\n    dims: [ 1 ]\n  }}\n]\n'
             f"dynamic_batching {{ }}\n")
 
 
@@ -178,7 +186,10 @@ def write_triton_repository(out: Path, name: str, model: onnx.ModelProto, labels
     return out
 
 
-def labels_metadata(labels: list[str], exposed: list[int], version: int, samples_seen: int) -> dict[str, str]:
-    """What the ONNX model says of itself: class names and original labels of its outputs, the model version."""
+def labels_metadata(labels: list[str], exposed: list[int], version: int, samples_seen: int,
+                    novelty_threshold: float = float("inf")) -> dict[str, str]:
+    """What the ONNX model says of itself: class names and original labels of its outputs, the model version, and
+    the threshold above which a novelty score answers "not learned yet" (inf: not calibrated)."""
     return {"labels": json.dumps(labels), "exposed": json.dumps(exposed), "model_version": str(version),
-            "samples_seen": str(samples_seen), "input": "uint8 RGB images [N, 3, S, S], not normalised"}
+            "samples_seen": str(samples_seen), "input": "uint8 RGB images [N, 3, S, S], not normalised",
+            "novelty_threshold": repr(novelty_threshold)}

@@ -107,6 +107,14 @@ class ClassStatistics(ClassMeans):
         self.second += sign * (h.T @ h)
         self._cache.clear()
 
+    def memo(self, key: object, make):
+        """``make()``, computed once until the sums next change (cleared with the solve's cache on every update,
+        assignment and load). Why: what a caller derives from the statistics, such as the novelty scores'
+        factorisations (``mepo_stream.novelty``), then costs one computation per update, not one per batch."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
     def unseen_mask(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.masked_fill(self.counts.to(logits.device)[None, :] == 0, float("-inf"))
 

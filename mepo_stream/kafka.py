@@ -45,6 +45,10 @@ class KafkaConfig:
     and learns each when its label is joined (docs "Labels that come later"). Null: every image carries its label."""
     predictions_topic: str = "mepo.predictions"
     """Where the learner writes its prediction of every image that came without a label (JSON, keyed by id)."""
+    novel_topic: str | None = None
+    """Where the learner also writes each image that came without a label and was flagged novel (a class it has not
+    learned, by its calibrated threshold), as its prediction (JSON with ``novelty``, keyed by id): a labelling tool
+    asks for these labels first. Null: none are written."""
     group_id: str = "mepo-learner"
     """Consumer group of the learner."""
     snapshot_topic: str | None = "mepo.snapshots"

@@ -46,6 +46,7 @@ from mepo_stream.backbone import normalization
 from mepo_stream.heads import ClassStatistics
 from mepo_stream.label_statistics import LabelStatistics
 from mepo_stream.methods.base import ContinualMethod, Encoded
+from mepo_stream.novelty import DEFAULT_SCORE, NoveltyScore, NoveltyThreshold, check_score, novelty_scores
 from mepo_stream.precision import Precision, autocast
 from mepo_stream.recipes import build, load
 from mepo_stream.transforms import Transform, train_transform
@@ -136,6 +137,14 @@ class OnlineLearner:
         self.exposed: list[int] = []  # original label of head output k
         self._index: dict[int, int] = {}
         self.samples_seen = 0
+        self.novelty_score: NoveltyScore = DEFAULT_SCORE
+        """The score ``novelty`` answers with (``mepo_stream.novelty``; a learner without the streaming LDA answers
+        its logits-only fallback)."""
+        self.novelty_threshold: NoveltyThreshold | None = None
+        """Set it to calibrate a threshold online: ``test_then_train`` and ``observe_features`` then score each
+        batch just before learning it and feed it (its state rides in ``state_dict``). None: nothing changes."""
+        self.last_novelty: torch.Tensor | None = None
+        """The novelty scores [B] of the last batch those two scored before learning it (with a threshold set)."""
 
     @property
     def not_mergeable(self) -> str | None:
@@ -243,6 +252,8 @@ class OnlineLearner:
         ``learns_from_features``."""
         if not self.learns_from_features:
             raise ValueError("this learner trains by gradient: it needs the images, not their features")
+        if self.novelty_threshold is not None:
+            self.observe_novelty(self._as_encoded(features), labels)
         self._register(labels)
         self._update_statistics(self._targets(labels), self._as_encoded(features))
         self.samples_seen += len(labels)
@@ -297,6 +308,8 @@ class OnlineLearner:
             return None
         encoded = self.encode(images) if encoded is None else encoded
         logits = self.logits(encoded, (align_mode,))[align_mode]
+        if self.novelty_threshold is not None:
+            self._feed_novelty(self._novelty_of(encoded, logits, align_mode), labels, self.samples_seen)
         self.observe(images, labels, None if self.trains_by_gradient else encoded)
         return self.to_labels(logits.argmax(1))
 
@@ -324,10 +337,51 @@ class OnlineLearner:
             alignment.update_running(encoded.feature)
         self._classifier.update(self.method.aligned(encoded, "running"), target)
 
+    @torch.no_grad()
+    def novelty(self, encoded: Encoded, score: NoveltyScore | None = None, align_mode: AlignMode = "running"
+                ) -> torch.Tensor:
+        """Novelty scores [B] (float32, higher = more likely a class not learned yet; +inf before any class is
+        learned) of an encoding: ``score``, or ``novelty_score`` (``mepo_stream.novelty``). With the streaming LDA
+        it costs one quadratic form more than the logits (its factorisations are cached until the next update)."""
+        logits = self.logits(encoded, (align_mode,))[align_mode]
+        return self._novelty_of(encoded, logits, align_mode, score)
+
+    def _novelty_of(self, encoded: Encoded, logits: torch.Tensor, align_mode: AlignMode,
+                    score: NoveltyScore | None = None) -> torch.Tensor:
+        """Novelty scores [B] of an encoding whose logits [B, C] are computed already."""
+        chosen = self.novelty_score if score is None else check_score(score)
+        if not self.exposed:
+            return torch.full((logits.shape[0],), float("inf"))
+        h = self.method.aligned(encoded, align_mode)  # [B, D]
+        return novelty_scores(self.method.classifier, h, logits[:, : len(self.exposed)], chosen).cpu()
+
+    @torch.no_grad()
+    def observe_novelty(self, encoded: Encoded, labels: torch.Tensor, positions: torch.Tensor | int | None = None
+                        ) -> torch.Tensor:
+        """Score a stream batch just before it is learned (original labels [B]) and feed ``novelty_threshold``
+        (when set) with the scores of the images whose class was learned already; returns the scores [B] (also
+        kept in ``last_novelty``). ``positions``: each image's stream position [B] (a group's learners pass their
+        records' sample indices, so that their thresholds add up to one learner's); default ``samples_seen`` on.
+        ``test_then_train`` and ``observe_features`` call it themselves when a threshold is set;
+        ``statistics_step`` (a group) does not: call it first, with the partition's threshold set."""
+        scores = self.novelty(encoded)
+        self._feed_novelty(scores, labels, self.samples_seen if positions is None else positions)
+        return scores
+
+    def _feed_novelty(self, scores: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | int) -> None:
+        self.last_novelty = scores
+        if self.novelty_threshold is not None:
+            known = torch.tensor([int(y) in self._index for y in labels.tolist()], dtype=torch.bool)  # [B]
+            self.novelty_threshold.observe(scores, known, positions)
+
     def state_dict(self) -> dict:
-        """Everything the learner changes: trainable tensors (the backbone only if it trains), optimizer, labels."""
-        return {"method": self.method.trainable_state_dict(), "optimizer": self.optimizer.state_dict(),
-                "exposed": list(self.exposed), "samples_seen": self.samples_seen}
+        """Everything the learner changes: trainable tensors (the backbone only if it trains), optimizer, labels
+        (and the novelty threshold's state when one is set)."""
+        state = {"method": self.method.trainable_state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "exposed": list(self.exposed), "samples_seen": self.samples_seen}
+        if self.novelty_threshold is not None:
+            state["novelty_threshold"] = self.novelty_threshold.state_dict()
+        return state
 
     @staticmethod
     def statistics_in(state: dict) -> LabelStatistics:
@@ -344,6 +398,8 @@ class OnlineLearner:
         self.exposed = [int(y) for y in state["exposed"]]
         self._index = {y: i for i, y in enumerate(self.exposed)}
         self.samples_seen = int(state["samples_seen"])
+        if self.novelty_threshold is not None and "novelty_threshold" in state:
+            self.novelty_threshold.load_state_dict(state["novelty_threshold"])
 
     def to_labels(self, index: torch.Tensor) -> torch.Tensor:
         """Head outputs -> original labels (-1 for outputs no class has been mapped to yet)."""

@@ -7,6 +7,10 @@ seen so far, and an end-of-task evaluation after each task. Every evaluation is 
 statistics (``batch``: the reference's transductive test-batch statistics, 128 images in dataset order;
 ``running``: the learner's running training statistics), sharing one forward pass.
 
+Every any-time evaluation also measures the novelty AUROC (``mepo_stream.anytime``: the learner's novelty score,
+not-yet-learned against learned test images of every class); the tables report its mean beside A_AUC, and the plot
+its curve.
+
 Writes ``results.json`` (every run's curves and metrics), ``table.md`` (mean ± std over seeds; for a sweep
 of methods, the layout of the paper's Table 1), ``ablation.md`` (with ``--ablation``) and
 ``anytime_accuracy.png`` into ``out``. Finished runs are cached under ``out/cache``.
@@ -173,6 +177,16 @@ def _cell(values: list[float], bold: bool = False) -> str:
     return f"**{text}**" if bold else text
 
 
+def _novelty_cell(rs: list[dict], mode: AlignMode) -> str:
+    """The novelty AUROC's mean over the stream, mean ± std over seeds (0-1); – where no run measured it (runs
+    cached before it was)."""
+    values = [v for r in rs if (v := r["curves"][mode].get("novelty_auroc_mean")) is not None and v == v]
+    if not values:
+        return "–"
+    mean, std = _mean_std(values)
+    return f"{mean:.3f} ± {std:.3f}"
+
+
 def group_runs(runs: list[dict]) -> dict[tuple[str, VariantName], list[dict]]:
     groups: dict[tuple[str, VariantName], list[dict]] = {}
     for r in runs:
@@ -194,18 +208,18 @@ def _ceiling_line(runs: list[dict]) -> str:
 
 
 def _single_table(rs: list[dict]) -> list[str]:
-    lines = ["| alignment statistics at test | " + " | ".join(METRICS) + " | A_last ÷ probe |",
-             "|---" * (len(METRICS) + 2) + "|"]
+    lines = ["| alignment statistics at test | " + " | ".join(METRICS) + " | novelty AUROC (0–1) | A_last ÷ probe |",
+             "|---" * (len(METRICS) + 3) + "|"]
     for m in [m for m in MODES if all(m in r["curves"] for r in rs)]:
         cells = [_cell([r["curves"][m][k] for r in rs]) for k in METRICS]
-        lines.append(f"| {m} | " + " | ".join(cells) + f" | {_ratio(rs, m)} |")
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {_novelty_cell(rs, m)} | {_ratio(rs, m)} |")
     return lines
 
 
 def _sweep_table(runs: list[dict], groups: dict, mode: AlignMode) -> list[str]:
     lines = [f"Alignment statistics at test: {mode}.", "",
              "| method | A_AUC w/o MePo | A_AUC w/ MePo | A_last w/o MePo | A_last w/ MePo | A_last ÷ probe w/o |"
-             " A_last ÷ probe w/ |", "|---" * 7 + "|"]
+             " A_last ÷ probe w/ | novelty AUROC w/o | novelty AUROC w/ |", "|---" * 9 + "|"]
     for method in dict.fromkeys(r["method"] for r in runs):
         cells = []
         for metric in ("A_auc", "A_last"):
@@ -214,6 +228,7 @@ def _sweep_table(runs: list[dict], groups: dict, mode: AlignMode) -> list[str]:
             cells += [_cell(v, bold=len(pair[1]) > 0 and m == max(means)) if v else "–"
                       for v, m in zip(pair, means, strict=True)]
         cells += [_ratio(groups[(method, v)], mode) if (method, v) in groups else "–" for v in ("host", "mepo")]
+        cells += [_novelty_cell(groups[(method, v)], mode) if (method, v) in groups else "–" for v in ("host", "mepo")]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return lines
 
@@ -250,7 +265,9 @@ def write_tables(runs: list[dict], out: Path, title: str, mode: AlignMode = "bat
 
 
 def plot_curves(runs: list[dict], path: Path, title: str) -> None:
-    """Any-time accuracy vs samples seen: mean over seeds with a ±1 std band, per method, variant and mode.
+    """Any-time accuracy vs samples seen: mean over seeds with a ±1 std band, per method, variant and mode; beside
+    it, where the runs measured it, the novelty AUROC's curve (its undefined points, no class or every class
+    learned, left out).
 
     matplotlib is the ``plots`` extra: without it the tables are still written, and the log says how to get the plot.
     """
@@ -264,7 +281,9 @@ def plot_curves(runs: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     groups = group_runs(runs)
-    fig, ax = plt.subplots(figsize=(8, 4.8))
+    novelty = any(c.get("novelty_auroc") for r in runs for c in r["curves"].values())
+    fig, axes = plt.subplots(1, 2 if novelty else 1, figsize=(14 if novelty else 8, 4.8), squeeze=False)
+    ax = axes[0, 0]
     for (method, variant), rs in groups.items():
         for mode in [m for m in MODES if all(m in r["curves"] for r in rs)]:
             n = min(len(r["curves"][mode]["accuracy"]) for r in rs)
@@ -279,9 +298,33 @@ def plot_curves(runs: list[dict], path: Path, title: str) -> None:
     ax.set(xlabel="samples seen", ylabel="any-time accuracy on seen classes (%)", title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+    if novelty:
+        _plot_novelty(axes[0, 1], groups)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _plot_novelty(ax, groups: dict[tuple[str, VariantName], list[dict]]) -> None:
+    """The novelty AUROC at each any-time evaluation, mean over the seeds where it is defined."""
+    for (method, variant), rs in groups.items():
+        for mode in [m for m in MODES if all(m in r["curves"] for r in rs)]:
+            points: dict[int, list[float]] = {}
+            for r in rs:
+                curve = r["curves"][mode]
+                for x, a in zip(curve["samples"], curve.get("novelty_auroc", []), strict=False):
+                    if a is not None:
+                        points.setdefault(x, []).append(a)
+            if points:
+                xs = sorted(points)
+                ax.plot(xs, [statistics.fmean(points[x]) for x in xs], marker="o", ms=3,
+                        label=f"{method}, {VARIANTS[variant].label}, {mode} stats",
+                        linestyle="-" if mode == "batch" else "--")
+    ax.axhline(0.5, color="grey", lw=0.8)
+    ax.set(xlabel="samples seen", ylabel="novelty AUROC (not yet learned vs learned)", ylim=(0, 1),
+           title="not seen yet: the novelty score's AUROC")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 def parse_methods(spec: str) -> list[str]:

@@ -1,15 +1,9 @@
 """Keep freed memory in the process, so that each learning step does not page-fault its activations in again.
 
-glibc's malloc returns memory to the kernel when the free space at the top of a heap passes its trim threshold,
-and serves large blocks with fresh ``mmap``s; a long-running learner then allocates and frees the same few
-megabytes of activations every step and page-faults each of them in anew. With the thresholds below that memory
-stays in the process, and the steps after the first reuse it without faulting it in (docs/performance.md, "Where
-the learner's time goes"). The same setting is the environment's ``MALLOC_MMAP_THRESHOLD_`` and
-``MALLOC_TRIM_THRESHOLD_``; when either is set, it is left as the user set it.
-
-Usage (first thing in a learner's process, before the model is built; not a doctest: it changes the process)::
-
-    keep_freed_memory()  # True on glibc; False elsewhere, or when the environment sets the thresholds
+glibc's malloc returns freed memory at the top of a heap to the kernel and serves large blocks with fresh ``mmap``s,
+so a learner page-faults the same activations in anew every step; with the thresholds below they stay in the
+process (docs/performance.md). When the environment sets ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_``,
+it is left as the user set it. Call ``keep_freed_memory()`` first thing in a learner's process.
 """
 
 from __future__ import annotations

@@ -8,14 +8,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from server.snapshot import Snapshot
+from server.snapshot import Answers, Snapshot
 
 
 @dataclass
 class _Request:
     images: Sequence[torch.Tensor]  # n uint8 images [3, S, S] (a list, or a tensor [n, 3, S, S])
     done: threading.Event = field(default_factory=threading.Event)
-    result: tuple[Snapshot, torch.Tensor] | None = None
+    result: Answers | None = None
     error: Exception | None = None
 
 
@@ -40,8 +40,8 @@ class MicroBatcher:
         with self._queue_lock:
             return len(self._queue)
 
-    def run(self, snapshot: Callable[[], Snapshot], images: Sequence[torch.Tensor]) -> tuple[Snapshot, torch.Tensor]:
-        """The snapshot used and the class probabilities [n, n_seen] of ``images``."""
+    def run(self, snapshot: Callable[[], Snapshot], images: Sequence[torch.Tensor]) -> Answers:
+        """The answers of ``images`` (the snapshot used, class probabilities [n, n_seen], novelty [n])."""
         request = _Request(images)
         with self._queue_lock:
             self._queue.append(request)
@@ -64,10 +64,9 @@ class MicroBatcher:
     @staticmethod
     def _serve(snapshot: Callable[[], Snapshot], batch: list[_Request]) -> None:
         try:
-            snap = snapshot()
-            probs = snap.probabilities(torch.stack([image for r in batch for image in r.images]))  # [sum n, n_seen]
-            for r, part in zip(batch, probs.split([len(r.images) for r in batch]), strict=True):
-                r.result = (snap, part)
+            answers = snapshot().answer(torch.stack([image for r in batch for image in r.images]))  # sum n images
+            for r, part in zip(batch, answers.split([len(r.images) for r in batch]), strict=True):
+                r.result = part
         except Exception as e:  # every waiting request gets the error, none hangs
             for r in batch:
                 r.error = e

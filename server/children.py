@@ -1,11 +1,9 @@
 """The processes a command starts (``mepo demo``'s producer and embedded broker), watched: one that stops before its
 work is done fails the command loudly instead of leaving it serving an empty stream.
 
-A ``Watch`` polls its children from a thread of its own. The first one that exits with an error (the producer with
-a code other than 0, the broker at all) is the command's failure: it is logged with the child's last words (the
-last line it wrote to stderr, or to its log), ``/v1/status`` and ``/readyz`` name it (``Supervised``), and the
-command is told (``on_failure``: ``mepo demo --until_done true`` then exits non-zero). A child stopped by a stop
-signal while the command itself stops (Ctrl-C reaches the whole process group) is no failure.
+The first child that exits with an error (the producer with a code other than 0, the broker at all) is logged with
+its last words, named by ``/v1/status`` and ``/readyz`` (``Supervised``), and the command is told (``on_failure``).
+A child stopped by a stop signal while the command itself stops (Ctrl-C reaches the process group) is no failure.
 
 Example (a child that fails at once):
     >>> import sys
@@ -40,8 +38,7 @@ reached both (Ctrl-C in a terminal signals the whole process group)."""
 
 
 class Tail(threading.Thread):
-    """Copies a child's stderr to ours as it comes, keeping its last lines: the child still speaks in the
-    command's log, and its last words can name why it stopped."""
+    """Copies a child's stderr to ours as it comes, keeping its last lines, which can name why it stopped."""
 
     def __init__(self, pipe: IO[bytes] | None, out: IO[bytes] | None = None, keep: int = 20):
         super().__init__(name="mepo-child-stderr", daemon=True)
@@ -61,7 +58,7 @@ class Tail(threading.Thread):
                 self.lines.append(text)
 
     def last(self) -> str:
-        """The last line written, once the pipe is read to its end (the child has exited)."""
+        """The last line written, once the pipe is read to its end."""
         self.join(2.0)
         return self.lines[-1] if self.lines else ""
 
@@ -77,7 +74,6 @@ class Child:
 
 
 def describe(child: Child, code: int) -> str:
-    """``the producer exited with code 2: error: ...``: how the child ended, and its last words."""
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     words = child.last_words()
     return f"{child.name} {how}" + (f": {words}" if words else "")
@@ -107,20 +103,19 @@ class Watch(threading.Thread):
                 return
 
     def stop(self) -> None:
-        """The command stops its children now: their exits are no longer failures."""
+        """The command stops its children now: their exits are no failures."""
         self._stopped.set()
         self.join()
 
 
 def stderr_tail(process: subprocess.Popen) -> Tail:
-    """A ``Tail`` of ``process``'s stderr (started with ``stderr=subprocess.PIPE``) into our stderr."""
     return Tail(process.stderr, sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None)
 
 
 @dataclass
 class Supervised(Service):
-    """The demo's learner: ``/v1/status`` and ``/readyz`` also name a failed child (``watch``'s), and ``/readyz``
-    answers 503 while one has failed (the stream it learns will not be whole)."""
+    """The demo's learner: ``/v1/status`` and ``/readyz`` also name a failed child, and ``/readyz`` answers 503 while
+    one has failed (the stream it learns will not be whole)."""
 
     watch: Watch | None = None
 

@@ -15,12 +15,14 @@ from mepo_stream.alignment import AlignmentConfig
 from mepo_stream.anytime import ProtocolConfig
 from mepo_stream.backbone import DEFAULT_IMG_SIZE, BackboneConfig, sized
 from mepo_stream.data import DataConfig
+from mepo_stream.errors import ConfigError
 from mepo_stream.images import ImageLimits
 from mepo_stream.kafka import KafkaConfig, ReplayConfig
 from mepo_stream.label_join import JoinConfig
 from mepo_stream.learner import LearnerConfig
 from mepo_stream.methods import MethodsConfig
 from mepo_stream.model import BundleParts, ModelConfig
+from mepo_stream.novelty import DEFAULT_SCORE, NoveltyScore
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,30 @@ class CorrectionsConfig:
     compact_every_s: float = 3600.0
     """A deleted sample's bytes leave the sample table's files at the first checkpoint this many seconds after the
     last compaction (the table is copied without its free pages, where the old bytes stay until reused)."""
+
+
+@dataclass(frozen=True)
+class NoveltyConfig:
+    """"Not seen yet": every answer says how likely its image is of a class the learner has not learned
+    (docs/novelty.md)."""
+
+    score: NoveltyScore = DEFAULT_SCORE
+    """The novelty score, from the streaming LDA's own sums: stream_mahalanobis (the best measured), or
+    relative_mahalanobis, mahalanobis, energy, max_softmax. A classifier without the LDA's covariance (the paper's
+    linear head, NCM) answers energy."""
+    false_alarm: float = 0.05
+    """Target share of images of learned classes answered as novel: the threshold is the stream's own scores'
+    upper quantile, calibrated on each image just before it is learned. In (0, 1)."""
+    half_life: float = 400.0
+    """Stream samples after which a score weighs half as much in the calibration: the threshold follows the
+    stream."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.false_alarm < 1.0:
+            raise ConfigError(f"--novelty.false_alarm must be in (0, 1): the share of learned classes' images "
+                              f"answered as novel; got {self.false_alarm}")
+        if not self.half_life > 0:
+            raise ConfigError(f"--novelty.half_life must be a positive number of samples, got {self.half_life}")
 
 
 @dataclass(frozen=True)
@@ -106,6 +132,8 @@ class ServeConfig:
     for how long (in record time)."""
     corrections: CorrectionsConfig = CorrectionsConfig()
     """Corrections and deletions of learned samples (off by default)."""
+    novelty: NoveltyConfig = NoveltyConfig()
+    """The novelty score every answer carries, and its threshold."""
     checkpoint_dir: Path = Path("runs/serve")
     """Where the learner checkpoint lives (it holds the Kafka offsets, so it is the source of truth)."""
     checkpoint_every: int = 512

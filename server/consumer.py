@@ -1,6 +1,5 @@
-"""The base of the two Kafka-reading loops, the learner's (``server.learner.stream.LearnerLoop``) and a replica's
-snapshot follower (``server.replica.follower.SnapshotFollower``): a thread with the controls the API uses (pause,
-resume, health), and the broker check both run.
+"""The base of the two Kafka-reading loops, the learner's and a replica's snapshot follower: a thread with the
+controls the API uses (pause, resume, health), and the broker check both run.
 
 Example (a loop that is not started reports itself stopped and disconnected):
     >>> ConsumerThread("example").health()
@@ -19,11 +18,8 @@ PROBE_EVERY_S = 5.0
 
 
 def broker_answers(consumer: KafkaConsumer, timeout_s: float = 2.0) -> bool:
-    """Partitions assigned and the broker answering a small request within ``timeout_s``.
-
-    A stopped or partitioned broker keeps its TCP connections open, so a connection check would still say
-    yes; an actual round trip does not. (The offsets it returns are not used: Tansu's end offsets are off.)
-    """
+    """Partitions assigned and the broker answering a small request within ``timeout_s``: a stopped broker keeps its
+    TCP connections open, so only a round trip tells (its offsets are not used: Tansu's end offsets are off)."""
     assignment = consumer.assignment()
     if not assignment:
         return False
@@ -36,7 +32,7 @@ def broker_answers(consumer: KafkaConsumer, timeout_s: float = 2.0) -> bool:
 
 @dataclass(frozen=True)
 class LoopHealth:
-    """What the API reports about the learner loop (``/readyz``, ``/v1/status``, ``/v2/health/ready``)."""
+    """What the API reports about the loop (``/readyz``, ``/v1/status``, ``/v2/health/ready``)."""
 
     running: bool  # the loop's thread is alive (it stops on a bug, see ``error``)
     kafka_connected: bool  # partitions assigned and the broker answering
@@ -50,9 +46,8 @@ class LoopHealth:
 
 
 class ConsumerThread:
-    """A Kafka-reading loop in its own thread, with the controls the routers use: the learner's loop and a
-    replica's snapshot follower both are one. Subclasses implement ``_run`` and keep ``connected``, ``error``
-    and ``lag`` current."""
+    """A Kafka-reading loop in its own thread. Subclasses implement ``_run`` and keep ``connected``, ``error`` and
+    ``lag`` current."""
 
     stop_timeout: float = 10.0
 
@@ -74,7 +69,7 @@ class ConsumerThread:
         self._run()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Ask the loop to finish what it holds and wait for it."""
+        """Ask the loop to finish what it holds, and wait for it."""
         self.stop_event.set()
         self.thread.join(self.stop_timeout if timeout is None else timeout)
 

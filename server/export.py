@@ -40,6 +40,7 @@ from mepo_stream.export import (
 )
 from mepo_stream.learner import OnlineLearner
 from mepo_stream.model import ModelConfig, create_model
+from mepo_stream.novelty import DEFAULT_SCORE, NoveltyThreshold
 from server.config import ServeConfig, model_config
 from server.learner.state import CHECKPOINT
 from server.replica.follower import ReplicaModel, SnapshotRefused
@@ -137,12 +138,13 @@ def from_checkpoint(cfg: ExportConfig) -> tuple[Snapshot, list[str]]:
     names = list_files(cfg.data, "train").class_names
     config = in_fp32(model_config(cfg))
     learner = OnlineLearner(create_model(config, len(names), device()), config.learner)
+    learner.novelty_threshold = NoveltyThreshold(cfg.novelty.false_alarm, cfg.novelty.half_life)  # restored below
     try:
         learner.load_state_dict(saved.learner)
     except StateRefused as e:
         raise ConfigError(f"{path} was written by another model than these options build (give the learner's "
                           f"--method, --backbone.*, --mepo, --learner.* options): {e}") from e
-    return take_snapshot(learner, saved.version, cfg.alignment.inference_mode), names
+    return take_snapshot(learner, saved.version, cfg.alignment.inference_mode, cfg.novelty.score), names
 
 
 def export(cfg: ExportConfig) -> Path:
@@ -151,10 +153,11 @@ def export(cfg: ExportConfig) -> Path:
     if not snapshot.exposed:
         raise ConfigError("the model has not learned any class yet: nothing to export")
     assert snapshot.model is not None  # a snapshot with classes has its model
-    graph = ProbabilityGraph(snapshot.model, len(snapshot.exposed), snapshot.align_mode)
+    graph = ProbabilityGraph(snapshot.model, len(snapshot.exposed), snapshot.align_mode,
+                             snapshot.novelty_score or DEFAULT_SCORE)
     labels = [names[y] for y in snapshot.exposed]
     model = onnx_model(graph, labels_metadata(labels, list(snapshot.exposed), snapshot.version,
-                                              snapshot.samples_seen))
+                                              snapshot.samples_seen, snapshot.novelty_threshold))
     if cfg.format == "onnx":
         written = write_onnx(model, cfg.out)
     else:

@@ -13,16 +13,20 @@ Example:
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
 PREDICT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+NOVELTY_BUCKETS = (-3000, -1000, -300, -100, -30, -10, 0, 10, 30, 100, 300, 1000, 3000)
+"""Novelty scores are differences of squared distances (or minus log-sums): signed, spread over decades."""
 SNAPSHOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
@@ -122,6 +126,7 @@ class ServerMetrics:
         self.learner_up = Gauge("mepo_learner_up", "1 while the learner loop runs and reaches the broker",
                                 registry=lr)
         self.info = Info("mepo_model", "Backbone and MePo bundle of the served model", registry=r)
+        self._novelty(r, lr)
         self._publishing(lr)
         self._following(r if role == "replica" else None)
         self._grouping(lr)
@@ -148,6 +153,32 @@ class ServerMetrics:
         self.table_ids = Gauge("mepo_sample_table_ids", "Learned ids that can still be corrected or deleted",
                                registry=r)
         self.table_bytes = Gauge("mepo_sample_table_bytes", "Pages of the sample table in use", registry=r)
+
+    def _novelty(self, r: CollectorRegistry, lr: CollectorRegistry | None) -> None:
+        """"Not seen yet" (``mepo_stream.novelty``): what the answers said, and how well the score tells."""
+        self.answers = Counter("mepo_predicted_images", "Images answered, by whether they were answered as of a "
+                               "class not learned yet", ["novel"], registry=r)
+        self.novelty_score = Histogram("mepo_prediction_novelty_score", "Novelty scores of the images answered",
+                                       buckets=NOVELTY_BUCKETS, registry=r)
+        self.novelty_threshold = Gauge("mepo_novelty_threshold", "The threshold calibrated on the stream: above it "
+                                       "an image is answered as novel (NaN: not calibrated yet)", registry=r)
+        self.novelty_auroc = Gauge("mepo_anytime_novelty_auroc_ratio", "AUROC of the novelty score telling the "
+                                   "test images of classes not learned yet from the learned ones, at the latest "
+                                   "any-time evaluation", registry=lr)
+        self.novelty_threshold.set(float("nan"))
+        self.novelty_auroc.set(float("nan"))
+
+    def observe_novelty(self, scores: torch.Tensor | None, novel: torch.Tensor | None, threshold: float) -> None:
+        """Count answered images by their flag, and their scores (None: the model scores none); ``threshold``: the
+        answering snapshot's."""
+        if scores is None or novel is None:
+            return
+        self.novelty_threshold.set(threshold if math.isfinite(threshold) else float("nan"))
+        flagged = int(novel.sum())
+        self.answers.labels("true").inc(flagged)
+        self.answers.labels("false").inc(len(novel) - flagged)
+        for score in scores.tolist():
+            self.novelty_score.observe(score)
 
     def read_from(self, refresh: Callable[[], None]) -> None:
         """Bring the series up to date with ``refresh`` whenever ``/metrics`` is read (``LiveRegistry``)."""

@@ -4,7 +4,8 @@ with Triton's binary tensor data extension) and the gRPC service (``server.grpc_
 
 The input is one ``BYTES`` tensor ``image`` of shape ``[N]``: N encoded JPEG/PNG files. In its raw form (the binary
 extension's data, gRPC's ``raw_input_contents``) each element is a 4-byte little-endian length and then its bytes.
-The outputs are ``label`` (INT64 ``[N, k]``) and ``probability`` (FP32 ``[N, k]``), raw as little-endian arrays.
+The outputs are ``label`` (INT64 ``[N, k]``), ``probability`` (FP32 ``[N, k]``), ``novelty`` (FP32 ``[N]``, NaN where
+the model scores none) and ``novel`` (BOOL ``[N]``), raw as little-endian arrays (a BOOL as one byte).
 
 Example:
     >>> raw = serialize_bytes([b"ab", b""])
@@ -25,10 +26,12 @@ import numpy as np
 from server.config import ServeConfig
 
 INPUT_NAME = "image"
-OUTPUTS = {"label": "INT64", "probability": "FP32"}
+OUTPUTS = {"label": "INT64", "probability": "FP32", "novelty": "FP32", "novel": "BOOL"}
 """Each output's OIP datatype."""
-NUMPY: dict[str, np.dtype] = {"INT64": np.dtype("<i8"), "FP32": np.dtype("<f4")}
-TRITON_TYPES = {"BYTES": "TYPE_STRING", "INT64": "TYPE_INT64", "FP32": "TYPE_FP32"}
+SHAPES = {"label": [-1, -1], "probability": [-1, -1], "novelty": [-1], "novel": [-1]}
+"""Each output's shape: ``[N, k]`` per image's top k, or ``[N]``."""
+NUMPY: dict[str, np.dtype] = {"INT64": np.dtype("<i8"), "FP32": np.dtype("<f4"), "BOOL": np.dtype("?")}
+TRITON_TYPES = {"BYTES": "TYPE_STRING", "INT64": "TYPE_INT64", "FP32": "TYPE_FP32", "BOOL": "TYPE_BOOL"}
 """The datatype names of Triton's model-configuration extension."""
 
 
@@ -65,14 +68,18 @@ def raw_request_limit(settings: ServeConfig, json_bytes: int = 64 * 1024) -> int
     return settings.max_files * (settings.limits.max_bytes + 4) + json_bytes
 
 
-def output_arrays(rows: list[list[dict]]) -> dict[str, np.ndarray]:
-    """The two outputs of a prediction's top-k rows: ``label`` [N, k] int64 and ``probability`` [N, k] float32."""
-    return {"label": np.array([[c["label"] for c in row] for row in rows], dtype=NUMPY["INT64"]),
-            "probability": np.array([[c["probability"] for c in row] for row in rows], dtype=NUMPY["FP32"])}
+def output_arrays(rows: list[dict]) -> dict[str, np.ndarray]:
+    """The outputs of a prediction's rows (``Answers.rows``): ``label`` [N, k] int64, ``probability`` [N, k]
+    float32, ``novelty`` [N] float32 and ``novel`` [N] bool."""
+    nan = float("nan")
+    return {"label": np.array([[c["label"] for c in r["top_k"]] for r in rows], dtype=NUMPY["INT64"]),
+            "probability": np.array([[c["probability"] for c in r["top_k"]] for r in rows], dtype=NUMPY["FP32"]),
+            "novelty": np.array([nan if r["novelty"] is None else r["novelty"] for r in rows], dtype=NUMPY["FP32"]),
+            "novel": np.array([bool(r["novel"]) for r in rows], dtype=NUMPY["BOOL"])}
 
 
 def model_metadata(name: str) -> dict:
     """What ``GET /v2/models/{name}`` and gRPC's ``ModelMetadata`` answer."""
     return {"name": name, "versions": [], "platform": "pytorch",
             "inputs": [{"name": INPUT_NAME, "datatype": "BYTES", "shape": [-1]}],
-            "outputs": [{"name": out, "datatype": kind, "shape": [-1, -1]} for out, kind in OUTPUTS.items()]}
+            "outputs": [{"name": out, "datatype": kind, "shape": SHAPES[out]} for out, kind in OUTPUTS.items()]}

@@ -1,8 +1,7 @@
 """``mepo serve`` (the learner and the API in one process) and ``mepo demo`` (all of it on an embedded broker).
 
-Both stop alike on SIGINT and SIGTERM (``mepo_stream.shutdown``): uvicorn shuts down gracefully, the learner learns
-what it holds and checkpoints, and the demo then stops its producer and its broker and prints its summary; both exit
-with 0."""
+Both stop alike on SIGINT and SIGTERM: uvicorn shuts down gracefully, the learner learns what it holds and
+checkpoints, and the demo then stops its producer and broker and prints its summary; both exit with 0."""
 
 from __future__ import annotations
 
@@ -41,15 +40,14 @@ from server.web.app import create_app
 
 log = logging.getLogger(__name__)
 DEMO_LABELS_TOPIC = "mepo.labels"
+"""The demo's labels topic when ``--replay.label_delay`` is given without ``--kafka.labels_topic``."""
 DEMO_LABELS_RATE = 25.0
 """Records a second of the demo's replay when its labels come later: a delay of 50 to 200 records is then 2 to 8 s,
 within which the demo's learner keeps up on a CPU (docs/labels-later.md)."""
-"""The demo's labels topic when ``--replay.label_delay`` is given without ``--kafka.labels_topic``."""
 
 
 def start_role(settings: ServeConfig, metrics: ServerMetrics) -> ServingModel:
-    """Load the model and start the service ``settings`` configures: the learner, or a prediction replica for a
-    ``ReplicaConfig`` (the composition root: the web app is handed this, and knows no role)."""
+    """Start the learner, or a replica for a ``ReplicaConfig`` (the composition root: the web app knows no role)."""
     kind = ReplicaService if settings.role == "replica" else Service
     return kind.start(settings, metrics)
 
@@ -68,7 +66,6 @@ def replica(cfg: ReplicaConfig = ReplicaConfig()) -> None:
 
 
 def _stop_when_learned(app: FastAPI, server: uvicorn.Server, producer: subprocess.Popen, expected: int) -> None:
-    """Ask the server to exit once the producer is done and the learner has learned and evaluated it all."""
     while not server.should_exit:
         service = getattr(app.state, "service", None)
         if producer.poll() == 0 and service is not None and service.reporter.settled(expected):
@@ -77,8 +74,7 @@ def _stop_when_learned(app: FastAPI, server: uvicorn.Server, producer: subproces
 
 
 def producer_command(cfg: DemoConfig) -> list[str]:
-    """``mepo produce`` of the demo's dataset into its broker, run as a child process: its data, replay and topics
-    options as the demo has them (null as null: ``config_options``)."""
+    """``mepo produce`` of the demo's dataset into its broker, with the demo's data, replay and topics options."""
     kafka = ["--kafka.bootstrap_servers", cfg.kafka.bootstrap_servers, "--kafka.topic", cfg.kafka.topic,
              "--kafka.labels_topic", cfg.kafka.labels_topic or "null"]
     return [sys.executable, "-m", "mepo_stream.cli", "produce", *config_options(cfg.data, "--data."), *kafka,
@@ -87,7 +83,7 @@ def producer_command(cfg: DemoConfig) -> list[str]:
 
 def expected_samples(cfg: DemoConfig) -> int:
     """The samples the demo's stream teaches: every image, or, with labels that come later, those whose label
-    comes (``mepo_stream.label_delay``, drawn as the producer draws it)."""
+    comes (drawn as the producer draws it)."""
     files = len(list_files(cfg.data, "train").files)
     n = files if cfg.replay.limit is None else min(files, cfg.replay.limit)
     if cfg.replay.label_delay is None:
@@ -95,15 +91,6 @@ def expected_samples(cfg: DemoConfig) -> int:
     schedule = label_schedule(n, cfg.replay.label_delay, cfg.replay.label_delay_max, cfg.replay.label_loss,
                               SiBlurryConfig().seed)  # the producer's stream seed (the demo passes none)
     return sum(due is not None for due in schedule)
-
-
-def _run_until_stopped(server: uvicorn.Server) -> None:
-    """Serve until done or stopped. On SIGINT or SIGTERM uvicorn shuts down gracefully (the learner learns what it
-    holds and checkpoints), then raises the signal again: that ``Stopped`` is a normal end here."""
-    try:
-        server.run()
-    except Stopped as stop:
-        log.info("stopped by %s", stop.name)
 
 
 def _summary(app: FastAPI, wall_time: float) -> None:
@@ -123,8 +110,7 @@ def _summary(app: FastAPI, wall_time: float) -> None:
 
 def demo(cfg: DemoConfig = DemoConfig()) -> None:
     """Start a local broker, replay a Si-Blurry stream of bundled data (or of your own ImageFolder) into it, and serve
-    the learner (the options are ``DemoConfig``'s: every ``mepo serve`` option plus --replay.*, --until_done,
-    --embedded_broker). A child that stops before its work is done (``server.children``) is named in the log,
+    the learner (the options are ``DemoConfig``'s). A child that stops before its work is done is named in the log,
     ``/v1/status`` and ``/readyz``, and the demo exits non-zero (at once with --until_done, else when stopped)."""
     cfg = labels_later(cfg)
     broker = _broker(cfg)
@@ -148,8 +134,8 @@ def demo(cfg: DemoConfig = DemoConfig()) -> None:
 
 
 def _broker(cfg: DemoConfig) -> EmbeddedBroker | None:
-    """The embedded broker, on the port --kafka.bootstrap_servers names (its default 9092, as a Kafka broker's; 0: a
-    free one), not started yet; None with --embedded_broker false, which needs the cluster's address."""
+    """The embedded broker (not started) on the port --kafka.bootstrap_servers names (0: a free one); None with
+    --embedded_broker false, which needs the cluster's address."""
     if cfg.embedded_broker:
         return EmbeddedBroker(embedded_port(cfg.kafka.bootstrap_servers), cfg.checkpoint_dir.parent / "broker.log")
     if cfg.kafka.bootstrap_servers.endswith(":0"):
@@ -159,7 +145,7 @@ def _broker(cfg: DemoConfig) -> EmbeddedBroker | None:
 
 def data_line(cfg: DemoConfig) -> str:
     """One line at start: what the demo streams and tests on, what caps it, and the stream id its images' ids begin
-    with (``<stream id>/<file>``: a correction or deletion names a photo so)."""
+    with (a correction or deletion names a photo so)."""
     train, test = len(list_files(cfg.data, "train").files), len(list_files(cfg.data, "test").files)
     caps = [f"--data.{split}_per_class {n}" for split, n in (("train", cfg.data.train_per_class),
                                                              ("test", cfg.data.test_per_class)) if n is not None]
@@ -169,9 +155,8 @@ def data_line(cfg: DemoConfig) -> str:
 
 
 def labels_later(cfg: DemoConfig) -> DemoConfig:
-    """One flag shows labels coming later: ``--replay.label_delay`` alone gives the demo a labels topic and a
-    replay pace (``DEMO_LABELS_RATE``). Unthrottled, the learner would read every image before the first label, and
-    predict each one before its class was learned: a delay in records means something only at a pace."""
+    """``--replay.label_delay`` alone gives the demo a labels topic and a replay pace: unthrottled, the learner would
+    read every image before the first label, and a delay in records means something only at a pace."""
     if cfg.replay.label_delay is None:
         return cfg
     if cfg.kafka.labels_topic is None:
@@ -183,8 +168,8 @@ def labels_later(cfg: DemoConfig) -> DemoConfig:
 
 
 def _serve_demo(cfg: DemoConfig, children: list[Child]) -> tuple[FastAPI, float, str | None]:
-    """Serve the learner until the stream is learned (``--until_done``), a child fails (with ``--until_done``) or a
-    stop signal; returns the app, the seconds it served, and the failed child's error (None: none failed)."""
+    """Serve the learner until the stream is learned or a child fails (with ``--until_done``), or a stop signal;
+    returns the app, the seconds it served, and the failed child's error."""
     keep_freed_memory()
 
     def failed(failure: str) -> None:
@@ -205,14 +190,15 @@ def _serve_demo(cfg: DemoConfig, children: list[Child]) -> tuple[FastAPI, float,
     start = time.monotonic()
     watch.start()
     try:
-        _run_until_stopped(server)
+        server.run()
+    except Stopped as stop:  # uvicorn raises a stop signal again after its graceful shutdown: a normal end
+        log.info("stopped by %s", stop.name)
     finally:
         watch.stop()
     return app, time.monotonic() - start, watch.failure
 
 
 def _supervised(settings: ServeConfig, metrics: ServerMetrics, watch: Watch) -> Supervised:
-    """The demo's learner, which names a failed child in its status and readiness."""
     service = Supervised.start(settings, metrics)
     assert isinstance(service, Supervised)  # ``Service.start`` builds its own class
     service.watch = watch

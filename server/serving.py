@@ -21,7 +21,7 @@ from server.batching import MicroBatcher
 from server.config import ServeConfig
 from server.consumer import ConsumerThread
 from server.metrics import ServerMetrics
-from server.snapshot import Snapshot
+from server.snapshot import Answers, Snapshot
 from server.status import HeldSample, LearnerReadiness, LearnerStatus, ReplicaReadiness, ReplicaStatus
 from server.uploads import UploadForwarder
 
@@ -38,7 +38,7 @@ class ServingModel(Protocol):
     @property
     def class_names(self) -> dict[int, str]: ...
 
-    def predict(self, images: Sequence[torch.Tensor]) -> tuple[Snapshot, torch.Tensor]: ...
+    def predict(self, images: Sequence[torch.Tensor]) -> Answers: ...
 
     def status(self) -> LearnerStatus | ReplicaStatus: ...
 
@@ -114,8 +114,8 @@ class Serving:
     def class_names(self) -> dict[int, str]:
         return self.state.class_names
 
-    def predict(self, images: Sequence[torch.Tensor]) -> tuple[Snapshot, torch.Tensor]:
-        """The snapshot that answered and the class probabilities [n, n_seen] of uint8 images [3, S, S]."""
+    def predict(self, images: Sequence[torch.Tensor]) -> Answers:
+        """The answers of uint8 images [3, S, S]: the snapshot that answered, class probabilities, novelty."""
         return self.batcher.run(lambda: self.state.snapshot, images)
 
     def pause(self) -> None:

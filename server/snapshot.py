@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ import torch
 from mepo_stream.alignment import AlignMode
 from mepo_stream.learner import OnlineLearner
 from mepo_stream.methods.base import ContinualMethod
+from mepo_stream.novelty import NoveltyScore
 
 
 @dataclass(frozen=True)
@@ -41,16 +43,55 @@ class Snapshot:
     version: int
     samples_seen: int
     align_mode: AlignMode = "running"
+    novelty_score: NoveltyScore | None = None
+    """The novelty score its answers carry (``mepo_stream.novelty``; None: none)."""
+    novelty_threshold: float = math.inf
+    """Above it an image is answered as novel: the learner's calibrated threshold at this version (inf: not
+    calibrated yet, nothing is flagged)."""
 
     def probabilities(self, images: torch.Tensor) -> torch.Tensor:
         """Class probabilities [B, n_seen] over the seen classes (in ``exposed`` order) for uint8 images."""
+        return self.answer(images).probs
+
+    def answer(self, images: torch.Tensor) -> Answers:
+        """The probabilities and novelty scores of uint8 images [B, 3, S, S], from one forward."""
         if not self.exposed or self.model is None:
             raise LookupError("the model has not learned any class yet")
-        return self.model.predict_proba(images, len(self.exposed), self.align_mode)
+        probs, novelty = self.model.answer(images, len(self.exposed), self.align_mode, self.novelty_score)
+        return Answers(self, probs, novelty)
 
     def top_k(self, probs: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
         """Top-k (original label, probability) pairs per row of ``probabilities``' output."""
         return top_k(probs, self.exposed, k)
+
+
+@dataclass(frozen=True)
+class Answers:
+    """What images get from one snapshot: probabilities [B, n_seen] over the seen classes (``exposed`` order) and
+    novelty scores [B] (None where the snapshot scores none)."""
+
+    snapshot: Snapshot
+    probs: torch.Tensor
+    novelty: torch.Tensor | None
+
+    @property
+    def novel(self) -> torch.Tensor | None:
+        """Whether each image is answered as of a class not learned yet [B] (its score above the threshold)."""
+        return None if self.novelty is None else self.novelty > self.snapshot.novelty_threshold
+
+    def split(self, sizes: list[int]) -> list[Answers]:
+        """The answers of consecutive requests of ``sizes`` images."""
+        novelty = [None] * len(sizes) if self.novelty is None else self.novelty.split(sizes)
+        return [Answers(self.snapshot, p, n) for p, n in zip(self.probs.split(sizes), novelty, strict=True)]
+
+    def rows(self, k: int, names: dict[int, str]) -> list[dict]:
+        """Each image's answer as the routes give it: its top-``k`` classes (``ranked``), novelty score and flag."""
+        top = ranked(self.snapshot.top_k(self.probs, k), names)
+        novel = self.novel
+        return [{"top_k": labels,
+                 "novelty": None if self.novelty is None else round(float(self.novelty[i]), 6),
+                 "novel": None if novel is None else bool(novel[i])} for i, labels in enumerate(top)]
+
 
 
 def top_k(probs: torch.Tensor, exposed: Sequence[int], k: int) -> list[list[tuple[int, float]]]:
@@ -67,7 +108,10 @@ def ranked(pairs: list[list[tuple[int, float]]], names: dict[int, str]) -> list[
             for row in pairs]
 
 
-def take_snapshot(learner: OnlineLearner, version: int, align_mode: AlignMode = "running") -> Snapshot:
-    """The learner's model as an eval-mode inference copy, with its label map."""
+def take_snapshot(learner: OnlineLearner, version: int, align_mode: AlignMode = "running",
+                  novelty: NoveltyScore | None = None) -> Snapshot:
+    """The learner's model as an eval-mode inference copy, with its label map, answering with the ``novelty``
+    score (None: none) and the learner's calibrated threshold."""
+    threshold = learner.novelty_threshold
     return Snapshot(learner.method.inference_copy(), tuple(learner.exposed), version, learner.samples_seen,
-                    align_mode)
+                    align_mode, novelty, math.inf if threshold is None else threshold.threshold)

@@ -43,6 +43,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from mepo_stream.kafka import KafkaConfig, ensure_topics, open_producer
+from mepo_stream.novelty import NoveltyScore, check_score
 
 if TYPE_CHECKING:
     from kafka import KafkaProducer
@@ -113,13 +114,17 @@ class SnapshotMessage:
     samples_seen: int
     exposed: tuple[int, ...]  # original label of head output k
     published_at: float  # Unix time
+    novelty_score: NoveltyScore | None = None  # the score the learner's answers carry
+    novelty_threshold: float = math.inf  # the learner's calibrated threshold at this version
 
 
 def encode(tensors: dict[str, torch.Tensor], origin: Origin, version: int, samples_seen: int,
-           exposed: tuple[int, ...], published_at: float) -> bytes:
+           exposed: tuple[int, ...], published_at: float, novelty_score: NoveltyScore | None = None,
+           novelty_threshold: float = math.inf) -> bytes:
     """The safetensors blob of one snapshot (tensors copied to the CPU; safetensors refuses shared storage)."""
     meta = {"format": FORMAT, **{k: json.dumps(v) for k, v in asdict(origin).items()}, "version": str(version),
-            "samples_seen": str(samples_seen), "exposed": json.dumps(list(exposed)), "published_at": repr(published_at)}
+            "samples_seen": str(samples_seen), "exposed": json.dumps(list(exposed)), "published_at": repr(published_at),
+            "novelty_score": json.dumps(novelty_score), "novelty_threshold": repr(novelty_threshold)}
     return save_tensors({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}, metadata=meta)
 
 
@@ -139,8 +144,11 @@ def decode(blob: bytes) -> SnapshotMessage:
             raise CorruptSnapshot(f"format {meta.get('format')!r}, expected {FORMAT!r}")
         fields = {k: json.loads(meta[k]) for k in Origin.__dataclass_fields__}
         origin = Origin(**{**fields, "class_names": tuple(fields["class_names"])})
+        score = json.loads(meta.get("novelty_score", "null"))  # a learner before novelty scored none
         return SnapshotMessage(load_tensors(blob), origin, int(meta["version"]), int(meta["samples_seen"]),
-                               tuple(int(y) for y in json.loads(meta["exposed"])), float(meta["published_at"]))
+                               tuple(int(y) for y in json.loads(meta["exposed"])), float(meta["published_at"]),
+                               None if score is None else check_score(score),
+                               float(meta.get("novelty_threshold", "inf")))
     except CorruptSnapshot:
         raise
     except Exception as e:  # struct, JSON, safetensors, missing keys, wrong types: all mean a blob we cannot trust

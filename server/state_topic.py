@@ -65,6 +65,7 @@ class PartitionState:
     steps: int | None = None  # samples learned and changes applied ever (None: a state written without it: samples)
     table: dict[str, int] = field(default_factory=dict)  # the sample changelog's committed writes: epoch -> last seq
     changes: dict[str, int] = field(default_factory=dict)  # corrections and deletions applied and refused, by kind
+    novelty: dict[str, torch.Tensor] = field(default_factory=dict)  # its novelty threshold's additive state
 
     @property
     def moves(self) -> int:
@@ -82,7 +83,8 @@ def ensure_state_topic(kafka: KafkaConfig) -> None:
 def encode(state: PartitionState) -> bytes:
     """The safetensors blob of one partition's state."""
     tensors = {**state.stats.tensors("stats."),
-               **{f"learned.{i}": torch.tensor(v, dtype=torch.long) for i, v in enumerate(state.learned.values())}}
+               **{f"learned.{i}": torch.tensor(v, dtype=torch.long) for i, v in enumerate(state.learned.values())},
+               **{f"novelty.{k}": v for k, v in state.novelty.items()}}
     meta = {"format": FORMAT, "key": state.key, "offset": str(state.offset), "streams": json.dumps(list(state.learned)),
             "origin": json.dumps(asdict(state.origin)), "learner": state.learner,
             "written_at": repr(state.written_at), "rate": repr(state.rate), "lag": str(state.lag),
@@ -111,7 +113,8 @@ def decode(blob: bytes) -> PartitionState:
             Origin(**{**origin, "class_names": tuple(origin["class_names"])}), meta["learner"],
             float(meta["written_at"]), float(meta["rate"]), int(meta["lag"]),
             int(meta["steps"]) if "steps" in meta else None, json.loads(meta.get("table", "{}")),
-            json.loads(meta.get("changes", "{}")))
+            json.loads(meta.get("changes", "{}")),
+            {k.removeprefix("novelty."): v for k, v in tensors.items() if k.startswith("novelty.")})
     except Exception as e:  # missing keys, wrong types: a state we cannot trust
         raise StateFormatError(f"not a readable partition state: {type(e).__name__}: {e}") from e
 

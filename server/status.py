@@ -32,6 +32,21 @@ class AnytimeAccuracy(BaseModel):
     evaluations: int
     samples: list[int] = Field(description="Samples seen at each evaluation")
     accuracy: list[float]
+    novelty_auroc: list[float | None] = Field(description="At each evaluation: the AUROC of the novelty score "
+                                              "telling test images of classes not learned yet from learned ones "
+                                              "(null while no class, or every class, is learned)")
+    novelty_auroc_mean: float | None = Field(description="Their mean over the stream so far")
+
+
+class NoveltyStatus(BaseModel):
+    """The novelty score the answers carry, and its threshold calibrated on the stream."""
+
+    score: str = Field(description="The score answered with (--novelty.score, or energy without the LDA)")
+    threshold: float | None = Field(description="Above it an answer is novel (null: not calibrated yet)")
+    false_alarm: float = Field(description="The target share of learned classes' images answered as novel")
+    detection: float | None = Field(description="Share of the stream's images of a class new to the learner that "
+                                                "it would have flagged just before learning them (recent ones "
+                                                "weigh more)")
 
 
 class PrequentialAccuracy(BaseModel):
@@ -143,6 +158,7 @@ class LearnerStatus(ServiceStatus):
     child_error: str | None = Field(default=None, description=CHILD_ERROR)
     anytime_accuracy: AnytimeAccuracy
     a_last: float | None
+    novelty: NoveltyStatus
     prequential_accuracy: PrequentialAccuracy
     drift_events: list[DriftEvent]
     dead_lettered: int

@@ -1,15 +1,11 @@
-"""Records written for HTTP clients: uploads that a later label may teach (``POST /v1/predict?id=…``: the image
-goes to the image topic), and labels and deletions from the admin routes (``POST /v1/labels/{id}``,
-``DELETE /v1/samples/{id}``: a label or a tombstone on the labels topic, as a labelling tool would write them, or,
-where labels come with their images, a correction or a tombstone on the image topic).
+"""Records written for HTTP clients: uploads that a later label may teach (``POST /v1/predict?id=…``), and labels
+and deletions from the admin routes, on the labels topic as a labelling tool would write them (or on the image
+topic, where labels come with their images).
 
-An upload with an id is answered at once, as any other, and then written to the image topic as an image without a
-label (``mepo_stream.records.upload_headers``): the id, and the top-1 label the answer gave. The learner reads it as
-it reads every image, keeps its feature until the label with that id comes on the labels topic, and scores the
-answer that was given against it. Going through the topic, rather than into the learner's memory, gives the upload
-the stream's guarantees: it survives a crash, and it is learned once. The answer waits for the broker's
-acknowledgement, so an upload that was answered is never lost; when the broker is unreachable the answer is 503.
-Learners and replicas alike forward their uploads.
+An upload with an id is answered, then written to the image topic as an image without a label, with the top-1
+label it was given; its label later scores that answer. Going through the topic gives the upload the stream's
+guarantees: it survives a crash, and it is learned once. The answer waits for the broker's acknowledgement, so an
+upload that was answered is never lost (503 when the broker is unreachable).
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ class LabelsOff(RuntimeError):
 
 
 class UploadForwarder:
-    """Writes uploads with an id to the image topic; its producer opens on the first one."""
+    """Writes uploads and labels; its producer opens on the first one (learners and replicas alike)."""
 
     timeout_s = 10.0
 
@@ -46,10 +42,9 @@ class UploadForwarder:
         self._producer_now().send(self.kafka.topic, value=image, key=id.encode(), headers=headers).get(self.timeout_s)
 
     def send_label(self, id: str, label: int | None, inline: bool = False) -> RecordMetadata:
-        """Write a label for ``id`` to the labels topic (None: a tombstone, which deletes the id) and wait for the
-        broker to have it; where it landed. Without a labels topic, ``inline`` (corrections on, labels with their
-        images) writes it to the image topic instead, keyed by the id: on its image's partition, where the image
-        was keyed by its id too (``--replay.partition_by id``)."""
+        """Write a label for ``id`` to the labels topic (None: a tombstone) and wait for the broker to have it; where
+        it landed. Without a labels topic, ``inline`` writes it to the image topic, keyed by the id: on its image's
+        partition, where the image was keyed by its id too (``--replay.partition_by id``)."""
         topic = self.kafka.labels_topic or (self.kafka.topic if inline else None)
         if topic is None:
             raise LabelsOff("labels and deletions by id go to the labels topic (--kafka.labels_topic), or, with "

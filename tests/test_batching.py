@@ -1,7 +1,8 @@
 """The prediction micro-batcher with the interleavings forced: requests queued while a forward runs share the next.
 
-A fake snapshot stands in for the model: its "probabilities" of an image are the image's id (its first pixel),
-so every answer shows which rows a request got, and a gate holds a forward open while other requests queue up.
+A fake snapshot stands in for the model: its "probabilities" of an image are the image's id (its first pixel), and so
+is its novelty score, so every answer shows which rows a request got, and a gate holds a forward open while other
+requests queue up.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from server.batching import MicroBatcher
+from server.snapshot import Answers
 from tests.helpers import wait_for
 
 
@@ -32,14 +34,15 @@ class FakeSnapshot:
     inside: threading.Event = field(default_factory=threading.Event)
     gate: threading.Event = field(default_factory=threading.Event)
 
-    def probabilities(self, batch: torch.Tensor) -> torch.Tensor:
+    def answer(self, batch: torch.Tensor) -> Answers:
         self.forwards.append(batch[:, 0, 0, 0].tolist())
         if len(self.forwards) <= self.hold:
             self.inside.set()
             assert self.gate.wait(30), "the test never opened the gate"
         if self.fail:
             raise RuntimeError("the forward failed")
-        return batch[:, 0, 0, :1].float() + self.version / 10  # [n, 1]: id + version / 10
+        probs = batch[:, 0, 0, :1].float() + self.version / 10  # [n, 1]: id + version / 10
+        return Answers(self, probs, batch[:, 0, 0, 0].float())  # type: ignore[arg-type]  # novelty [n]: the id
 
 
 class Requests:
@@ -54,8 +57,9 @@ class Requests:
     def start(self, name: str, batch: torch.Tensor) -> None:
         def run() -> None:
             try:
-                snap, probs = self.batcher.run(lambda: self.published[-1], batch)
-                self.results[name] = (snap.version, [round(p, 1) for p in probs[:, 0].tolist()])
+                answers = self.batcher.run(lambda: self.published[-1], batch)
+                assert answers.novelty is not None and torch.equal(answers.novelty, batch[:, 0, 0, 0].float())
+                self.results[name] = (answers.snapshot.version, [round(p, 1) for p in answers.probs[:, 0].tolist()])
             except Exception as e:
                 self.results[name] = e
 
@@ -76,8 +80,9 @@ def queued(batcher: MicroBatcher, n: int):
 def test_a_lone_request_runs_at_once_and_gets_its_own_rows():
     snap = FakeSnapshot()
     batcher = MicroBatcher()
-    used, probs = batcher.run(lambda: snap, images(3, 4))
-    assert used is snap and probs[:, 0].tolist() == pytest.approx([3.1, 4.1]) and snap.forwards == [[3, 4]]
+    answers = batcher.run(lambda: snap, images(3, 4))
+    assert answers.snapshot is snap and answers.probs[:, 0].tolist() == pytest.approx([3.1, 4.1])
+    assert answers.novelty is not None and answers.novelty.tolist() == [3, 4] and snap.forwards == [[3, 4]]
     assert batcher.queued == 0
 
 
@@ -130,4 +135,4 @@ def test_an_error_reaches_every_request_of_its_forward_and_the_next_forward_work
     assert all(isinstance(results[name], RuntimeError) for name in "abc"), results
     assert snap.forwards == [[1], [2, 3]]
     snap.fail = False
-    assert batcher.run(lambda: snap, images(5))[1][:, 0].tolist() == pytest.approx([5.1])  # nothing stuck
+    assert batcher.run(lambda: snap, images(5)).probs[:, 0].tolist() == pytest.approx([5.1])  # nothing stuck

@@ -168,9 +168,9 @@ def test_learner_throughput_measures_every_configuration_against_its_own_bare_lo
                 "rss_growth": 0.01, "measured_between_samples": [3, 20], "dead_lettered": 0}
 
     bare = []
-    real_bare_rate = throughput.bare_rate
+    real_bare_run = throughput.bare_run
     monkeypatch.setattr(throughput, "service_round", service_round)
-    monkeypatch.setattr(throughput, "bare_rate", lambda *a: bare.append(a[0].learner.precision) or real_bare_rate(*a))
+    monkeypatch.setattr(throughput, "bare_run", lambda *a: bare.append(a[0].learner.precision) or real_bare_run(*a))
     spec = replace(SMALL, learner=replace(SMALL.learner, precision=precision))
     result = throughput.main(spec, bare_batches=1, rounds=1, configs=configs, work=tmp_path, out=tmp_path / "r.json")
     expected = {"learn_only": ("frozen", "slda", precision, False, "kafka-python"),

@@ -310,3 +310,15 @@ def test_a_command_whose_extra_is_not_installed_says_which_to_install(monkeypatc
     monkeypatch.setattr(importlib.metadata.EntryPoint, "load", ours)
     with pytest.raises(ModuleNotFoundError):
         main(["serve"])
+
+
+@pytest.mark.parametrize("option, value, why", [("--novelty.false_alarm", "1.5", "must be in \\(0, 1\\)"),
+                                                ("--novelty.false_alarm", "0", "must be in \\(0, 1\\)"),
+                                                ("--novelty.half_life", "-3", "positive number of samples"),
+                                                ("--novelty.score", "confidence", "novelty.score")])
+def test_a_novelty_setting_that_cannot_work_is_refused_before_any_work(capsys, option, value, why):
+    """A target false-alarm rate outside (0, 1), a half-life that is no duration, an unknown score: one line that
+    names the option, status 2, nothing started."""
+    with pytest.raises(SystemExit) as refused:
+        main(["serve", option, value])
+    assert refused.value.code == 2 and re.search(why, capsys.readouterr().err)

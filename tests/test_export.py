@@ -77,22 +77,25 @@ def run_export(cfg: ServeConfig, **options) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def server_answers(http: httpx.Client, images: torch.Tensor) -> list[dict[int, float]]:
-    """``/v1/predict``'s probability of every seen class (top_k = all of them), per image: label -> probability."""
-    rows = []
+def server_answers(http: httpx.Client, images: torch.Tensor) -> tuple[list[dict[int, float]], list[float]]:
+    """``/v1/predict``'s probability of every seen class (top_k = all of them), per image: label -> probability;
+    and each image's novelty score."""
+    rows, novelty = [], []
     for chunk in images.split(16):  # --max_files
         files = [("files", (f"{i}.png", png_bytes(image), "image/png")) for i, image in enumerate(chunk)]
         answer = http.post("/v1/predict", params={"top_k": 100}, files=files)
         assert answer.status_code == 200, answer.text
         rows += [{c["label"]: c["probability"] for c in p["top_k"]} for p in answer.json()["predictions"]]
-    return rows
+        novelty += [p["novelty"] for p in answer.json()["predictions"]]
+    return rows, novelty
 
 
 def assert_onnx_answers_as_the_server(path: Path, http: httpx.Client, images: torch.Tensor) -> None:
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     exposed = json.loads(session.get_modelmeta().custom_metadata_map["exposed"])
-    probs = session.run(["probability"], {"image": images.numpy()})[0]  # [N, K]
-    served = server_answers(http, images)
+    probs, novelty = session.run(["probability", "novelty"], {"image": images.numpy()})  # [N, K], [N, 1]
+    served, served_novelty = server_answers(http, images)
+    np.testing.assert_allclose(novelty[:, 0], served_novelty, rtol=1e-4)  # the score travels with the model
     assert [set(row) for row in served] == [set(exposed)] * len(images)  # the same classes: the seen ones
     expected = np.array([[row[label] for label in exposed] for row in served])  # [N, K] in the ONNX output order
     assert np.abs(probs - expected).max() <= TOLERANCE
@@ -121,9 +124,11 @@ def test_triton_repository_is_what_triton_reads_and_answers_as_the_server(learne
         "1", "1/model.onnx", "config.pbtxt", "labels.txt"]
     config = text_format.Parse((folder / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
     assert (config.name, config.platform, config.max_batch_size) == (cfg.model_name, "onnxruntime_onnx", 64)
-    [image], [probability] = config.input, config.output
+    [image], [probability, novelty] = config.input, config.output
     session = ort.InferenceSession(str(folder / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
-    [onnx_in], [onnx_out] = session.get_inputs(), session.get_outputs()
+    [onnx_in], [onnx_out, onnx_novelty] = session.get_inputs(), session.get_outputs()
+    assert (novelty.name, novelty.data_type, list(novelty.dims)) == (onnx_novelty.name, model_config_pb2.TYPE_FP32,
+                                                                     [1])  # the score, [N, 1]
     assert (image.name, image.data_type, list(image.dims)) == (onnx_in.name, model_config_pb2.TYPE_UINT8,
                                                                onnx_in.shape[1:])
     assert (probability.name, probability.data_type) == (onnx_out.name, model_config_pb2.TYPE_FP32)

@@ -40,7 +40,6 @@ from server.web.dependencies import get_service
 from tests.fakes import STREAM_ID, TOPIC, TP, FakeConsumer, record, records, run_loop, service
 from tests.helpers import NO_BROKER, RUNNING, color_images, settings
 
-
 SAVE = LearnerCheckpoint.save  # the real write, under the tests' wrappers
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 import re
 import threading
 import time
@@ -70,6 +71,19 @@ def assert_same_answer(labels: np.ndarray, probabilities: np.ndarray, v1: list[d
     np.testing.assert_allclose(probabilities, [c["probability"] for c in v1], atol=1e-5)
 
 
+def v1_novelty(http: httpx.Client, image: bytes) -> tuple[float, bool]:
+    answer = http.post("/v1/predict", content=image, headers={"content-type": "image/jpeg"}).json()["predictions"][0]
+    return answer["novelty"], answer["novel"]
+
+
+def assert_same_novelty(result, row: int, http: httpx.Client, image: bytes) -> None:
+    """The novelty outputs (FP32 [N], BOOL [N]) of an OIP answer's ``row`` are /v1/predict's for the image."""
+    novelty, novel = v1_novelty(http, image)
+    assert math.isfinite(novelty) and result.as_numpy("novelty").shape == result.as_numpy("novel").shape
+    np.testing.assert_allclose(result.as_numpy("novelty")[row], novelty, rtol=1e-5)
+    assert bool(result.as_numpy("novel")[row]) is novel
+
+
 @pytest.mark.parametrize("role", ["learner", "replica"])
 @pytest.mark.parametrize("binary_outputs", [None, True, False])
 def test_tritonclient_http_with_binary_inputs_gets_the_v1_answer(servers, role, binary_outputs):
@@ -85,6 +99,8 @@ def test_tritonclient_http_with_binary_inputs_gets_the_v1_answer(servers, role, 
     result = client.infer(cfg.model_name, [tensor], outputs=outputs, parameters={"top_k": TOP_K})
     for row, image in enumerate(images):
         assert_same_answer(result.as_numpy("label")[row], result.as_numpy("probability")[row], v1_top_k(http, image))
+        if binary_outputs is None:  # every output: the novelty ones too
+            assert_same_novelty(result, row, http, image)
 
 
 @pytest.mark.parametrize("role", ["learner", "replica"])
@@ -131,6 +147,22 @@ def test_tritonclient_grpc_gets_the_v1_answer(servers, role):
     tensor.set_data_from_numpy(np.array([jpeg("red")], dtype=np.object_))
     result = client.infer(cfg.model_name, [tensor], parameters={"top_k": TOP_K})
     assert_same_answer(result.as_numpy("label")[0], result.as_numpy("probability")[0], v1_top_k(http, jpeg("red")))
+    assert_same_novelty(result, 0, http, jpeg("red"))
+    assert [o["name"] for o in metadata["outputs"]] == ["label", "probability", "novelty", "novel"]
+
+
+def test_a_replica_answers_the_novelty_its_learner_answers(servers):
+    """The score is made of the sums the snapshot carries, and the threshold travels with it: a replica at the
+    learner's version answers each image with the learner's novelty score, flag and threshold."""
+    answers = {role: http.post("/v1/predict", files=[("files", ("a.jpg", jpeg(c), "image/jpeg"))
+                                                     for c in ("red", "navy", "white")]).json()
+               for role, (_, http) in servers.items()}
+    learner, replica = answers["learner"], answers["replica"]
+    assert learner["model_version"] == replica["model_version"]
+    assert learner["novelty_threshold"] == replica["novelty_threshold"]
+    for mine, theirs in zip(learner["predictions"], replica["predictions"], strict=True):
+        assert math.isfinite(mine["novelty"]) and mine["novelty"] == pytest.approx(theirs["novelty"], rel=1e-5)
+        assert mine["novel"] is theirs["novel"]
 
 
 def infer_request(cfg: ServeConfig, items: list[bytes], datatype: str = "BYTES", shape: list[int] | None = None,
@@ -163,7 +195,8 @@ def test_hostile_grpc_messages_get_clear_statuses_and_the_server_goes_on(servers
         assert error.value.code() == code, (name, error.value.code(), error.value.details())
         assert error.value.details(), name
     answer = stub.ModelInfer(infer_request(cfg, [jpeg("red")]), timeout=30)  # it still serves
-    assert [o.name for o in answer.outputs] == ["label", "probability"] and answer.raw_output_contents
+    assert [o.name for o in answer.outputs] == ["label", "probability", "novelty", "novel"]
+    assert answer.raw_output_contents
     counted = re.findall(r'mepo_predict_requests_total\{protocol="grpc",status="(\d+)"\} (\S+)',
                          http.get("/metrics").text)
     assert {status for status, n in counted if float(n) > 0} >= {"200", "400", "404"}
@@ -278,7 +311,7 @@ def test_the_kserve_sdk_requests_get_the_v1_answer(servers, role, transport):
     assert answer.status_code == 200 and answer.headers["content-type"] == "application/json", answer.text
     body = answer.json()
     outputs = {out["name"]: np.array(out["data"]).reshape(out["shape"]) for out in body["outputs"]}
-    assert body["id"] == "kserve-1" and set(outputs) == {"label", "probability"}
+    assert body["id"] == "kserve-1" and set(outputs) == {"label", "probability", "novelty", "novel"}
     assert_same_answer(outputs["label"][0], outputs["probability"][0], v1)
 
 

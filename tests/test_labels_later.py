@@ -9,6 +9,7 @@ the backbone keeps the image, and a reconnect in the middle of a join joins it a
 from __future__ import annotations
 
 import json
+import math
 import random
 import signal
 import time
@@ -84,6 +85,7 @@ def test_labels_delayed_by_50_to_200_records_teach_the_model_that_labels_attache
     learner = replace(settings(broker, tmp_path).learner, slda_shrinkage=(0.2,))
     attached = settings(broker, tmp_path / "attached", protocol=ProtocolConfig(eval_period=0), learner=learner)
     delayed = later(settings(broker, tmp_path / "delayed", protocol=ProtocolConfig(eval_period=0), learner=learner))
+    delayed = replace(delayed, kafka=replace(delayed.kafka, novel_topic=f"novel-{delayed.kafka.labels_topic}"))
     status, n = {}, len(list_files(DATA, "train").files)
     for name, cfg, replay in (("attached", attached, ReplayConfig()), ("delayed", delayed, LATE)):
         with LiveServer(cfg) as http:  # records sent while it reads: a label really comes after its image
@@ -121,6 +123,10 @@ def test_labels_delayed_by_50_to_200_records_teach_the_model_that_labels_attache
     values = [json.loads(r.value) for r in predicted]
     assert sorted(v["id"] for v in values) == sorted(r.key.decode() for r in predicted)
     assert len({v["id"] for v in values}) == n and sum(bool(v["top_k"]) for v in values) == join["scored"]
+    assert all(math.isfinite(v["novelty"]) for v in values if v["top_k"])  # each answer says how new it looked
+    flagged = sorted(v["id"] for v in values if v["novel"])  # and those worth a label first are on the novel topic
+    assert sorted(json.loads(r.value)["id"] for r in read_topic(delayed, delayed.kafka.novel_topic, len(flagged))) \
+        == flagged
 
 
 def send(cfg: ServeConfig, topic: str, headers: list, value: bytes = b"") -> None:

@@ -78,6 +78,21 @@ def test_the_embedded_broker_takes_the_port_it_is_given_or_says_why_not():
             embedded_port(f"127.0.0.1:{taken.getsockname()[1]}")
 
 
+def test_a_port_a_stopped_broker_left_in_time_wait_is_free_again():
+    """A demo started again right after Ctrl-C: the stopped broker closed its end of a connection first, which
+    leaves that connection in TIME_WAIT on the broker's port for a minute; the broker can bind it, so can the demo."""
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a broker listens
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()  # the broker's side closes first: its end goes to TIME_WAIT
+        client.close()
+    assert embedded_port(f"127.0.0.1:{port}") == port
+
+
 def test_metrics_and_status_agree_right_after_a_deletion_refused_on_an_idle_stream(broker, tmp_path):
     cfg = replace(settings(broker, tmp_path), corrections=CorrectionsConfig(enabled=True), admin_token="s3cret")
     n = produce(DATA, STREAM, cfg.kafka, ReplayConfig(limit=16))
@@ -154,7 +169,7 @@ def test_your_own_images_as_the_docs_write_it(tmp_path, reap):  # noqa: F811
 
         v1, v2, held, relabel, delete = (curl(line) for line in curls)
         assert v1["predictions"][0]["top_k"][0]["name"] == "cat" and v1["samples_seen"] == 120
-        assert [o["name"] for o in v2["outputs"]] == ["label", "probability"]
+        assert [o["name"] for o in v2["outputs"]] == ["label", "probability", "novelty", "novel"]
         assert held == {"id": "photos/T5-N50-M10/seed1/train/cat/0001.jpg", "label": 0, "class_name": "cat",
                         "time": held["time"], "file": "train/cat/0001.jpg"}
         assert relabel["id"] == held["id"] and delete["id"].endswith("train/cat/0002.jpg")

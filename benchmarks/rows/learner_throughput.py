@@ -35,6 +35,8 @@ Writes ``benchmarks/results/learner_throughput.json``.
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -92,8 +94,14 @@ first bare run in a process went at a third of the later runs' rate; three are n
 
 
 def bare_rate(spec: ServiceSpec, batches: int, prequential: bool, decodes: bool = False) -> float:
-    """Samples/s of the bare learner over ``batches`` mini-batches, after ``WARM_UP_BATCHES``; ``decodes``: each
-    mini-batch decoded from its bytes first, the decode timed with the learning."""
+    """Samples/s of the bare learner (``bare_run``)."""
+    return bare_run(spec, batches, prequential, decodes)[0]
+
+
+def bare_run(spec: ServiceSpec, batches: int, prequential: bool, decodes: bool = False) -> tuple[float, float]:
+    """Samples/s and CPU milliseconds per sample (this process's, every thread) of the bare learner over ``batches``
+    mini-batches, after ``WARM_UP_BATCHES``; ``decodes``: each mini-batch decoded from its bytes first, the decode
+    timed with the learning."""
     learner = bare_learner(spec, len(list_files(spec.data, "train").classes))
     dev = learner.device
     drawn = stream_batches(spec, batches + WARM_UP_BATCHES, dev, encoded=decodes)
@@ -105,19 +113,22 @@ def bare_rate(spec: ServiceSpec, batches: int, prequential: bool, decodes: bool 
         for images, labels in timed:
             learn(learner, decoded(spec, images, dev), labels, prequential)
 
-    return batches * spec.learner.batch_size / seconds(run, learner.device)
+    n, cpu = batches * spec.learner.batch_size, time.process_time()
+    wall = seconds(run, learner.device)
+    return n / wall, 1000 * (time.process_time() - cpu) / n
 
 
 def measure(spec: ServiceSpec, prequential: bool, bare_batches: int, rounds: int, work: Path,
             bare_decodes: bool = False) -> dict:
     """``rounds`` service runs alternated with bare runs; the median round's rates and memory, and every round."""
-    bares = [bare_rate(spec, bare_batches, prequential, bare_decodes)]
+    bares = [bare_run(spec, bare_batches, prequential, bare_decodes)]
     runs = []
     for r in range(rounds):
         runs.append(service_round(spec, prequential, work / f"round{r}"))
-        bares.append(bare_rate(spec, bare_batches, prequential, bare_decodes))
+        bares.append(bare_run(spec, bare_batches, prequential, bare_decodes))
     return {"method": spec.method, "classifier": spec.learner.classifier, "prequential": prequential,
-            "bare_decodes": bare_decodes, **median_round(runs, bares)}
+            "bare_decodes": bare_decodes, "bare_cpu_ms_per_sample": statistics.median(c for _, c in bares),
+            **median_round(runs, [rate for rate, _ in bares])}
 
 
 def median_round(runs: list[dict], bares: list[float]) -> dict:
@@ -143,8 +154,9 @@ def service_round(spec: ServiceSpec, prequential: bool, work: Path) -> dict:
                          work) as service:
         n = service.stream_length
         status = service.wait_learned(n)
-    (t0, s0, rss0), (t1, s1, rss1) = learning_window(service.trace, n, spec.learner.batch_size)
-    return {"service_samples_per_s": (s1 - s0) / (t1 - t0), "rss_bytes_at_10pct": rss0, "rss_bytes_at_100pct": rss1,
+    (t0, s0, rss0, cpu0), (t1, s1, rss1, cpu1) = learning_window(service.trace, n, spec.learner.batch_size)
+    return {"service_samples_per_s": (s1 - s0) / (t1 - t0), "cpu_ms_per_sample": 1000 * (cpu1 - cpu0) / (s1 - s0),
+            "rss_bytes_at_10pct": rss0, "rss_bytes_at_100pct": rss1,
             "rss_growth": (rss1 - rss0) / rss0, "measured_between_samples": [s0, s1],
             "dead_lettered": status["dead_lettered"]}
 
@@ -221,8 +233,10 @@ def table_rows(r: dict) -> list[Row]:
                       "librdkafka_learn_only": ", read with librdkafka"}.get(name, "")
             what = "with test-then-train prediction" if c["prequential"] else "learning only"
             dtype = "int8" if name == "int8_learn_only" else r["machine"]["dtype"]
+            cpu = ("" if "cpu_ms_per_sample" not in c else
+                   f"; CPU {c['cpu_ms_per_sample']:.2f} ms a sample, its loop {c['bare_cpu_ms_per_sample']:.2f}")
             rows.append((f"Learner throughput from Kafka, {c['method']} + {c['classifier']}{recipe}, {what} "
-                         f"(samples/s{spread(c)})", fmt(c["service_samples_per_s"], "/s"),
+                         f"(samples/s{spread(c)}{cpu})", fmt(c["service_samples_per_s"], "/s"),
                          f"{fmt(c['bare_samples_per_s'], '/s')} (its loop, {dtype})", c["ratio"], "≥ 0.90",
                          c["ratio"] >= 0.9))
     if c := r.get("prequential"):

@@ -124,11 +124,12 @@ class ServiceUnderTest:
         return rss_bytes(self.process.pid)
 
     def wait_learned(self, n: int, timeout: float = 3600, poll: float = 0.25) -> dict:
-        """Poll until ``n`` samples are learned, recording (time, samples, RSS) in ``trace``."""
+        """Poll until ``n`` samples are learned, recording (time, samples, RSS, CPU seconds) in ``trace``."""
 
         def learned() -> dict | None:
             status = self.status()
-            self.trace.append((time.monotonic(), status["samples_seen"], self.rss_bytes()))
+            self.trace.append((time.monotonic(), status["samples_seen"], self.rss_bytes(),
+                               cpu_seconds(self.process.pid)))
             return status if status["samples_seen"] >= n else None
 
         return wait_until(learned, f"{n} samples learned", timeout, poll, [self.process], transient=())
@@ -210,6 +211,12 @@ def timed(fn: Callable[[], object], repeats: int, dev: torch.device) -> list[flo
     """Seconds of each of ``repeats`` calls of ``fn`` (each timed by ``seconds``), after one warm-up call."""
     fn()
     return [seconds(fn, dev) for _ in range(repeats)]
+
+
+def cpu_seconds(pid: int | str = "self") -> float:
+    """User and system CPU seconds a process has used, every thread (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15 of stat
 
 
 def rss_bytes(pid: int | str = "self") -> int:

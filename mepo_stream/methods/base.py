@@ -26,6 +26,7 @@ from mepo_stream.alignment import AlignMode, FeatureAlignment
 from mepo_stream.backbone import input_size
 from mepo_stream.errors import StateRefused
 from mepo_stream.fixed_shape import in_blocks, pad_rows
+from mepo_stream.novelty import NoveltyScore, novelty_scores, prepare
 from mepo_stream.precision import autocast
 from mepo_stream.transforms import Transform
 
@@ -239,9 +240,19 @@ class ContinualMethod(nn.Module):
     @torch.inference_mode()
     def predict_proba(self, images: torch.Tensor, n_seen: int, align_mode: AlignMode = "running") -> torch.Tensor:
         """Probabilities [B, n_seen] over the classes seen so far (head order) for uint8 images, on the CPU."""
+        return self.answer(images, n_seen, align_mode)[0]
+
+    @torch.inference_mode()
+    def answer(self, images: torch.Tensor, n_seen: int, align_mode: AlignMode = "running",
+               novelty: NoveltyScore | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``predict_proba``'s probabilities [B, n_seen], and each image's novelty score [B] (``novelty``, resolved
+        for this classifier by ``mepo_stream.novelty``; None: not scored), from one forward, on the CPU."""
         encoded = self.encode_images(images, fixed_shape=self.invariant_predictions)
-        logits = self.predict_logits(encoded, n_seen, align_mode)[:, :n_seen]
-        return logits.softmax(dim=1).cpu()
+        logits = self.predict_logits(encoded, n_seen, align_mode)[:, :n_seen]  # [B, n_seen]
+        if novelty is None or n_seen == 0:
+            return logits.softmax(dim=1).cpu(), None
+        h = self.aligned(encoded, align_mode)  # [B, D], the classifier's input
+        return logits.softmax(dim=1).cpu(), novelty_scores(self.classifier, h, logits, novelty).cpu()
 
     def inference_copy(self) -> ContinualMethod:
         """An eval-mode copy of everything learning changes, sharing a frozen backbone, with the classifier
@@ -249,6 +260,7 @@ class ContinualMethod(nn.Module):
         solve = getattr(self.classifier, "solve_chosen", None)
         if solve is not None:
             solve()  # the original keeps it too: its next test-then-train step shares the solve
+        prepare(self.classifier)  # and the novelty score's factorisations, cached beside the solve
         memo = {} if self.trains_backbone else {id(self.backbone): self.backbone}
         frozen = copy.deepcopy(self, memo=memo).eval()
         if frozen.alignment is not None and int(frozen.alignment.running_batches) > 0:

@@ -1,18 +1,16 @@
 """Images predicted as they arrive, for labels that come later (``--kafka.labels_topic``).
 
-Where labels may come later, the learner predicts every image of a poll when it is read, in one forward: the
-prediction of an image without a label goes to the predictions topic (Kafka-native batch inference beside the
-HTTP API) and is scored when its label is joined (delayed prequential accuracy); the same forward gives the
-feature the learner keeps until then (``mepo_stream.label_join``), so joining costs no second pass. A learner that
-trains through the backbone (the paper's prompts) keeps the image instead: it needs it to take its gradient steps.
-
-What an arrival keeps, per image: a feature costs ``4 D`` bytes (1.5 KiB for ViT-S's 384), an image ``3 S²`` (21 KiB
-at 84 px, 147 KiB at 224 px), times ``--join.max_images``.
+The learner predicts every image of a poll when it is read, in one forward: the prediction of an image without a
+label goes to the predictions topic and is scored when its label is joined; the same forward gives the feature the
+join keeps until then, so joining costs no second pass. A learner that trains through the backbone (the paper's
+prompts) keeps the image instead: it needs it for its gradient steps. Each waits as ``4 D`` bytes (a feature: 1.5 KiB
+for ViT-S) or ``3 S²`` (an image: 147 KiB at 224 px), times ``--join.max_images``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -35,27 +33,33 @@ class Arrival:
     """Top-1 label (None before any class is known)."""
     top_k: list[dict]
     """``[{"label", "name", "probability"}]``, most probable first (as ``/v1/predict`` answers)."""
+    novelty: float | None = None
+    """Its novelty score (None before any class is known)."""
+    novel: bool = False
+    """Its score is above the learner's calibrated threshold: an image worth a label first."""
 
 
 @torch.no_grad()
 def arrive(learner: OnlineLearner, images: torch.Tensor, top_k: int, class_names: dict[int, str],
            align_mode: AlignMode = "running") -> list[Arrival]:
-    """Predict uint8 images [B, 3, S, S] with the learner's current model; keep each one's feature (cloned: a row
-    must not hold the batch's storage alive while it waits) or, for a learner that needs it, its image."""
+    """Predict uint8 images [B, 3, S, S]; keep each one's feature (cloned: a row must not hold the batch's storage
+    alive while it waits) or, for a learner that needs it, its image."""
     encoded = learner.encode(images)
     n_seen = len(learner.exposed)
-    rows: list[list[dict]] = [[] for _ in range(len(images))]
-    if n_seen:
-        probs = learner.logits(encoded, (align_mode,))[align_mode][:, :n_seen].softmax(1).cpu()  # [B, n_seen]
-        rows = ranked(best(probs, learner.exposed, top_k), class_names)
     keep = encoded.feature.cpu() if learner.learns_from_features else images.cpu()  # [B, D] or [B, 3, S, S]
-    return [Arrival(keep[i].clone(), row[0]["label"] if row else None, row) for i, row in enumerate(rows)]
+    if not n_seen:
+        return [Arrival(keep[i].clone(), None, []) for i in range(len(images))]
+    probs = learner.logits(encoded, (align_mode,))[align_mode][:, :n_seen].softmax(1).cpu()  # [B, n_seen]
+    rows = ranked(best(probs, learner.exposed, top_k), class_names)
+    novelty = learner.novelty(encoded, align_mode=align_mode)  # [B]
+    threshold = math.inf if learner.novelty_threshold is None else learner.novelty_threshold.threshold
+    return [Arrival(keep[i].clone(), row[0]["label"], row, float(novelty[i]), bool(novelty[i] > threshold))
+            for i, row in enumerate(rows)]
 
 
 @dataclass(frozen=True)
 class Retraction:
-    """A tombstone for the predictions topic: the image with this id was deleted, and so is its prediction (a
-    compacted predictions topic then forgets it)."""
+    """A tombstone for the predictions topic: the image with this id was deleted, and so is its prediction."""
 
     id: str
 
@@ -71,15 +75,17 @@ class Prediction:
     top_k: list[dict]
     model_version: int
     time: float
+    novelty: float | None = None
+    novel: bool = False
+    """Flagged novel: it also goes to ``--kafka.novel_topic``, where a labelling tool asks for its label first."""
 
     def value(self) -> bytes:
         return json.dumps({"id": self.id, "top_k": self.top_k, "model_version": self.model_version,
-                           "time": self.time}).encode()
+                           "time": self.time, "novelty": self.novelty, "novel": self.novel}).encode()
 
 
 class KeptLabel(NamedTuple):
-    """A label record the join kept and refused later (``unknown_id`` past its TTL), rebuilt for its dead letter
-    from where it came from and what it said."""
+    """A label record the join kept and refused later (``unknown_id`` past its TTL), rebuilt for its dead letter."""
 
     topic: str
     partition: int
@@ -90,6 +96,5 @@ class KeptLabel(NamedTuple):
 
 
 def kept_label(refused: Refused) -> KeptLabel:
-    """The dead letter's record of a label refused after it had waited: where it came from, and its id."""
     topic, partition, offset = refused.source or ("", -1, -1)
     return KeptLabel(topic, partition, offset, refused.id.encode(), b"", [("id", refused.id.encode())])

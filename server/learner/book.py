@@ -1,21 +1,13 @@
 """What the learner has done with the stream, kept with the model so that both roll back together.
 
-``StreamBook`` is the one place that decides whether a record is a replay and where the offsets stand. It knows
-no Kafka: a partition is a ``"topic:partition"`` key (``tp_key``) and an offset an int. Its one owner is
-``Intake`` (``server.learner.intake``), which books every record the loop hands it, and saves and restores the
-book with the model:
+``StreamBook`` is the one place that decides whether a record is a replay and where the offsets stand; its owner is
+``Intake`` (``server.learner.intake``). A record's sample id is claimed before its image is decoded (False: a
+replay, counted; a bad image gives its claim back, so a good copy is still learned); then, in offset order, the
+record is pending or skipped, and ``mark_learned`` hands it off after the learning step.
 
-* ``claim`` its sample id (stream id, sample index) before decoding the image; False means a replay: the sample
-  is learned or still pending, and the replay is counted. A bad image gives its claim back (``release``), so a
-  good copy of the sample is still learned.
-* then, in offset order, the record is ``add_pending`` (a decoded sample waiting for its mini-batch) or ``skip``
-  (a replay, or a dead letter, counted: nothing more to do);
-* ``mark_learned`` after the learning step: those samples are learned and their records handled.
-
-``offsets`` are the next offset per partition with every record before it handled: what a checkpoint stores,
-what is committed to Kafka and where a consumer seeks. They never pass a pending record, so a crash loses
-nothing: the records after them are read again, and their samples, never learned, are claimed again. Only
-learned ids are checkpointed; nothing is pending or claimed after a restore or a ``reread``.
+``offsets`` (the next offset per partition with every record before it handled: what a checkpoint stores, what is
+committed and where a consumer seeks) never pass a pending record, so a crash loses nothing: the records after
+them are read, and claimed, again. Only learned ids are checkpointed.
 
 Example:
     >>> def sample(index: int) -> Sample:
@@ -52,8 +44,7 @@ def tp_key(tp) -> str:
 
 @dataclass
 class Sample:
-    """A decoded, validated record waiting to be learned: its image, or, where labels may come later and the
-    learner learns from features, the feature its image had when it arrived."""
+    """A decoded, validated record waiting to be learned: its image, or the feature it had when it arrived."""
 
     image: torch.Tensor | None  # uint8 [3, S, S]; None when ``feature`` is given
     meta: RecordMeta
@@ -64,8 +55,7 @@ class Sample:
 
     @property
     def id(self) -> tuple[str, int]:
-        """What "learned exactly once" counts for a labelled record: (stream id, sample index); a joined sample is
-        counted by its id in the ``LabelJoin``."""
+        """What "learned exactly once" counts for a labelled record (a joined one is counted by the ``LabelJoin``)."""
         return self.meta.stream_id, self.meta.sample_index
 
     @property
@@ -85,8 +75,8 @@ class Pending(NamedTuple):
 
 @dataclass
 class StreamBook:
-    """Sample ids, record offsets and stream counters, behind one lock: the learner thread claims and books,
-    the decode pool's threads give claims back, and nothing is seen half-way."""
+    """Sample ids, record offsets and stream counters, behind one lock: the checkpoint thread marks a failed write's
+    offsets unsaved, and other threads read the offsets."""
 
     learn_replays: bool = False  # claim every record, so a replayed sample is learned again
     by_partition: bool = False  # also keep the ids learned from each partition (a learner in a group writes them)
@@ -125,8 +115,7 @@ class StreamBook:
             self._pending.append(Pending(key, offset, sample))
 
     def skip(self, key: str, offset: int, dead_letter: bool = False) -> None:
-        """The record needs no more work (a replay, or ``dead_letter``: sent to the dead-letter topic, counted); the
-        offset moves past it unless a record before it is pending."""
+        """The record needs no more work (a replay, or a dead letter); the offset passes it unless one is pending."""
         with self._lock:
             self.dead_lettered += dead_letter
             self._read[key] = offset + 1
@@ -141,7 +130,7 @@ class StreamBook:
 
     def mark_learned(self, batch: list[Sample]) -> None:
         """The mini-batch was learned: its ids in flight -> learned, and every record read is handled up to the
-        first one still pending (records added during the learning step stay pending)."""
+        first one still pending."""
         learned = {id(s) for s in batch}
         with self._lock:
             for stream_id, index in (s.id for s in batch if s.joined is None and s.change is None):
@@ -171,8 +160,7 @@ class StreamBook:
             return dict(self._handled)
 
     def mark_saved(self, offsets: dict[str, int], failed: bool = False) -> None:
-        """A checkpoint holding ``offsets`` (from ``state_dict``) is on disk; ``failed``: the write of one holding
-        them failed, so each of them still marked counts as unsaved again."""
+        """A checkpoint holding ``offsets`` is on disk; ``failed``: its write failed, so they count as unsaved again."""
         with self._lock:
             if not failed:
                 self._saved = dict(offsets)
@@ -207,8 +195,7 @@ class StreamBook:
                 table.pop(key, None)
 
     def unsaved_keys(self) -> list[str]:
-        """The partitions whose offsets moved since the last ``mark_saved`` (records handled without any new
-        learning count too)."""
+        """The partitions whose offsets moved since the last ``mark_saved`` (by learning or not)."""
         with self._lock:
             return [k for k, v in self._handled.items() if self._saved.get(k) != v]
 

@@ -1,14 +1,10 @@
 """The state topic's reader and writer, for learners in a group (``server.state_topic`` says what a record is).
 
-* ``Changelog.read_all`` reads the topic from its beginning to its end with a consumer of its own and returns
-  each partition's newest state: what a learner restores when it is assigned a partition. The end is the high
-  watermark of a fetch made after the call started (never ``end_offsets``, which the embedded broker answers
-  wrongly after multi-record batches: ``../shared/notes/kafka.md``), so every state written before the
-  assignment (a revoked owner writes before it lets go) is read.
-* ``Changelog.write`` sends states and waits for the broker's acknowledgement: the learner commits offsets only
-  after their state is durable.
-* ``ChangelogFollower`` tails the topic in a thread and hands every state to a callback: how a learner hears of
-  the partitions other learners own, to add their sums to its model.
+* ``Changelog.read_all`` returns each partition's newest state, read to the high watermark of a fetch made after
+  the call started (never ``end_offsets``, which the embedded broker answers wrongly after multi-record batches:
+  ``../shared/notes/kafka.md``), so every state written before the assignment is read.
+* ``Changelog.write`` waits for the broker's acknowledgement: offsets are committed only after their state is durable.
+* ``ChangelogFollower`` tails the topic in a thread: how a learner hears of the partitions other learners own.
 """
 
 from __future__ import annotations
@@ -44,15 +40,10 @@ def _consumer(kafka: KafkaConfig) -> tuple[KafkaConsumer, TopicPartition]:
 
 
 class _Reassembly:
-    """Puts the parts of each partition's states back together, whatever partition they belong to."""
+    """Puts the parts of each partition's states back together."""
 
     def __init__(self):
         self.assemblers: dict[str, Assembler] = {}
-
-    @property
-    def half_read(self) -> bool:
-        """A state's first parts are read, its last ones not yet."""
-        return any(a.incomplete for a in self.assemblers.values())
 
     def states(self, polled: dict) -> Iterator[PartitionState]:
         for record in sorted((r for rs in polled.values() for r in rs), key=lambda r: r.offset):
@@ -71,8 +62,8 @@ class _Reassembly:
 
 
 def read_to_end(consumer: KafkaConsumer, tp: TopicPartition, timeout_s: float) -> Iterator[dict]:
-    """The polls of ``consumer`` (assigned ``tp`` alone) until its position reaches the end ``tp`` had once the
-    call started: the high watermark of a fetch, never ``end_offsets`` (see the module's docstring)."""
+    """The polls of ``consumer`` (assigned ``tp`` alone) until its position reaches the high watermark of a fetch
+    (see the module's docstring)."""
     deadline = time.monotonic() + timeout_s
     while True:
         yield consumer.poll(timeout_ms=200)
@@ -91,7 +82,6 @@ class Changelog:
         self._producer: KafkaProducer | None = None
 
     def read_all(self, timeout_s: float = 60.0) -> dict[str, PartitionState]:
-        """Every partition's newest state, read to the end of the topic as it is now."""
         consumer, tp = _consumer(self.kafka)
         latest: dict[str, PartitionState] = {}
         reassembly = _Reassembly()
@@ -104,7 +94,7 @@ class Changelog:
             consumer.close()
 
     def write(self, states: list[PartitionState]) -> int:
-        """Send ``states`` and wait until the broker has them all; returns the bytes sent."""
+        """Send ``states`` and wait for the broker to have them; returns the bytes sent."""
         if self._producer is None:
             ensure_state_topic(self.kafka)
             self._producer = open_parts_producer(self.kafka, ACK_TIMEOUT_S)
@@ -121,8 +111,8 @@ class Changelog:
 
 
 class ChangelogFollower:
-    """Tails the state topic in a thread: every complete state goes to ``on_state``; a state this learner cannot
-    read goes to ``on_error`` and stops the follower (sums of another model are never added)."""
+    """Tails the state topic: a state this learner cannot read goes to ``on_error`` and stops the follower (sums of
+    another model are never added)."""
 
     def __init__(self, kafka: KafkaConfig, on_state: Callable[[PartitionState], None],
                  on_error: Callable[[StateRefused], None]):
@@ -149,7 +139,7 @@ class ChangelogFollower:
                     polled = consumer.poll(timeout_ms=200)
                     for state in reassembly.states(polled):
                         self.on_state(state)
-                    if not reassembly.half_read:
+                    if not any(a.incomplete for a in reassembly.assemblers.values()):  # no state half read
                         position = consumer.position(tp)
             except KafkaError as e:
                 log.warning("state topic unavailable (%s); retrying in %.0f s", e, RETRY_S)

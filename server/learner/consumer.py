@@ -1,20 +1,14 @@
-"""The learner's consumer: one interface, the project's own types, two clients behind it.
-
-The loop (``server.learner.stream``) reads the stream through ``Consumer`` only; ``open_consumer`` there picks the
-client. kafka-python (``server.learner.kafka_python``, the default) and librdkafka (``server.learner.librdkafka``,
-``--consumer librdkafka``) are adapters that keep its promises, checked by one contract suite against the real
-broker (``tests/test_consumer_contract.py``):
+"""The learner's consumer: one interface, the project's own types. Its two adapters, kafka-python (the default) and
+librdkafka (``--consumer librdkafka``), keep its promises, checked by ``tests/test_consumer_contract.py``:
 
 * ``poll`` returns ``Record``s, each partition's in offset order, waiting at most ``wait_ms`` for the first.
-* A rebalance is an event (``Assigned``, ``Revoked``) handed to the handler given to ``subscribe``, while ``poll``
-  runs and before it returns: a revocation before the partitions go, so the learner can write their state before
-  another member reads it; an assignment is answered with where each partition starts. Which thread runs it is the
-  client's (kafka-python: its IO thread; librdkafka: the polling thread), so the handler hands state changes to
-  their owner, the model thread, and never writes state itself.
-* ``commit`` sends offsets without waiting for the broker (a failure is logged: the learner's checkpoint is the
-  source of truth); ``close`` waits, at most ``timeout_s``, for the commits in flight.
-* ``probe`` asks the broker a round trip, bounded by ``timeout_s``: a stopped broker keeps its TCP connections open,
-  so only an answer says it is there.
+* A rebalance is an event (``Assigned``, ``Revoked``) handed to the ``subscribe`` handler while ``poll`` runs: a
+  revocation before the partitions go, so the learner can write their state before another member reads it; an
+  assignment is answered with where each partition starts. Which thread runs it is the client's, so the handler
+  hands state changes to the model thread and never writes state itself.
+* ``commit`` sends offsets without waiting (a failure is logged: the checkpoint is the source of truth); ``close``
+  waits, at most ``timeout_s``, for the commits in flight.
+* ``probe`` asks the broker a round trip, bounded by ``timeout_s``: a stopped broker keeps its TCP connections open.
 * A broker that cannot be reached raises ``BrokerUnavailable`` (the loop reconnects), never a client's own type.
 """
 
@@ -31,8 +25,8 @@ log = logging.getLogger(__name__)
 
 
 class PartitionKey(NamedTuple):
-    """A topic's partition: the key of everything the learner keeps per partition; ``str`` gives ``topic:N``, the
-    form checkpoints, partition states and metrics carry, and ``parse`` reads it back."""
+    """A topic's partition; ``str`` gives ``topic:N``, the form checkpoints and partition states carry, and ``parse``
+    reads it back."""
 
     topic: str
     partition: int
@@ -47,13 +41,12 @@ class PartitionKey(NamedTuple):
 
     @classmethod
     def of(cls, record) -> PartitionKey:
-        """The partition a record (anything with ``topic`` and ``partition``) was read from."""
         return cls(record.topic, record.partition)
 
 
 @dataclass(frozen=True)
 class Record:
-    """A consumed record with what the intake and the dead letters read (``mepo_stream.records.KafkaRecord``)."""
+    """A consumed record (``mepo_stream.records.KafkaRecord``)."""
 
     topic: str
     partition: int
@@ -66,8 +59,7 @@ class Record:
 
 @dataclass(frozen=True)
 class Assigned:
-    """These partitions are now this member's; the handler answers where each starts (a missing one: at its
-    committed offset, or its beginning)."""
+    """These partitions are now this member's; the handler answers where each starts (else: where committed)."""
 
     keys: tuple[PartitionKey, ...]
 
@@ -112,13 +104,12 @@ def unavailable_on(*errors: type[BaseException]) -> Iterator[None]:
 
 
 def log_failed_commit(error: object) -> None:
-    """A commit that failed is only logged: the learner's checkpoint holds its offsets."""
     log.warning("offset commit failed (the checkpoint holds them): %s", error)
 
 
 def close_within(close: Callable[[], None], timeout_s: float) -> None:
-    """Run a client's ``close`` (which waits for its commits in flight, and to leave its group, as long as the broker
-    takes) for at most ``timeout_s``; past that the member is left behind, to expire with its session."""
+    """Run a client's ``close`` (which waits as long as the broker takes) for at most ``timeout_s``; past that the
+    member is left behind, to expire with its session."""
     closing = threading.Thread(target=close, name="mepo-consumer-close", daemon=True)
     closing.start()
     closing.join(timeout_s)
@@ -128,6 +119,5 @@ def close_within(close: Callable[[], None], timeout_s: float) -> None:
 
 TIMING = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 2000, "max_poll_interval_ms": 600_000,
           "fetch_max_bytes": 16 * 1024 * 1024, "fetch_max_wait_ms": 100}
-"""The learner's consumer settings for either client. ``fetch_max_wait_ms`` is how long a fetch that finds nothing
-new waits at the broker, not Kafka's 500: the embedded broker answers only once it is over, so a lone deletion
-waits it whole (docs/corrections.md)."""
+"""The learner's consumer settings for either client. ``fetch_max_wait_ms`` is not Kafka's 500: the embedded broker
+answers an empty fetch only once it is over, so a lone deletion waits it whole (docs/corrections.md)."""

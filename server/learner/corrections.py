@@ -1,15 +1,10 @@
 """Corrections and deletions of learned samples (``--corrections.enabled``): the model as a table's view.
 
-Kafka Streams turns a topic into a table: the latest value of each key wins, and a tombstone (a null value)
-deletes the key. The learner follows the same rules for its samples, keyed by id: a label for an id it learned
-already moves the sample to the new label, and a tombstone takes it out. Both are exact, because the default model
-is a sum of its samples' features (``OnlineLearner.forget_features``): at every checkpoint the model equals a fresh
-learner fed the latest label of every id that still exists.
-
-The intake (``server.learner.intake``) decides what a record is when it reads it (``kind_of_label``,
-``kind_of_tombstone``); a change is then learned in its place in the stream, after the samples read before it, by
-``apply`` in the learning step. What it needs of a learned sample (its feature, label and record time) is in the
-``SampleTable``, which commits with the checkpoint (``checkpoint``, ``settle``, ``restore``).
+As Kafka Streams turns a topic into a table, the learner keys its samples by id: a label for a learned id moves the
+sample to the new label, and a tombstone takes it out. Both are exact, because the model is a sum of its samples'
+features (``OnlineLearner.forget_features``): at every checkpoint it equals a fresh learner fed the latest label of
+every id that still exists. The intake decides what a record is when it reads it; the change is learned in its
+place in the stream by ``apply``, from what the ``SampleTable`` keeps of the sample (docs/corrections.md).
 """
 
 from __future__ import annotations
@@ -41,7 +36,7 @@ PARTITION_TABLES = "partition-samples"
 
 @dataclass(frozen=True)
 class Relabel:
-    """A correction: the sample with this id was learned; its label is now ``label``."""
+    """A correction: the learned sample with this id now has label ``label``."""
 
     id: str
     label: int
@@ -67,8 +62,7 @@ class ModelEdits(Protocol):
 
 
 class Count(StrEnum):
-    """What the corrections count, per partition: the keys of their counts in checkpoints, partition states and
-    the status."""
+    """What the corrections count, per partition (the keys in checkpoints, partition states and the status)."""
 
     CORRECTIONS_APPLIED = "corrections_applied"
     CORRECTIONS_REFUSED = "corrections_refused"
@@ -77,7 +71,6 @@ class Count(StrEnum):
 
 
 COUNTS = tuple(count.value for count in Count)
-"""Their keys as plain strings: what checkpoints and partition states carry."""
 
 
 class LabelKind(Enum):
@@ -97,8 +90,8 @@ class TombstoneKind(Enum):
 
 
 class Corrections:
-    """The sample table and what changed it: one table for a learner alone, one per owned partition in a group
-    (``by_partition``: an id is corrected by the owner of its partition, from that partition's table)."""
+    """The sample table and its change counts: one for a learner alone, one per owned partition in a group
+    (``by_partition``: an id is corrected by the owner of its partition)."""
 
     def __init__(self, cfg: CorrectionsConfig, learner: OnlineLearner, checkpoint_dir: Path,
                  by_partition: bool = False):
@@ -114,7 +107,6 @@ class Corrections:
             self.adopt(None, self.new_table(None), {})
 
     def table(self, key: str | None) -> SampleTable:
-        """The table of a record of partition ``key``."""
         return self.tables[key if self.by_partition else None]
 
     def _count(self, key: str | None, what: Count) -> None:
@@ -132,13 +124,12 @@ class Corrections:
         return SampleTable(path, self.cfg.retention_s, self.cfg.compact_every_s)
 
     def adopt(self, key: str | None, table: SampleTable, counts: dict[str, int]) -> None:
-        """Take ``table`` and the ``counts`` of its changes as partition ``key``'s (None: the learner alone's)."""
+        """Take ``table`` and its change ``counts`` as partition ``key``'s (None: the learner alone's)."""
         self.tables[key] = table
         self.counts[key] = {k: int(counts.get(k, 0)) for k in COUNTS}
 
     def close(self) -> None:
-        """The service stops: close every table (an environment left open would refuse, or worse, share its files
-        with the next one this process opens)."""
+        """Close every table (one left open would refuse the next one this process opens on its files)."""
         for table in self.tables.values():
             table.close()
 
@@ -152,10 +143,10 @@ class Corrections:
     # --- what a record is, when it is read ------------------------------------------------------------------------
     def kind_of_label(self, id: str, join: LabelJoin | None, now: float, pending: bool, key: str | None = None
                       ) -> LabelKind:
-        """A label for ``id`` read at record time ``now`` from partition ``key``: a correction of a sample learned or
-        about to be (``pending`` in the book, or its join in flight), refused for one learned but no longer in the
-        table (or, with labels inline, one never learned), else a label for the join. The join is asked first: the
-        learning step writes a sample to the table before it lets go of its join."""
+        """A label for ``id``: a correction of a sample learned or about to be (``pending`` in the book, or its join
+        in flight), refused for one no longer in the table (or, with labels inline, never learned), else a label for
+        the join. The join is asked first: the learning step writes a sample to the table before it lets go of its
+        join."""
         if self._learned(id, join, now, pending, key):
             return LabelKind.CORRECTION
         if join is None or id in join.joined_ids:
@@ -165,9 +156,8 @@ class Corrections:
 
     def kind_of_tombstone(self, id: str, join: LabelJoin | None, now: float, pending: bool, key: str | None = None
                           ) -> TombstoneKind:
-        """A tombstone for ``id`` read at record time ``now`` from partition ``key``: a sample to take out (learned,
-        ``pending`` or in flight), an image or label let go from the join now, or refused (never learned, or past
-        retention)."""
+        """A tombstone for ``id``: a sample to take out (learned, ``pending`` or in flight), an image or label let go
+        from the join now, or refused (never learned, or past retention)."""
         if self._learned(id, join, now, pending, key):
             return TombstoneKind.FORGET
         if join is not None and join.forget(id):
@@ -177,13 +167,11 @@ class Corrections:
         return TombstoneKind.NOT_CORRECTABLE
 
     def _learned(self, id: str, join: LabelJoin | None, now: float, pending: bool, key: str | None) -> bool:
-        """The id's sample is learned and still correctable at record time ``now``, or about to be learned."""
         self.expire(now)
         return pending or (join is not None and id in join.in_flight) or self.table(key).get(id) is not None
 
     def held(self, id: str) -> Entry | None:
-        """What is held of ``id`` (its label, record time and feature), from whichever table has it (in a group, the
-        owned partition's that learned it); None: never learned here, deleted, or past retention."""
+        """What a table holds of ``id``; None: never learned here, deleted, or past retention."""
         return next((entry for table in list(self.tables.values()) if (entry := table.get(id)) is not None), None)
 
     # --- in the learning step ---------------------------------------------------------------------------------------
@@ -192,8 +180,7 @@ class Corrections:
         self.table(key).put(id, Entry(label, time, feature.detach().to("cpu", torch.float32)))
 
     def apply(self, change: Change, join: LabelJoin | None, model: ModelEdits, key: str | None = None) -> None:
-        """Learn one change of partition ``key`` in its place in the stream, in ``model``; one whose id left the table
-        since it was read (a deletion or retention came first) is counted as refused."""
+        """Learn one change in ``model``; one whose id left the table since it was read is counted as refused."""
         table = self.table(key)
         entry = table.get(change.id)
         relabel = isinstance(change, Relabel)
@@ -214,8 +201,7 @@ class Corrections:
         self._count(key, Count.CORRECTIONS_APPLIED if relabel else Count.DELETIONS_APPLIED)
 
     def expire(self, now: float) -> None:
-        """Let the ids past retention at record time ``now`` go (they stay learned, no longer correctable); once per
-        ``EXPIRE_EVERY_S`` of record time, since every label asks (and retention is counted in days)."""
+        """Let the ids past retention go; once per ``EXPIRE_EVERY_S`` of record time, since every label asks."""
         if now < self._expired_at + EXPIRE_EVERY_S:
             return
         self._expired_at = now
@@ -224,7 +210,7 @@ class Corrections:
 
     # --- with the checkpoint of a learner alone ---------------------------------------------------------------------
     def checkpoint(self) -> dict:
-        """Commit the table's changes as the next generation; what the checkpoint keeps of the corrections."""
+        """Commit the table's changes as the next generation; returns what the checkpoint keeps."""
         table = self.tables[None]
         generation = table.generation + 1
         table.commit(generation)
@@ -240,7 +226,6 @@ class Corrections:
         self.counts[None] = {k: int(saved[k]) if saved else 0 for k in COUNTS}
 
     def summary(self) -> dict:
-        """The counts and the table(s): this learner's, or the partitions it owns."""
         counts, tables = list(self.counts.values()), list(self.tables.values())  # a rebalance may change them
         return {**{k: sum(c[k] for c in counts) for k in COUNTS}, "ids": sum(len(t) for t in tables),
                 "bytes_on_disk": sum(t.bytes_on_disk() for t in tables),

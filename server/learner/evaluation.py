@@ -1,9 +1,6 @@
 """The learner's any-time evaluation, served: ``mepo evaluate``'s schedule, scoring and curve
-(``mepo_stream.anytime``) run inside the stream, plus the accuracy measured when the stream goes idle.
-
-The learning step asks ``room`` how many samples its next mini-batch may hold, so that an evaluation runs exactly
-at its scheduled sample count, and calls ``after_batch`` once the step is whole. Without a test set
-(``--protocol.eval_period 0``) every method is a no-op and the curve stays empty.
+(``mepo_stream.anytime``) run inside the stream, plus the accuracy measured when the stream goes idle. Without a
+test set (``--protocol.eval_period 0``) every method is a no-op and the curve stays empty.
 """
 
 from __future__ import annotations
@@ -23,11 +20,10 @@ class Evaluator:
 
     @property
     def curve(self) -> AnytimeCurve:
-        """The any-time accuracy curve of the stream so far (empty without a test set)."""
         return AnytimeCurve() if self.evaluation is None else self.evaluation.curves[self.mode]
 
     def room(self, learner: OnlineLearner, batch_size: int) -> int:
-        """The most samples the next mini-batch may hold: ``batch_size``, cut at the next scheduled evaluation."""
+        """``batch_size``, cut so that an evaluation runs exactly at its scheduled sample count."""
         return batch_size if self.evaluation is None else self.evaluation.room(learner, batch_size)
 
     def after_batch(self, learner: OnlineLearner) -> int:
@@ -42,7 +38,6 @@ class Evaluator:
         return self.evaluation is not None and bool(learner.exposed) and self.idle_evaluated_at != learner.samples_seen
 
     def evaluate_idle(self, learner: OnlineLearner) -> None:
-        """Measure the accuracy of the stream so far, as at the end of a task."""
         assert self.evaluation is not None  # idle_due says there is one
         self.class_accuracy = self.evaluation.end_of_task(learner)[self.mode][1]
         self.idle_evaluated_at = learner.samples_seen

@@ -240,7 +240,7 @@ class Intake:
         dead = self._book_join(record, self.join.add_image(meta.id, arrival.item, prediction, at))
         if dead is not None or answered:
             return dead
-        return Prediction(meta.id, arrival.top_k, self.version(), time.time())
+        return Prediction(meta.id, arrival.top_k, self.version(), time.time(), arrival.novelty, arrival.novel)
 
     def _book_tombstone(self, record, id: str, at: float) -> Outgoing | None:
         """A deletion: pending in its place if the id is learned (or about to be), done now if it only waited in the

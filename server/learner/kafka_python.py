@@ -1,8 +1,7 @@
 """The learner's consumer on kafka-python (the default client), behind ``server.learner.consumer.Consumer``.
 
-kafka-python runs the rebalance listener on its IO thread while ``poll`` waits, so the handler's seeks are made
-there, before the fetches of the new assignment begin. Its commits are sent without waiting; ``close`` commits the
-last offsets sent again, waiting, so none is lost in flight.
+The rebalance listener runs on kafka-python's IO thread while ``poll`` waits, so the handler's seeks are made before
+the fetches of the new assignment begin. ``close`` commits the last offsets sent again, waiting, so none is lost.
 """
 
 from __future__ import annotations
@@ -30,13 +29,11 @@ log = logging.getLogger(__name__)
 
 
 def _on_commit(offsets: dict, result: object) -> None:
-    """``commit_async``'s callback (the offsets, and the broker's answer or the error)."""
     if isinstance(result, Exception):
         log_failed_commit(result)
 
 
 class _Listener(ConsumerRebalanceListener):
-    """kafka-python's listener, turning its calls into the interface's events."""
 
     def __init__(self, consumer: KafkaPythonConsumer, on_rebalance: OnRebalance):
         self.consumer, self.on_rebalance = consumer, on_rebalance
@@ -55,8 +52,6 @@ class _Listener(ConsumerRebalanceListener):
 
 
 class KafkaPythonConsumer:
-    """A group member reading through kafka-python."""
-
     def __init__(self, kafka: KafkaConfig, max_records: int, **timing: int):
         with unavailable_on(KafkaError):
             self._consumer = KafkaConsumer(**kafka.client_options(), group_id=kafka.group_id,

@@ -1,21 +1,16 @@
-"""The learner's consumer on librdkafka (``--consumer librdkafka``), behind ``server.learner.consumer.Consumer``:
-the records parsed in C, off the GIL.
+"""The learner's consumer on librdkafka (``--consumer librdkafka``), behind ``server.learner.consumer.Consumer``.
 
-kafka-python parses every record in Python, under the interpreter lock the model thread needs between its
-operators; beside a fast model that parsing may set the learner's pace (docs/performance.md). librdkafka
-(``confluent-kafka``) fetches and parses in its own threads. What differs underneath, kept from the interface:
-
-* the rebalance callbacks run inside ``poll``, in the polling thread; an assignment starts where the handler says;
-* a broker that does not answer is retried inside librdkafka: ``poll`` returns nothing, and ``probe`` (a round
-  trip) is what reports it;
-* librdkafka's waiting commit takes no timeout, so every commit is sent without waiting; ``close`` waits for those
-  in flight.
+kafka-python parses every record in Python, under the interpreter lock the model thread needs; librdkafka parses in
+C, in its own threads (docs/performance.md). Underneath, its rebalance callbacks run inside ``poll``; a broker that
+does not answer is retried inside librdkafka, so ``probe`` reports it; and its waiting commit takes no timeout, so
+every commit is sent without waiting and ``close`` waits for those in flight.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+from functools import partial
 from typing import Any, cast
 
 from mepo_stream.errors import ConfigError
@@ -42,20 +37,14 @@ log = logging.getLogger(__name__)
 
 
 def _record(message) -> Record:
-    """A consumed message's record (its topic, partition and offset are set: it is not an error)."""
+    """A consumed message's record (not an error: its topic, partition and offset are set)."""
     topic, partition, offset = message.topic(), message.partition(), message.offset()
     assert topic is not None and partition is not None and offset is not None
     headers = cast(list[tuple[str, bytes]] | None, message.headers())  # as consumed: a list of (str, bytes) pairs
     return Record(topic, partition, offset, message.key(), message.value(), headers, message.timestamp()[1])
 
 
-def _log_error(error) -> None:
-    """librdkafka's client-wide errors (a broker down, a failed connection), which it retries itself: logged."""
-    log.warning("librdkafka: %s", error)
-
-
 def _on_commit(error, partitions) -> None:
-    """An asynchronous commit's answer (the error, or None)."""
     if error is not None:
         log_failed_commit(error)
 
@@ -82,8 +71,7 @@ def check_available() -> None:
 
 def librdkafka_settings(kafka: KafkaConfig, session_timeout_ms: int, heartbeat_interval_ms: int,
                         max_poll_interval_ms: int, fetch_max_bytes: int, fetch_max_wait_ms: int) -> dict[str, Any]:
-    """The learner's consumer settings in librdkafka's names: a group member that never commits on its own and
-    starts a partition without a committed offset at its beginning."""
+    """The learner's consumer settings in librdkafka's names."""
     options = kafka.client_options()  # the one place that knows which options reach a client
     security = {LIBRDKAFKA_NAMES[name]: value for name, value in options.items() if name != "bootstrap_servers"}
     return {"bootstrap.servers": ",".join(options["bootstrap_servers"]), "group.id": kafka.group_id, **security,
@@ -94,13 +82,12 @@ def librdkafka_settings(kafka: KafkaConfig, session_timeout_ms: int, heartbeat_i
 
 
 class LibrdkafkaConsumer:
-    """A group member reading through librdkafka."""
-
     def __init__(self, kafka: KafkaConfig, **timing: int):
         from confluent_kafka import Consumer
 
         settings = librdkafka_settings(kafka, **timing)
-        self._consumer = Consumer({**settings, "error_cb": _log_error, "on_commit": _on_commit})
+        error_cb = partial(log.warning, "librdkafka: %s")  # a broker down, a failed connection: it retries itself
+        self._consumer = Consumer({**settings, "error_cb": error_cb, "on_commit": _on_commit})
         self._assigned: set[PartitionKey] = set()
 
     def subscribe(self, topics: list[str], on_rebalance: OnRebalance) -> None:

@@ -1,14 +1,10 @@
 """Prequential (test-then-train) accuracy and drift detection on the live stream, with river.
 
-Each mini-batch is predicted *before* the learner trains on it (river's ``progressive_val_score``
-contract), and the outcomes feed a cumulative ``metrics.Accuracy``, a ``utils.Rolling`` accuracy over the
-last ``rolling_window`` samples, and a river drift detector on the 0/1 error stream. This is **not** the
-paper's A_AUC (that needs a held-out test set; see ``mepo_stream.anytime``).
+Each mini-batch is predicted *before* the learner trains on it (river's ``progressive_val_score`` contract). This
+is **not** the paper's A_AUC (that needs a held-out test set; see ``mepo_stream.anytime``).
 
-State for checkpoints is plain tensors and lists, never pickled river objects: cumulative counts, the last
-``rolling_window`` outcomes and the detector's current window of errors, replayed into fresh river objects on
-restore (the rolling accuracy and the cumulative accuracy come back exactly; the detector's window contents
-come back, its internal bucket layout may differ).
+Checkpoints hold plain tensors and lists, never pickled river objects, replayed into fresh river objects on
+restore: both accuracies come back exactly, the detector's window too (its internal bucket layout may differ).
 
 Example:
     >>> monitor = StreamMonitor(MonitorConfig(rolling_window=2))
@@ -43,7 +39,6 @@ class StreamMonitor:
         self._fresh()
 
     def _fresh(self) -> None:
-        """Nothing seen yet."""
         cfg = self.cfg
         self.accuracy = metrics.Accuracy()
         self.rolling_accuracy = utils.Rolling(metrics.Accuracy, window_size=cfg.rolling_window)

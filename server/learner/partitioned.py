@@ -49,6 +49,7 @@ from mepo_stream.errors import ConfigError, StateRefused
 from mepo_stream.label_statistics import LabelStatistics
 from mepo_stream.learner import OnlineLearner
 from mepo_stream.methods.base import Encoded
+from mepo_stream.novelty import NoveltyThreshold
 from server.config import ServeConfig
 from server.learner.book import Pending, StreamBook
 from server.learner.changelog import Changelog, ChangelogFollower
@@ -162,6 +163,7 @@ class InGroup:
         self._remote_total: LabelStatistics | None = None
         self._replaced = 0  # remote states folded into ``_remote_total`` by replacement since it was summed afresh
         self._migration: PartitionState | None = None
+        self.novelty: dict[str, NoveltyThreshold] = {}  # per owned partition: the scores of its images
         self.rate_mark = (time.monotonic(), 0)  # (when, learned_here) at the last persist
         self.learned_here = 0  # samples this learner learned (not merged from others)
 
@@ -219,6 +221,7 @@ class InGroup:
                 self.own[key] = self._empty.clone() if found is None else found.stats.clone()
                 self.remote.pop(key, None)
                 self.steps[key] = 0 if found is None else found.moves
+                self.novelty[key] = self._threshold({} if found is None else found.novelty)
                 if self.tables is not None:
                     self.tables.adopt(key, found)
                 if found is not None:
@@ -238,6 +241,7 @@ class InGroup:
             for key in keys:
                 self.own.pop(key, None)
                 self.steps.pop(key, None)
+                self.novelty.pop(key, None)
                 if self.tables is not None:
                     self.tables.drop(key)
                 if key in self.written:
@@ -294,7 +298,17 @@ class InGroup:
             self._remote_total = LabelStatistics.total([s.stats for s in self.remote.values()], like=self._empty)
             self._replaced = 0
         learner.load_statistics(LabelStatistics.total([self._remote_total, *self.own.values()]))
+        remote = [self._threshold(s.novelty) for s in self.remote.values() if s.novelty]
+        learner.novelty_threshold = NoveltyThreshold.merged([self._threshold({}), *self.novelty.values(), *remote])
         self.metrics.merge_seconds.observe(time.perf_counter() - start)
+
+    def _threshold(self, state: dict[str, torch.Tensor]) -> NoveltyThreshold:
+        """A partition's novelty threshold, from its state (empty: new); the learner's is the sum of every
+        partition's, so every learner of the group calibrates the same threshold."""
+        threshold = NoveltyThreshold(self.cfg.novelty.false_alarm, self.cfg.novelty.half_life)
+        if state:
+            threshold.load_state_dict(state)
+        return threshold
 
     # --- learning ---------------------------------------------------------------------------------------------
     def new_book(self, learn_replays: bool) -> StreamBook:
@@ -308,11 +322,15 @@ class InGroup:
         return None
 
     def update(self, learner: OnlineLearner, images: torch.Tensor, labels: torch.Tensor, encoded: Encoded | None,
-               key: str | None) -> torch.Tensor | None:
-        """Predict with the merged model, add the batch to its partition's sums (``key``: the state cuts each
-        mini-batch from one partition, ``groups``), load the new total. ``encoded``: the batch's encoding, where the
-        sample table keeps its features."""
+               key: str | None, positions: torch.Tensor) -> torch.Tensor | None:
+        """Score the batch's novelty into its partition's threshold (``positions``: its sample indices), predict
+        with the merged model, add the batch to its partition's sums (``key``: the state cuts each mini-batch from
+        one partition, ``groups``), load the new total."""
         assert key is not None
+        encoded = learner.encode(images) if encoded is None else encoded
+        merged, learner.novelty_threshold = learner.novelty_threshold, self.novelty[key]
+        learner.observe_novelty(encoded, labels, positions)  # the partition's scores, before it learns them
+        learner.novelty_threshold = merged
         pred, h, hits = learner.statistics_step(images, labels, encoded)
         with self.lock:
             self.own[key].add(h, labels, hits)
@@ -348,7 +366,8 @@ class InGroup:
         states = [PartitionState(key, self.own[key].clone(), offset, learned, self.origin, self.learner_id,
                                  now, rate, int(self.lag.get(key, 0)), self.steps[key],
                                  {} if self.tables is None else self.tables.included(key),
-                                 {} if corrections is None else dict(corrections.counts[key]))
+                                 {} if corrections is None else dict(corrections.counts[key]),
+                                 {k: v.clone() for k, v in self.novelty[key].state_dict().items()})
                   for key, offset, learned in moved if offset is not None]  # moved: handled records
         return GroupCapture({s.key: s.offset for s in states}, now, states, tables)
 

@@ -115,7 +115,8 @@ class SnapshotPublisher:
         start = time.perf_counter()
         assert snapshot.model is not None  # the learner's snapshots always hold its model
         blob = self.run(encode, snapshot.model.trainable_state_dict(), self.origin, snapshot.version,
-                        snapshot.samples_seen, snapshot.exposed, time.time())
+                        snapshot.samples_seen, snapshot.exposed, time.time(), snapshot.novelty_score,
+                        snapshot.novelty_threshold)
         producer = self._connect()
         records = to_records(blob, self.origin.model, snapshot.version, self.kafka.snapshot_chunk_bytes)
         futures = [producer.send(self.kafka.snapshot_topic, key=key, value=value, headers=headers)

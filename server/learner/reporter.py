@@ -58,6 +58,10 @@ class StateReporter:
         if v.curve.accuracy:
             m.anytime.set(v.curve.accuracy[-1])
             m.a_auc.set(v.curve.a_auc)
+        if v.curve.novelty_auroc and v.curve.novelty_auroc[-1] is not None:
+            m.novelty_auroc.set(v.curve.novelty_auroc[-1])
+        if v.novelty is not None and v.novelty["threshold"] is not None:
+            m.novelty_threshold.set(v.novelty["threshold"])
         if v.curve.task_accuracy:
             m.last_accuracy.set(v.curve.a_last)
         for c, acc in v.class_accuracy.items():
@@ -105,8 +109,11 @@ class StateReporter:
             "anytime_accuracy": {"last": curve.accuracy[-1] if curve.accuracy else None,
                                  "a_auc": curve.a_auc if curve.accuracy else None,
                                  "evaluations": len(curve.accuracy), "samples": curve.samples,
-                                 "accuracy": curve.accuracy},
+                                 "accuracy": curve.accuracy, "novelty_auroc": curve.novelty_auroc,
+                                 "novelty_auroc_mean": None if math.isnan(curve.novelty_auroc_mean)
+                                 else curve.novelty_auroc_mean},
             "a_last": curve.a_last if curve.task_accuracy else None,
+            "novelty": v.novelty,
             "prequential_accuracy": {"cumulative": v.prequential_cumulative if seen else None,
                                      "rolling": v.prequential_rolling if seen else None, "samples": seen},
             "drift_events": v.drift_events,

@@ -1,26 +1,22 @@
-"""The table of learned samples: per id, the feature it was learned from, its label and its record time, on disk.
+"""The table of learned samples: per id, the feature it was learned from, its label and its record time, in LMDB.
 
-Why: a streaming-LDA model is a sum over its samples, so a sample can be taken out exactly (a deletion) or moved to
-another class (a correction) by subtracting what it added (``OnlineLearner.forget_features``). That needs what it
-added, long after its record was read: the table keeps it, in LMDB (an embedded, memory-mapped B+tree with
-transactions), so it is not held in memory. It is the learner's view of a KTable: the latest label of each id.
+A streaming-LDA model is a sum over its samples, so a sample can be taken out (a deletion) or moved to another class
+(a correction) exactly by subtracting what it added (``OnlineLearner.forget_features``): the table keeps that, on
+disk, long after its record was read. It is the learner's view of a KTable: the latest label of each id.
 
-It commits with the checkpoint. Changes since the last checkpoint wait in memory; ``commit(g)`` writes them in one
-transaction together with their undo records (each changed id's value before generation ``g``), and the checkpoint
-file that follows records ``g``. A restart reads the checkpoint's generation and ``restore`` undoes every later
-generation, so the table is again the one the model and offsets of the checkpoint saw: a kill -9 between the two
-writes neither loses nor doubles a change. ``settle(g)`` drops the undo records once checkpoint ``g`` is on disk.
+It commits with the checkpoint: ``commit(g)`` writes the changes held in memory in one transaction with their undo
+records, and the checkpoint file that follows records ``g``. A restart's ``restore`` undoes every later generation,
+so a kill -9 between the two writes neither loses nor doubles a change; ``settle(g)`` drops the undo records once
+checkpoint ``g`` is on disk.
 
 Ids older than ``retention_s`` of record time are dropped (``expire``): they stay in the model, but can no longer be
-corrected or deleted, which keeps the disk bounded. LMDB writes copy-on-write, so a deleted entry's bytes stay in
-the data file until its page is reused: at most ``compact_every_s`` after a deletion, a settle copies the table
-without its free pages and swaps the copy in, and the bytes are gone from the disk. Every settle reopens the
-environment, so the pages the learner mapped leave its resident set. In a group, a partition's table is rebuilt
-from a changelog instead (``rebuild``, ``server.learner.table_changelog``).
+corrected or deleted. LMDB writes copy-on-write, so a deleted entry's bytes stay in the file until its page is
+reused: at most ``compact_every_s`` after a deletion, a settle swaps in a compacted copy. In a group, a partition's
+table is rebuilt from a changelog instead (``server.learner.table_changelog``).
 
-Key layout (one environment, four named databases): ``samples``: the id's 16-byte hash -> entry (the id is in the
-entry); ``by_time``: 8-byte big-endian milliseconds + hash -> b""; ``undo``: 8-byte generation + hash -> b"\\x00"
-(absent before) or b"\\x01" + entry; ``meta``: ``generation`` and ``settled``.
+Key layout (four named databases): ``samples``: the id's 16-byte hash -> entry (the id is in the entry);
+``by_time``: 8-byte big-endian milliseconds + hash -> b""; ``undo``: 8-byte generation + hash -> b"\\x00" (absent
+before) or b"\\x01" + entry; ``meta``: ``generation`` and ``settled``.
 """
 
 from __future__ import annotations
@@ -89,18 +85,6 @@ def _int(data: bytes | None) -> int:
     return 0 if data is None else int(data)
 
 
-def _write(txn, dbs: tuple, key: bytes, before: bytes | None, value: Entry | None) -> None:
-    """Replace ``before`` (its entry and its time index key; None: absent) by ``value`` (None: delete)."""
-    samples, by_time = dbs
-    if before is not None:
-        txn.delete(_time_key(Entry.decode(bytes(before)).time, key), db=by_time)
-    if value is None:
-        txn.delete(key, db=samples)
-        return
-    txn.put(key, value.encode(), db=samples)
-    txn.put(_time_key(value.time, key), b"", db=by_time)
-
-
 class SampleTable:
     """Learned samples by id; changed in memory by the learning step, committed with each checkpoint."""
 
@@ -131,6 +115,19 @@ class SampleTable:
         self._by_time = self.env.open_db(b"by_time")
         self._undo = self.env.open_db(b"undo")
         self._meta = self.env.open_db(b"meta")
+
+    def _replace(self, txn, key: bytes, value: Entry | None) -> bytes | None:
+        """Replace ``key``'s entry and its time index key by ``value`` (None: delete); returns the entry before."""
+        before = txn.get(key, db=self._samples)
+        if before is not None:
+            before = bytes(before)
+            txn.delete(_time_key(Entry.decode(before).time, key), db=self._by_time)
+        if value is None:
+            txn.delete(key, db=self._samples)
+        else:
+            txn.put(key, value.encode(), db=self._samples)
+            txn.put(_time_key(value.time, key), b"", db=self._by_time)
+        return before
 
     @contextmanager
     def _txn(self, write: bool = False, db: str | None = None) -> Iterator:
@@ -218,11 +215,10 @@ class SampleTable:
         prefix = struct.pack(">Q", generation)
         with self._txn(write=True) as txn:
             for key, value in changes.items():
-                before = txn.get(key, db=self._samples)
+                before = self._replace(txn, key, value)
                 self._deleted |= value is None and before is not None
-                txn.put(prefix + key, b"\x00" if before is None else b"\x01" + bytes(before), db=self._undo,
+                txn.put(prefix + key, b"\x00" if before is None else b"\x01" + before, db=self._undo,
                         overwrite=False)  # the first change of a generation keeps the value before it
-                _write(txn, (self._samples, self._by_time), key, before, value)
             txn.put(b"generation", str(generation).encode(), db=self._meta)
         with self._lock:
             for key, value in changes.items():
@@ -231,12 +227,9 @@ class SampleTable:
         return changes
 
     def rebuild(self, records: Iterable[list[tuple[bytes, Entry | None, bool]]]) -> int:
-        """Fill this (empty) table from a changelog's records, read in batches: (key, entry or None for deleted,
-        whether to apply it), in order; a record not applied (a write no state includes) marks its key to be written
-        out again at the next commit. Returns how many were not applied.
-
-        Each batch is one transaction, so an id written in one and deleted in a later one leaves its bytes in a freed
-        page: the table is compacted at the end if anything was deleted, before it is used."""
+        """Fill this (empty) table from batches of changelog records (key, entry or None, whether to apply it); a key
+        not applied is written out again at the next commit. Returns how many were not applied. A deletion across
+        batches leaves its bytes in a freed page, so the table is compacted before it is used."""
         skipped: set[bytes] = set()
         for batch in records:
             with self._txn(write=True) as txn:
@@ -244,9 +237,8 @@ class SampleTable:
                     if not applied:
                         skipped.add(key)
                         continue
-                    before = txn.get(key, db=self._samples)
+                    before = self._replace(txn, key, value)
                     self._deleted |= value is None and before is not None
-                    _write(txn, (self._samples, self._by_time), key, None if before is None else bytes(before), value)
         self._count = self._committed_count()
         if self._deleted:
             self._reopen(compact=True)
@@ -265,12 +257,9 @@ class SampleTable:
         self._reopen(compact=self._deleted and time.monotonic() - self._compacted_at >= self.compact_every_s)
 
     def _reopen(self, compact: bool = False) -> None:
-        """Close and reopen the environment, so the pages this process mapped leave its resident set (the kernel
-        keeps them as page cache and reclaims them at will): a long stream's table does not grow the learner's RSS.
-
-        ``compact``: first copy the table without its free pages, and swap the copy in. LMDB writes copy-on-write,
-        so a deleted entry's bytes (and its undo record's) stay in the data file until a page is reused; in the
-        copy they are gone. Only after a settle, or into a table no checkpoint names yet: no undo record is needed."""
+        """Close and reopen the environment, so the pages this process mapped leave its resident set: a long
+        stream's table does not grow the learner's RSS. ``compact``: first copy the table without its free pages (a
+        deleted entry's bytes are gone there) and swap the copy in; only when no undo record is needed."""
         copy, old = self.path.with_name(self.path.name + ".compact"), self.path.with_name(self.path.name + ".old")
         with self._env_lock:
             if compact:
@@ -302,10 +291,7 @@ class SampleTable:
             later = [(bytes(k), bytes(v)) for k, v in cursor.iternext()
                      if struct.unpack(">Q", bytes(k[:8]))[0] > generation]
             for key, value in sorted(later, reverse=True):  # the newest generation first
-                id = key[8:]
-                now = txn.get(id, db=self._samples)
-                _write(txn, (self._samples, self._by_time), id, None if now is None else bytes(now),
-                            None if value == b"\x00" else Entry.decode(value[1:]))
+                self._replace(txn, key[8:], None if value == b"\x00" else Entry.decode(value[1:]))
                 txn.delete(key, db=self._undo)
             txn.put(b"generation", str(generation).encode(), db=self._meta)
         self._count = self._committed_count()

@@ -1,9 +1,5 @@
-"""One running service: the model state, the learner loop that feeds it, the batcher predictions go through, and
-the publisher that sends its snapshots to the replicas (``server.learner.publisher``).
-
-The FastAPI lifespan starts it and stops it; routers reach it through ``server.web.dependencies.get_service``. A
-replica (``mepo replica``) is a ``server.replica.follower.ReplicaService``, which answers the same routers.
-"""
+"""One running learner: its state, the loop that feeds it, the batcher predictions go through, and the publisher
+of its snapshots. The FastAPI lifespan starts and stops it; a replica's counterpart is ``ReplicaService``."""
 
 from __future__ import annotations
 
@@ -34,8 +30,7 @@ class Service(Serving):
 
     @classmethod
     def start(cls, settings: ServeConfig, metrics: ServerMetrics) -> Service:
-        """Load the model (or restore its checkpoint; in a group, every partition's state), start publishing its
-        snapshots, and start learning from Kafka in the loop's thread."""
+        """Load the model (or restore its checkpoint, or a group's states), start publishing and learning."""
         model_thread = ModelThread()
         opened = open_group_learner if settings.kafka.state_topic is not None else open_learner
         state = opened(settings, metrics, model_thread)
@@ -70,8 +65,7 @@ class Service(Serving):
         self.loop.request_checkpoint()
 
     def sample(self, id: str) -> HeldSample | None:
-        """What the sample table holds of ``id`` (None: unknown), read in the model thread, which changes the table:
-        between two steps, never inside one, nor while a rebalance swaps a group's tables."""
+        """What the sample table holds of ``id`` (None: unknown), read in the model thread, which owns the table."""
         corrections = self.state.intake.corrections
         if corrections is None:
             raise CorrectionsOff("the learner keeps no sample table: start it with --corrections.enabled")
@@ -82,8 +76,8 @@ class Service(Serving):
                           time=entry.time, file=sample_file(id))
 
     def readiness(self) -> LearnerReadiness:
-        """``/readyz``'s checks (all true: ready) and the learner's and the publisher's errors, if they stopped on
-        one: replicas that no longer get snapshots serve an ever older model, so a stopped publisher is not ready."""
+        """``/readyz``'s checks and errors: replicas that no longer get snapshots serve an ever older model, so a
+        stopped publisher is not ready."""
         health = self.loop.health()
         publisher_error = None if self.publisher is None else self.publisher.error
         checks = {"model_loaded": True, "kafka_connected": health.kafka_connected, "learner_running": health.running,

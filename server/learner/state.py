@@ -47,6 +47,7 @@ from mepo_stream.errors import StateRefused
 from mepo_stream.learner import OnlineLearner
 from mepo_stream.methods.base import Encoded
 from mepo_stream.model import create_model
+from mepo_stream.novelty import NoveltyThreshold, resolve
 from server.config import ServeConfig, model_config
 from server.learner.book import Pending, Sample, StreamBook
 from server.learner.corrections import Corrections, ModelEdits
@@ -173,8 +174,12 @@ def runs_of_samples(samples: list[Sample]) -> list[list[Sample]]:
 
 
 def build_learner(cfg: ServeConfig, n_classes: int) -> OnlineLearner:
-    """The learner around the model the factory builds from ``cfg`` (every part of the MePo bundle it has)."""
-    return OnlineLearner(create_model(model_config(cfg), n_classes, device()), cfg.learner)
+    """The learner around the model the factory builds from ``cfg`` (every part of the MePo bundle it has), scoring
+    novelty as ``--novelty.*`` says and calibrating its threshold on the stream."""
+    learner = OnlineLearner(create_model(model_config(cfg), n_classes, device()), cfg.learner)
+    learner.novelty_score = cfg.novelty.score
+    learner.novelty_threshold = NoveltyThreshold(cfg.novelty.false_alarm, cfg.novelty.half_life)
+    return learner
 
 
 class Membership(Protocol):
@@ -187,7 +192,7 @@ class Membership(Protocol):
     def restore(self, learner: OnlineLearner, origin: Origin) -> Restored | None: ...
     def groups(self, pending: list[Pending]) -> list[tuple[str | None, list[Pending]]]: ...
     def update(self, learner: OnlineLearner, images: torch.Tensor, labels: torch.Tensor, encoded: Encoded | None,
-               key: str | None) -> torch.Tensor | None: ...
+               key: str | None, positions: torch.Tensor) -> torch.Tensor | None: ...
     def edits(self, learner: OnlineLearner, key: str | None) -> ModelEdits: ...
     def check_assignment(self, images: set[int], everything: set[int] | None) -> StateRefused | None: ...
     def next_version(self, version: int) -> int: ...
@@ -270,7 +275,8 @@ class LearnerState:
         self.model_thread.check()
         with self.lock:
             if self._snapshot is None or self._snapshot.version != self.version:
-                self._snapshot = take_snapshot(self.learner, self.version, self.cfg.alignment.inference_mode)
+                self._snapshot = take_snapshot(self.learner, self.version, self.cfg.alignment.inference_mode,
+                                               self.learner.novelty_score)
             return self._snapshot
 
     def view(self) -> LearnerView:
@@ -281,7 +287,16 @@ class LearnerState:
             dict(self.evaluator.class_accuracy), self.evaluator.idle_due(self.learner), m.total, m.cumulative,
             m.rolling, list(m.events), book.dead_lettered, book.replays_skipped, self.last_checkpoint_time,
             self.last_learned_time, join_summary(self.intake.join), self.membership.group_view(),
-            None if self.intake.corrections is None else self.intake.corrections.summary())
+            None if self.intake.corrections is None else self.intake.corrections.summary(), self._novelty())
+
+    def _novelty(self) -> dict:
+        score = resolve(self.learner.method.classifier, self.learner.novelty_score)
+        with self.lock:  # the model thread moves it
+            threshold = self.learner.novelty_threshold
+            assert threshold is not None  # ``build_learner`` sets one
+            detection = threshold.detection()
+        return {"score": score, "threshold": threshold.threshold if math.isfinite(threshold.threshold) else None,
+                "false_alarm": threshold.false_alarm, "detection": None if math.isnan(detection) else detection}
 
     @property
     def offsets(self) -> dict[str, int]:
@@ -378,7 +393,8 @@ class LearnerState:
                 labels, pred = torch.tensor(scored).T if scored else (labels, None)  # the predictions at arrival
             else:  # the learner's own forward where it trains by gradient; else the encoding above
                 assert images is not None
-                pred = self.membership.update(self.learner, images, labels, encoded, key)
+                positions = torch.tensor([s.meta.sample_index for s in batch])  # [B]
+                pred = self.membership.update(self.learner, images, labels, encoded, key, positions)
             if self.cfg.prequential:
                 watch_drift(self.monitor, self.metrics, labels, pred, seen_before)
             self.intake.learned(batch, None if kept or encoded is None else encoded.feature, key)
@@ -582,10 +598,12 @@ class Alone:
         return [(None, pending)]
 
     def update(self, learner: OnlineLearner, images: torch.Tensor, labels: torch.Tensor, encoded: Encoded | None,
-               key: str | None = None) -> torch.Tensor | None:
+               key: str | None, positions: torch.Tensor) -> torch.Tensor | None:
         """Fold the batch into the model (from ``encoded``, its encoding, where the caller has it); its
-        test-then-train predictions (None: not prequential) feed the drift monitor."""
-        if not self.cfg.prequential:
+        test-then-train predictions (None: not prequential) feed the drift monitor, and its novelty scores the
+        learner's threshold (at the learner's own sample count: ``positions`` are for a group)."""
+        if not self.cfg.prequential:  # scored for the novelty threshold all the same, before it is learned
+            learner.observe_novelty(learner.encode(images) if encoded is None else encoded, labels)
             learner.observe(images, labels, encoded)
             return None
         return learner.test_then_train(images, labels, self.cfg.alignment.inference_mode, encoded)

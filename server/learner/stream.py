@@ -1,33 +1,9 @@
-"""The learner loop: consume the labelled image topic in one pass, learn in stream order, checkpoint, commit.
+"""The learner loop: read the labelled image topic, hand each poll to the model thread, send the dead letters and
+predictions it hands back, checkpoint and commit (docs/architecture.md: the threads, what each owns, a record's path).
 
-The loop speaks Kafka: it hands each poll to the state's intake (``server.learner.intake``: claim, decode, book),
-learns through the state (``server.learner.state``), sends the dead letters the intake returns, and persists.
-
-* One consumer in a group, ``enable_auto_commit=False``. On partition assignment the consumer seeks to the
-  book's offsets (after a restart, those of the learner checkpoint, the source of truth). Offsets reach Kafka
-  only through ``persist``: checkpoint first, then commit the same offsets, for lag monitoring and tools. A
-  crash therefore rolls model and offsets back together: records after the checkpoint are learned again once,
-  none is lost or learned twice.
-* A record that cannot be decoded or validated goes to the dead-letter topic with headers ``error``,
-  ``error_message``, ``source_topic``, ``source_partition`` and ``source_offset``; it is counted, and the loop
-  moves on. A replayed sample (already learned, or still waiting in a mini-batch) is skipped and counted
-  (unless ``learn_replays``): every sample id is claimed in the book before its image is decoded.
-* Mini-batches are assembled in offset order, cut short where an any-time evaluation is scheduled
-  (``LearnerState.batch_limit``); a partial batch is learned when the topic goes idle.
-* One schedule, on every device: this loop thread owns the Kafka clients (poll, send, commit) and the model
-  thread (``server.model_thread``) owns the model and every piece of learner state. Each poll goes to the model
-  thread through its one queue (``LearnerState.accept_then_learn``): it claims, decodes and books the records, hands
-  back what to send and the numbers the loop steers by (``Booked``), then learns a full mini-batch (or, the topic
-  gone quiet, the partial one) while the loop reads the next poll. A prediction that comes meanwhile is answered
-  after a block of that step's forward (``ModelThread.run_first``). On a CUDA learner the batch is stacked into
-  pinned memory (``server.learner.staging``) for an asynchronous copy, and a poll's JPEGs decode on the GPU in one
-  batch.
-* Labels that come later (``--kafka.labels_topic``): the loop reads the labels topic too, and sends the
-  predictions the state makes of images without a label to ``--kafka.predictions_topic`` (keyed by id, JSON;
-  a crash may send one again, with the same id).
-* The broker being unreachable makes the loop wait and retry (``mepo_learner_up`` 0, not ready) without
-  losing anything.
-* The API steers the loop through ``pause``, ``resume`` and ``request_checkpoint`` and reads ``health``.
+Offsets reach Kafka only through ``persist``: checkpoint first, then commit the same offsets. A crash therefore
+rolls model and offsets back together: records after the checkpoint are learned again once, none is lost or learned
+twice. A broker that cannot be reached makes the loop wait and retry (``mepo_learner_up`` 0) without losing anything.
 """
 
 from __future__ import annotations
@@ -48,7 +24,7 @@ from mepo_stream.kafka import KafkaConfig, ensure_topics, open_producer
 from server.consumer import PROBE_EVERY_S, ConsumerThread
 from server.learner.arrival import Prediction, Retraction
 from server.learner.consumer import TIMING, Assigned, BrokerUnavailable, Consumer, PartitionKey, Rebalance, Record
-from server.learner.intake import DeadLetter, Outgoing
+from server.learner.intake import Outgoing
 from server.learner.kafka_python import KafkaPythonConsumer
 from server.learner.librdkafka import LibrdkafkaConsumer, check_available
 from server.learner.state import Booked, LearnerState, StateWriteFailed
@@ -57,32 +33,23 @@ from server.metrics import ServerMetrics
 log = logging.getLogger(__name__)
 
 
-def dead_letter_headers(dead: DeadLetter) -> list[tuple[str, bytes]]:
-    """A dead letter's headers: its reason and where it came from, then the record's own."""
-    record = dead.record
-    return [("error", dead.reason.encode()), ("error_message", dead.message[:500].encode("utf-8", "replace")),
-            ("source_topic", record.topic.encode()), ("source_partition", str(record.partition).encode()),
-            ("source_offset", str(record.offset).encode()), *(record.headers or [])]
-
-
 def send(producer: KafkaProducer | None, kafka: KafkaConfig, metrics: ServerMetrics, outgoing: list[Outgoing]) -> None:
-    """Send what a booking returned: dead letters (with their reason and where they came from), and predictions of
-    unlabelled images (or retractions of deleted ids) to the predictions topic."""
+    """Send what a booking returned: dead letters, and predictions (or retractions) to the predictions topic."""
     for out in outgoing:
         assert producer is not None
         if isinstance(out, Prediction | Retraction):
             producer.send(kafka.predictions_topic, value=out.value(), key=out.id.encode())
             metrics.predictions_published.inc(isinstance(out, Prediction))
+            if isinstance(out, Prediction) and out.novel and kafka.novel_topic is not None:
+                producer.send(kafka.novel_topic, value=out.value(), key=out.id.encode())
             continue
         record = out.record
-        producer.send(kafka.dead_letter_topic, value=record.value, key=record.key, headers=dead_letter_headers(out))
+        headers = [("error", out.reason.encode()), ("error_message", out.message[:500].encode("utf-8", "replace")),
+                   ("source_topic", record.topic.encode()), ("source_partition", str(record.partition).encode()),
+                   ("source_offset", str(record.offset).encode()), *(record.headers or [])]
+        producer.send(kafka.dead_letter_topic, value=record.value, key=record.key, headers=headers)
         metrics.dead_lettered.labels(out.reason).inc()
         log.info("dead-lettered %s:%d@%d: %s", record.topic, record.partition, record.offset, out.reason)
-
-
-def in_order(records: list[Record], labels_topic: str | None) -> list[Record]:
-    """A poll's records, images first (by partition and offset), then labels."""
-    return sorted(records, key=lambda r: (r.topic == labels_topic, r.partition, r.offset))
 
 
 def fill_wait_ms(consumer: Consumer, labels_topic: str | None, changes_waiting: bool) -> int:
@@ -105,16 +72,14 @@ def unread(consumer: Consumer, labels_topic: str | None, waiting: Counter[str]) 
 
 
 def open_consumer(client: str, kafka: KafkaConfig, max_records: int) -> Consumer:
-    """The learner's consumer on ``client`` (``--consumer``, checked at start): a group member that starts a partition
-    without a committed offset at its beginning."""
+    """The learner's consumer on ``client`` (``--consumer``, checked at start)."""
     if client == "librdkafka":
         return LibrdkafkaConsumer(kafka, **TIMING)
     return KafkaPythonConsumer(kafka, max_records, **TIMING)
 
 
 BROKER_ERRORS = (KafkaError, BrokerUnavailable)
-"""What a broker that cannot be reached raises: the consumer's own type, and kafka-python's from the producer and
-the group's state topic."""
+"""What a broker that cannot be reached raises: the consumer's type, and kafka-python's (producer, state topic)."""
 
 
 class Persist(Enum):
@@ -142,8 +107,7 @@ class Persist(Enum):
 
 
 class LearnerLoop(ConsumerThread):
-    """Runs in a thread next to the HTTP server; it reads Kafka, hands every poll to the state's intake (which
-    books it) and learns through the state. Stopping learns the records in hand, checkpoints, commits and closes."""
+    """The ``mepo-learner`` thread. Stopping learns the records in hand, checkpoints, commits and closes."""
 
     stop_timeout = 60.0
 
@@ -155,16 +119,13 @@ class LearnerLoop(ConsumerThread):
         if self.cfg.consumer == "librdkafka":
             check_available()
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="mepo-checkpoint")
-        self._writing: Future | None = None  # the checkpoint being written, to its offsets
+        self.writing: Future | None = None  # the checkpoint being written, to its offsets
         self.stepping: Future | None = None  # the model thread's turn in flight (a booking, then maybe a step)
-        self.booked = Booked([], False, Counter(), state.cfg.learner.batch_size, False, False)
-        """What the last booking handed back: the numbers this loop steers by."""
+        self.booked = Booked([], False, Counter(), state.cfg.learner.batch_size, False, False)  # what it steers by
         self.refusal: StateRefused | None = None  # why learning must stop (set in a rebalance callback)
         self.failure: StateWriteFailed | None = None  # a failed state write: learning stops, nothing more is written
         self._broken: Exception | None = None  # a broker error in a rebalance callback: reconnect
         super().__init__("mepo-learner")
-
-    writing = property(lambda self: self._writing, doc="The checkpoint being written (None: none in flight).")
 
     def request_checkpoint(self) -> None:
         """Learn the records in hand and persist at the loop's next turn (in its own thread, like every write)."""
@@ -176,7 +137,7 @@ class LearnerLoop(ConsumerThread):
         self.booked = self.state.accept([])
         ensure_topics(k)
         if k.labels_topic is not None:
-            ensure_topics(k, k.labels_topic, k.predictions_topic)
+            ensure_topics(k, k.labels_topic, k.predictions_topic, *([k.novel_topic] if k.novel_topic else []))
         self.producer = open_producer(k, linger_ms=5)
         self.consumer = open_consumer(self.cfg.consumer, k, self.cfg.learner.batch_size)
         topics = [k.topic] if k.labels_topic is None else [k.topic, k.labels_topic]
@@ -196,17 +157,14 @@ class LearnerLoop(ConsumerThread):
         self.state.metrics.learner_up.set(0)
 
     def on_rebalance(self, event: Rebalance) -> dict[PartitionKey, int] | None:
-        """The consumer's rebalance events, while it polls: an assignment is taken over (answered with where each
-        partition starts), a revocation let go."""
         if isinstance(event, Assigned):
             return self.take_over(event.keys)
         self.let_go([str(key) for key in event.keys])
         return None
 
     def take_over(self, assigned: tuple[PartitionKey, ...]) -> dict[PartitionKey, int]:
-        """On assignment: restore the partitions' state (a learner in a group), or check that this learner has
-        the whole topic (one learning alone: a second one in its group would split the stream between two models
-        that nothing adds up); each partition starts where this process's model stands (the book's offset)."""
+        """On assignment: restore the partitions' state (in a group), or check that a learner alone has the whole
+        topic (a second one would split the stream between two models); each starts at the book's offset."""
         keys = [str(key) for key in assigned]
         try:
             self.state.assign(keys)
@@ -223,9 +181,9 @@ class LearnerLoop(ConsumerThread):
 
     def let_go(self, keys: list[str]) -> None:
         """On revocation: learn what is pending and persist before another consumer takes the partitions over, then
-        let them go whatever happened, so the membership no longer claims them and the model keeps only their last
-        written state. No commit (a blocking consumer call would stall the thread that serves it), and nothing raises
-        (``poll`` would, and the loop reconnect forever): a failed write stops the loop, a broker error reconnects."""
+        let them go whatever happened. No commit (a blocking consumer call would stall the rebalance), and nothing
+        raises (``poll`` would, and the loop reconnect forever): a failed write stops the loop, a broker error
+        reconnects."""
         try:
             if self.failure is None:  # after a failed write (the consumer closing), nothing more is written
                 self.learn_pending()
@@ -267,9 +225,8 @@ class LearnerLoop(ConsumerThread):
         self.persist()
 
     def _turn(self) -> None:
-        """One turn: a checkpoint asked for, or (unless paused) a poll read while the model thread learns and booked
-        by it after; then what may wait for the broker or the disk, in this thread: the idle checkpoint and
-        snapshot, the commit of a checkpoint on disk, the periodic checkpoint, the lag."""
+        """A checkpoint asked for, or (unless paused) a poll; then, in this thread, what may wait for the broker or
+        the disk: the idle checkpoint, the commit of a checkpoint on disk, the periodic checkpoint, the lag."""
         self._check_rebalance()
         if self._checkpoint_request.is_set():
             self._checkpoint_request.clear()
@@ -282,8 +239,8 @@ class LearnerLoop(ConsumerThread):
         if not records and not self.booked.waiting:
             self.state.on_idle()
             self.persist()
-        if self._writing is not None and self._writing.done() and (offsets := self._written()):
-            self._commit(offsets)
+        if self.writing is not None and self.writing.done():
+            self._finish_write(commit=True)
         if self.booked.checkpoint_due:
             self.booked = replace(self.booked, checkpoint_due=False)  # the next booking tells again
             self.persist(Persist.IF_DUE)
@@ -292,9 +249,8 @@ class LearnerLoop(ConsumerThread):
     def _read_while_learning(self) -> list:
         """Read a poll while the model thread learns, and have it book the records and learn what is then due.
 
-        The poll is sized as a mini-batch: while a step runs, the size of its mini-batch (it learns everything
-        pending), else what fills the pending one, waiting for it (``fill_wait_ms``). A poll that comes back empty
-        learns what is pending (the topic went quiet), or, while a step runs, waits for that step."""
+        While a step runs the poll waits for nothing (the step learns everything pending); else it waits to fill the
+        pending mini-batch (``fill_wait_ms``). An empty poll learns what is pending (the topic went quiet)."""
         assert self.consumer is not None
         try:
             learning = self.booked.learns and self.stepping is not None and not self.stepping.done()
@@ -309,7 +265,7 @@ class LearnerLoop(ConsumerThread):
                 self.settle(raises=True)
                 return records
             booked: Future[Booked] = Future()
-            writer_idle = self._writing is None or self._writing.done()
+            writer_idle = self.writing is None or self.writing.done()
             self.stepping = self.state.model_thread.submit(self.state.accept_then_learn, records, booked, writer_idle)
             self.booked = booked.result()
             send(self.producer, self.cfg.kafka, self.state.metrics, self.booked.outgoing)
@@ -337,19 +293,18 @@ class LearnerLoop(ConsumerThread):
         self.booked = replace(self.booked, waiting=Counter())
 
     def _poll(self, wait_ms: int, max_records: int) -> list[Record]:
-        """Up to ``max_records`` records in order, waiting ``wait_ms`` for the first; a rebalance's outcome is checked
-        before any is booked, and every few seconds whether the broker answers."""
+        """Up to ``max_records`` records, images first (by partition and offset), then labels; a rebalance's outcome
+        is checked before any is booked, and every few seconds whether the broker answers."""
         assert self.consumer is not None
         polled = self.consumer.poll(wait_ms, max_records)
         self._check_rebalance()
         if time.monotonic() - self._probed_at > PROBE_EVERY_S or not self.connected:
             self.connected, self._probed_at = self.consumer.probe(timeout_s=2.0), time.monotonic()
             self.state.metrics.learner_up.set(int(self.connected))
-        return in_order(polled, self.cfg.kafka.labels_topic)
+        return sorted(polled, key=lambda r: (r.topic == self.cfg.kafka.labels_topic, r.partition, r.offset))
 
     def _check_rebalance(self) -> None:
-        """Stop on a failed state write or a refusal (a rebalance callback or the state's), reconnect on a broker
-        error in a callback."""
+        """Stop on a failed state write or a refusal, reconnect on a broker error in a rebalance handler."""
         if self.failure is not None:
             raise self.failure
         if (refusal := self.refusal or self.state.refusal) is not None:
@@ -359,48 +314,41 @@ class LearnerLoop(ConsumerThread):
             raise broken
 
     def accept(self, records: list) -> None:
-        """Have the model thread book one poll's records (in offset order), learning nothing, and send the dead
-        letters and predictions it hands back."""
+        """Have the model thread book one poll's records, learning nothing, and send what it hands back."""
         self.booked = self.state.accept(records)
         send(self.producer, self.cfg.kafka, self.state.metrics, self.booked.outgoing)
 
     def persist(self, when: Persist = Persist.NOW) -> None:
-        """The one way offsets leave the loop: checkpoint model and offsets together, then commit the same offsets
-        (``when`` says whether the loop waits for the write, and whether it commits).
+        """The one way offsets leave the loop: checkpoint model and offsets together, then commit the same offsets.
 
-        Nothing is written when nothing changed since the last checkpoint. Dead letters are flushed first, so
-        they are durable before the offsets that skip them. The commit never precedes the checkpoint, and its
-        failure is only logged: the checkpoint is the source of truth. One write is in flight at a time."""
-        if when is Persist.IF_DUE and self._writing is not None and not self._writing.done():
+        Dead letters are flushed first, so they are durable before the offsets that skip them. The commit never
+        precedes the checkpoint, and its failure is only logged: the checkpoint is the source of truth. One write is
+        in flight at a time."""
+        if when is Persist.IF_DUE and self.writing is not None and not self.writing.done():
             return  # the next turn asks again
         self._finish_write(when.commits)
         if self.producer is not None:
             self.producer.flush()
         if (captured := self.state.capture()) is None:
             return
-        self._writing = self.writer.submit(self.state.write, captured)
+        self.writing = self.writer.submit(self.state.write, captured)
         if when.waits:
             self._finish_write(when.commits)
 
     def _finish_write(self, commit: bool) -> None:
-        """Wait for the checkpoint in flight to be on disk, then, if ``commit``, commit its offsets."""
-        if self._writing is None:
+        """Wait for the checkpoint in flight to be on disk, then, if ``commit``, commit its offsets without waiting
+        (closing the consumer waits for them)."""
+        if self.writing is None:
             return
         offsets = self._written()
-        if commit and offsets:
-            self._commit(offsets)
-
-    def _commit(self, offsets: dict[str, int]) -> None:
-        """Commit the offsets of a checkpoint on disk, without waiting for the broker (closing the consumer waits
-        for them): a failure is only logged, the checkpoint is the source of truth."""
-        if self.consumer is not None:
+        if commit and offsets and self.consumer is not None:
             self.consumer.commit({PartitionKey.parse(key): offset for key, offset in offsets.items()})
 
     def _written(self) -> dict[str, int]:
         """The offsets of the checkpoint in flight, once on disk. A failed write raises here, in the loop, once: it
         is kept in ``failure``, and learning stops."""
-        assert self._writing is not None
-        writing, self._writing = self._writing, None
+        assert self.writing is not None
+        writing, self.writing = self.writing, None
         try:
             return writing.result()
         except StateWriteFailed as e:
@@ -408,8 +356,6 @@ class LearnerLoop(ConsumerThread):
             raise
 
     def update_lag(self) -> None:
-        """Records not yet learned per partition: those behind the high watermark and those read but waiting in
-        the mini-batch."""
         assert self.consumer is not None
         for key, lag in unread(self.consumer, self.cfg.kafka.labels_topic, self.booked.waiting).items():
             self.lag[key] = lag

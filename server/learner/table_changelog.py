@@ -1,19 +1,14 @@
 """A partition's sample table on Kafka, for learners in a group: the table moves with its partition.
 
-Kafka Streams backs a state store with a changelog topic co-partitioned with its input: partition p of the
-changelog holds the changes of the store of input partition p, and whoever is assigned p rebuilds the store by
-reading that partition from its beginning to its end. Here the store is the sample table
-(``server.learner.sample_table``) of one partition of the image topic, and the changelog is ``<state topic>.samples``:
-a record per changed id, keyed by the id's hash (the id itself is only in the value), valued by its entry (None:
-the id left the table), with headers ``epoch`` and ``seq``.
+As Kafka Streams backs a state store with a co-partitioned changelog topic, partition p of ``<state topic>.samples``
+holds the sample table changes of partition p of the image topic, and whoever is assigned p rebuilds the table from
+it: a record per changed id, keyed by the id's hash, valued by its entry (None: the id left the table).
 
-Why the headers: a learner writes a partition's table changes, then the partition's state (its sums and offset)
-that includes them (``server.learner.partitioned``), and a kill -9 may fall between the two. Each owner of a
-partition writes under an epoch of its own (a new one at every assignment) and numbers its writes; the state names
-the last write it includes per epoch (``PartitionState.table``). A restore applies only the records of writes its
-state includes, so the restored table is exactly the one the state's sums were learned with; the ids of records
-it skipped are written out again by the new owner (``SampleTable.rebuild``), so a compaction that keeps a key's
-last record keeps a record of a write some state includes.
+Its headers ``epoch`` and ``seq`` exist because a kill -9 may fall between a table's write and the partition state
+that includes it (``server.learner.partitioned``). Each owner writes under an epoch of its own and numbers its
+writes; the state names the last write it includes per epoch (``PartitionState.table``). A restore applies only the
+writes its state includes, and the new owner writes the skipped ids out again (``SampleTable.rebuild``), so a
+compaction that keeps a key's last record keeps one that some state includes.
 
 Example:
     >>> Write(2, "e1", 3, {b"k" * 16: None}).headers()
@@ -37,17 +32,8 @@ from server.snapshot_topic import close_quietly
 from server.state_topic import PartitionState
 
 TOPIC_CONFIGS = {"cleanup.policy": "compact", "min.compaction.lag.ms": str(24 * 3600 * 1000)}
-"""Kafka keeps each id's last record; not within a day of its write, so a record no state includes is written over
-by the partition's next owner before a compaction can drop the one before it (Tansu keeps every record)."""
-
-
-def table_changelog_topic(kafka: KafkaConfig) -> str:
-    return f"{kafka.state_topic}.samples"
-
-
-def new_epoch() -> str:
-    """A new owner's epoch: unique, so no two owners' writes of a partition are ever taken for each other."""
-    return uuid.uuid4().hex
+"""Not within a day of its write: a record no state includes is written over by the partition's next owner before a
+compaction can drop the one before it."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +64,7 @@ class TableChangelog:
     """Writes partitions' table changes, and rebuilds a partition's table from them."""
 
     def __init__(self, kafka: KafkaConfig):
-        self.kafka, self.topic = kafka, table_changelog_topic(kafka)
+        self.kafka, self.topic = kafka, f"{kafka.state_topic}.samples"
         self._producer: KafkaProducer | None = None
         self._created = False  # the topic exists (made here or by another learner): not asked again
 
@@ -114,8 +100,7 @@ class TableChangelog:
             consumer.close()
 
     def _ensure(self, consumer: KafkaConsumer, partition: int) -> None:
-        """Create the changelog with the image topic's partitions (the first time); refuse one without ``partition``
-        (made for a topic with fewer partitions)."""
+        """Create the changelog with the image topic's partitions; refuse one without ``partition``."""
         if not self._created:
             ensure_topics(self.kafka, self.topic, configs=TOPIC_CONFIGS,
                           partitions=len(consumer.partitions_for_topic(self.kafka.topic) or ()))
@@ -130,8 +115,7 @@ class TableChangelog:
 
 
 class PartitionTables:
-    """The sample tables of the partitions a learner in a group owns, on Kafka: each rebuilt from the changelog when
-    its partition comes, its changes written under this owner's epoch before the state that includes them."""
+    """The changelog writes of the partitions a learner in a group owns, each under this owner's epoch."""
 
     def __init__(self, kafka: KafkaConfig):
         self.changelog = TableChangelog(kafka)
@@ -141,7 +125,7 @@ class PartitionTables:
     def restore(self, keys: list[str], states: dict[str, PartitionState], corrections: Corrections
                 ) -> dict[str, tuple[SampleTable, bool]]:
         """Each partition's table rebuilt from the writes its state includes, and whether the changelog holds writes
-        it does not (a kill -9 between a table's write and its state's)."""
+        it does not."""
         out = {}
         for key in keys:
             table = corrections.new_table(key)
@@ -150,8 +134,9 @@ class PartitionTables:
         return out
 
     def adopt(self, key: str, state: PartitionState | None) -> None:
-        """Own ``key`` from its state (None: none yet), under a new epoch."""
-        self.writes[key] = (new_epoch(), {} if state is None else dict(state.table))
+        """Own ``key`` from its state (None: none yet), under a new epoch: unique, so no two owners' writes of a
+        partition are ever taken for each other."""
+        self.writes[key] = (uuid.uuid4().hex, {} if state is None else dict(state.table))
 
     def drop(self, key: str) -> None:
         self.writes.pop(key, None)
@@ -161,8 +146,7 @@ class PartitionTables:
         return dict(self.writes[key][1])
 
     def capture(self, key: str, table: SampleTable) -> Write | None:
-        """The partition table's changes since the last capture, committed here as this owner's next write (None:
-        none); the state captured after it includes it."""
+        """The partition table's changes since the last capture as this owner's next write (None: none)."""
         epoch, included = self.writes[key]
         seq = included.get(epoch, 0) + 1
         changes = table.commit(seq)

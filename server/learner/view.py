@@ -51,6 +51,8 @@ class LearnerView:
     """None for a learner alone."""
     corrections: dict | None = None
     """Corrections and deletions applied and refused, and the sample table's size (None: not enabled)."""
+    novelty: dict | None = None
+    """The novelty score, its calibrated threshold (None: not yet), target and detection rate."""
 
 
 def join_summary(join: LabelJoin | None) -> dict | None:

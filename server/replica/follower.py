@@ -131,7 +131,7 @@ class ReplicaModel:
         except StateRefused as e:
             raise SnapshotRefused("incompatible", str(e)) from e
         return Snapshot(model.inference_copy(), message.exposed, message.version, message.samples_seen,
-                        config.alignment.inference_mode)
+                        config.alignment.inference_mode, message.novelty_score, message.novelty_threshold)
 
     def _model(self, config: ModelConfig, n_classes: int) -> ContinualMethod:
         """The model the tensors are loaded into, built once per configuration and label space."""

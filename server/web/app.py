@@ -1,9 +1,6 @@
-"""The FastAPI application: routers, a lifespan that starts the service it is given (and, with ``--grpc_port``, the
-Open Inference Protocol over gRPC beside it: ``server.grpc_service``), and the settings dependency
-(``server.web.dependencies.get_settings``) that tests override.
-
-The web layer knows no role: the entry point (``server.serve``) composes, handing ``create_app`` the function that
-starts a learner or a replica, and the routes reach the running service only as a ``ServingModel``.
+"""The FastAPI application: routers, and a lifespan that starts the service it is given (and, with ``--grpc_port``,
+the Open Inference Protocol over gRPC beside it). It knows no role: ``server.serve`` hands ``create_app`` the
+function that starts a learner or a replica, and the routes reach the service only as a ``ServingModel``.
 
 Example (without ``with``, the test client runs no lifespan: no model is loaded and no broker is needed):
     >>> from fastapi.testclient import TestClient
@@ -44,20 +41,18 @@ log = logging.getLogger(__name__)
 
 
 def allowed_methods(app: FastAPI, path: str) -> str:
-    """Every method the app serves at ``path``, for a 405's ``Allow``: Starlette's names only those of the first
-    route whose path matched, and one path may be several routes' (``GET`` and ``DELETE /v1/samples/{id}``)."""
+    """Every method the app serves at ``path``, for a 405's ``Allow``: Starlette's names only the first matching
+    route's, and one path may be several routes' (``GET`` and ``DELETE /v1/samples/{id}``)."""
     return ", ".join(sorted({method for route in iter_route_contexts(app.routes) if route.methods
                              and route.path_regex.match(path) for method in route.methods}))
 
 
 def create_app(settings: ServeConfig, start: Starter | None = None) -> FastAPI:
-    """The app for ``settings``; ``start`` loads the model and starts the service (a learner, or a replica's
-    follower) in the lifespan, not here. Both roles serve the same routers; without ``start`` nothing is served
-    but liveness (the routers' tests give their own service).
+    """The app for ``settings``; ``start`` starts the service in the lifespan (without it, only liveness is served).
 
-    Once started, the lifespan freezes the heap (``gc.freeze``) until it stops: the modules, the model and the app
-    live as long as the service, yet every full collection would scan them, holding the interpreter lock that the
-    learning steps and the requests need (a few hundred milliseconds each, docs/performance.md)."""
+    Once started, the lifespan freezes the heap (``gc.freeze``): the modules, the model and the app live as long as
+    the service, yet every full collection would scan them, holding the interpreter lock that the learning steps
+    and the requests need (docs/performance.md)."""
     metrics = ServerMetrics(settings.role)
 
     @asynccontextmanager
@@ -86,11 +81,8 @@ def create_app(settings: ServeConfig, start: Starter | None = None) -> FastAPI:
     app.state.metrics = metrics
     app.add_middleware(BodyLimit, settings=settings)
     app.add_middleware(PredictCounter, metrics=metrics)  # added last, so outside the limit: it counts its 413s
-    app.include_router(predict.router)
-    app.include_router(inference_v2.router)
-    app.include_router(ops.router)
-    app.include_router(samples.router)
-    app.include_router(page.router)
+    for module in (predict, inference_v2, ops, samples, page):
+        app.include_router(module.router)
     serve_bounded_schema(app)
 
     @app.get("/metrics", include_in_schema=False)

@@ -37,15 +37,14 @@ ERROR_DESCRIPTIONS = {400: "Bad request", 401: "Missing bearer token", 403: "For
 
 
 def errors(*statuses: int) -> dict[int | str, dict]:  # pragma: no mutate block (OpenAPI: the fuzzer test)
-    """OpenAPI ``responses`` entries for the error statuses a route can give, each with ``ErrorBody`` (for 422,
-    which FastAPI lists on any route with parameters, this replaces its own model, which the app never sends)."""
+    """OpenAPI ``responses`` entries for the error statuses a route can give (for 422, this replaces FastAPI's own
+    model, which the app never sends)."""
     return {s: {"model": ErrorBody, "description": ERROR_DESCRIPTIONS[s]} for s in statuses}
 
 
 def digits_only(value: object) -> object:
-    """A query's integer as its digits alone: a query's values are strings, and pydantic's lax parsing would read
-    ``3.0``, `` 3``, ``+3`` or ``3_0`` as one. Put it after the integer's bounds in ``Annotated`` (it still runs
-    first), or the schema loses them."""
+    """A query's integer as its digits alone (pydantic's lax parsing would read ``3.0``, ``+3`` or ``3_0`` as one).
+    Put it after the integer's bounds in ``Annotated`` (it still runs first), or the schema loses them."""
     if isinstance(value, str) and not (value.isascii() and value.isdigit()):
         raise ValueError("should be an integer, in digits alone")
     return value
@@ -70,8 +69,7 @@ def get_service(request: Request) -> ServingModel:
 
 ADMIN_TOKEN = HTTPBearer(auto_error=False, scheme_name="AdminToken",
                          description="The service's --admin_token, as `Authorization: Bearer <token>`")
-"""The admin routes' security scheme: the OpenAPI schema declares it on each of them, so clients and the fuzz test
-know which routes need the token; ``require_admin`` decides (the scheme only reads the header)."""
+"""Declared on each admin route, so clients and the fuzz test know which need the token; ``require_admin`` decides."""
 
 
 def require_admin(settings: Annotated[ServeConfig, Depends(get_settings)],

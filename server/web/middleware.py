@@ -1,9 +1,6 @@
-"""Pure ASGI middleware around every route: the request-body limits and the prediction-request counter.
-
-Both sit below the routers so that they hold on every path: a limit checked in a route runs after FastAPI has
-already read (and, for JSON, parsed) the body, and a counter in a route misses the requests refused before it
-runs (body too large, invalid JSON). The limits bound each body and all the bodies in flight together, so that
-many large requests at once cannot take the server's memory (``--max_inflight_bytes``; docs/reliability.md).
+"""Pure ASGI middleware around every route: the request-body limits and the prediction-request counter. Both sit
+below the routers so that they hold on every path: a limit in a route runs after FastAPI has read the body, and a
+counter there misses the requests refused before it runs (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -25,9 +22,8 @@ PREDICT_ROUTES = {"v1": re.compile(r"/v1/predict/?"), "v2": re.compile(r"/v2/mod
 
 
 def body_limit(settings: ServeConfig, headers: Headers) -> int:
-    """The most bytes a request body may have: one image for a raw image body, ``max_files`` images for a
-    multipart upload or a binary-extension inference request (each with a 4-byte length), and as many
-    base64-encoded images (4/3 of their size) plus some JSON for anything else."""
+    """The most bytes a request body may have: one image for a raw image body, ``max_files`` images for a multipart
+    upload or a binary-extension inference request, as many base64-encoded images plus some JSON otherwise."""
     image, content_type = settings.limits.max_bytes, headers.get("content-type", "")
     if content_type.startswith("image/"):
         return image
@@ -39,14 +35,11 @@ def body_limit(settings: ServeConfig, headers: Headers) -> int:
 
 
 class BodyLimit:
-    """Refuses a body over ``body_limit`` with 413: at once from its Content-Length, else as soon as the running
-    byte count of what arrives passes the limit (a chunked upload has no Content-Length), before the route has
-    parsed or buffered more than the limit.
+    """Refuses a body over ``body_limit`` with 413: at once from its Content-Length, else as soon as the bytes that
+    arrived pass the limit (a chunked upload has no Content-Length), before the route has buffered more.
 
-    It also keeps the bytes every request in flight holds (a declared length is reserved whole, a chunked body
-    counted as it arrives) until its answer is sent. A request that would take the total past
-    ``max_inflight_bytes`` while others are in flight gets 503 with Retry-After: a client waits a second, the
-    server keeps its memory. Every count runs on the event loop, so no lock is needed."""
+    A request that would take the bytes in flight past ``max_inflight_bytes`` while others are in flight gets 503
+    with Retry-After, so many large requests cannot take the server's memory. Counts run on the event loop: no lock."""
 
     RETRY_AFTER_S = 1
 
@@ -103,8 +96,8 @@ class BodyLimit:
 
 
 class PredictCounter:  # pragma: no mutate block (metrics: tests/test_http_api.py)
-    """Counts every prediction request in ``mepo_predict_requests_total{protocol, status}``, those refused before
-    their route ran included (not an unhandled error's 500: Starlette renders it outside every middleware)."""
+    """Counts every prediction request, those refused before their route ran included (not an unhandled error's 500:
+    Starlette renders it outside every middleware)."""
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
         self.app = app

@@ -1,10 +1,8 @@
 """The served OpenAPI schema: FastAPI's, with the bounds that only the running app knows written in.
 
-A route's models are built at import, before any settings; yet the served model's name, the images a request may
-hold and the class count are fixed once the app (or, for the class count, its service) runs, and the routes
-refuse what breaks them. Writing them into the schema lets clients, and the fuzz test
-(``tests/test_reliability.py``), see those refusals as schema violations, not as surprises. The class count is
-read on each request for the schema: a replica learns it from its first snapshot.
+A route's models are built at import, yet the model's name, the images a request may hold and the class count are
+fixed only once the app runs, and the routes refuse what breaks them: in the schema, clients and the fuzz test see
+those refusals coming. The class count is read on each request: a replica learns it from its first snapshot.
 
 Example (no service yet: no class count, so no label bound):
     >>> from server.config import ServeConfig
@@ -35,8 +33,7 @@ MODEL = "/v2/models/{name}"
 
 
 def serve_bounded_schema(app: FastAPI) -> None:
-    """Make ``app.openapi`` (what ``/openapi.json`` and ``/docs`` serve) FastAPI's schema, built once, with the
-    bounds of ``app.state.settings`` and of the running service."""
+    """Make ``app.openapi`` FastAPI's schema, built once, with the bounds of the settings and the running service."""
     built = app.openapi  # FastAPI's own: builds the schema on its first call and keeps it
 
     def openapi() -> Schema:
@@ -46,7 +43,8 @@ def serve_bounded_schema(app: FastAPI) -> None:
         bound_images(schema, settings.max_files)
         service = getattr(app.state, "service", None)
         if service is not None and service.class_names:  # a replica before its first snapshot knows none
-            bound_label(schema, len(service.class_names))
+            label = schema["components"]["schemas"][NewLabel.__name__]["properties"]["label"]
+            label["maximum"] = len(service.class_names) - 1  # a label names one of the classes (more is a 422)
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -70,8 +68,3 @@ def bound_images(schema: Schema, max_files: int) -> None:
     tensor = infer["properties"]["inputs"]["items"]["properties"]
     tensor["data"]["maxItems"] = max_files
     tensor["shape"]["items"]["maximum"] = max_files
-
-
-def bound_label(schema: Schema, n_classes: int) -> None:
-    """A label names one of the service's classes (a larger one is a 422)."""
-    schema["components"]["schemas"][NewLabel.__name__]["properties"]["label"]["maximum"] = n_classes - 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -9,7 +10,6 @@ import torch
 from mepo_stream.images import ImageError, ImageLimits, decode_image
 from server.config import ServeConfig
 from server.serving import ServingModel
-from server.snapshot import ranked
 from server.web.dependencies import ApiError
 
 STATUS_BY_REASON = {"too_large": 413, "too_many_pixels": 413}
@@ -33,7 +33,7 @@ def decode_all(items: list[tuple[str, bytes]], settings: ServeConfig, limits: Im
 
 
 def predict_uploads(service: ServingModel, items: list[tuple[str, bytes]], settings: ServeConfig,
-                    top_k: int) -> tuple[dict, list[list[dict]]]:
+                    top_k: int) -> tuple[dict, list[dict]]:
     """Decode and predict in one call: a route hands a request to a worker thread once, not once per step (each
     hand-over costs the event loop a wake-up)."""
     return predict_images(service, decode_all(items, settings, upload_limits(service, settings)), top_k)
@@ -49,14 +49,18 @@ def upload_limits(service: ServingModel, settings: ServeConfig) -> ImageLimits:
     return settings.limits.at(model.input_size)
 
 
-def predict_images(service: ServingModel, images: list[torch.Tensor], top_k: int) -> tuple[dict, list[list[dict]]]:
-    """Top-k labels per image from the current snapshot, and the snapshot's identity."""
+def predict_images(service: ServingModel, images: list[torch.Tensor], top_k: int) -> tuple[dict, list[dict]]:
+    """Per image from the current snapshot: its top-k labels, novelty score and flag (``Answers.rows``); and the
+    snapshot's identity."""
     start = time.perf_counter()
     try:
-        snapshot, probs = service.predict(images)
+        answers = service.predict(images)
     except LookupError as e:
         raise ApiError(503, str(e), "no_classes_yet") from e
     finally:
         service.metrics.predict_seconds.observe(time.perf_counter() - start)
-    rows = ranked(snapshot.top_k(probs, top_k), service.class_names)
-    return {"model_version": snapshot.version, "samples_seen": snapshot.samples_seen}, rows
+    service.metrics.observe_novelty(answers.novelty, answers.novel, answers.snapshot.novelty_threshold)
+    snapshot, threshold = answers.snapshot, answers.snapshot.novelty_threshold
+    meta = {"model_version": snapshot.version, "samples_seen": snapshot.samples_seen,
+            "novelty_threshold": round(threshold, 6) if math.isfinite(threshold) else None}
+    return meta, answers.rows(top_k, service.class_names)

@@ -32,6 +32,10 @@ class Label(BaseModel):
 class FilePrediction(BaseModel):
     filename: str = Field(description="The upload's file name (``body`` for a raw image body)")
     top_k: list[Label] = Field(description="Most probable classes first, over the classes seen so far")
+    novelty: float | None = Field(description="How likely the image is of a class not learned yet: higher is more "
+                                              "likely (the score the learner's --novelty.score names)")
+    novel: bool | None = Field(description="The score is above the threshold calibrated on the stream to "
+                                           "--novelty.false_alarm: answered as a class not learned yet")
 
 
 class PredictResponse(BaseModel):
@@ -40,6 +44,8 @@ class PredictResponse(BaseModel):
     model_config = ConfigDict(protected_namespaces=())
     model_version: int = Field(description="The version of the model that answered")
     samples_seen: int = Field(description="Samples that model had learned")
+    novelty_threshold: float | None = Field(description="Above it an image is answered as novel (null: not "
+                                                        "calibrated yet, nothing is)")
     predictions: list[FilePrediction]
 
 
@@ -151,19 +157,22 @@ class InferOutput(BaseModel):
     """An output in JSON (``data``, row-major), or raw after the JSON header (``parameters.binary_data_size``)."""
 
     name: str
-    datatype: Literal["INT64", "FP32"]
+    datatype: Literal["INT64", "FP32", "BOOL"]
     shape: list[int]
-    data: list[int] | list[float] | None = None
+    data: list[int] | list[float] | list[bool] | None = None
     parameters: RawSize | None = None
 
 
 class InferParametersOut(BaseModel):
     samples_seen: int
     names: list[list[str]] = Field(description="The class name of each label, per image")
+    novelty_threshold: float | None = Field(None, description="Above it ``novel`` is true (null: not calibrated "
+                                                              "yet)")
 
 
 class InferResponse(BaseModel):
-    """``label`` (INT64 [N, k]) and ``probability`` (FP32 [N, k]) per request."""
+    """``label`` (INT64 [N, k]), ``probability`` (FP32 [N, k]), ``novelty`` (FP32 [N]) and ``novel`` (BOOL [N])
+    per request."""
 
     model_config = ConfigDict(protected_namespaces=())
     model_name: str

@@ -23,7 +23,16 @@ from starlette.concurrency import run_in_threadpool
 
 from mepo_stream import __version__
 from server.config import ServeConfig
-from server.oip import INPUT_NAME, OUTPUTS, TRITON_TYPES, TensorError, deserialize_bytes, model_metadata, output_arrays
+from server.oip import (
+    INPUT_NAME,
+    OUTPUTS,
+    SHAPES,
+    TRITON_TYPES,
+    TensorError,
+    deserialize_bytes,
+    model_metadata,
+    output_arrays,
+)
 from server.serving import ServingModel
 from server.web.dependencies import ApiError, errors, get_service, get_settings
 from server.web.prediction import predict_uploads
@@ -106,7 +115,7 @@ class RequestedOutput(BaseModel):
     """An output the answer should hold (all of them when none is named), raw with ``parameters.binary_data``."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
-    name: Literal["label", "probability"]
+    name: Literal["label", "probability", "novelty", "novel"]
     parameters: TensorParameters = Field(default=None)  # type: ignore[assignment]
 
 
@@ -218,7 +227,8 @@ def model_config(name: ModelName, settings: Annotated[ServeConfig, Depends(get_s
     return ModelConfiguration(
         name=name, platform="pytorch", backend="mepo-stream", max_batch_size=0,
         input=[ConfigTensor(name=INPUT_NAME, data_type=TRITON_TYPES["BYTES"], dims=[-1])],
-        output=[ConfigTensor(name=out, data_type=TRITON_TYPES[kind], dims=[-1, -1]) for out, kind in OUTPUTS.items()],
+        output=[ConfigTensor(name=out, data_type=TRITON_TYPES[kind], dims=SHAPES[out])
+                for out, kind in OUTPUTS.items()],
         parameters={"top_k": StringValue(string_value=str(settings.top_k)),
                     "max_images": StringValue(string_value=str(settings.max_files))},
     )
@@ -270,7 +280,7 @@ def parse_infer(body: bytes, header_length: str | None) -> tuple[InferRequest, l
     return request, items
 
 
-def infer_answer(name: str, request: InferRequest, meta: dict, rows: list[list[dict]]) -> InferResponse | Response:
+def infer_answer(name: str, request: InferRequest, meta: dict, rows: list[dict]) -> InferResponse | Response:
     """The outputs asked for (all by default), in JSON, or with the raw ones after a JSON header."""
     arrays, default_raw = output_arrays(rows), bool(request.parameters and request.parameters.binary_data_output)
     asked = request.outputs or [RequestedOutput.model_validate({"name": out}) for out in OUTPUTS]
@@ -288,7 +298,8 @@ def infer_answer(name: str, request: InferRequest, meta: dict, rows: list[list[d
             outputs.append(InferOutput.model_validate({**tensor, "data": array.ravel().tolist()}))
     answer = InferResponse(model_name=name, model_version=str(meta["model_version"]), id=request.id,
                            parameters=InferParametersOut(samples_seen=meta["samples_seen"],
-                                                         names=[[c["name"] for c in r] for r in rows]),
+                                                         names=[[c["name"] for c in r["top_k"]] for r in rows],
+                                                         novelty_threshold=meta["novelty_threshold"]),
                            outputs=outputs)
     if not raw:
         return answer

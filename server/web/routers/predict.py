@@ -83,6 +83,7 @@ async def predict(
     meta, rows = await run_in_threadpool(predict_uploads, service, items, settings, top_k or settings.top_k)
     if id is not None:
         content_type = request.headers["content-type"] if items[0][0] == "body" else "application/octet-stream"
-        await run_in_threadpool(keep_for_label, service, id, items[0][1], content_type, rows[0][0]["label"])
-    return PredictResponse(**meta, predictions=[FilePrediction(filename=name, top_k=[Label(**c) for c in row])
-                                                for (name, _), row in zip(items, rows, strict=True)])
+        await run_in_threadpool(keep_for_label, service, id, items[0][1], content_type, rows[0]["top_k"][0]["label"])
+    return PredictResponse(**meta, predictions=[
+        FilePrediction(filename=name, top_k=[Label(**c) for c in row["top_k"]], novelty=row["novelty"],
+                       novel=row["novel"]) for (name, _), row in zip(items, rows, strict=True)])

@@ -51,6 +51,8 @@ function renderStats(s, samplesPerSecond) {
   $("classes").textContent = fmt(s.classes_seen);
   $("a-auc").textContent = fmt(any.a_auc, 3);
   $("a-last").textContent = fmt(s.a_last, 3);
+  $("novelty-auroc").textContent = fmt(any.novelty_auroc_mean, 3);  // telling classes not learned yet, so far
+  $("novelty-threshold").textContent = fmt((s.novelty || {}).threshold, 1);
   $("prequential").textContent = fmt(preq.cumulative, 3);
   $("rolling").textContent = fmt(preq.rolling, 3);
   $("dead-letters").textContent = fmt(s.dead_lettered);
