@@ -144,19 +144,32 @@ def values(node) -> list[float]:
     return [v for item in node for v in values(item)]
 
 
+def derived(name: str, node: dict) -> list[float]:
+    """The counts a page shows of a results file's rows: how many rows, of each verdict, in each step."""
+    rows = node.get("rows") if isinstance(node, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        return []
+    counts = [len(rows)]
+    for key in ("verdict", "step"):
+        counts += Counter(r.get(key) for r in rows).values()
+    steps = Counter(str(r.get("step", "")).split(" ")[0] for r in rows)  # "1 forward (train)", "1 forward (eval)"
+    return [float(c) for c in counts + list(steps.values())]
+
+
 def traced(token: str, held: list[float]) -> bool:
     """Whether a number as a page shows it (``1,284``, ``0.82``, ``2.9``) is one of ``held`` at the page's precision,
     in one of the units the pages use."""
     shown = float(token.replace(",", ""))
-    half = 0.5 * 10 ** -(len(token.split(".")[1]) if "." in token else 0)
-    return any(abs(v * scale - shown) <= half * (1 + 1e-9) for v in held for scale in SCALES)
+    mantissa, _, exponent = token.lower().partition("e")
+    half = 0.5 * 10 ** (int(exponent or 0) - (len(mantissa.split(".")[1]) if "." in mantissa else 0))
+    return any(abs(abs(v) * scale - shown) <= half * (1 + 1e-9) for v in held for scale in SCALES)  # the page signs it
 
 
 def untraced(page_text: str) -> list[tuple[str, str]]:
     """``(results files, number)`` for each number of a measured block that its named results files do not hold."""
     out = []
     for names, body in BLOCK.findall(page_text):
-        held = [v for name in names.split() for v in values(result(name))]
+        held = [v for name in names.split() for v in values(result(name)) + derived(name, result(name))]
         body = re.sub(r"`[^`]*`|\]\([^)]*\)|<!--.*?-->", "", body)
         out += [(names, n) for n in NUMBER.findall(body) if not traced(n, held)]
     return out
@@ -200,3 +213,84 @@ def test_a_stale_number_in_a_measured_block_is_caught():
     assert untraced(block.format("two learners learn 337.2 samples/s, 1.96× one, in 49.1 s")) == []
     assert untraced(block.format("two learners learn 337.9 samples/s")) == [("scale_out", "337.9")]
     assert untraced(block.format("a state of 1.2 MB, `337.9` in code")) == []
+
+
+# --- no measured number outside a measured block, a generated table or code -----------------------------------------
+GENERATED_TABLES = re.compile(r"<!-- (benchmarks:start|frontier:begin|expect:start) -->.*?"
+                              r"<!-- (benchmarks:end|frontier:end|expect:end) -->", re.S)
+FENCE = re.compile(r"^(`{3,}|~{3,}).*?^\1[ \t]*$", re.S | re.M)
+UNIT = r"(?:%|×|ms|µs|s|min|minutes|seconds|h|hours|B|KB|kB|MB|MiB|GB|GiB|bytes|samples/s|images/s|/s)"
+# a decimal figure, or a number with a unit (a percentage, a time, a size, a rate, a factor); not a piece of a version
+# or an address (3.8.1, 127.0.0.1), nor a number inside a word or a path
+MEASURED = re.compile(rf"(?<![\w.\-/^])(\d[\d,]*(?:\.\d+)?)(?!\.\d|[\w/])(\s?{UNIT}(?![\w/]))?")
+NUM = rf"\d[\d,.]*(?:\s?{UNIT})?"
+# what reads like a measurement and is not one: a goal or a bound a page states, a setting (a hyperparameter, an
+# option's value), a version
+NOT_MEASURED = re.compile("|".join([
+    rf"\bgoals?\b[^()]{{0,24}}?[≥≤<>]\s?{NUM}(?:,\s*p99\s*[≥≤]\s*{NUM})?",  # goal ≥ 0.90, goal p50 ≤ 3×, p99 ≤ 6×
+    rf"growth under {NUM}",
+    rf"(?:[=αεγ]|\blr(?: ×)?|momentum|layer decay|weight decay|label smoothing|warmup|defaults? to)\s?{NUM}",
+    rf"\b[NM] (?:= )?{NUM}",  # Si-Blurry's disjoint-class and blurry-sample shares
+    rf"`[^`\n]+` \({NUM}(?: by default)?\)|\({NUM} by default\)",  # an option's default, after its name
+    r"\b(?:Python|py-lmdb|lmdb|mutmut|torch|timm) (?:before )?\d+\.\d+",
+]))
+# Per page, the phrases whose numbers are settings, sizes worked out from them, or examples, not measurements; each
+# must still be on its page, so the list cannot outlive what it excuses.
+SETTINGS = {
+    "README.md": ["2.5 minutes of training"],
+    "getting-started.md": ["2.5 minutes of training"],
+    "refine.md": ["2.5 minutes of training", "What 2.5 minutes buy"],
+    "deploy.md": ["10 s later"],
+    "corrections.md": ["waiting up to 500 ms", "wait at most 100 ms"],
+    "http-api.md": ["not 0 %", "sending 200 MB JSON"],
+    "labels-later.md": ["(4 × 384 bytes for ViT-S, about 15 MB at the default bound)",
+                        "3 × S² bytes, 21 KB at 84 px (210 MB at the default bound), 147 KB at 224 px (1.5 GB:",
+                        "with 25 % of labels never coming"],
+    "monitor.md": ["for 5 s", "for 10 minutes", "More than 5% of records dead-lettered for 5 minutes",
+                   "older than 15 minutes", "at least 50 % within", "More than 1 % of a protocol's", "for 5 minutes."],
+    "performance.md": ["at 10 % and 100 % of the stream", "for 30 s", "and 30 % never coming",
+                       "about 6 % of the records"],
+    "reliability.md": ["after 60 s", "for over 12 s", "2.5, true", "200 KB image limit", "300 MB", "for 60 s",
+                       "at most 30 %", "chunked 19 MB", "a 20 MB limit", "40 MB", "of 200 MB", "under 30 s",
+                       "every 2 s"],
+    "scale-out.md": ["1 MiB request limit", "2.4 MB, 4.2 MB with Meta Cov", "(2.4 MB each"],
+    "your-images.md": ["about 3× the FLOPs", "about 5× the time"],
+    "fidelity.md": ["within 10× its noise floor", "clears 0.8 × the probe", "10 × 100 is not available"],
+}
+
+
+def unmeasured(page: str, text: str) -> list[str]:
+    """The measured-looking numbers of a user page outside its measured blocks, its generated tables and its code:
+    each must be read from a results file (a ``<!-- numbers: FILE -->`` block) or moved to a design record."""
+    if page == "README.md":  # its headline section is checked line by line above
+        head, rest = text.split("## Headline numbers\n", 1)
+        text = head + "\n## " + rest.split("\n## ", 1)[1]
+    for phrase in SETTINGS.get(page, []):
+        assert phrase in text, f"{page}: {phrase!r} is no longer on the page: drop it from SETTINGS"
+        text = text.replace(phrase, "")
+    for pattern in (GENERATED_TABLES, BLOCK, FENCE, NOT_MEASURED,
+                    re.compile(r"`[^`\n]*`|\]\([^)]*\)|<!--.*?-->", re.S)):
+        text = pattern.sub(" ", text)
+    return [m.group(0).strip() for m in MEASURED.finditer(text) if "." in m.group(1) or m.group(2)]
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=lambda p: p.name)
+def test_no_measured_number_is_typed_into_a_user_page(page):
+    """Every measured number a user page shows is checked against its results file or generated from it."""
+    found = unmeasured(page.name, page.read_text())
+    assert not found, (f"{page.name}: measured-looking numbers outside a <!-- numbers: FILE --> block, a generated "
+                       f"table or code (wrap them in a block naming their results file, or move them to a "
+                       f"docs/design/ record): {found}")
+
+
+def test_a_number_typed_into_a_user_page_is_caught():
+    page = ROOT / "docs" / "scale-out.md"
+    text = page.read_text()
+    assert unmeasured(page.name, text) == []
+    stale = "Two learners learn 337.9 samples/s, 1.96× one, 12 % faster, in 49 s.\n\n"
+    assert unmeasured(page.name, stale + text) == ["337.9 samples/s", "1.96×", "12 %", "49 s"]
+    block = "<!-- numbers: scale_out -->\n{}<!-- /numbers -->\n"
+    assert unmeasured(page.name, block.format(stale) + text) == []  # in a block, test_every_number_... checks it
+    assert ("scale_out", "337.9") in untraced(block.format(stale))
+    assert unmeasured("x.md", "```json\n{\"novelty\": 0.83}\n```\n`--max 512 MB`, 127.0.0.1, mutmut 3.8.1, "
+                              "torch 2.14, goal ≥ 0.90, lr 1e-4, α = 0.7, 5,000 images, ViT-S/14 at 84 px") == []

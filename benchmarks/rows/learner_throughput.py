@@ -81,11 +81,15 @@ def decoded(spec: ServiceSpec, images: torch.Tensor | list[bytes], dev: torch.de
 
 
 def learn(learner: OnlineLearner, images: torch.Tensor, labels: torch.Tensor, prequential: bool) -> None:
-    """One mini-batch as the service learns it: predicted first under test-then-train, then observed."""
+    """One mini-batch as the service learns it (``Alone.update``): encoded once where nothing trains the encoder,
+    scored for the novelty threshold, predicted first under test-then-train, then observed."""
+    encoded = None if learner.trains_by_gradient else learner.encode(images)
     if prequential:
-        learner.test_then_train(images, labels, ServeConfig.alignment.inference_mode)
-    else:
-        learner.observe(images, labels)
+        learner.test_then_train(images, labels, ServeConfig.alignment.inference_mode, encoded)
+        return
+    if learner.novelty_threshold is not None:
+        learner.observe_novelty(learner.encode(images) if encoded is None else encoded, labels)
+    learner.observe(images, labels, encoded)
 
 
 WARM_UP_BATCHES = 3

@@ -40,9 +40,10 @@ from mepo_stream.kafka import KafkaConfig
 from mepo_stream.learner import PAPER_RECIPE, LearnerConfig, OnlineLearner
 from mepo_stream.methods.base import ContinualMethod
 from mepo_stream.model import BundleParts, ModelConfig, create_model
+from mepo_stream.novelty import NoveltyThreshold
 from mepo_stream.precision import resolve_precision
 from server.broker import EmbeddedBroker, free_port
-from server.config import ServeConfig
+from server.config import NoveltyConfig, ServeConfig
 from server.learner.state import CHECKPOINT
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -187,8 +188,12 @@ def bare_model(spec: ServiceSpec, n_classes: int) -> ContinualMethod:
 def bare_learner(spec: ServiceSpec, n_classes: int) -> OnlineLearner:
     """The service's learner without the service: its ``observe`` and ``predict`` on tensors already on the
     device are the bare PyTorch work of a mini-batch (the same autocast dtype, fused Adam on CUDA, and for a
-    statistics classifier on a host without prompts no gradient step), minus Kafka, decoding and HTTP."""
-    return OnlineLearner(bare_model(spec, n_classes), spec.learner)
+    statistics classifier on a host without prompts no gradient step), minus Kafka, decoding and HTTP; its novelty
+    threshold calibrated as the service's (``--novelty.*`` defaults)."""
+    learner = OnlineLearner(bare_model(spec, n_classes), spec.learner)
+    novelty = NoveltyConfig()
+    learner.novelty_threshold = NoveltyThreshold(novelty.false_alarm, novelty.half_life)
+    return learner
 
 
 def synchronize(dev: torch.device) -> None:
