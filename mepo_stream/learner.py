@@ -356,23 +356,24 @@ class OnlineLearner:
         return novelty_scores(self.method.classifier, h, logits[:, : len(self.exposed)], chosen).cpu()
 
     @torch.no_grad()
-    def observe_novelty(self, encoded: Encoded, labels: torch.Tensor, positions: torch.Tensor | int | None = None
-                        ) -> torch.Tensor:
-        """Score a stream batch just before it is learned (original labels [B]) and feed ``novelty_threshold``
-        (when set) with the scores of the images whose class was learned already; returns the scores [B] (also
-        kept in ``last_novelty``). ``positions``: each image's stream position [B] (a group's learners pass their
-        records' sample indices, so that their thresholds add up to one learner's); default ``samples_seen`` on.
-        ``test_then_train`` and ``observe_features`` call it themselves when a threshold is set;
-        ``statistics_step`` (a group) does not: call it first, with the partition's threshold set."""
+    def observe_novelty(self, encoded: Encoded, labels: torch.Tensor, positions: torch.Tensor | int | None = None,
+                        threshold: NoveltyThreshold | None = None) -> torch.Tensor:
+        """Score a stream batch just before it is learned (original labels [B]) and feed ``threshold`` (default
+        ``novelty_threshold``, when set) with the scores of the images whose class was learned already; returns the
+        scores [B] (also kept in ``last_novelty``). ``positions``: each image's stream position [B] (a group's
+        learners pass their records' sample indices, so that their thresholds add up to one learner's); default
+        ``samples_seen`` on. ``test_then_train`` and ``observe_features`` call it themselves when a threshold is
+        set; ``statistics_step`` (a group) does not: call it first, with the partition's threshold."""
         scores = self.novelty(encoded)
-        self._feed_novelty(scores, labels, self.samples_seen if positions is None else positions)
+        self._feed_novelty(scores, labels, self.samples_seen if positions is None else positions, threshold)
         return scores
 
-    def _feed_novelty(self, scores: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | int) -> None:
+    def _feed_novelty(self, scores: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | int,
+                      threshold: NoveltyThreshold | None = None) -> None:
         self.last_novelty = scores
-        if self.novelty_threshold is not None:
+        if (threshold := self.novelty_threshold if threshold is None else threshold) is not None:
             known = torch.tensor([int(y) in self._index for y in labels.tolist()], dtype=torch.bool)  # [B]
-            self.novelty_threshold.observe(scores, known, positions)
+            threshold.observe(scores, known, positions)
 
     def state_dict(self) -> dict:
         """Everything the learner changes: trainable tensors (the backbone only if it trains), optimizer, labels

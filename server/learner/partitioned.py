@@ -161,6 +161,7 @@ class InGroup:
         self.lag: dict[str, int] = {}  # the loop's, per partition (``start_following`` shares it)
         self.follower: ChangelogFollower | None = None
         self._remote_total: LabelStatistics | None = None
+        self._remote_novelty: NoveltyThreshold | None = None  # the remote partitions' thresholds, summed
         self._replaced = 0  # remote states folded into ``_remote_total`` by replacement since it was summed afresh
         self._migration: PartitionState | None = None
         self.novelty: dict[str, NoveltyThreshold] = {}  # per owned partition: the scores of its images
@@ -184,7 +185,7 @@ class InGroup:
         for state in states.values():
             self._check(state)
             self.remote[state.key] = state
-        self._remote_total = None
+        self._remote_total = self._remote_novelty = None
         self._load_total(learner)
         return Restored(self.next_version(0))
 
@@ -230,7 +231,7 @@ class InGroup:
                 adopted.append(Adopted(key, 0 if found is None else found.offset,
                                        {} if found is None else found.learned, table,
                                        {} if found is None else found.changes, stale))
-            self._remote_total = None
+            self._remote_total = self._remote_novelty = None
         self._load_total(learner)
         self.metrics.partitions_owned.set(len(self.own))
         return adopted
@@ -246,7 +247,7 @@ class InGroup:
                     self.tables.drop(key)
                 if key in self.written:
                     self.remote[key] = self.written[key]
-            self._remote_total = None
+            self._remote_total = self._remote_novelty = None
         self._load_total(learner)
         self.metrics.partitions_owned.set(len(self.own))
         return keys
@@ -287,6 +288,7 @@ class InGroup:
             self._replaced += 1
         else:  # summed afresh at the next load: the rounding of the replacements never accumulates
             self._remote_total, self._replaced = None, 0
+        self._remote_novelty = None  # summed again at the next load
         return True
 
     def _load_total(self, learner: OnlineLearner) -> None:
@@ -298,8 +300,10 @@ class InGroup:
             self._remote_total = LabelStatistics.total([s.stats for s in self.remote.values()], like=self._empty)
             self._replaced = 0
         learner.load_statistics(LabelStatistics.total([self._remote_total, *self.own.values()]))
-        remote = [self._threshold(s.novelty) for s in self.remote.values() if s.novelty]
-        learner.novelty_threshold = NoveltyThreshold.merged([self._threshold({}), *self.novelty.values(), *remote])
+        if self._remote_novelty is None:  # the other partitions' thresholds change only when their states do
+            self._remote_novelty = NoveltyThreshold.merged([self._threshold(s.novelty) for s in self.remote.values()]
+                                                           or [self._threshold({})])
+        learner.novelty_threshold = NoveltyThreshold.merged([self._remote_novelty, *self.novelty.values()])
         self.metrics.merge_seconds.observe(time.perf_counter() - start)
 
     def _threshold(self, state: dict[str, torch.Tensor]) -> NoveltyThreshold:
@@ -328,9 +332,7 @@ class InGroup:
         one partition, ``groups``), load the new total."""
         assert key is not None
         encoded = learner.encode(images) if encoded is None else encoded
-        merged, learner.novelty_threshold = learner.novelty_threshold, self.novelty[key]
-        learner.observe_novelty(encoded, labels, positions)  # the partition's scores, before it learns them
-        learner.novelty_threshold = merged
+        learner.observe_novelty(encoded, labels, positions, self.novelty[key])  # its partition's, before learning
         pred, h, hits = learner.statistics_step(images, labels, encoded)
         with self.lock:
             self.own[key].add(h, labels, hits)
