@@ -205,13 +205,19 @@ class StreamingLDA(ClassStatistics):
         candidate, and the service learns in its loop's thread; on the main thread the two cost about the same
         (docs/performance.md).
         """
-        if "spread" not in self._cache:
-            self._cache["spread"] = self._spread()
-        cov, scale = self._cache["spread"]  # [D, D], []
-        sigma = (1 - lam) * cov + (lam + 1e-6) * scale * self.target  # jitter 1e-6 * scale
         means = self.means()  # [C, D]
-        weights = torch.cholesky_solve(means.T, cholesky(sigma, 1e-12 * float(scale), torch.float64)).T  # [C, D]
+        weights = torch.cholesky_solve(means.T, self.factor(lam)).T  # [C, D]
         return weights, -0.5 * (weights * means).sum(-1)
+
+    def factor(self, lam: float) -> torch.Tensor:
+        """The lower Cholesky factor [D, D] (float64) of the shrunk shared covariance
+        ``Sigma = (1 - lam) S + lam * s * T`` (cached until the next update: the novelty scores use it too)."""
+        def make() -> torch.Tensor:
+            cov, scale = self.memo("spread", self._spread)  # [D, D], []
+            sigma = (1 - lam) * cov + (lam + 1e-6) * scale * self.target  # jitter 1e-6 * scale
+            return cholesky(sigma, 1e-12 * float(scale), torch.float64)
+
+        return self.memo(("factor", lam), make)
 
     def _spread(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The pooled within-class covariance [D, D] and its scale (mean variance), the shrinkage's unit."""

@@ -46,7 +46,18 @@ from mepo_stream.backbone import normalization
 from mepo_stream.heads import ClassStatistics
 from mepo_stream.label_statistics import LabelStatistics
 from mepo_stream.methods.base import ContinualMethod, Encoded
-from mepo_stream.novelty import DEFAULT_SCORE, NoveltyScore, NoveltyThreshold, check_score, novelty_scores
+from mepo_stream.novelty import (
+    CALIBRATE_EVERY,
+    DEFAULT_SCORE,
+    LOGIT_SCORES,
+    FrozenScore,
+    NoveltyScore,
+    NoveltyThreshold,
+    check_score,
+    freeze,
+    novelty_scores,
+    resolve,
+)
 from mepo_stream.precision import Precision, autocast
 from mepo_stream.recipes import build, load
 from mepo_stream.transforms import Transform, train_transform
@@ -143,8 +154,9 @@ class OnlineLearner:
         self.novelty_threshold: NoveltyThreshold | None = None
         """Set it to calibrate a threshold online: ``test_then_train`` and ``observe_features`` then score each
         batch just before learning it and feed it (its state rides in ``state_dict``). None: nothing changes."""
-        self.last_novelty: torch.Tensor | None = None
-        """The novelty scores [B] of the last batch those two scored before learning it (with a threshold set)."""
+        self._frozen: FrozenScore | None = None  # the calibration's score (``observe_novelty``) ...
+        self._scored = 0  # ... and the samples it scored
+        self._waiting: list[tuple[NoveltyThreshold, torch.Tensor, list[bool], torch.Tensor | int]] = []
 
     @property
     def not_mergeable(self) -> str | None:
@@ -309,7 +321,7 @@ class OnlineLearner:
         encoded = self.encode(images) if encoded is None else encoded
         logits = self.logits(encoded, (align_mode,))[align_mode]
         if self.novelty_threshold is not None:
-            self._feed_novelty(self._novelty_of(encoded, logits, align_mode), labels, self.samples_seen)
+            self.observe_novelty(encoded, labels)
         self.observe(images, labels, None if self.trains_by_gradient else encoded)
         return self.to_labels(logits.argmax(1))
 
@@ -342,38 +354,63 @@ class OnlineLearner:
                 ) -> torch.Tensor:
         """Novelty scores [B] (float32, higher = more likely a class not learned yet; +inf before any class is
         learned) of an encoding: ``score``, or ``novelty_score`` (``mepo_stream.novelty``). With the streaming LDA
-        it costs one quadratic form more than the logits (its factorisations are cached until the next update)."""
-        logits = self.logits(encoded, (align_mode,))[align_mode]
-        return self._novelty_of(encoded, logits, align_mode, score)
+        it costs one quadratic form more than the logits (its factorisations are cached until the next update), and
+        a distance score needs no logits."""
+        chosen = resolve(self.method.classifier, self.novelty_score if score is None else score)
+        logits = self.logits(encoded, (align_mode,))[align_mode] if chosen in LOGIT_SCORES else None
+        return self._novelty_of(encoded, logits, align_mode, chosen)
 
-    def _novelty_of(self, encoded: Encoded, logits: torch.Tensor, align_mode: AlignMode,
+    def _novelty_of(self, encoded: Encoded, logits: torch.Tensor | None, align_mode: AlignMode,
                     score: NoveltyScore | None = None) -> torch.Tensor:
-        """Novelty scores [B] of an encoding whose logits [B, C] are computed already."""
+        """Novelty scores [B] of an encoding whose logits [B, C] are computed already (None: the score needs
+        none)."""
         chosen = self.novelty_score if score is None else check_score(score)
         if not self.exposed:
-            return torch.full((logits.shape[0],), float("inf"))
+            return torch.full((len(encoded.feature),), float("inf"))
         h = self.method.aligned(encoded, align_mode)  # [B, D]
-        return novelty_scores(self.method.classifier, h, logits[:, : len(self.exposed)], chosen).cpu()
+        seen = None if logits is None else logits[:, : len(self.exposed)]
+        return novelty_scores(self.method.classifier, h, seen, chosen).cpu()
 
     @torch.no_grad()
     def observe_novelty(self, encoded: Encoded, labels: torch.Tensor, positions: torch.Tensor | int | None = None,
-                        threshold: NoveltyThreshold | None = None) -> torch.Tensor:
+                        threshold: NoveltyThreshold | None = None) -> None:
         """Score a stream batch just before it is learned (original labels [B]) and feed ``threshold`` (default
-        ``novelty_threshold``, when set) with the scores of the images whose class was learned already; returns the
-        scores [B] (also kept in ``last_novelty``). ``positions``: each image's stream position [B] (a group's
-        learners pass their records' sample indices, so that their thresholds add up to one learner's); default
-        ``samples_seen`` on. ``test_then_train`` and ``observe_features`` call it themselves when a threshold is
-        set; ``statistics_step`` (a group) does not: call it first, with the partition's threshold."""
-        scores = self.novelty(encoded)
-        self._feed_novelty(scores, labels, self.samples_seen if positions is None else positions, threshold)
-        return scores
+        ``novelty_threshold``; none: nothing to do) with the scores of the images whose class was learned already.
+        ``positions``: each image's stream position [B] (a group's learners pass their records' sample indices, so
+        that their thresholds add up to one learner's); default ``samples_seen`` on. ``test_then_train`` and
+        ``observe_features`` call it themselves when a threshold is set; ``statistics_step`` (a group) does not:
+        call it first, with the partition's threshold.
 
-    def _feed_novelty(self, scores: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | int,
-                      threshold: NoveltyThreshold | None = None) -> None:
-        self.last_novelty = scores
-        if (threshold := self.novelty_threshold if threshold is None else threshold) is not None:
-            known = torch.tensor([int(y) in self._index for y in labels.tolist()], dtype=torch.bool)  # [B]
-            threshold.observe(scores, known, positions)
+        A distance score is frozen for ``CALIBRATE_EVERY`` samples (``mepo_stream.novelty.FrozenScore``: an image
+        counts as of a learned class if the frozen model had learned it), and the batches it scores wait until it
+        is frozen anew, or the state is read (``flush_novelty``), to be scored together: a mini-batch then pays an
+        append instead of a chain of small operators."""
+        threshold = self.novelty_threshold if threshold is None else threshold
+        if threshold is None:
+            return
+        positions = self.samples_seen if positions is None else positions
+        if self._frozen is None or self._scored >= CALIBRATE_EVERY:
+            self.flush_novelty()
+            self._frozen, self._scored = freeze(self.method.classifier, self.novelty_score), 0
+        self._scored += len(labels)
+        if self._frozen is None:  # a logit score, or nothing learned yet: scored now
+            known = [int(y) in self._index for y in labels.tolist()]
+            threshold.observe(self.novelty(encoded), torch.tensor(known, dtype=torch.bool), positions)
+            return
+        known = [self._index.get(int(y), -1) in self._frozen.learned for y in labels.tolist()]
+        self._waiting.append((threshold, self.method.aligned(encoded, "running"), known, positions))
+
+    @torch.no_grad()
+    def flush_novelty(self) -> None:
+        """Score the batches waiting for the calibration (``observe_novelty``) and feed their thresholds: before the
+        thresholds' states are saved."""
+        waiting, self._waiting = self._waiting, []
+        if not waiting:
+            return
+        assert self._frozen is not None, "batches wait only for a frozen score"
+        scores = self._frozen(torch.cat([h for _, h, _, _ in waiting])).cpu().split([len(k) for _, _, k, _ in waiting])
+        for (threshold, _, known, positions), batch in zip(waiting, scores, strict=True):
+            threshold.observe(batch, torch.tensor(known, dtype=torch.bool), positions)
 
     def state_dict(self) -> dict:
         """Everything the learner changes: trainable tensors (the backbone only if it trains), optimizer, labels
@@ -381,6 +418,7 @@ class OnlineLearner:
         state = {"method": self.method.trainable_state_dict(), "optimizer": self.optimizer.state_dict(),
                  "exposed": list(self.exposed), "samples_seen": self.samples_seen}
         if self.novelty_threshold is not None:
+            self.flush_novelty()
             state["novelty_threshold"] = self.novelty_threshold.state_dict()
         return state
 
@@ -399,6 +437,7 @@ class OnlineLearner:
         self.exposed = [int(y) for y in state["exposed"]]
         self._index = {y: i for i, y in enumerate(self.exposed)}
         self.samples_seen = int(state["samples_seen"])
+        self._frozen, self._waiting = None, []  # another model: frozen anew
         if self.novelty_threshold is not None and "novelty_threshold" in state:
             self.novelty_threshold.load_state_dict(state["novelty_threshold"])
 

@@ -41,7 +41,8 @@ product) and one ``[B, D] x [D, C]`` product.
 
 Calibration (``NoveltyThreshold``): the learner scores every stream image just before it learns it, so the scores
 of images whose class it had already learned are held-out in-distribution samples; the threshold is their upper
-``false_alarm`` quantile, following the stream: a half-life in samples (``clock="samples"``), or a share of the
+``false_alarm`` quantile (scored by a ``FrozenScore``, the model as it stood up to ``CALIBRATE_EVERY`` samples
+before), following the stream: a half-life in samples (``clock="samples"``), or a share of the
 samples seen (``clock="share"``: the window grows with the stream, so late in a long stream every learned class
 still has images in it; both are sums over positions, so a group's states add up). The threshold clocks measured
 beside the learner's: ``streams[*].threshold_clocks`` in the results file.
@@ -61,6 +62,7 @@ Example:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
@@ -96,21 +98,26 @@ def resolve(classifier: nn.Module | None, score: NoveltyScore = DEFAULT_SCORE) -
     return score if score in LOGIT_SCORES or isinstance(classifier, StreamingLDA) else FALLBACK_SCORE
 
 
-def novelty_scores(classifier: nn.Module | None, h: torch.Tensor, logits: torch.Tensor,
+def novelty_scores(classifier: nn.Module | None, h: torch.Tensor, logits: torch.Tensor | None,
                    score: NoveltyScore = DEFAULT_SCORE) -> torch.Tensor:
     """Novelty scores [B] (float32, higher = more likely not learned yet) of classifier inputs ``h`` [B, D] whose
-    logits are ``logits`` [B, C] (classes not seen yet at -inf, as the learner predicts them).
+    logits are ``logits`` [B, C] (classes not seen yet at -inf, as the learner predicts them; None where ``score``
+    is a distance score, which needs none).
 
     ``score`` is resolved for the classifier (``resolve``). Before any class is learned every image is new: +inf.
     """
     score = resolve(classifier, score)
-    if not bool(torch.isfinite(logits).any(1).all()):  # no class learned: nothing to compare with
-        return torch.full((h.shape[0],), float("inf"), device=h.device)
-    if score == "max_softmax":
-        return -logits.double().softmax(1).amax(1).float()  # float64: the LDA's logits saturate a float32 softmax
-    if score == "energy":
+    if score in LOGIT_SCORES:
+        if logits is None:
+            raise ValueError(f"the {score} score is made of the logits: pass them")
+        if not bool(torch.isfinite(logits).any(1).all()):  # no class learned: nothing to compare with
+            return torch.full((h.shape[0],), float("inf"), device=h.device)
+        if score == "max_softmax":  # float64: the LDA's logits saturate a float32 softmax
+            return -logits.double().softmax(1).amax(1).float()
         return -torch.logsumexp(logits.double(), 1).float()
     assert isinstance(classifier, StreamingLDA), "resolve() answers statistics scores for the streaming LDA only"
+    if not classifier.seen:
+        return torch.full((h.shape[0],), float("inf"), device=h.device)
     return _distance_score(classifier, h, score).float()
 
 
@@ -136,7 +143,11 @@ def distance_score(lda: StreamingLDA, h: torch.Tensor, background: Background = 
     ``min_k [d_k(x) / a_k + D log a_k] - beta d_0(x)``, ``a_k = 1 + 1/n_k`` when ``count_aware`` (else 1),
     ``beta`` by ``background`` (0, 1 or ``1 - 1/K``). From the cached form: two quadratic forms of ``x`` and one
     product with the class rows."""
-    quads, centre, cross, const, inflation = _form(lda, background, count_aware, lda.chosen)
+    return _apply(_form(lda, background, count_aware, lda.chosen), h)
+
+
+def _apply(form: tuple[torch.Tensor, ...], h: torch.Tensor) -> torch.Tensor:
+    quads, centre, cross, const, inflation = form
     x = h.to(centre.device, torch.float64) - centre  # [B, D], centred on the total mean: no cancellation
     near, back = ((x @ quads) * x.repeat(1, 2)).reshape(-1, 2, x.shape[1]).sum(2).unbind(1)  # [B], [B]
     per_class = (near[:, None] + const - 2 * (x @ cross.T)) / inflation  # [B, C]: d_k(x) / a_k (+inf unseen)
@@ -146,6 +157,38 @@ def distance_score(lda: StreamingLDA, h: torch.Tensor, background: Background = 
 
 def _distance_score(lda: StreamingLDA, h: torch.Tensor, score: NoveltyScore) -> torch.Tensor:
     return distance_score(lda, h, *DISTANCE_FORMS[score])
+
+
+CALIBRATE_EVERY = 256
+"""Stream samples a ``FrozenScore`` scores for the threshold's calibration before it is frozen again."""
+
+
+@dataclass(frozen=True)
+class FrozenScore:
+    """A distance score as the streaming LDA answered it at one moment (``freeze``): later images are scored as that
+    model would have scored them, none of which it had learned. Why: the threshold's calibration scores every
+    mini-batch before it is learned; with a score frozen for ``CALIBRATE_EVERY`` samples their scoring waits and
+    is done for all of them at once (``OnlineLearner.observe_novelty``), instead of factorisations and a chain of
+    small operators per mini-batch, which beside the service's other threads cost a nearly free model more than
+    its learning step."""
+
+    form: tuple[torch.Tensor, ...]
+    learned: frozenset[int]
+    """The head indices of the classes the model had learned (their images are the in-distribution ones)."""
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        """Scores [B] (float32) of classifier inputs ``h`` [B, D]."""
+        return _apply(self.form, h).float()
+
+
+def freeze(classifier: nn.Module | None, score: NoveltyScore) -> FrozenScore | None:
+    """``score`` frozen at the classifier's present sums, or None where it is not a distance score of a streaming
+    LDA that has learned a class (the logit scores cost nothing to compute fresh)."""
+    score = resolve(classifier, score)
+    if score in LOGIT_SCORES or not isinstance(classifier, StreamingLDA) or not classifier.seen:
+        return None
+    learned = frozenset((classifier.counts > 0).nonzero().flatten().tolist())
+    return FrozenScore(_form(classifier, *DISTANCE_FORMS[score], classifier.chosen), learned)
 
 
 def _form(lda: StreamingLDA, background: Background, count_aware: bool, k: int) -> tuple[torch.Tensor, ...]:
@@ -171,17 +214,15 @@ def _inverses(lda: StreamingLDA, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``Sigma^-1`` and ``Sigma_0^-1`` [D, D] (float64) at shrinkage candidate ``k``: the LDA's shrunk shared
     covariance, and the total covariance of everything learned shrunk alike (the background Gaussian's)."""
     lam = float(lda.shrinkage[k])
-    cov, scale = lda.memo("spread", lda._spread)  # [D, D], []: the LDA's own shrinkage unit (same cache key)
+    _, scale = lda.memo("spread", lda._spread)  # the LDA's own shrinkage unit (same cache key)
     n = lda.counts.sum().clamp_min(1)
     centre = lda.sums.sum(0) / n  # [D]
     total = lda.second / n - torch.outer(centre, centre)  # [D, D]
     dim = total.shape[0]
     total_scale = torch.maximum(total.trace() / dim, scale)
-    out = []
-    for c, s in ((cov, scale), (total, total_scale)):
-        sigma = (1 - lam) * c + (lam + 1e-6) * s * lda.target  # [D, D], as StreamingLDA._solve shrinks it
-        out.append(torch.cholesky_inverse(cholesky(sigma, 1e-12 * float(s), torch.float64)))
-    return out[0], out[1]
+    sigma_0 = (1 - lam) * total + (lam + 1e-6) * total_scale * lda.target  # [D, D], shrunk as the LDA's Sigma
+    background = cholesky(sigma_0, 1e-12 * float(total_scale), torch.float64)
+    return torch.cholesky_inverse(lda.factor(lam)), torch.cholesky_inverse(background)
 
 
 def auroc(scores: torch.Tensor, positive: torch.Tensor) -> float:
@@ -195,6 +236,7 @@ def auroc(scores: torch.Tensor, positive: torch.Tensor) -> float:
     first = torch.cumsum(counts, 0) - counts  # [U]: rank - 1 of each distinct value's first occurrence
     ranks = (first + (counts + 1) / 2).double()[inverse]  # [N]: average ranks of ties
     return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
 
 
 class NoveltyThreshold(nn.Module):
@@ -252,6 +294,8 @@ class NoveltyThreshold(nn.Module):
         self.register_buffer("novel", torch.zeros(bins, dtype=torch.float64))  # [bins]
         self.register_buffer("anchor", torch.zeros((), dtype=torch.float64))  # the position weighing 1
         self.register_buffer("count", torch.zeros((), dtype=torch.float64))  # in-distribution scores, unweighted
+        self._value: float | None = None  # the threshold, until the histograms next change ...
+        self._detection: float | None = None  # ... and its detection rate
 
     def _bin(self, scores: torch.Tensor) -> torch.Tensor:
         u = torch.asinh(scores.double()).clamp(-self.span, self.span)  # [B]
@@ -278,6 +322,7 @@ class NoveltyThreshold(nn.Module):
         scores, known, pos = scores[keep], known[keep], pos[keep]
         if not len(scores):
             return
+        self._value = self._detection = None
         weight = torch.ones(len(scores), dtype=torch.float64)
         if self._unit is not None:
             if self.clock == "share":  # the clock: log2 of the position (from 1), so weights grow as a power of it
@@ -293,7 +338,13 @@ class NoveltyThreshold(nn.Module):
     @property
     def threshold(self) -> float:
         """The score above which an image is flagged novel: the in-distribution scores' upper ``false_alarm``
-        quantile (interpolated within its bin); +inf until ``min_known`` in-distribution scores came."""
+        quantile (interpolated within its bin); +inf until ``min_known`` in-distribution scores came (computed
+        once per change: every status read and snapshot asks for it)."""
+        if self._value is None:
+            self._value = self._quantile()
+        return self._value
+
+    def _quantile(self) -> float:
         total = float(self.known.sum())
         if float(self.count) < self.min_known or total <= 0:
             return float("inf")
@@ -311,12 +362,12 @@ class NoveltyThreshold(nn.Module):
 
     def detection(self) -> float:
         """The weighted share of stream images of classes new when they came that the current threshold flags
-        (NaN before any came)."""
-        total = float(self.novel.sum())
-        if total <= 0:
-            return float("nan")
-        edges = torch.sinh(torch.linspace(-self.span, self.span, len(self.novel) + 1, dtype=torch.float64))
-        return float(self.novel[edges[:-1] >= self.threshold].sum()) / total
+        (NaN before any came; computed once per change, as the threshold)."""
+        if self._detection is None:
+            total = float(self.novel.sum())
+            low = torch.sinh(torch.linspace(-self.span, self.span, len(self.novel) + 1, dtype=torch.float64)[:-1])
+            self._detection = float(self.novel[low >= self.threshold].sum()) / total if total > 0 else float("nan")
+        return self._detection
 
     @torch.no_grad()
     def add_(self, other: NoveltyThreshold) -> NoveltyThreshold:
@@ -325,6 +376,7 @@ class NoveltyThreshold(nn.Module):
         if ((other.half_life, other.clock, other.span, len(other.known))
                 != (self.half_life, self.clock, self.span, len(self.known))):
             raise ValueError("thresholds with different half-lives, clocks or grids cannot be added")
+        self._value = self._detection = None
         later = max(float(self.anchor), float(other.anchor))
         self._rebase(later)
         factor = 1.0 if self._unit is None else 2.0 ** ((float(other.anchor) - later) / self._unit)
@@ -341,3 +393,7 @@ class NoveltyThreshold(nn.Module):
         for part in parts:
             total.add_(part)
         return total
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        self._value = self._detection = None
+        super()._load_from_state_dict(*args, **kwargs)

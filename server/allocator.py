@@ -1,9 +1,8 @@
 """Keep freed memory in the process, so that each learning step does not page-fault its activations in again.
 
-glibc's malloc returns freed memory at the top of a heap to the kernel and serves large blocks with fresh ``mmap``s,
-so a learner page-faults the same activations in anew every step; with the thresholds below they stay in the
-process (docs/performance.md). When the environment sets ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_``,
-it is left as the user set it. Call ``keep_freed_memory()`` first thing in a learner's process.
+glibc's malloc returns freed memory at the top of a heap to the kernel and serves large blocks with fresh ``mmap``s;
+with the thresholds below they stay in the process (docs/performance.md), unless the environment sets
+``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_``. Call ``keep_freed_memory()`` first thing in a learner.
 """
 
 from __future__ import annotations

@@ -20,13 +20,8 @@ class _Request:
 
 
 class MicroBatcher:
-    """Concurrent prediction requests share forward passes (dynamic micro-batching, as BentoML and TorchServe do).
-
-    One forward runs at a time; requests that arrive meanwhile queue up, and the next forward serves all of
-    them together (up to ``max_batch`` images). Under load this turns many small forwards competing for the
-    CPU into a few batched ones, which leaves more of the machine to the learner; alone, a request runs at
-    once with no added delay.
-    """
+    """Requests that arrive during a forward are served together by the next one (up to ``max_batch`` images):
+    more of the machine is left to the learner under load, and a request alone waits for nothing."""
 
     def __init__(self, max_batch: int = 64, run: Callable[..., None] = lambda fn, *args: fn(*args)):
         self.max_batch, self._run = max_batch, run  # run: where forwards run (the service's model thread)
@@ -36,7 +31,6 @@ class MicroBatcher:
 
     @property
     def queued(self) -> int:
-        """Requests waiting for the next forward."""
         with self._queue_lock:
             return len(self._queue)
 

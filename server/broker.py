@@ -63,8 +63,7 @@ def embedded_port(bootstrap_servers: str) -> int | None:
 
 
 def _free(port: int) -> bool:
-    """Whether a listener may take ``port``: as the broker binds it, with ``SO_REUSEADDR``, so the connections a
-    stopped broker leaves in TIME_WAIT do not count as the port in use."""
+    """Whether a listener may take ``port`` with ``SO_REUSEADDR``, as the broker binds it (TIME_WAIT does not count)."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -75,7 +74,6 @@ def _free(port: int) -> bool:
 
 
 class EmbeddedBroker:
-
     def __init__(self, port: int | None = None, log_path: Path | None = None):
         self.port = port or free_port()
         self.log_path = log_path
@@ -91,25 +89,21 @@ class EmbeddedBroker:
             self.process = subprocess.Popen(  # the child holds its own handle of the log
                 [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
                  "--storage-engine", "memory://tansu/"], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
         try:
-            self._wait_listening(timeout)
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"the broker exited with code {self.process.returncode} (port {self.port} in "
+                                       f"use?)")
+                try:
+                    socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                    return self
+                except OSError:
+                    time.sleep(0.1)
+            raise TimeoutError(f"the broker did not listen on {self.bootstrap} within {timeout} s")
         except BaseException:  # a stop signal too: ``__exit__`` never runs when ``__enter__`` raises
             self.stop()
             raise
-        return self
-
-    def _wait_listening(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        assert self.process is not None  # started
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the broker exited with code {self.process.returncode} (port {self.port} in use?)")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.1)
-        raise TimeoutError(f"the broker did not listen on {self.bootstrap} within {timeout} s")
 
     def last_words(self) -> str:
         """The last line the broker logged (why it stopped, where it says)."""

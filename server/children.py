@@ -1,9 +1,6 @@
-"""The processes a command starts (``mepo demo``'s producer and embedded broker), watched: one that stops before its
-work is done fails the command loudly instead of leaving it serving an empty stream.
-
-The first child that exits with an error (the producer with a code other than 0, the broker at all) is logged with
-its last words, named by ``/v1/status`` and ``/readyz`` (``Supervised``), and the command is told (``on_failure``).
-A child stopped by a stop signal while the command itself stops (Ctrl-C reaches the process group) is no failure.
+"""The processes a command starts (``mepo demo``'s producer and broker), watched: the first to exit with an error
+(the producer with a code other than 0, the broker at all) is logged with its last words, named by ``/v1/status`` and
+``/readyz``, and the command is told (``on_failure``); one stopped while the command itself stops is no failure.
 
 Example (a child that fails at once):
     >>> import sys
@@ -33,8 +30,7 @@ from server.status import LearnerReadiness, LearnerStatus
 
 log = logging.getLogger(__name__)
 GRACE_S = 1.0
-"""How long a child's exit waits to be called a failure: long enough for the command to see a stop signal that
-reached both (Ctrl-C in a terminal signals the whole process group)."""
+"""How long a child's exit waits to be called a failure: for the command to see a stop signal that reached both."""
 
 
 class Tail(threading.Thread):
@@ -114,8 +110,7 @@ def stderr_tail(process: subprocess.Popen) -> Tail:
 
 @dataclass
 class Supervised(Service):
-    """The demo's learner: ``/v1/status`` and ``/readyz`` also name a failed child, and ``/readyz`` answers 503 while
-    one has failed (the stream it learns will not be whole)."""
+    """The demo's learner: ``/v1/status`` and ``/readyz`` also name a failed child (``/readyz`` then answers 503)."""
 
     watch: Watch | None = None
 

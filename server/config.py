@@ -1,8 +1,5 @@
-"""Typed configuration of ``mepo serve`` and ``mepo demo`` (their CLI options and the FastAPI settings dependency).
-
-The option groups are the ones ``mepo evaluate`` has (``--backbone.*``, ``--learner.*``, ``--method_config.*``,
-``--alignment.*``, ``--protocol.*``, ``--data.*``, ``--mepo``, ``--mepo_rep``, ``--mepo_cov``), so a flag learned on one
-command works on the other.
+"""Typed configuration of ``mepo serve``, ``mepo demo`` and ``mepo replica`` (their CLI options and the FastAPI
+settings dependency). The option groups are ``mepo evaluate``'s, so a flag learned on one command works on the other.
 """
 
 from __future__ import annotations
@@ -43,15 +40,13 @@ class CorrectionsConfig:
     every id that still exists, as a Kafka Streams table follows its topic."""
 
     enabled: bool = False
-    """A label for an id already learned corrects it (on the labels topic; with labels inline, a record with an empty
-    value and id and label headers on the image topic); a tombstone (a null value keyed by the id) on the image or
-    the labels topic deletes it. Both are learned exactly (the sample's contribution is subtracted), so the model is
-    always that of a fresh learner fed the final table. Needs a learner that is a sum of its samples (the default);
-    refused at start otherwise."""
+    """A label for an id already learned corrects it (with labels inline: an empty value with id and label headers
+    on the image topic); a tombstone (a null value keyed by the id) on the image or labels topic deletes it. Both are
+    learned exactly, so the model is always a fresh learner's fed the final table. Needs a learner that is a sum of
+    its samples (the default); refused at start otherwise."""
     retention_s: float = 7 * 86400.0
-    """How long an id stays correctable, in record time since its last label: its feature is kept on disk until then
-    (about 1.5 KiB an id at 384 dimensions); a correction or deletion after it is dead-lettered as
-    not_correctable."""
+    """How long an id stays correctable, in record time since its last label (its feature, about 1.5 KiB at 384
+    dimensions, is kept on disk until then); a later correction or deletion is dead-lettered as not_correctable."""
     compact_every_s: float = 3600.0
     """A deleted sample's bytes leave the sample table's files at the first checkpoint this many seconds after the
     last compaction (the table is copied without its free pages, where the old bytes stay until reused)."""
@@ -59,8 +54,7 @@ class CorrectionsConfig:
 
 @dataclass(frozen=True)
 class NoveltyConfig:
-    """"Not seen yet": every answer says how likely its image is of a class the learner has not learned
-    (docs/novelty.md)."""
+    """"Not seen yet": every answer says how likely its image is of a class not learned yet (docs/novelty.md)."""
 
     score: NoveltyScore = DEFAULT_SCORE
     """The novelty score, from the streaming LDA's own sums: stream_mahalanobis (the best measured), or
@@ -70,8 +64,7 @@ class NoveltyConfig:
     """Target share of images of learned classes answered as novel: the threshold is the stream's own scores'
     upper quantile, calibrated on each image just before it is learned. In (0, 1)."""
     half_life: float = 400.0
-    """Stream samples after which a score weighs half as much in the calibration: the threshold follows the
-    stream."""
+    """Stream samples after which a score weighs half as much in the calibration: the threshold follows the stream."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.false_alarm < 1.0:
@@ -94,8 +87,7 @@ class ServeConfig:
     kafka: KafkaConfig = KafkaConfig()
     """Broker, topics and consumer group."""
     role: ClassVar[Literal["learner", "replica"]] = "learner"
-    """The service this config starts: the learner, which learns the image topic, serves, and publishes every
-    snapshot to --kafka.snapshot_topic (a ``ReplicaConfig`` starts a replica). Not an option: the command's."""
+    """The service this config starts: the learner (a ``ReplicaConfig`` starts a replica). Not an option."""
     command: ClassVar[str] = "serve"
     """The ``mepo`` command that takes this config."""
     publish_interval_s: float = 1.0
@@ -139,10 +131,9 @@ class ServeConfig:
     checkpoint_every: int = 512
     """Checkpoint after this many learned samples (and on shutdown)."""
     checkpoint_min_interval_s: float = 1.0
-    """Seconds at least between two periodic checkpoints. A fast learner would otherwise checkpoint many times a
-    second, and each checkpoint copies the state between two steps and writes it beside the next ones. A crash
-    replays about this much more of the stream, and still learns nothing twice (the checkpoint holds the offsets);
-    in a group, it also bounds how often a partition's state is published. 0: every ``checkpoint_every`` samples."""
+    """Seconds at least between two periodic checkpoints (each copies the state and writes it beside the next
+    steps). A crash replays about this much more of the stream, yet learns nothing twice (the checkpoint holds the
+    offsets); in a group it also bounds how often a partition's state is published. 0: every ``checkpoint_every``."""
     learn_replays: bool = False
     """Learn a sample of a stream again when it is replayed (by default replays are skipped and counted)."""
     seed: int = 0
@@ -187,18 +178,16 @@ class DemoConfig(ServeConfig):
     """
 
     data: DataConfig = DataConfig(dataset="cifar10", train_per_class=50, test_per_class=20)
-    """Bundled dataset to stream (cifar10, tinyimagenet-downstream) or an ImageFolder root (with train/ and test/
-    class folders), and its test split; at most 50 training and 20 test images a class, a short first look
-    (--data.train_per_class null --data.test_per_class null streams a folder whole). The demo's first line says
-    what it streams and what caps it."""
+    """Bundled dataset to stream (cifar10, tinyimagenet-downstream) or an ImageFolder root (train/ and test/ class
+    folders): at most 50 training and 20 test images a class, a short first look (--data.train_per_class null
+    --data.test_per_class null streams a folder whole)."""
     default_img_size: ClassVar[int] = 84
     """Without a bundle the demo runs at 84 px: fast on a CPU."""
     command: ClassVar[str] = "demo"
 
     protocol: ProtocolConfig = ProtocolConfig(eval_period=32)
-    """Any-time evaluation every 32 samples: 15 points on the 500-sample stream's curve. A period that is a multiple
-    of --learner.batch_size cuts no mini-batch short (a short one costs a whole padded forward), and the test images'
-    features are computed once, so the curve costs little more than two evaluations would (docs/performance.md)."""
+    """Any-time evaluation every 32 samples: 15 points on the 500-sample stream's curve. A multiple of
+    --learner.batch_size cuts no mini-batch short (a short one costs a whole padded forward; docs/performance.md)."""
     checkpoint_dir: Path = Path("runs/demo/checkpoint")
     """The demo's checkpoint (removed at start: the embedded broker starts empty too); the broker log goes beside."""
     checkpoint_every: int = 256
@@ -208,20 +197,17 @@ class DemoConfig(ServeConfig):
     until_done: bool = False
     """Exit (and print a summary) once the whole stream is learned, instead of serving on."""
     embedded_broker: bool = True
-    """Start a local broker, listening on --kafka.bootstrap_servers' loopback port (127.0.0.1:9092 by default; port 0
-    takes a free one; the port is printed at start); false streams through the cluster at --kafka.bootstrap_servers
-    instead."""
+    """Start a local broker on --kafka.bootstrap_servers' loopback port (port 0: a free one, printed at start); false
+    streams through the cluster at --kafka.bootstrap_servers instead."""
 
 
 @dataclass(frozen=True)
 class ReplicaConfig(ServeConfig):
     """Serve predictions from the learner's snapshots on --kafka.snapshot_topic; learn nothing, need no dataset.
 
-    The model each snapshot defines is built with the backbone weights and --mepo bundle on this machine's disk.
-
-    It takes ``mepo serve``'s options: the broker's, the serving ones (``--host``, ``--port``, ``--grpc_port``,
-    ``--limits.*``, ...) and the model's, which must agree with the snapshot's (one that contradicts it is refused);
-    the learner's own (its data, checkpoints, learning, the label join) are ignored.
+    The model each snapshot defines is built with the backbone weights and --mepo bundle on this machine's disk. Of
+    ``mepo serve``'s options it takes the broker's, the serving ones (``--port``, ``--grpc_port``, ``--limits.*``, ...)
+    and the model's, which must agree with the snapshot's; the learner's own (data, checkpoints, learning) are ignored.
     Example: ``mepo replica --kafka.bootstrap_servers k1:9092 --port 8001``.
     """
 
@@ -230,8 +216,7 @@ class ReplicaConfig(ServeConfig):
 
 
 def replica_of(learner: ServeConfig, **changes: object) -> ReplicaConfig:
-    """A replica of the learner ``learner`` configures (its broker, topics, backbone and bundle), with ``changes``
-    (``port=8001``). (A function, not a method: the CLI would take a method for a subcommand.)"""
+    """A replica of ``learner``'s configuration, with ``changes`` (a function: the CLI takes methods for commands)."""
     return ReplicaConfig(**{**{f.name: getattr(learner, f.name) for f in fields(ReplicaConfig)}, **changes})
 
 
@@ -248,9 +233,8 @@ def bundle_parts(cfg: ServeConfig) -> BundleParts:
 
 
 def model_config(cfg: ServeConfig) -> ModelConfig:
-    """What of a service's configuration defines its model (``mepo_stream.model.create_model``), at a resolution
-    (``--backbone.img_size``, else its bundle's, else the command's ``default_img_size``); a replica gets it from the
-    learner's snapshots. (A function, not a method: the CLI would take a method for a subcommand.)"""
+    """The model a service's configuration defines, at ``--backbone.img_size``, else its bundle's, else the command's
+    ``default_img_size`` (a function: the CLI takes methods for commands)."""
     parts = bundle_parts(cfg)
     backbone = sized(cfg.backbone, parts.bundles, cfg.default_img_size)
     return ModelConfig(cfg.method, cfg.method_config, backbone, parts, cfg.alignment, cfg.learner, cfg.seed)

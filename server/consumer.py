@@ -1,5 +1,5 @@
-"""The base of the two Kafka-reading loops, the learner's and a replica's snapshot follower: a thread with the
-controls the API uses (pause, resume, health), and the broker check both run.
+"""The base of the Kafka-reading loops (the learner's, a replica's and a group's state follower): a thread with the
+controls the API uses (pause, resume, health), and the broker check they run.
 
 Example (a loop that is not started reports itself stopped and disconnected):
     >>> ConsumerThread("example").health()
@@ -18,8 +18,7 @@ PROBE_EVERY_S = 5.0
 
 
 def broker_answers(consumer: KafkaConsumer, timeout_s: float = 2.0) -> bool:
-    """Partitions assigned and the broker answering a small request within ``timeout_s``: a stopped broker keeps its
-    TCP connections open, so only a round trip tells (its offsets are not used: Tansu's end offsets are off)."""
+    """Partitions assigned and the broker answering a round trip within ``timeout_s`` (a stopped one keeps its TCP)."""
     assignment = consumer.assignment()
     if not assignment:
         return False
@@ -46,8 +45,7 @@ class LoopHealth:
 
 
 class ConsumerThread:
-    """A Kafka-reading loop in its own thread. Subclasses implement ``_run`` and keep ``connected``, ``error`` and
-    ``lag`` current."""
+    """A Kafka-reading loop in its own thread: ``_run`` keeps ``connected``, ``error`` and ``lag`` current."""
 
     stop_timeout: float = 10.0
 
@@ -69,7 +67,6 @@ class ConsumerThread:
         self._run()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Ask the loop to finish what it holds, and wait for it."""
         self.stop_event.set()
         self.thread.join(self.stop_timeout if timeout is None else timeout)
 

@@ -1,16 +1,5 @@
-"""``mepo export``: the current model, from a running learner's snapshot or its checkpoint, as ONNX or as a Triton
-model repository (``mepo_stream.export``: uint8 images in, probabilities over the classes seen out).
-
-Two sources, as a replica and a restarted learner have them:
-
-* ``--source snapshot`` (default): the newest snapshot on ``--kafka.snapshot_topic`` for ``--model_name``, built as
-  a replica builds it (``server.replica.follower.ReplicaModel``: the learner's configuration from the snapshot,
-  the backbone weights and bundle on this disk, their sha256 checked against the learner's);
-* ``--source checkpoint``: ``--checkpoint_dir``'s learner checkpoint, in the model ``mepo serve``'s options define
-  (give the same ones the learner ran with), class names from ``--data``.
-
-Either way the model is built at ``--learner.precision fp32`` (``in_fp32``): a bf16 or int8 learner keeps its
-backbone cast, and the graph holds the weights as loaded.
+"""``mepo export``: the current model, from a running learner's snapshot (built as a replica builds it) or its
+checkpoint (built from the options), in fp32, as ONNX or a Triton model repository (``mepo_stream.export``).
 
 Example:
     mepo export --format triton --kafka.bootstrap_servers k1:9092 --mepo runs/refined --out runs/triton
@@ -31,13 +20,7 @@ from mepo_stream.backbone import device
 from mepo_stream.checkpoint import LearnerCheckpoint
 from mepo_stream.data import list_files
 from mepo_stream.errors import ConfigError, StateRefused
-from mepo_stream.export import (
-    ProbabilityGraph,
-    labels_metadata,
-    onnx_model,
-    write_onnx,
-    write_triton_repository,
-)
+from mepo_stream.export import ProbabilityGraph, labels_metadata, onnx_model, write_onnx, write_triton_repository
 from mepo_stream.learner import OnlineLearner
 from mepo_stream.model import ModelConfig, create_model
 from mepo_stream.novelty import DEFAULT_SCORE, NoveltyThreshold
@@ -98,8 +81,7 @@ def read_snapshot(cfg: ServeConfig, wait_s: float) -> SnapshotMessage:
 
 
 def _newest_blob(consumer: KafkaConsumer, assembler: Assembler, deadline: float) -> bytes | None:
-    """Poll until the topic is read to its end (a poll that brings nothing once a snapshot is whole), or the
-    deadline; the newest snapshot put back together, if any."""
+    """The newest whole snapshot, once the topic is read to its end (``IDLE_POLL_MS``) or at the deadline."""
     newest = None
     while time.monotonic() < deadline:
         polled = consumer.poll(timeout_ms=IDLE_POLL_MS)
@@ -111,14 +93,12 @@ def _newest_blob(consumer: KafkaConsumer, assembler: Assembler, deadline: float)
 
 
 def in_fp32(config: ModelConfig) -> ModelConfig:
-    """``config`` at ``--learner.precision fp32``: a bf16 learner stores its frozen backbone cast to bf16 (an int8
-    one quantised), and the graph must hold the weights as loaded (it runs fp32; ``mepo_stream.export``)."""
+    """``config`` at ``--learner.precision fp32``: the graph runs fp32 and must hold the weights as loaded."""
     return replace(config, learner=replace(config.learner, precision="fp32"))
 
 
 def from_snapshot(cfg: ExportConfig) -> tuple[Snapshot, list[str]]:
-    """The learner's newest snapshot, built as a replica builds it (in fp32), and its class names (original label
-    order)."""
+    """The learner's newest snapshot, built as a replica builds it (in fp32), and its class names."""
     message = read_snapshot(cfg, cfg.wait_s)
     learner = in_fp32(ModelConfig.from_json(message.origin.model_config))
     message = replace(message, origin=replace(message.origin, model_config=learner.to_json()))
@@ -158,11 +138,8 @@ def export(cfg: ExportConfig) -> Path:
     labels = [names[y] for y in snapshot.exposed]
     model = onnx_model(graph, labels_metadata(labels, list(snapshot.exposed), snapshot.version,
                                               snapshot.samples_seen, snapshot.novelty_threshold))
-    if cfg.format == "onnx":
-        written = write_onnx(model, cfg.out)
-    else:
-        written = write_triton_repository(cfg.out, cfg.model_name, model, labels, graph.image_size,
-                                          cfg.max_batch_size)
+    written = (write_onnx(model, cfg.out) if cfg.format == "onnx" else
+               write_triton_repository(cfg.out, cfg.model_name, model, labels, graph.image_size, cfg.max_batch_size))
     print(json.dumps({"format": cfg.format, "out": str(written), "source": cfg.source,
                       "model_version": snapshot.version, "samples_seen": snapshot.samples_seen,
                       "classes": len(labels), "image_size": graph.image_size}))

@@ -1,20 +1,10 @@
 """The Open Inference Protocol over gRPC (``--grpc_port``), beside HTTP in the same process.
 
-It implements ``inference.GRPCInferenceService`` from the stubs ``tritonclient[grpc]`` ships (no proto copied
-here): ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and ModelInfer; the other RPCs answer
-UNIMPLEMENTED. It answers through the same ``ServingModel`` the HTTP routes use, so a learner and a replica both
-serve it, and it counts its requests in the same ``mepo_predict_requests_total``, labelled ``protocol="grpc"``
-with the HTTP status each answer corresponds to.
-
-Images come as the one ``BYTES`` input ``image`` of shape ``[N]``, in ``raw_input_contents`` (what
-``tritonclient.grpc`` sends) or in ``contents.bytes_contents``; ``label`` and ``probability`` go back in
-``raw_output_contents``. Errors carry status codes: INVALID_ARGUMENT (a bad tensor, not an image), NOT_FOUND
-(another model), RESOURCE_EXHAUSTED (a message over the size limit), UNAVAILABLE (no class learned yet).
-
-Example (what ``server.web.app``'s lifespan does)::
-
-    server = serve_grpc(service, settings)   # listening on settings.grpc_port
-    server.stop(grace=2)
+The health, metadata and ModelInfer RPCs of ``tritonclient[grpc]``'s ``GRPCInferenceService`` (the others answer
+UNIMPLEMENTED), through the same ``ServingModel`` as the HTTP routes, counted in
+``mepo_predict_requests_total{protocol="grpc"}`` with the HTTP status each answer corresponds to. Images come as
+``server.oip`` says, in ``raw_input_contents`` or ``contents.bytes_contents``; outputs go back in
+``raw_output_contents``; errors carry the status codes ``CODES`` maps HTTP's to.
 """
 
 from __future__ import annotations
@@ -27,24 +17,15 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pbg
 
 from mepo_stream import __version__
+from server import oip
 from server.config import ServeConfig
-from server.oip import (
-    INPUT_NAME,
-    OUTPUTS,
-    TensorError,
-    deserialize_bytes,
-    model_metadata,
-    output_arrays,
-    raw_request_limit,
-)
 from server.serving import ServingModel
-from server.web.dependencies import ApiError
+from server.web.dependencies import ApiError, served_model
 from server.web.prediction import predict_uploads
 
 log = logging.getLogger(__name__)
 CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
          422: grpc.StatusCode.INVALID_ARGUMENT, 503: grpc.StatusCode.UNAVAILABLE}
-MAX_TOP_K = 100
 
 
 class InferenceService(pbg.GRPCInferenceServiceServicer):
@@ -68,7 +49,7 @@ class InferenceService(pbg.GRPCInferenceServiceServicer):
 
     def ModelMetadata(self, request, context) -> pb.ModelMetadataResponse:
         self._model(request.name, context)
-        meta = model_metadata(request.name)
+        meta = oip.model_metadata(request.name)
         tensor = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(name=meta["name"], versions=meta["versions"], platform=meta["platform"],
                                         inputs=[tensor(**t) for t in meta["inputs"]],
@@ -85,39 +66,36 @@ class InferenceService(pbg.GRPCInferenceServiceServicer):
         return answer
 
     def _infer(self, request) -> pb.ModelInferResponse:
-        if request.model_name != self.settings.model_name:
-            raise ApiError(404, f"unknown model {request.model_name!r}; this server serves "
-                                f"{self.settings.model_name!r}", "unknown_model")
+        served_model(request.model_name, self.settings)
         items = self.images_of(request)
         top_k = self._top_k(request)
-        meta, rows = predict_uploads(self.service, [(f"{INPUT_NAME}[{i}]", d) for i, d in enumerate(items)],
+        meta, rows = predict_uploads(self.service, [(f"{oip.INPUT_NAME}[{i}]", d) for i, d in enumerate(items)],
                                      self.settings, top_k)
-        arrays = output_arrays(rows)  # name -> [N, k]
-        names = [o.name for o in request.outputs] or list(OUTPUTS)
-        if unknown := [n for n in names if n not in OUTPUTS]:
-            raise ApiError(400, f"unknown outputs {unknown}; the model has {list(OUTPUTS)}", "invalid_request")
+        arrays = oip.output_arrays(rows)  # name -> [N, k]
+        names = [o.name for o in request.outputs] or list(oip.OUTPUTS)
+        if unknown := [n for n in names if n not in oip.OUTPUTS]:
+            raise ApiError(400, f"unknown outputs {unknown}; the model has {list(oip.OUTPUTS)}", "invalid_request")
         out = pb.ModelInferResponse.InferOutputTensor
         return pb.ModelInferResponse(
             model_name=request.model_name, model_version=str(meta["model_version"]), id=request.id,
             parameters={"samples_seen": pb.InferParameter(int64_param=meta["samples_seen"])},
-            outputs=[out(name=n, datatype=OUTPUTS[n], shape=list(arrays[n].shape)) for n in names],
+            outputs=[out(name=n, datatype=oip.OUTPUTS[n], shape=list(arrays[n].shape)) for n in names],
             raw_output_contents=[arrays[n].tobytes() for n in names])
 
     @staticmethod
     def images_of(request) -> list[bytes]:
-        """The encoded images of the one BYTES input, raw or in ``contents``; INVALID_ARGUMENT when its parts
-        disagree."""
+        """The encoded images of the one BYTES input, raw or in ``contents``."""
         if len(request.inputs) != 1:
-            raise ApiError(400, f"{len(request.inputs)} inputs; the model takes one, {INPUT_NAME!r}",
+            raise ApiError(400, f"{len(request.inputs)} inputs; the model takes one, {oip.INPUT_NAME!r}",
                            "invalid_request")
         tensor = request.inputs[0]
         if tensor.datatype != "BYTES" or len(tensor.shape) != 1:
             raise ApiError(400, f"input {tensor.name!r} is {tensor.datatype} of shape {list(tensor.shape)}; the "
                                 f"model takes BYTES of shape [N]", "invalid_request")
         try:
-            items = (deserialize_bytes(request.raw_input_contents[0], tensor.shape[0])
+            items = (oip.deserialize_bytes(request.raw_input_contents[0], tensor.shape[0])
                      if request.raw_input_contents else list(tensor.contents.bytes_contents))
-        except TensorError as e:
+        except oip.TensorError as e:
             raise ApiError(400, f"input {tensor.name!r}: {e}", "invalid_request") from e
         if tensor.shape[0] != len(items):
             raise ApiError(400, f"shape {list(tensor.shape)} does not match {len(items)} data items", "invalid_request")
@@ -127,24 +105,24 @@ class InferenceService(pbg.GRPCInferenceServiceServicer):
         if "top_k" not in request.parameters:
             return self.settings.top_k
         top_k = request.parameters["top_k"].int64_param
-        if not 1 <= top_k <= MAX_TOP_K:
-            raise ApiError(400, f"top_k {top_k} is not between 1 and {MAX_TOP_K} (an int64 parameter)",
+        if not 1 <= top_k <= oip.MAX_TOP_K:
+            raise ApiError(400, f"top_k {top_k} is not between 1 and {oip.MAX_TOP_K} (an int64 parameter)",
                            "invalid_request")
         return top_k
 
     def _model(self, name: str, context) -> None:
-        if name != self.settings.model_name:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {name!r}; this server serves "
-                                                     f"{self.settings.model_name!r}")
+        try:
+            served_model(name, self.settings)
+        except ApiError as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, e.detail)
 
     def _count(self, status: int) -> None:
         self.service.metrics.predict_requests.labels("grpc", str(status)).inc()
 
 
 def serve_grpc(service: ServingModel, settings: ServeConfig, workers: int = 8) -> grpc.Server:
-    """Start the gRPC server on ``settings.grpc_port``; a message over the raw request limit is refused
-    (RESOURCE_EXHAUSTED) by gRPC itself, before it is held whole."""
-    limit = raw_request_limit(settings)
+    """Start the gRPC server; gRPC itself refuses a message over the raw request limit, before holding it whole."""
+    limit = oip.raw_request_limit(settings)
     server = grpc.server(futures.ThreadPoolExecutor(workers, thread_name_prefix="mepo-grpc"),
                          options=[("grpc.max_receive_message_length", limit),
                                   ("grpc.max_send_message_length", limit)])

@@ -1,15 +1,10 @@
-"""The one thread that runs the model and owns the learner's state: building it, booking records, learning steps,
-snapshots, evaluations, partition changes and predictions, taken one at a time from one queue.
+"""The one thread that runs the model and owns the learner's state (building it, booking records, learning steps,
+snapshots, evaluations, partition changes, predictions), taking its work one piece at a time from one queue.
 
-Why one thread: PyTorch's CPU kernels run each parallel region in an OpenMP team of the calling thread, and GNU
-OpenMP's workers sleep between regions once its threads outnumber the CPUs, so several threads that each run the
-model slow every operator down (docs/performance.md). One thread has one team, and state that one thread writes
-needs no lock.
-
-Work runs in the order it is handed in, but for what is handed to ``run_first`` (a prediction): that runs at the
-next pause of the work in progress (``answer_waiting``), or as soon as the thread is free. Work in the model thread
-calls what it needs directly: handing it to the queue would wait for itself, so the queue refuses it, and ``check``
-lets an owner's method refuse a call from any other thread.
+One thread, because several threads running the model slow every operator down (PyTorch's OpenMP teams sleep once
+threads outnumber the CPUs: docs/performance.md), and state one thread writes needs no lock. Work runs in the order
+handed in, but for ``run_first`` (a prediction), at the next pause of the work in progress. Work in the thread calls
+what it needs directly (the queue would wait for itself); ``check`` refuses a call from any other thread.
 
 Example:
     >>> worker = ModelThread()
@@ -41,7 +36,6 @@ class WrongThread(RuntimeError):
 
 
 class ModelThread:
-
     def __init__(self, name: str = "mepo-model"):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=name, initializer=self._remember)
         self.name = name
@@ -69,8 +63,7 @@ class ModelThread:
                               f"directly")
 
     def run_first(self, fn: Callable[..., T], *args) -> T:
-        """``fn(*args)`` in the model thread ahead of the work queued: at the next pause of the work in progress
-        (``answer_waiting``), or as soon as the thread is free; its result, or its exception raised here."""
+        """``fn(*args)`` in the model thread ahead of the queue, at the next ``answer_waiting`` or once it is free."""
         self._not_from_itself()
         future: Future[T] = Future()
         with self._first_lock:
@@ -79,8 +72,7 @@ class ModelThread:
         return future.result()
 
     def answer_waiting(self) -> None:
-        """In the model thread: run what waits from ``run_first``; a long piece of work calls this at each of its
-        pauses. Not from within what it runs (a prediction's forward pauses too, where it shares the backbone)."""
+        """Run what waits from ``run_first``; long work calls this at its pauses (not reentrant: a forward pauses)."""
         self.check()
         if self._answering:
             return
@@ -102,10 +94,8 @@ class ModelThread:
         return threading.get_ident() == self._ident
 
     def check(self) -> None:
-        """Refuse a caller outside the model thread."""
         if not self.owns():
             raise WrongThread(f"called from {threading.current_thread().name}; only {self.name} may call this")
 
     def shutdown(self) -> None:
-        """Finish the work handed in, then end the thread."""
         self._pool.shutdown(wait=True)

@@ -1,11 +1,10 @@
-"""The Open Inference Protocol as this server speaks it, whatever the transport: its one input and two outputs, the
-raw (binary) tensor layout, and the errors' meanings, shared by the HTTP routes (``server.web.routers.inference_v2``,
-with Triton's binary tensor data extension) and the gRPC service (``server.grpc_service``).
+"""The Open Inference Protocol as this server speaks it over HTTP (``server.web.routers.inference_v2``) and gRPC
+(``server.grpc_service``): its one input and four outputs, the raw tensor layout, and the errors' meanings.
 
-The input is one ``BYTES`` tensor ``image`` of shape ``[N]``: N encoded JPEG/PNG files. In its raw form (the binary
-extension's data, gRPC's ``raw_input_contents``) each element is a 4-byte little-endian length and then its bytes.
-The outputs are ``label`` (INT64 ``[N, k]``), ``probability`` (FP32 ``[N, k]``), ``novelty`` (FP32 ``[N]``, NaN where
-the model scores none) and ``novel`` (BOOL ``[N]``), raw as little-endian arrays (a BOOL as one byte).
+The input is one ``BYTES`` tensor ``image`` of shape ``[N]``: N encoded JPEG/PNG files, each in raw form (Triton's
+binary extension, gRPC's ``raw_input_contents``) a 4-byte little-endian length and its bytes. The outputs are
+``label`` (INT64 ``[N, k]``), ``probability`` (FP32 ``[N, k]``), ``novelty`` (FP32 ``[N]``, NaN where the model
+scores none) and ``novel`` (BOOL ``[N]``), raw as little-endian arrays (a BOOL as one byte).
 
 Example:
     >>> raw = serialize_bytes([b"ab", b""])
@@ -26,6 +25,8 @@ import numpy as np
 from server.config import ServeConfig
 
 INPUT_NAME = "image"
+MAX_TOP_K = 100
+"""The most labels an image may be answered with."""
 OUTPUTS = {"label": "INT64", "probability": "FP32", "novelty": "FP32", "novel": "BOOL"}
 """Each output's OIP datatype."""
 SHAPES = {"label": [-1, -1], "probability": [-1, -1], "novelty": [-1], "novel": [-1]}
@@ -36,8 +37,7 @@ TRITON_TYPES = {"BYTES": "TYPE_STRING", "INT64": "TYPE_INT64", "FP32": "TYPE_FP3
 
 
 class TensorError(ValueError):
-    """A tensor whose parts disagree (its shape, its data, its raw bytes): the request is invalid (HTTP 400,
-    gRPC INVALID_ARGUMENT)."""
+    """A tensor whose shape, data or raw bytes disagree: HTTP 400, gRPC INVALID_ARGUMENT."""
 
 
 def serialize_bytes(items: list[bytes]) -> bytes:
@@ -63,14 +63,12 @@ def deserialize_bytes(raw: bytes | memoryview, count: int) -> list[bytes]:
 
 
 def raw_request_limit(settings: ServeConfig, json_bytes: int = 64 * 1024) -> int:
-    """The most bytes a request with its images in raw form may have: ``max_files`` images, each with its 4-byte
-    length, and ``json_bytes`` of anything else (the binary extension's JSON header, a gRPC message's fields)."""
+    """The most bytes of a request with ``max_files`` raw images, and ``json_bytes`` of anything else."""
     return settings.max_files * (settings.limits.max_bytes + 4) + json_bytes
 
 
 def output_arrays(rows: list[dict]) -> dict[str, np.ndarray]:
-    """The outputs of a prediction's rows (``Answers.rows``): ``label`` [N, k] int64, ``probability`` [N, k]
-    float32, ``novelty`` [N] float32 and ``novel`` [N] bool."""
+    """The outputs of a prediction's rows (``Answers.rows``), as arrays."""
     nan = float("nan")
     return {"label": np.array([[c["label"] for c in r["top_k"]] for r in rows], dtype=NUMPY["INT64"]),
             "probability": np.array([[c["probability"] for c in r["top_k"]] for r in rows], dtype=NUMPY["FP32"]),

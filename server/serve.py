@@ -1,7 +1,5 @@
 """``mepo serve`` (the learner and the API in one process) and ``mepo demo`` (all of it on an embedded broker).
-
-Both stop alike on SIGINT and SIGTERM: uvicorn shuts down gracefully, the learner learns what it holds and
-checkpoints, and the demo then stops its producer and broker and prints its summary; both exit with 0."""
+Both stop gracefully on SIGINT and SIGTERM (the learner learns what it holds and checkpoints) and exit with 0."""
 
 from __future__ import annotations
 
@@ -42,14 +40,13 @@ log = logging.getLogger(__name__)
 DEMO_LABELS_TOPIC = "mepo.labels"
 """The demo's labels topic when ``--replay.label_delay`` is given without ``--kafka.labels_topic``."""
 DEMO_LABELS_RATE = 25.0
-"""Records a second of the demo's replay when its labels come later: a delay of 50 to 200 records is then 2 to 8 s,
-within which the demo's learner keeps up on a CPU (docs/labels-later.md)."""
+"""The demo's replay rate when its labels come later: a delay of 50 to 200 records is then 2 to 8 s, which the
+demo's learner keeps up with on a CPU (docs/labels-later.md)."""
 
 
 def start_role(settings: ServeConfig, metrics: ServerMetrics) -> ServingModel:
     """Start the learner, or a replica for a ``ReplicaConfig`` (the composition root: the web app knows no role)."""
-    kind = ReplicaService if settings.role == "replica" else Service
-    return kind.start(settings, metrics)
+    return (ReplicaService if settings.role == "replica" else Service).start(settings, metrics)
 
 
 def serve(cfg: ServeConfig = ServeConfig()) -> None:
@@ -82,8 +79,7 @@ def producer_command(cfg: DemoConfig) -> list[str]:
 
 
 def expected_samples(cfg: DemoConfig) -> int:
-    """The samples the demo's stream teaches: every image, or, with labels that come later, those whose label
-    comes (drawn as the producer draws it)."""
+    """The samples the demo's stream teaches: every image, or those whose later label comes (as the producer draws)."""
     files = len(list_files(cfg.data, "train").files)
     n = files if cfg.replay.limit is None else min(files, cfg.replay.limit)
     if cfg.replay.label_delay is None:
@@ -94,8 +90,7 @@ def expected_samples(cfg: DemoConfig) -> int:
 
 
 def _summary(app: FastAPI, wall_time: float) -> None:
-    service = getattr(app.state, "service", None)
-    if service is not None:
+    if (service := getattr(app.state, "service", None)) is not None:
         status = service.status()
         join = status.label_join
         later = {} if join is None else {"delayed_accuracy": join.delayed_accuracy,
@@ -134,8 +129,7 @@ def demo(cfg: DemoConfig = DemoConfig()) -> None:
 
 
 def _broker(cfg: DemoConfig) -> EmbeddedBroker | None:
-    """The embedded broker (not started) on the port --kafka.bootstrap_servers names (0: a free one); None with
-    --embedded_broker false, which needs the cluster's address."""
+    """The embedded broker (not started) on --kafka.bootstrap_servers' port; None with --embedded_broker false."""
     if cfg.embedded_broker:
         return EmbeddedBroker(embedded_port(cfg.kafka.bootstrap_servers), cfg.checkpoint_dir.parent / "broker.log")
     if cfg.kafka.bootstrap_servers.endswith(":0"):
@@ -144,8 +138,7 @@ def _broker(cfg: DemoConfig) -> EmbeddedBroker | None:
 
 
 def data_line(cfg: DemoConfig) -> str:
-    """One line at start: what the demo streams and tests on, what caps it, and the stream id its images' ids begin
-    with (a correction or deletion names a photo so)."""
+    """One line at start: what the demo streams and tests on, what caps it, and its images' ids' stream id."""
     train, test = len(list_files(cfg.data, "train").files), len(list_files(cfg.data, "test").files)
     caps = [f"--data.{split}_per_class {n}" for split, n in (("train", cfg.data.train_per_class),
                                                              ("test", cfg.data.test_per_class)) if n is not None]
@@ -168,8 +161,7 @@ def labels_later(cfg: DemoConfig) -> DemoConfig:
 
 
 def _serve_demo(cfg: DemoConfig, children: list[Child]) -> tuple[FastAPI, float, str | None]:
-    """Serve the learner until the stream is learned or a child fails (with ``--until_done``), or a stop signal;
-    returns the app, the seconds it served, and the failed child's error."""
+    """Serve until stopped (or done): the app, the seconds served, and the failed child's error."""
     keep_freed_memory()
 
     def failed(failure: str) -> None:

@@ -1,11 +1,7 @@
 """What the web layer needs from a running service, whichever its role: the ``ServingModel`` protocol.
 
-The learner's ``server.learner.service.Service`` and a replica's ``server.replica.follower.ReplicaService`` both
-implement it (``Serving`` holds what they share); the routers and ``server.web.prediction`` use nothing else, so
-neither role's loop, state or book reaches the HTTP layer. What only a learner does is a protocol of its own
-(``Checkpointing``), and each role answers ``status`` and ``readiness`` in a type of its own (``server.status``).
-It lives beside the roles and the web layer, not in either: the roles implement it without importing the web
-layer, and the web layer reads it without importing a role.
+A learner's ``Service`` and a replica's ``ReplicaService`` implement it (``Serving`` holds what they share); what only
+a learner does has protocols of its own (``Checkpointing``, ``HoldsSamples``). Apart, so roles and web share no import.
 """
 
 from __future__ import annotations
@@ -57,8 +53,7 @@ class ServingModel(Protocol):
 
 @runtime_checkable
 class Checkpointing(Protocol):
-    """A service that keeps a checkpoint (a learner; a replica's source of truth is the learner's): the checkpoint
-    route asks for one, and answers 409 ``not_a_learner`` to a service that is not one."""
+    """A service that keeps a checkpoint (a learner): the checkpoint route answers 409 to any other."""
 
     def request_checkpoint(self) -> None: ...
 
@@ -95,8 +90,7 @@ class RoleState(Protocol):
 
 
 class Serving:
-    """The ``ServingModel`` members both roles share, over their ``state`` (snapshot, class names, metrics),
-    ``loop`` (the Kafka thread and its controls) and ``batcher``; each role adds ``status`` and ``readiness``."""
+    """The ``ServingModel`` members both roles share; each role adds ``status``, ``readiness`` and ``stop``."""
 
     state: RoleState
     loop: ConsumerThread
@@ -125,13 +119,11 @@ class Serving:
         self.loop.resume()
 
     def keep_for_label(self, id: str, image: bytes, content_type: str, prediction: int | None) -> None:
-        """Write an upload answered with ``prediction`` to the image topic, where its label, when it comes on the
-        labels topic, teaches the learner with it (``server.uploads``)."""
+        """Write an upload answered with ``prediction`` to the image topic, for its later label (``server.uploads``)."""
         self._forwarder().send(id, image, content_type, prediction)
 
     def write_label(self, id: str, label: int | None) -> RecordMetadata:
-        """Write a label for ``id`` (None: its deletion) to the labels topic (with labels inline and corrections on:
-        the image topic), acknowledged (``server.uploads``)."""
+        """Write a label for ``id`` (None: its deletion), acknowledged (``server.uploads``)."""
         return self._forwarder().send_label(id, label, inline=self.state.cfg.corrections.enabled)
 
     def _forwarder(self) -> UploadForwarder:

@@ -1,12 +1,8 @@
 """Immutable model snapshots for serving while the learner keeps training.
 
-A snapshot is the model's inference copy (``ContinualMethod.inference_copy``: everything the learner trains,
-prompts, keys, head, classifier and alignment statistics; the backbone too for methods that fine-tune it,
-otherwise the frozen backbone is shared), plus the label map. The service makes one when a request or a
-publication needs the learner's newest version and swaps one reference, so a request always sees one consistent
-model, never a half-updated one. Predictions use the ``running`` alignment statistics by default
-(non-transductive: an image's prediction does not depend on the other images in its request), through the model's
-one prediction path (``predict_proba``), with probabilities over the classes seen so far.
+A snapshot is the model's inference copy (a frozen backbone is shared) and its label map: swapping one reference
+makes a request see one consistent model. Predictions use the ``running`` alignment statistics by default (an
+image's answer does not depend on the other images of its request).
 
 Example:
     >>> from mepo_stream.model import ModelConfig, create_model
@@ -67,8 +63,7 @@ class Snapshot:
 
 @dataclass(frozen=True)
 class Answers:
-    """What images get from one snapshot: probabilities [B, n_seen] over the seen classes (``exposed`` order) and
-    novelty scores [B] (None where the snapshot scores none)."""
+    """One snapshot's answers to images: probabilities [B, n_seen] (``exposed`` order), novelty scores [B] or None."""
 
     snapshot: Snapshot
     probs: torch.Tensor
@@ -93,7 +88,6 @@ class Answers:
                  "novel": None if novel is None else bool(novel[i])} for i, labels in enumerate(top)]
 
 
-
 def top_k(probs: torch.Tensor, exposed: Sequence[int], k: int) -> list[list[tuple[int, float]]]:
     """Top-k (original label, probability) pairs per row of probabilities [B, n_seen] in ``exposed`` order."""
     values, index = probs.topk(min(k, probs.shape[1]), dim=1)
@@ -102,16 +96,14 @@ def top_k(probs: torch.Tensor, exposed: Sequence[int], k: int) -> list[list[tupl
 
 
 def ranked(pairs: list[list[tuple[int, float]]], names: dict[int, str]) -> list[list[dict]]:
-    """``top_k``'s pairs as the answers give them: ``{"label", "name", "probability"}`` per class, most probable
-    first (``/v1/predict`` and the predictions topic alike)."""
+    """``top_k``'s pairs as ``/v1/predict`` and the predictions topic give them, most probable first."""
     return [[{"label": label, "name": names.get(label, str(label)), "probability": round(p, 6)} for label, p in row]
             for row in pairs]
 
 
 def take_snapshot(learner: OnlineLearner, version: int, align_mode: AlignMode = "running",
                   novelty: NoveltyScore | None = None) -> Snapshot:
-    """The learner's model as an eval-mode inference copy, with its label map, answering with the ``novelty``
-    score (None: none) and the learner's calibrated threshold."""
+    """The learner's model as an inference copy with its label map, its ``novelty`` score and threshold."""
     threshold = learner.novelty_threshold
     return Snapshot(learner.method.inference_copy(), tuple(learner.exposed), version, learner.samples_seen,
                     align_mode, novelty, math.inf if threshold is None else threshold.threshold)

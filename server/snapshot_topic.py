@@ -1,17 +1,9 @@
 """Snapshots on the wire: what the learner publishes to the compacted snapshot topic and replicas load.
 
-One published snapshot is one safetensors blob: the trainable tensors of the snapshot's method (prompts, keys,
-head, the classifier's and the alignment's statistics, which are buffers of the method; the backbone only for a
-method that fine-tunes it) and string metadata: ``format``, ``model`` (the served model name), ``method``,
-``version``, ``samples_seen``, ``exposed`` (the label of each head output, JSON), ``class_names`` (JSON),
-``backbone_sha256`` and ``bundle_sha256`` (see :class:`Origin`) and ``published_at`` (Unix time). Safetensors holds
-tensors and strings only: nothing is unpickled on a replica.
-
-The blob travels as ``ceil(size / chunk_bytes)`` records keyed ``<model>/<part>`` (``snapshot_key``)
-with headers ``format``, ``model``, ``version``, ``part`` (``"i/n"``) and ``sha256`` (of the whole blob), so a
-compacted topic keeps the newest copy of every part. :class:`Assembler` puts the parts back together, newest
-arrival first, and checks the sha256 before anything is decoded. Parts of different publications never mix:
-they are grouped by version *and* digest.
+A snapshot is one safetensors blob (``encode``: tensors and string metadata, nothing unpickled on a replica), sent as
+records of at most ``chunk_bytes`` keyed ``<model>/<part>`` (``to_records``) with headers ``format``, ``model``,
+``version``, ``part`` (``"i/n"``) and the blob's ``sha256``. :class:`Assembler` puts the parts back together, grouped
+by version *and* digest so that publications never mix, and checks the sha256 before anything is decoded.
 
 Example:
     >>> origin = Origin("mepo", "frozen", ("cat", "dog"), "ab" * 32, None)
@@ -55,8 +47,7 @@ Record = tuple[bytes, bytes, list[tuple[str, bytes]]]  # key, value, headers
 
 
 def snapshot_key(model: str, part: int) -> bytes:
-    """The key of part ``part`` of a model's snapshot: a compacted topic keeps the newest record of every key, so
-    it keeps the newest copy of every part of the model's snapshot and drops older ones."""
+    """The key of a snapshot's part: a compacted topic keeps the newest record of every key, so of every part."""
     return f"{model}/{part}".encode()
 
 
@@ -73,8 +64,7 @@ def ensure_snapshot_topic(kafka: KafkaConfig) -> None:
 
 
 def open_parts_producer(kafka: KafkaConfig, ack_timeout_s: float) -> KafkaProducer:
-    """A producer for records of up to ``--kafka.snapshot_chunk_bytes`` (snapshot and partition-state parts) that
-    blocks at most ``ack_timeout_s`` for room in its buffer."""
+    """A producer of snapshot and partition-state parts that waits at most ``ack_timeout_s`` for buffer room."""
     return open_producer(kafka, max_request_size=kafka.snapshot_chunk_bytes + 65536,
                          max_block_ms=int(ack_timeout_s * 1000))
 
@@ -128,7 +118,7 @@ def encode(tensors: dict[str, torch.Tensor], origin: Origin, version: int, sampl
     return save_tensors({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}, metadata=meta)
 
 
-def _metadata(blob: bytes) -> dict[str, str]:
+def blob_metadata(blob: bytes) -> dict[str, str]:
     """The ``__metadata__`` of a safetensors blob (8-byte little-endian header length, then the JSON header)."""
     (length,) = struct.unpack("<Q", blob[:8])
     if length > len(blob) - 8:
@@ -139,7 +129,7 @@ def _metadata(blob: bytes) -> dict[str, str]:
 def decode(blob: bytes) -> SnapshotMessage:
     """Parse a blob; any defect raises :class:`CorruptSnapshot` naming it."""
     try:
-        meta = _metadata(blob)
+        meta = blob_metadata(blob)
         if meta.get("format") != FORMAT:
             raise CorruptSnapshot(f"format {meta.get('format')!r}, expected {FORMAT!r}")
         fields = {k: json.loads(meta[k]) for k in Origin.__dataclass_fields__}
@@ -156,8 +146,7 @@ def decode(blob: bytes) -> SnapshotMessage:
 
 
 def to_records(blob: bytes, model: str, version: int, chunk_bytes: int, fmt: str = FORMAT) -> list[Record]:
-    """The Kafka records of one blob: parts of at most ``chunk_bytes`` bytes, in order (``fmt``: the blob's format,
-    a header, so that a reader of one kind of blob skips another's: ``server.state_topic`` sends its own)."""
+    """The Kafka records of one blob: parts of at most ``chunk_bytes`` bytes, in order, headed with its ``fmt``."""
     n = max(1, math.ceil(len(blob) / chunk_bytes))
     digest = hashlib.sha256(blob).hexdigest().encode()
     return [(snapshot_key(model, i), blob[i * chunk_bytes:(i + 1) * chunk_bytes],
@@ -165,23 +154,13 @@ def to_records(blob: bytes, model: str, version: int, chunk_bytes: int, fmt: str
               ("part", f"{i}/{n}".encode()), ("sha256", digest)]) for i in range(n)]
 
 
-@dataclass
-class _Parts:
-    count: int
-    chunks: dict[int, bytes]
-
-
 class Assembler:
-    """Puts one model's snapshot records back together; at most ``keep`` incomplete snapshots are held.
-
-    ``newest_version`` is the version of the last record of the model seen, complete or not (a replica's lag is
-    measured against it).
-    """
+    """Puts one model's snapshot records back together, holding at most ``keep`` incomplete snapshots."""
 
     def __init__(self, model: str, keep: int = 4, fmt: str = FORMAT):
         self.model, self.keep, self.fmt = model, keep, fmt
-        self.newest_version: int | None = None
-        self._pending: dict[tuple[int, str], _Parts] = {}  # (version, sha256) -> parts, in arrival order
+        self.newest_version: int | None = None  # the last record's, whole or not: a replica's lag counts from it
+        self._pending: dict[tuple[int, str], tuple[int, dict[int, bytes]]] = {}  # (version, sha256) -> (count, parts)
 
     def add(self, key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]] | None) -> bytes | None:
         """The whole blob once its last part arrives (sha256 checked), else None; a record of another model is
@@ -193,15 +172,16 @@ class Assembler:
         if key != snapshot_key(self.model, part) or value is None:
             raise CorruptSnapshot(f"part {part} of version {version} has key {key!r} or no value")
         self.newest_version = version
-        parts = self._pending.setdefault((version, digest), _Parts(count, {}))
-        if parts.count != count:
-            raise CorruptSnapshot(f"version {version} announced {parts.count} parts, then {count}")
-        parts.chunks[part] = value
-        self._evict()
-        if len(parts.chunks) < count:
+        announced, chunks = self._pending.setdefault((version, digest), (count, {}))
+        if announced != count:
+            raise CorruptSnapshot(f"version {version} announced {announced} parts, then {count}")
+        chunks[part] = value
+        while len(self._pending) > self.keep:  # the first to arrive go first
+            del self._pending[next(iter(self._pending))]
+        if len(chunks) < count:
             return None
         self._drop_until((version, digest))
-        blob = b"".join(parts.chunks[i] for i in range(count))
+        blob = b"".join(chunks[i] for i in range(count))
         if hashlib.sha256(blob).hexdigest() != digest:
             raise CorruptSnapshot(f"version {version}: the parts' sha256 does not match the announced {digest[:12]}…")
         return blob
@@ -210,10 +190,6 @@ class Assembler:
     def incomplete(self) -> bool:
         """Parts are held that do not make a whole snapshot yet."""
         return bool(self._pending)
-
-    def _evict(self) -> None:
-        while len(self._pending) > self.keep:
-            del self._pending[next(iter(self._pending))]
 
     def _drop_until(self, done: tuple[int, str]) -> None:
         """Forget the completed snapshot and every one that started arriving before it: they are older."""

@@ -1,21 +1,10 @@
-"""Per-partition learner state on the wire: the changelog topic learners in a group write and restore from.
+"""Per-partition learner state on the wire: the compacted topic learners in a group write and restore from, as Kafka
+Streams keeps a stateful task's state, so it outlives the process and follows its partition to its next learner.
 
-Kafka Streams keeps a stateful task's state in a compacted changelog topic keyed by partition, so the state
-outlives the process and follows its partition to whichever instance is assigned it. Here one record (split into
-parts of ``--kafka.snapshot_chunk_bytes``, as snapshots are: ``server.snapshot_topic``) holds everything a
-partition's learner state is, written together so it can never be seen half:
-
-* the partition's label-indexed sums (``mepo_stream.label_statistics``);
-* its next offset (every record before it handled) and the sample ids it learned, per stream;
-* the ``Origin`` of the model (configuration, class names, backbone and bundle sha256): sums of another model
-  cannot be added to these;
-* who wrote it and when, its learning rate and lag (for ``/v1/status``);
-* with ``--corrections.enabled``: how many changes it took, and which writes of its sample table's changelog
-  (``server.learner.table_changelog``) this state includes.
-
-Records are keyed ``<topic>:<partition>/<part>`` and carry ``format`` (``FORMAT``); a record of another format
-is refused, never loaded half (``StateFormatError``). The topic has one partition, so every reader sees every
-partition's states in the order they were written; the newest complete one per partition wins.
+One record (in parts keyed ``<topic>:<partition>/<part>``, as ``server.snapshot_topic`` splits snapshots) holds a
+partition's whole ``PartitionState``, so it is never seen half; one of another ``FORMAT`` is refused
+(``StateFormatError``). The topic has one partition: every reader sees every state in the order written, and the
+newest complete one per partition wins.
 
 Example:
     >>> from mepo_stream.label_statistics import LabelStatistics
@@ -30,7 +19,6 @@ Example:
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -40,7 +28,7 @@ from safetensors.torch import save as save_tensors
 from mepo_stream.errors import StateRefused
 from mepo_stream.kafka import KafkaConfig, ensure_topics
 from mepo_stream.label_statistics import LabelStatistics
-from server.snapshot_topic import SNAPSHOT_TOPIC_CONFIGS, Origin, Record, to_records
+from server.snapshot_topic import SNAPSHOT_TOPIC_CONFIGS, Origin, Record, blob_metadata, to_records
 
 FORMAT = "mepo-partition-state/1"
 
@@ -95,8 +83,7 @@ def encode(state: PartitionState) -> bytes:
 def decode(blob: bytes) -> PartitionState:
     """Parse a blob; another format or any defect raises ``StateFormatError`` naming it."""
     try:
-        (length,) = struct.unpack("<Q", blob[:8])
-        meta = json.loads(blob[8:8 + length])["__metadata__"]
+        meta = blob_metadata(blob)
     except Exception as e:
         raise StateFormatError(f"not a readable partition state: {type(e).__name__}: {e}") from e
     if meta.get("format") != FORMAT:
@@ -104,12 +91,10 @@ def decode(blob: bytes) -> PartitionState:
                                f"(written by another version of mepo: run that version, or use a new "
                                f"--kafka.state_topic and --kafka.group_id to start over)")
     try:
-        tensors = load_tensors(blob)
-        streams = json.loads(meta["streams"])
-        origin = json.loads(meta["origin"])
+        tensors, origin = load_tensors(blob), json.loads(meta["origin"])
         return PartitionState(
             meta["key"], LabelStatistics.from_tensors(tensors, "stats."), int(meta["offset"]),
-            {s: tensors[f"learned.{i}"].tolist() for i, s in enumerate(streams)},
+            {s: tensors[f"learned.{i}"].tolist() for i, s in enumerate(json.loads(meta["streams"]))},
             Origin(**{**origin, "class_names": tuple(origin["class_names"])}), meta["learner"],
             float(meta["written_at"]), float(meta["rate"]), int(meta["lag"]),
             int(meta["steps"]) if "steps" in meta else None, json.loads(meta.get("table", "{}")),

@@ -1,10 +1,5 @@
-"""What a running service says of itself, typed: ``/v1/status`` and ``/readyz``, one model per role.
-
-The roles build these (a learner's reporter, a replica's state) and the web layer returns them as they are, so the
-shape is written once. ``role`` tells the two apart (``Status`` and ``Readiness`` are unions discriminated by it):
-a learner reports its learning, accuracy and stream health, a replica its snapshot's age and lag and the health of
-the thread that follows the snapshots. It lives beside ``server.serving``: the roles import it without importing
-the web layer.
+"""What a running service says of itself, typed: ``/v1/status`` and ``/readyz``, one model per role, told apart
+by ``role``; here, so that the roles that build them need not import the web layer.
 
 Example:
     >>> from pydantic import TypeAdapter

@@ -1,11 +1,8 @@
 """Records written for HTTP clients: uploads that a later label may teach (``POST /v1/predict?id=…``), and labels
-and deletions from the admin routes, on the labels topic as a labelling tool would write them (or on the image
-topic, where labels come with their images).
+and deletions from the admin routes, on the topics a labelling tool would write them to.
 
-An upload with an id is answered, then written to the image topic as an image without a label, with the top-1
-label it was given; its label later scores that answer. Going through the topic gives the upload the stream's
-guarantees: it survives a crash, and it is learned once. The answer waits for the broker's acknowledgement, so an
-upload that was answered is never lost (503 when the broker is unreachable).
+An upload with an id is written to the image topic without a label, with the top-1 label it was answered, which its
+label later scores; the answer waits for the broker's acknowledgement, so an answered upload is never lost (else 503).
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ from mepo_stream.records import label_headers, upload_headers
 
 
 class LabelsOff(RuntimeError):
-    """An upload with an id, where labels do not come later (no --kafka.labels_topic): answered 409."""
+    """An upload with an id, where labels do not come later: answered 409."""
 
 
 class UploadForwarder:
@@ -42,9 +39,8 @@ class UploadForwarder:
         self._producer_now().send(self.kafka.topic, value=image, key=id.encode(), headers=headers).get(self.timeout_s)
 
     def send_label(self, id: str, label: int | None, inline: bool = False) -> RecordMetadata:
-        """Write a label for ``id`` to the labels topic (None: a tombstone) and wait for the broker to have it; where
-        it landed. Without a labels topic, ``inline`` writes it to the image topic, keyed by the id: on its image's
-        partition, where the image was keyed by its id too (``--replay.partition_by id``)."""
+        """Write a label for ``id`` (None: a tombstone) to the labels topic, or with ``inline`` to the image topic;
+        returns where the broker put it."""
         topic = self.kafka.labels_topic or (self.kafka.topic if inline else None)
         if topic is None:
             raise LabelsOff("labels and deletions by id go to the labels topic (--kafka.labels_topic), or, with "

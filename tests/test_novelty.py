@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import learner_of
 
+import mepo_stream.learner as learner_module
 from mepo_stream.anytime import AnytimeCurve
 from mepo_stream.heads import StreamingLDA
 from mepo_stream.learner import LearnerConfig
@@ -148,13 +149,39 @@ def test_the_learner_scores_each_batch_before_learning_it_and_keeps_the_threshol
     for step in range(6):
         y = torch.tensor([step % 2] * 16 if step < 5 else [2] * 16)
         learner.observe_features(centres[y] + torch.randn(16, width, generator=g), y)
-        assert learner.last_novelty is not None and learner.last_novelty.shape == (16,)
-    assert float(learner.novelty_threshold.count) == 16 * 3  # the batches of classes learned before them
-    assert float(learner.novelty_threshold.novel.sum()) > 0  # class 2's batch was new when it came
+    state = learner.state_dict()  # the batches waiting for the calibration are scored first
+    # scored by the model frozen after class 0 (``CALIBRATE_EVERY``): its class-0 batches are the known ones
+    assert float(learner.novelty_threshold.count) == 16 * 2
+    assert float(learner.novelty_threshold.novel.sum()) > 0  # classes 1 and 2 were new to the frozen model
     other = learner_of("frozen", cfg)
     other.novelty_threshold = NoveltyThreshold(0.1, min_known=1)
-    other.load_state_dict(learner.state_dict())
+    other.load_state_dict(state)
     assert other.novelty_threshold.threshold == learner.novelty_threshold.threshold
+
+
+def test_the_calibration_scores_with_the_model_frozen_for_calibrate_every_samples(monkeypatch):
+    """The batches a frozen score waits with are scored as the model stood when it was frozen, and a score is
+    frozen anew every ``CALIBRATE_EVERY`` samples: the threshold gets what a threshold fed at those moments gets."""
+    monkeypatch.setattr(learner_module, "CALIBRATE_EVERY", 32)
+    learner = learner_of("frozen", LearnerConfig(autoaugment=None))
+    g = torch.Generator().manual_seed(4)
+    width = learner.method.classifier.sums.shape[1]
+    probe, labels = Encoded(torch.randn(16, width, generator=g), torch.zeros(())), torch.zeros(16, dtype=torch.long)
+    fed, expected = (NoveltyThreshold(0.05, half_life=None, min_known=1) for _ in range(2))
+    learner.observe_features(torch.randn(16, width, generator=g), labels)
+    first = learner.novelty(probe)  # the model of class 0
+    learner.observe_novelty(probe, labels, 0, fed)  # frozen now
+    learner.observe_features(torch.randn(16, width, generator=g) + 3, labels + 1)
+    learner.observe_novelty(probe, labels, 16, fed)  # 16 scored: still frozen, though the model moved on
+    later = learner.novelty(probe)
+    assert not torch.allclose(later, first)
+    learner.observe_novelty(probe, labels, 32, fed)  # 32 scored: the two waiting are fed, and frozen anew
+    learner.flush_novelty()
+    known = torch.ones(16, dtype=torch.bool)
+    for scores, position in ((first, 0), (first, 16), (later, 32)):
+        expected.observe(scores, known, position)
+    torch.testing.assert_close(fed.known, expected.known)
+    assert float(fed.count) == 48
 
 
 def test_auroc_counts_ties_half_and_is_undefined_without_both_kinds():

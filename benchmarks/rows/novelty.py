@@ -105,11 +105,10 @@ def _stream(spec: ServiceSpec, dataset: str, train_per_class: int, test_per_clas
     for batch in stream_batches(stream.tasks, spec.learner.batch_size, eval_period):
         idx = torch.tensor(batch)
         known = torch.isin(train.targets[idx], torch.tensor(learner.exposed, dtype=torch.long))  # [B]
-        position = learner.samples_seen
+        position, fresh = learner.samples_seen, learner.novelty(Encoded(train_x[idx], torch.zeros(())))  # [B]
         learner.observe_features(train_x[idx], train.targets[idx])  # scored first: the threshold is fed
-        assert learner.last_novelty is not None
-        for other in others.values():
-            other.observe(learner.last_novelty, known, position)
+        for other in others.values():  # the clocks compared on the model's scores just before each batch
+            other.observe(fresh, known, position)
         if learner.samples_seen % eval_period == 0:
             learned = torch.isin(test.targets, torch.tensor(learner.exposed))  # [M]
             samples.append(learner.samples_seen)
@@ -121,6 +120,7 @@ def _stream(spec: ServiceSpec, dataset: str, train_per_class: int, test_per_clas
             assert isinstance(lda, StreamingLDA), "the family is the streaming LDA's"
             for form in FAMILY:
                 family[_family_name(*form)].append(_defined(auroc(distance_score(lda, h, *form), ~learned)))
+    learner.flush_novelty()  # the stream's last scores into the threshold
     threshold = learner.novelty_threshold
     learned = torch.isin(test.targets, torch.tensor(learner.exposed))
     end = learner.novelty(test_encoded)

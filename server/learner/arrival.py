@@ -1,10 +1,7 @@
 """Images predicted as they arrive, for labels that come later (``--kafka.labels_topic``).
 
-The learner predicts every image of a poll when it is read, in one forward: the prediction of an image without a
-label goes to the predictions topic and is scored when its label is joined; the same forward gives the feature the
-join keeps until then, so joining costs no second pass. A learner that trains through the backbone (the paper's
-prompts) keeps the image instead: it needs it for its gradient steps. Each waits as ``4 D`` bytes (a feature: 1.5 KiB
-for ViT-S) or ``3 S²`` (an image: 147 KiB at 224 px), times ``--join.max_images``.
+One forward per poll predicts every image (scored when its label is joined) and gives the feature the join keeps,
+so joining costs no second pass; a learner that trains through the backbone keeps the image instead.
 """
 
 from __future__ import annotations
@@ -27,23 +24,17 @@ from server.snapshot import top_k as best
 class Arrival:
     """One image as it arrived: what the learner keeps of it and what it predicted."""
 
-    item: torch.Tensor
-    """The feature [D] (a learner that learns from features) or the uint8 image [3, S, S]: what the join keeps."""
-    prediction: int | None
-    """Top-1 label (None before any class is known)."""
-    top_k: list[dict]
-    """``[{"label", "name", "probability"}]``, most probable first (as ``/v1/predict`` answers)."""
-    novelty: float | None = None
-    """Its novelty score (None before any class is known)."""
-    novel: bool = False
-    """Its score is above the learner's calibrated threshold: an image worth a label first."""
+    item: torch.Tensor  # what the join keeps: the feature [D], or (a learner that needs it) the uint8 image [3, S, S]
+    prediction: int | None  # top-1 label (None before any class is known)
+    top_k: list[dict]  # ``[{"label", "name", "probability"}]``, most probable first (as ``/v1/predict`` answers)
+    novelty: float | None = None  # its novelty score (None before any class is known)
+    novel: bool = False  # above the learner's calibrated threshold: an image worth a label first
 
 
 @torch.no_grad()
 def arrive(learner: OnlineLearner, images: torch.Tensor, top_k: int, class_names: dict[int, str],
            align_mode: AlignMode = "running") -> list[Arrival]:
-    """Predict uint8 images [B, 3, S, S]; keep each one's feature (cloned: a row must not hold the batch's storage
-    alive while it waits) or, for a learner that needs it, its image."""
+    """Predict uint8 images [B, 3, S, S]; keep each one's feature (cloned, not the batch's storage) or image."""
     encoded = learner.encode(images)
     n_seen = len(learner.exposed)
     keep = encoded.feature.cpu() if learner.learns_from_features else images.cpu()  # [B, D] or [B, 3, S, S]
@@ -76,8 +67,7 @@ class Prediction:
     model_version: int
     time: float
     novelty: float | None = None
-    novel: bool = False
-    """Flagged novel: it also goes to ``--kafka.novel_topic``, where a labelling tool asks for its label first."""
+    novel: bool = False  # it also goes to ``--kafka.novel_topic``, where a labelling tool asks for its label first
 
     def value(self) -> bytes:
         return json.dumps({"id": self.id, "top_k": self.top_k, "model_version": self.model_version,

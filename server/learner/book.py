@@ -1,13 +1,8 @@
 """What the learner has done with the stream, kept with the model so that both roll back together.
 
-``StreamBook`` is the one place that decides whether a record is a replay and where the offsets stand; its owner is
-``Intake`` (``server.learner.intake``). A record's sample id is claimed before its image is decoded (False: a
-replay, counted; a bad image gives its claim back, so a good copy is still learned); then, in offset order, the
-record is pending or skipped, and ``mark_learned`` hands it off after the learning step.
-
-``offsets`` (the next offset per partition with every record before it handled: what a checkpoint stores, what is
-committed and where a consumer seeks) never pass a pending record, so a crash loses nothing: the records after
-them are read, and claimed, again. Only learned ids are checkpointed.
+``StreamBook`` is the one place that decides whether a record is a replay and where the offsets stand (owned by
+``Intake``). ``offsets`` (what a checkpoint stores, what is committed) never pass a pending record: a crash loses
+nothing.
 
 Example:
     >>> def sample(index: int) -> Sample:
@@ -55,7 +50,7 @@ class Sample:
 
     @property
     def id(self) -> tuple[str, int]:
-        """What "learned exactly once" counts for a labelled record (a joined one is counted by the ``LabelJoin``)."""
+        """What "learned exactly once" counts for a labelled record (a joined one: the ``LabelJoin``)."""
         return self.meta.stream_id, self.meta.sample_index
 
     @property
@@ -75,8 +70,7 @@ class Pending(NamedTuple):
 
 @dataclass
 class StreamBook:
-    """Sample ids, record offsets and stream counters, behind one lock: the checkpoint thread marks a failed write's
-    offsets unsaved, and other threads read the offsets."""
+    """Sample ids, record offsets and stream counters, behind one lock (other threads read and unsave offsets)."""
 
     learn_replays: bool = False  # claim every record, so a replayed sample is learned again
     by_partition: bool = False  # also keep the ids learned from each partition (a learner in a group writes them)
@@ -91,7 +85,6 @@ class StreamBook:
     _saved: dict[str, int] = field(default_factory=dict, init=False, repr=False)  # the last checkpoint's offsets
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
-    # --- sample ids ---------------------------------------------------------------------------------------------
     def claim(self, stream_id: str, index: int) -> bool:
         """Take a sample id for learning; False (and counted as a skipped replay) if learned or in flight."""
         with self._lock:
@@ -107,7 +100,6 @@ class StreamBook:
         with self._lock:
             self._in_flight.get(stream_id, set()).discard(index)
 
-    # --- records, in offset order -------------------------------------------------------------------------------
     def add_pending(self, key: str, offset: int, sample: Sample) -> None:
         """The record's sample waits for its mini-batch; its partition's offset stays behind it until learned."""
         with self._lock:
@@ -129,8 +121,7 @@ class StreamBook:
             return list(self._pending)
 
     def mark_learned(self, batch: list[Sample]) -> None:
-        """The mini-batch was learned: its ids in flight -> learned, and every record read is handled up to the
-        first one still pending."""
+        """The mini-batch was learned: its ids -> learned, every record read handled up to the first one pending."""
         learned = {id(s) for s in batch}
         with self._lock:
             for stream_id, index in (s.id for s in batch if s.joined is None and s.change is None):
@@ -152,7 +143,6 @@ class StreamBook:
             self._in_flight.clear()
             self._read = dict(self._handled)
 
-    # --- offsets and checkpoints --------------------------------------------------------------------------------
     @property
     def offsets(self) -> dict[str, int]:
         """Next offset per partition with every record before it handled: where to resume, what to commit."""
@@ -169,7 +159,6 @@ class StreamBook:
                 if self._saved.get(key) == offset:
                     del self._saved[key]
 
-    # --- one partition's share, for learners in a group (``server.learner.partitioned``) ----------------------------
     def partition(self, key: str) -> tuple[int | None, dict[str, list[int]]]:
         """The partition's next offset (None before any record is handled) and the ids learned from it."""
         with self._lock:

@@ -1,24 +1,22 @@
 """The state topic's reader and writer, for learners in a group (``server.state_topic`` says what a record is).
 
-* ``Changelog.read_all`` returns each partition's newest state, read to the high watermark of a fetch made after
-  the call started (never ``end_offsets``, which the embedded broker answers wrongly after multi-record batches:
-  ``../shared/notes/kafka.md``), so every state written before the assignment is read.
-* ``Changelog.write`` waits for the broker's acknowledgement: offsets are committed only after their state is durable.
-* ``ChangelogFollower`` tails the topic in a thread: how a learner hears of the partitions other learners own.
+``read_all`` reads to the high watermark of a fetch made after the call started (never ``end_offsets``, which the
+embedded broker answers wrongly), so every state written before the assignment is read. ``write`` waits for the
+broker's acknowledgement. ``ChangelogFollower`` tails the topic for the other learners' states.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
 
 from mepo_stream.errors import StateRefused
 from mepo_stream.kafka import KafkaConfig
+from server.consumer import ConsumerThread
 from server.snapshot_topic import Assembler, CorruptSnapshot, close_quietly, open_parts_producer
 from server.state_topic import FORMAT, PartitionState, StateFormatError, decode, ensure_state_topic, state_records
 
@@ -61,9 +59,14 @@ class _Reassembly:
                 yield decode(blob)
 
 
+def send_acked(producer: KafkaProducer, topic: str | None, records: Iterable[tuple], **options) -> None:
+    """Send (key, value, headers) records and wait until the broker has them all."""
+    for future in [producer.send(topic, key=k, value=v, headers=h, **options) for k, v, h in records]:
+        future.get(timeout=ACK_TIMEOUT_S)
+
+
 def read_to_end(consumer: KafkaConsumer, tp: TopicPartition, timeout_s: float) -> Iterator[dict]:
-    """The polls of ``consumer`` (assigned ``tp`` alone) until its position reaches the high watermark of a fetch
-    (see the module's docstring)."""
+    """The polls of ``consumer`` (assigned ``tp`` alone) until its position reaches the high watermark of a fetch."""
     deadline = time.monotonic() + timeout_s
     while True:
         yield consumer.poll(timeout_ms=200)
@@ -99,10 +102,7 @@ class Changelog:
             ensure_state_topic(self.kafka)
             self._producer = open_parts_producer(self.kafka, ACK_TIMEOUT_S)
         records = [r for state in states for r in state_records(state, self.kafka.snapshot_chunk_bytes)]
-        futures = [self._producer.send(self.kafka.state_topic, key=key, value=value, headers=headers)
-                   for key, value, headers in records]
-        for future in futures:
-            future.get(timeout=ACK_TIMEOUT_S)
+        send_acked(self._producer, self.kafka.state_topic, records)
         return sum(len(value) for _, value, _ in records)
 
     def close(self) -> None:
@@ -110,32 +110,23 @@ class Changelog:
         self._producer = None
 
 
-class ChangelogFollower:
-    """Tails the state topic: a state this learner cannot read goes to ``on_error`` and stops the follower (sums of
-    another model are never added)."""
+class ChangelogFollower(ConsumerThread):
+    """Tails the state topic; a state it cannot read goes to ``on_error`` and stops it (no other model's sums)."""
 
     def __init__(self, kafka: KafkaConfig, on_state: Callable[[PartitionState], None],
                  on_error: Callable[[StateRefused], None]):
         self.kafka, self.on_state, self.on_error = kafka, on_state, on_error
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="mepo-changelog", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        self.thread.join(timeout)
+        super().__init__("mepo-changelog")
 
     def _run(self) -> None:
         position = 0
-        while not self._stop.is_set():
+        while not self.stop_event.is_set():
             consumer = None
             try:
                 consumer, tp = _consumer(self.kafka)
                 consumer.seek(tp, position)
                 reassembly = _Reassembly()  # parts of a state never span a reconnect: it re-reads from a state start
-                while not self._stop.is_set():
+                while not self.stop_event.is_set():
                     polled = consumer.poll(timeout_ms=200)
                     for state in reassembly.states(polled):
                         self.on_state(state)
@@ -143,7 +134,7 @@ class ChangelogFollower:
                         position = consumer.position(tp)
             except KafkaError as e:
                 log.warning("state topic unavailable (%s); retrying in %.0f s", e, RETRY_S)
-                self._stop.wait(RETRY_S)
+                self.stop_event.wait(RETRY_S)
             except StateFormatError as e:
                 self.on_error(e)
                 return

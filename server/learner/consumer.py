@@ -2,13 +2,10 @@
 librdkafka (``--consumer librdkafka``), keep its promises, checked by ``tests/test_consumer_contract.py``:
 
 * ``poll`` returns ``Record``s, each partition's in offset order, waiting at most ``wait_ms`` for the first.
-* A rebalance is an event (``Assigned``, ``Revoked``) handed to the ``subscribe`` handler while ``poll`` runs: a
-  revocation before the partitions go, so the learner can write their state before another member reads it; an
-  assignment is answered with where each partition starts. Which thread runs it is the client's, so the handler
-  hands state changes to the model thread and never writes state itself.
-* ``commit`` sends offsets without waiting (a failure is logged: the checkpoint is the source of truth); ``close``
-  waits, at most ``timeout_s``, for the commits in flight.
-* ``probe`` asks the broker a round trip, bounded by ``timeout_s``: a stopped broker keeps its TCP connections open.
+* A rebalance is an event handed to the ``subscribe`` handler while ``poll`` runs, on the client's thread: a
+  revocation before the partitions go (their state is written first); an assignment answered with where each starts.
+* ``commit`` sends offsets without waiting (the checkpoint is the source of truth); ``close`` waits, at most
+  ``timeout_s``, for the commits in flight. ``probe`` asks the broker a round trip: a stopped one keeps its TCP open.
 * A broker that cannot be reached raises ``BrokerUnavailable`` (the loop reconnects), never a client's own type.
 """
 
@@ -25,8 +22,7 @@ log = logging.getLogger(__name__)
 
 
 class PartitionKey(NamedTuple):
-    """A topic's partition; ``str`` gives ``topic:N``, the form checkpoints and partition states carry, and ``parse``
-    reads it back."""
+    """A topic's partition; ``str`` gives ``topic:N`` (as checkpoints and states carry), ``parse`` reads it."""
 
     topic: str
     partition: int
@@ -72,8 +68,7 @@ class Revoked:
 
 
 Rebalance = Assigned | Revoked
-OnRebalance = Callable[[Rebalance], dict[PartitionKey, int] | None]
-"""The handler: for ``Assigned``, where each partition starts; for ``Revoked``, None."""
+OnRebalance = Callable[[Rebalance], dict[PartitionKey, int] | None]  # for ``Assigned``: where each partition starts
 
 
 class BrokerUnavailable(Exception):
@@ -108,8 +103,7 @@ def log_failed_commit(error: object) -> None:
 
 
 def close_within(close: Callable[[], None], timeout_s: float) -> None:
-    """Run a client's ``close`` (which waits as long as the broker takes) for at most ``timeout_s``; past that the
-    member is left behind, to expire with its session."""
+    """Run a client's ``close`` for at most ``timeout_s``; past that the member is left to expire with its session."""
     closing = threading.Thread(target=close, name="mepo-consumer-close", daemon=True)
     closing.start()
     closing.join(timeout_s)
@@ -117,7 +111,7 @@ def close_within(close: Callable[[], None], timeout_s: float) -> None:
         log.warning("the consumer did not close within %.0f s (the broker does not answer); left behind", timeout_s)
 
 
+# either client's; ``fetch_max_wait_ms`` not Kafka's 500: the embedded broker answers an empty fetch only once it is
+# over, so a lone deletion waits it whole (docs/corrections.md)
 TIMING = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 2000, "max_poll_interval_ms": 600_000,
           "fetch_max_bytes": 16 * 1024 * 1024, "fetch_max_wait_ms": 100}
-"""The learner's consumer settings for either client. ``fetch_max_wait_ms`` is not Kafka's 500: the embedded broker
-answers an empty fetch only once it is over, so a lone deletion waits it whole (docs/corrections.md)."""

@@ -1,10 +1,8 @@
 """Corrections and deletions of learned samples (``--corrections.enabled``): the model as a table's view.
 
-As Kafka Streams turns a topic into a table, the learner keys its samples by id: a label for a learned id moves the
-sample to the new label, and a tombstone takes it out. Both are exact, because the model is a sum of its samples'
-features (``OnlineLearner.forget_features``): at every checkpoint it equals a fresh learner fed the latest label of
-every id that still exists. The intake decides what a record is when it reads it; the change is learned in its
-place in the stream by ``apply``, from what the ``SampleTable`` keeps of the sample (docs/corrections.md).
+As Kafka Streams turns a topic into a table, a label for a learned id moves the sample to the new label and a
+tombstone takes it out, exactly, since the model is a sum of its samples' features: at every checkpoint it equals a
+fresh learner fed the latest label of every id that still exists (docs/corrections.md).
 """
 
 from __future__ import annotations
@@ -26,12 +24,9 @@ from server.config import CorrectionsConfig
 from server.learner.sample_table import Entry, SampleTable
 
 log = logging.getLogger(__name__)
-TABLE = "samples"
-"""The sample table's folder in the checkpoint directory."""
-EXPIRE_EVERY_S = 1.0
-"""How often (in record time) the tables drop the ids past retention."""
-PARTITION_TABLES = "partition-samples"
-"""In a group, the folder of the owned partitions' tables (rebuilt from the changelog at each assignment)."""
+TABLE = "samples"  # the sample table's folder in the checkpoint directory
+EXPIRE_EVERY_S = 1.0  # how often (in record time) the tables drop the ids past retention
+PARTITION_TABLES = "partition-samples"  # in a group, the owned partitions' tables (rebuilt at each assignment)
 
 
 @dataclass(frozen=True)
@@ -40,8 +35,7 @@ class Relabel:
 
     id: str
     label: int
-    time: float
-    """The correction's record time: the id stays correctable ``--corrections.retention_s`` from here."""
+    time: float  # the correction's record time: the id stays correctable ``--corrections.retention_s`` from here
 
 
 @dataclass(frozen=True)
@@ -90,8 +84,7 @@ class TombstoneKind(Enum):
 
 
 class Corrections:
-    """The sample table and its change counts: one for a learner alone, one per owned partition in a group
-    (``by_partition``: an id is corrected by the owner of its partition)."""
+    """The sample table and its change counts: one, or one per owned partition in a group (``by_partition``)."""
 
     def __init__(self, cfg: CorrectionsConfig, learner: OnlineLearner, checkpoint_dir: Path,
                  by_partition: bool = False):
@@ -112,10 +105,8 @@ class Corrections:
     def _count(self, key: str | None, what: Count) -> None:
         self.counts[key if self.by_partition else None][what] += 1
 
-    # --- a group's partitions come and go -------------------------------------------------------------------------
     def new_table(self, key: str | None) -> SampleTable:
-        """The table of the learner alone (``key`` None), as on disk; or partition ``key``'s, empty, for its new
-        owner to fill from the changelog (``server.learner.table_changelog``)."""
+        """The learner alone's table (``key`` None) as on disk, or partition ``key``'s, empty, for its changelog."""
         if key is None:
             path = self.checkpoint_dir / TABLE
         else:
@@ -140,13 +131,10 @@ class Corrections:
             table.close()
             shutil.rmtree(table.path, ignore_errors=True)
 
-    # --- what a record is, when it is read ------------------------------------------------------------------------
     def kind_of_label(self, id: str, join: LabelJoin | None, now: float, pending: bool, key: str | None = None
                       ) -> LabelKind:
-        """A label for ``id``: a correction of a sample learned or about to be (``pending`` in the book, or its join
-        in flight), refused for one no longer in the table (or, with labels inline, never learned), else a label for
-        the join. The join is asked first: the learning step writes a sample to the table before it lets go of its
-        join."""
+        """A label for ``id``: a correction of a sample learned or ``pending``, refused for one no longer in the table,
+        else the join's. The join is asked first: a step writes the table before it lets go of the join."""
         if self._learned(id, join, now, pending, key):
             return LabelKind.CORRECTION
         if join is None or id in join.joined_ids:
@@ -156,8 +144,7 @@ class Corrections:
 
     def kind_of_tombstone(self, id: str, join: LabelJoin | None, now: float, pending: bool, key: str | None = None
                           ) -> TombstoneKind:
-        """A tombstone for ``id``: a sample to take out (learned, ``pending`` or in flight), an image or label let go
-        from the join now, or refused (never learned, or past retention)."""
+        """A tombstone for ``id``: a sample to take out, an image or label let go from the join now, or refused."""
         if self._learned(id, join, now, pending, key):
             return TombstoneKind.FORGET
         if join is not None and join.forget(id):
@@ -174,16 +161,14 @@ class Corrections:
         """What a table holds of ``id``; None: never learned here, deleted, or past retention."""
         return next((entry for table in list(self.tables.values()) if (entry := table.get(id)) is not None), None)
 
-    # --- in the learning step ---------------------------------------------------------------------------------------
     def keep(self, id: str, label: int, time: float, feature: torch.Tensor, key: str | None = None) -> None:
         """A sample was learned: keep what it added, until it is corrected, deleted or past retention."""
         self.table(key).put(id, Entry(label, time, feature.detach().to("cpu", torch.float32)))
 
     def apply(self, change: Change, join: LabelJoin | None, model: ModelEdits, key: str | None = None) -> None:
         """Learn one change in ``model``; one whose id left the table since it was read is counted as refused."""
-        table = self.table(key)
+        table, relabel = self.table(key), isinstance(change, Relabel)
         entry = table.get(change.id)
-        relabel = isinstance(change, Relabel)
         if entry is None:
             self._count(key, Count.CORRECTIONS_REFUSED if relabel else Count.DELETIONS_REFUSED)
             log.info("%s of %s not applied: it is no longer in the sample table", "correction" if relabel else
@@ -208,7 +193,6 @@ class Corrections:
         if n := sum(table.expire(now) for table in list(self.tables.values())):
             log.info("%d ids past --corrections.retention_s left the sample table", n)
 
-    # --- with the checkpoint of a learner alone ---------------------------------------------------------------------
     def checkpoint(self) -> dict:
         """Commit the table's changes as the next generation; returns what the checkpoint keeps."""
         table = self.tables[None]
@@ -228,5 +212,4 @@ class Corrections:
     def summary(self) -> dict:
         counts, tables = list(self.counts.values()), list(self.tables.values())  # a rebalance may change them
         return {**{k: sum(c[k] for c in counts) for k in COUNTS}, "ids": sum(len(t) for t in tables),
-                "bytes_on_disk": sum(t.bytes_on_disk() for t in tables),
-                "retention_s": self.cfg.retention_s}
+                "bytes_on_disk": sum(t.bytes_on_disk() for t in tables), "retention_s": self.cfg.retention_s}

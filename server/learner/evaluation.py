@@ -1,7 +1,5 @@
-"""The learner's any-time evaluation, served: ``mepo evaluate``'s schedule, scoring and curve
-(``mepo_stream.anytime``) run inside the stream, plus the accuracy measured when the stream goes idle. Without a
-test set (``--protocol.eval_period 0``) every method is a no-op and the curve stays empty.
-"""
+"""``mepo evaluate``'s any-time evaluation run inside the stream, plus the accuracy when the stream goes idle (without
+a test set, ``--protocol.eval_period 0``, a no-op)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
 """A record's intake: claim its sample id, decode its image, book it; and the label join, where labels come later.
 
-No Kafka here, and no learning: ``server.learner.stream`` polls the records and hands each poll to ``accept``,
-which claims each sample id in the ``StreamBook`` (``server.learner.book``) before its image is decoded, and books
-each record in offset order as pending, a skipped replay or a dead letter (the loop sends those to the
-dead-letter topic). The learning step (``server.learner.state``) learns what is pending.
-
-Labels that come later (``--kafka.labels_topic``): the loop also reads the labels topic. Every image of a poll is
-predicted as it arrives (``server.learner.arrival``); one without a label waits in the ``LabelJoin`` with its
-feature (or its image) and its prediction, which goes to the predictions topic; a label waits there for its
-image. The record that completes a join stays pending until the join is learned, and the join's state is in the
-checkpoint with the model and both topics' offsets, so a crash neither learns a label twice nor drops one.
+No Kafka here, and no learning. Where labels come later (``--kafka.labels_topic``) each image is predicted as it
+arrives and waits in the ``LabelJoin`` for its label (or a label for its image); the completing record stays pending
+until the join is learned, and the join is checkpointed with the offsets, so a crash neither learns a label twice nor
+drops one.
 """
 
 from __future__ import annotations
@@ -58,18 +52,9 @@ def gpu_decode_device(gpu_decode: bool | None, model_device: torch.device) -> to
     return model_device if gpu_decode else None
 
 
-def open_corrections(cfg: ServeConfig, learner: OnlineLearner, book: StreamBook) -> Corrections | None:
-    """The corrections of ``--corrections.enabled`` (None: off), refused at start where they cannot be exact."""
-    if not cfg.corrections.enabled:
-        return None
-    return Corrections(cfg.corrections, learner, cfg.checkpoint_dir, by_partition=book.by_partition)
-
-
 def decode_on_device(records: list, labels_topic: str | None, limits: ImageLimits,
                      device: torch.device | None) -> dict[int, torch.Tensor | ImageError]:
-    """Where JPEGs decode on the GPU (``device``; None: nowhere): the images of the poll (not the labels topic's
-    records) by index, decoded in one batch before any claim. Decoding is pure, so claims, releases and the order
-    are as if each were decoded as it is claimed; a replay's image is decoded for nothing."""
+    """The poll's images by index, decoded in one batch on ``device`` (None: none) before any claim (it is pure)."""
     if device is None:
         return {}
     images = [i for i, r in enumerate(records) if r.topic != labels_topic]
@@ -89,22 +74,20 @@ def waits_for(id: str, book: StreamBook) -> bool:
                for p in book.pending)
 
 
-def refuse(book: StreamBook, record, why: str) -> DeadLetter:
-    """A correction or deletion that cannot be applied: a dead letter (``not_correctable``)."""
+def dead_letter(book: StreamBook, record, reason: str, message: str) -> DeadLetter:
+    """Skip a record that cannot be learned (a correction that cannot be applied: ``not_correctable``)."""
     book.skip(tp_key(record), record.offset, dead_letter=True)
-    return DeadLetter(record, "not_correctable", why)
+    return DeadLetter(record, reason, message)
 
 
 def elsewhere(book: StreamBook, key: str) -> str:
     """What else a refused change may mean in a group: it was not sent to its image's partition."""
-    if not book.by_partition:
-        return ""
-    return f", or its image is not on {key} (in a group, key images and their changes by id)"
+    return (f", or its image is not on {key} (in a group, key images and their changes by id)"
+            if book.by_partition else "")
 
 
+# what ``accept`` hands back for the loop to send: dead letters, predictions, retractions of deleted ids' predictions
 Outgoing = DeadLetter | Prediction | Retraction
-"""What ``accept`` hands back for the loop to send: dead letters, predictions of images without a label, and the
-tombstones that retract the predictions of deleted ids."""
 
 
 @dataclass
@@ -131,31 +114,25 @@ class _Tombstone:
 
 
 class Intake:
-    """Claims, decodes and books the records of each poll; the one owner of the ``StreamBook`` and the label join.
-
-    ``version`` tells the model version a prediction of an arriving image is made with; ``lock`` is the one the
-    learning step holds while it changes the model (an arrival's forward reads it)."""
+    """Claims, decodes and books each poll's records; owns the ``StreamBook`` and the label join. ``lock`` is the
+    learning step's (an arrival's forward reads the model); ``version`` tells an arrival's prediction's version."""
 
     def __init__(self, cfg: ServeConfig, learner: OnlineLearner, class_names: dict[int, str], metrics: ServerMetrics,
                  model_thread: ModelThread, lock: threading.Lock, version: Callable[[], int], book: StreamBook):
         self.cfg, self.learner, self.class_names, self.metrics = cfg, learner, class_names, metrics
         self.model_thread, self.lock, self.version = model_thread, lock, version
         self.book = book
+        # images waiting for labels that come later and labels waiting for images (None: labels come attached)
         self.join = LabelJoin(cfg.join, cfg.corrections.enabled) if cfg.kafka.labels_topic is not None else None
-        """Images waiting for labels that come later and labels waiting for images (None: labels come attached)."""
-        self.corrections = open_corrections(cfg, learner, book)
-        """The sample table and its changes (None: ``--corrections.enabled`` is off)."""
+        self.corrections = (Corrections(cfg.corrections, learner, cfg.checkpoint_dir, book.by_partition)
+                            if cfg.corrections.enabled else None)  # the sample table and its changes (None: off)
         self.stream_time = 0.0  # the newest record timestamp read (s): the join's clock
-        self.limits = cfg.limits.at(learner.method.input_size)
-        """What a record's image may be, and the model's size it is decoded to."""
-        self.decode_device = gpu_decode_device(cfg.gpu_decode, learner.device)
-        """Where each poll's JPEGs decode in one batch (None: one at a time, on the CPU)."""
+        self.limits = cfg.limits.at(learner.method.input_size)  # what an image may be, and the size it decodes to
+        self.decode_device = gpu_decode_device(cfg.gpu_decode, learner.device)  # None: one at a time, on the CPU
 
     def accept(self, records: list) -> list[Outgoing]:
-        """Claim the records' sample ids in offset order, decoding each image as it is claimed (a poll's JPEGs at
-        once on the GPU, where they decode there), and book the outcomes in offset order (pending, a skipped replay,
-        or a dead letter); returns the dead letters (and, where labels come later, the predictions of images without
-        one), for the loop to send before its next checkpoint. In the model thread, which owns the book."""
+        """Claim and book the records in offset order, in the model thread; returns the dead letters and predictions
+        for the loop to send before its next checkpoint."""
         self.model_thread.check()
         ready = decode_on_device(records, self.cfg.kafka.labels_topic, self.limits, self.decode_device)
         claimed = [self._claim(record, ready.get(i)) for i, record in enumerate(records)]
@@ -167,10 +144,8 @@ class Intake:
 
     def _claim(self, record, ready: torch.Tensor | ImageError | None = None
                ) -> _Claimed | _Label | _Tombstone | RecordError | None:
-        """Parse the headers and claim the sample id before decoding (None: a replay); a label record is only
-        parsed, and an image without a label claims nothing (the join refuses a second image of its id).
-        ``ready``: the image (or its error) when the poll was decoded on the GPU. A bad image gives its claim back,
-        so a good copy of the sample later in the stream is still learned."""
+        """Parse the headers and claim the sample id before decoding (None: a replay); a bad image gives its claim
+        back, so a good copy later is still learned (an image without a label claims nothing)."""
         n_classes = len(self.class_names)
         try:
             if self.corrections is not None and record.value is None:
@@ -199,8 +174,7 @@ class Intake:
 
     def _book(self, record, outcome: _Claimed | _Label | _Tombstone | RecordError | None, arrival: Arrival | None
               ) -> Outgoing | None:
-        """Book one record, in offset order: pending, a skipped replay, or a dead letter with its reason; where
-        labels come later, a label or an image without one goes to the join (``_book_join``)."""
+        """Book one record, in offset order: pending, a skipped replay, or a dead letter; or hand it to the join."""
         key = tp_key(record)
         at = self._clock(record)  # every record moves the stream's clock: what a sample table's entry is timed by
         if outcome is None:
@@ -208,25 +182,23 @@ class Intake:
             self.book.skip(key, record.offset)
             return None
         if isinstance(outcome, _Tombstone):
-            return self._book_tombstone(record, outcome.id, at)
+            return self._book_tombstone(record, key, outcome.id, at)
         if isinstance(outcome, _Label):
             if self.corrections is not None:
-                kind = self.corrections.kind_of_label(outcome.id, self.join, at,
-                                                      waits_for(outcome.id, self.book), key)
+                kind = self.corrections.kind_of_label(outcome.id, self.join, at, waits_for(outcome.id, self.book), key)
                 if kind is LabelKind.CORRECTION:
                     book_change(self.book, record, Relabel(outcome.id, outcome.label, at))
                     return None
                 if kind is LabelKind.NOT_CORRECTABLE:
-                    return refuse(self.book, record, f"{outcome.id} is not correctable: learned more than "
-                                                     f"--corrections.retention_s ago, or (labels inline) never"
-                                                     f"{elsewhere(self.book, key)}")
+                    return dead_letter(self.book, record, "not_correctable",
+                                       f"{outcome.id} is not correctable: learned more than --corrections.retention_s "
+                                       f"ago, or (labels inline) never{elsewhere(self.book, key)}")
             assert self.join is not None  # a label without corrections is read only where labels come later
             source = (record.topic, record.partition, record.offset)
             return self._book_join(record, self.join.add_label(outcome.id, outcome.label, at, source))
         image = outcome if isinstance(outcome, RecordError) else outcome.image
         if isinstance(image, (RecordError, ImageError)):
-            self.book.skip(key, record.offset, dead_letter=True)
-            return DeadLetter(record, image.reason, image.message)
+            return dead_letter(self.book, record, image.reason, image.message)
         meta = cast(_Claimed, outcome).meta
         if arrival is None:
             self.book.add_pending(key, record.offset, Sample(image, meta))
@@ -242,29 +214,25 @@ class Intake:
             return dead
         return Prediction(meta.id, arrival.top_k, self.version(), time.time(), arrival.novelty, arrival.novel)
 
-    def _book_tombstone(self, record, id: str, at: float) -> Outgoing | None:
-        """A deletion: pending in its place if the id is learned (or about to be), done now if it only waited in the
-        join; either way its prediction is retracted. Refused if nothing of it is kept."""
-        key = tp_key(record)
+    def _book_tombstone(self, record, key: str, id: str, at: float) -> Outgoing | None:
+        """A deletion: pending if the id is learned (or about to be), else done now; its prediction is retracted."""
         assert self.corrections is not None  # a null value is a tombstone only with corrections on
         kind = self.corrections.kind_of_tombstone(id, self.join, at, waits_for(id, self.book), key)
         if kind is TombstoneKind.NOT_CORRECTABLE:
-            return refuse(self.book, record, f"no sample with id {id} can be deleted: none was received, or it was "
-                                             f"learned more than --corrections.retention_s ago"
-                                             f"{elsewhere(self.book, key)}")
+            return dead_letter(self.book, record, "not_correctable", f"no sample with id {id} can be deleted: none was "
+                               f"received, or it was learned more than --corrections.retention_s ago"
+                               f"{elsewhere(self.book, key)}")
         if kind is TombstoneKind.FORGET:
             book_change(self.book, record, Forget(id))
         else:
-            self.book.skip(tp_key(record), record.offset)
+            self.book.skip(key, record.offset)
         return Retraction(id) if self.join is not None else None  # predictions are written where labels come later
 
     def _book_join(self, record, joined: Joined | Refused | None) -> DeadLetter | None:
-        """Book a record the join took: refused (a dead letter), waiting in the join (handled: the join's state
-        is checkpointed), or completing a join (pending until the join is learned)."""
+        """Book a record the join took: refused (a dead letter), waiting in the join, or completing a join (pending)."""
         key = tp_key(record)
         if isinstance(joined, Refused):
-            self.book.skip(key, record.offset, dead_letter=True)
-            return DeadLetter(record, joined.reason, joined.message)
+            return dead_letter(self.book, record, joined.reason, joined.message)
         if joined is None:
             self.book.skip(key, record.offset)
             return None
@@ -280,8 +248,7 @@ class Intake:
         return Sample(item, meta, prediction=prediction)
 
     def _arrive(self, claimed: list) -> dict[int, Arrival]:
-        """Labels may come later: predict the poll's good images as they arrive (one forward, in the model
-        thread), by their index among the records."""
+        """Predict the poll's good images as they arrive (one forward), by their index among the records."""
         good = {i: c.image for i, c in enumerate(claimed) if isinstance(c, _Claimed) and
                 not isinstance(c.image, ImageError)}
         if not good:
@@ -292,16 +259,14 @@ class Intake:
         return dict(zip(good, arrivals, strict=True))
 
     def _clock(self, record) -> float:
-        """A record's time in seconds (its Kafka timestamp; now, for a record without one), which moves the
-        join's clock: waits are measured in stream time, so a replay of the topics joins and expires alike."""
+        """A record's time in s (its timestamp, else now): the join's clock, so a replay joins and expires alike."""
         stamp = getattr(record, "timestamp", None)
         at = stamp / 1000 if isinstance(stamp, int) and stamp > 0 else time.time()
         self.stream_time = max(self.stream_time, at)
         return at
 
     def _expire(self) -> list[DeadLetter]:
-        """Let go of what waited too long in the join: expired images are counted, labels refused as
-        ``unknown_id`` become dead letters (rebuilt from where they came from)."""
+        """Let go of what waited too long in the join: labels refused as ``unknown_id`` become dead letters."""
         if self.join is None:
             return []
         expired, refused = self.join.expire(self.stream_time)
@@ -310,8 +275,7 @@ class Intake:
         return [DeadLetter(kept_label(r), r.reason, r.message) for r in refused]
 
     def learned(self, batch: list[Sample], features: torch.Tensor | None = None, key: str | None = None) -> None:
-        """A mini-batch (of partition ``key``) was learned: its samples are learned in the book (and kept in the sample
-        table, with their ``features`` [B, D] where learned from images), and the joins it completed confirmed."""
+        """Book a learned mini-batch, keep it in the sample table (``features`` [B, D]) and confirm its joins."""
         if self.corrections is not None:
             for i, s in enumerate(batch):
                 if s.change is None and (id := s.joined.id if s.joined is not None else s.meta.id) is not None:
@@ -324,8 +288,7 @@ class Intake:
             self.join.confirm([s.joined for s in batch if s.joined is not None])
 
     def reread(self) -> None:
-        """Forget the pending records and every claim, and put the joins they completed back: the loop reads them
-        again from the book's offsets."""
+        """Forget the pending records, every claim, and the joins they completed: the loop reads them again."""
         self.book.reread()
         if self.join is not None:
             self.join.rollback()
@@ -335,8 +298,7 @@ class Intake:
         return Counter(p.key for p in self.book.pending)
 
     def position(self) -> StreamPosition:
-        """Where the stream stands for a checkpoint: the book's offsets, learned ids and counts, the join and its
-        clock."""
+        """Where the stream stands for a checkpoint: the book's offsets, learned ids and counts, the join, its clock."""
         book = self.book.state_dict()
         return StreamPosition(book["offsets"], book["learned"], book["dead_lettered"], book["replays_skipped"],
                               None if self.join is None else self.join.state_dict(), self.stream_time)

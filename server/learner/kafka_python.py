@@ -14,76 +14,65 @@ from kafka.structs import OffsetAndMetadata
 
 from mepo_stream.kafka import KafkaConfig
 from server.consumer import broker_answers
-from server.learner.consumer import (
-    Assigned,
-    OnRebalance,
-    PartitionKey,
-    Record,
-    Revoked,
-    close_within,
-    log_failed_commit,
-    unavailable_on,
-)
+from server.learner import consumer as contract
 
 log = logging.getLogger(__name__)
 
 
 def _on_commit(offsets: dict, result: object) -> None:
     if isinstance(result, Exception):
-        log_failed_commit(result)
+        contract.log_failed_commit(result)
 
 
 class _Listener(ConsumerRebalanceListener):
-
-    def __init__(self, consumer: KafkaPythonConsumer, on_rebalance: OnRebalance):
+    def __init__(self, consumer: KafkaPythonConsumer, on_rebalance: contract.OnRebalance):
         self.consumer, self.on_rebalance = consumer, on_rebalance
 
     def on_partitions_revoked(self, revoked):
         try:
-            self.on_rebalance(Revoked(tuple(PartitionKey(tp.topic, tp.partition) for tp in revoked)))
+            self.on_rebalance(contract.Revoked(tuple(map(contract.PartitionKey.of, revoked))))
         finally:
             for tp in revoked:  # another member commits them from now on
                 self.consumer.sent.pop(tp, None)
 
     def on_partitions_assigned(self, assigned):
-        starts = self.on_rebalance(Assigned(tuple(PartitionKey(tp.topic, tp.partition) for tp in assigned))) or {}
+        starts = self.on_rebalance(contract.Assigned(tuple(map(contract.PartitionKey.of, assigned)))) or {}
         for key, offset in starts.items():
             self.consumer.seek(key, offset)
 
 
 class KafkaPythonConsumer:
     def __init__(self, kafka: KafkaConfig, max_records: int, **timing: int):
-        with unavailable_on(KafkaError):
+        with contract.unavailable_on(KafkaError):
             self._consumer = KafkaConsumer(**kafka.client_options(), group_id=kafka.group_id,
                                            enable_auto_commit=False, auto_offset_reset="earliest",
                                            max_poll_records=max_records, **timing)
-        self.sent: dict[TopicPartition, OffsetAndMetadata] = {}
-        """The last offsets committed, per assigned partition: ``close`` commits them again, waiting."""
+        self.sent: dict[TopicPartition, OffsetAndMetadata] = {}  # the last committed: ``close`` commits them again
 
-    def subscribe(self, topics: list[str], on_rebalance: OnRebalance) -> None:
+    def subscribe(self, topics: list[str], on_rebalance: contract.OnRebalance) -> None:
         self._consumer.subscribe(topics, listener=_Listener(self, on_rebalance))
 
-    def poll(self, wait_ms: int, max_records: int) -> list[Record]:
-        with unavailable_on(KafkaError):
+    def poll(self, wait_ms: int, max_records: int) -> list[contract.Record]:
+        with contract.unavailable_on(KafkaError):
             polled = self._consumer.poll(timeout_ms=wait_ms, max_records=max_records)
-        return [Record(r.topic, r.partition, r.offset, r.key, r.value, list(r.headers or []), r.timestamp)
+        return [contract.Record(r.topic, r.partition, r.offset, r.key, r.value, list(r.headers or []), r.timestamp)
                 for records in polled.values() for r in records]
 
-    def seek(self, key: PartitionKey, offset: int) -> None:
+    def seek(self, key: contract.PartitionKey, offset: int) -> None:
         self._consumer.seek(TopicPartition(*key), offset)
 
-    def commit(self, offsets: dict[PartitionKey, int]) -> None:
+    def commit(self, offsets: dict[contract.PartitionKey, int]) -> None:
         sent = {TopicPartition(*key): OffsetAndMetadata(offset, "", -1) for key, offset in offsets.items()}
         self.sent.update(sent)
         try:
             self._consumer.commit_async(sent, callback=_on_commit)
         except KafkaError as e:  # not even sent (no coordinator): the checkpoint holds them
-            log_failed_commit(e)
+            contract.log_failed_commit(e)
 
-    def assignment(self) -> set[PartitionKey]:
-        return {PartitionKey(tp.topic, tp.partition) for tp in self._consumer.assignment()}
+    def assignment(self) -> set[contract.PartitionKey]:
+        return set(map(contract.PartitionKey.of, self._consumer.assignment()))
 
-    def unread(self, key: PartitionKey) -> int | None:
+    def unread(self, key: contract.PartitionKey) -> int | None:
         tp = TopicPartition(*key)
         if (high := self._consumer.highwater(tp)) is None:
             return None
@@ -99,12 +88,12 @@ class KafkaPythonConsumer:
         return broker_answers(self._consumer, timeout_s)
 
     def close(self, timeout_s: float) -> None:
-        close_within(self._close, timeout_s)
+        contract.close_within(self._close, timeout_s)
 
     def _close(self) -> None:
         if self.sent:
             try:
                 self._consumer.commit(self.sent)
             except KafkaError as e:
-                log_failed_commit(e)
+                contract.log_failed_commit(e)
         self._consumer.close(autocommit=False)

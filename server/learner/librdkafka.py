@@ -1,9 +1,8 @@
 """The learner's consumer on librdkafka (``--consumer librdkafka``), behind ``server.learner.consumer.Consumer``.
 
-kafka-python parses every record in Python, under the interpreter lock the model thread needs; librdkafka parses in
-C, in its own threads (docs/performance.md). Underneath, its rebalance callbacks run inside ``poll``; a broker that
-does not answer is retried inside librdkafka, so ``probe`` reports it; and its waiting commit takes no timeout, so
-every commit is sent without waiting and ``close`` waits for those in flight.
+librdkafka parses records in C, in its own threads, not under the interpreter lock the model thread needs
+(docs/performance.md). A silent broker is retried inside librdkafka (``probe`` reports it); its waiting commit takes
+no timeout, so commits are sent without waiting and ``close`` waits for those in flight.
 """
 
 from __future__ import annotations
@@ -15,41 +14,31 @@ from typing import Any, cast
 
 from mepo_stream.errors import ConfigError
 from mepo_stream.kafka import KafkaConfig
-from server.learner.consumer import (
-    Assigned,
-    BrokerUnavailable,
-    OnRebalance,
-    PartitionKey,
-    Record,
-    Revoked,
-    close_within,
-    log_failed_commit,
-    unavailable_on,
-)
+from server.learner import consumer as contract
 
+# librdkafka's names of the options ``KafkaConfig.client_options`` gives kafka-python
 LIBRDKAFKA_NAMES = {"security_protocol": "security.protocol", "sasl_mechanism": "sasl.mechanism",
                     "sasl_plain_username": "sasl.username", "sasl_plain_password": "sasl.password",
                     "ssl_cafile": "ssl.ca.location", "ssl_certfile": "ssl.certificate.location",
                     "ssl_keyfile": "ssl.key.location"}
-"""librdkafka's names of the options ``KafkaConfig.client_options`` gives kafka-python."""
 
 log = logging.getLogger(__name__)
 
 
-def _record(message) -> Record:
+def _record(message) -> contract.Record:
     """A consumed message's record (not an error: its topic, partition and offset are set)."""
     topic, partition, offset = message.topic(), message.partition(), message.offset()
     assert topic is not None and partition is not None and offset is not None
     headers = cast(list[tuple[str, bytes]] | None, message.headers())  # as consumed: a list of (str, bytes) pairs
-    return Record(topic, partition, offset, message.key(), message.value(), headers, message.timestamp()[1])
+    return contract.Record(topic, partition, offset, message.key(), message.value(), headers, message.timestamp()[1])
 
 
 def _on_commit(error, partitions) -> None:
     if error is not None:
-        log_failed_commit(error)
+        contract.log_failed_commit(error)
 
 
-def _partition(key: PartitionKey, offset: int | None = None):
+def _partition(key: contract.PartitionKey, offset: int | None = None):
     """librdkafka's name of a partition (at ``offset``); imported here, as confluent-kafka is an extra."""
     from confluent_kafka import TopicPartition
 
@@ -60,7 +49,7 @@ def _as_unavailable():
     """librdkafka's errors as ``BrokerUnavailable``; imported here, as confluent-kafka is an extra."""
     from confluent_kafka import KafkaException
 
-    return unavailable_on(KafkaException)
+    return contract.unavailable_on(KafkaException)
 
 
 def check_available() -> None:
@@ -88,51 +77,51 @@ class LibrdkafkaConsumer:
         settings = librdkafka_settings(kafka, **timing)
         error_cb = partial(log.warning, "librdkafka: %s")  # a broker down, a failed connection: it retries itself
         self._consumer = Consumer({**settings, "error_cb": error_cb, "on_commit": _on_commit})
-        self._assigned: set[PartitionKey] = set()
+        self._assigned: set[contract.PartitionKey] = set()
 
-    def subscribe(self, topics: list[str], on_rebalance: OnRebalance) -> None:
+    def subscribe(self, topics: list[str], on_rebalance: contract.OnRebalance) -> None:
         def on_assign(consumer, partitions) -> None:
-            keys = tuple(PartitionKey(p.topic, p.partition) for p in partitions)
+            keys = tuple(map(contract.PartitionKey.of, partitions))
             self._assigned |= set(keys)
-            starts = on_rebalance(Assigned(keys)) or {}
+            starts = on_rebalance(contract.Assigned(keys)) or {}
             for p, key in zip(partitions, keys, strict=True):
                 p.offset = starts.get(key, p.offset)
             consumer.assign(partitions)
 
         def on_revoke(consumer, partitions) -> None:
-            keys = tuple(PartitionKey(p.topic, p.partition) for p in partitions)
+            keys = tuple(map(contract.PartitionKey.of, partitions))
             try:
-                on_rebalance(Revoked(keys))
+                on_rebalance(contract.Revoked(keys))
             finally:
                 self._assigned -= set(keys)
                 consumer.unassign()
 
         self._consumer.subscribe(topics, on_assign=on_assign, on_revoke=on_revoke, on_lost=on_revoke)
 
-    def poll(self, wait_ms: int, max_records: int) -> list[Record]:
+    def poll(self, wait_ms: int, max_records: int) -> list[contract.Record]:
         records = []
         for message in self._consumer.consume(max_records, wait_ms / 1000):
             if (error := message.error()) is not None:
                 if error.fatal():
-                    raise BrokerUnavailable(str(error))
+                    raise contract.BrokerUnavailable(str(error))
                 continue  # librdkafka retries what it can; the probe reports a broker that does not answer
             records.append(_record(message))
         return records
 
-    def seek(self, key: PartitionKey, offset: int) -> None:
+    def seek(self, key: contract.PartitionKey, offset: int) -> None:
         with _as_unavailable():
             self._consumer.seek(_partition(key, offset))
 
-    def commit(self, offsets: dict[PartitionKey, int]) -> None:
+    def commit(self, offsets: dict[contract.PartitionKey, int]) -> None:
         try:
             self._consumer.commit(offsets=[_partition(k, o) for k, o in offsets.items()], asynchronous=True)
         except Exception as e:  # not even queued (no coordinator): the checkpoint holds them
-            log_failed_commit(e)
+            contract.log_failed_commit(e)
 
-    def assignment(self) -> set[PartitionKey]:
+    def assignment(self) -> set[contract.PartitionKey]:
         return set(self._assigned)
 
-    def unread(self, key: PartitionKey) -> int | None:
+    def unread(self, key: contract.PartitionKey) -> int | None:
         """Behind the end offset as of the last fetch (None before any, or without a position)."""
         _, high = self._consumer.get_watermark_offsets(_partition(key), cached=True)
         position = self._consumer.position([_partition(key)])[0].offset
@@ -154,4 +143,4 @@ class LibrdkafkaConsumer:
             return False
 
     def close(self, timeout_s: float) -> None:
-        close_within(self._consumer.close, timeout_s)
+        contract.close_within(self._consumer.close, timeout_s)

@@ -1,10 +1,7 @@
 """Prequential (test-then-train) accuracy and drift detection on the live stream, with river.
 
-Each mini-batch is predicted *before* the learner trains on it (river's ``progressive_val_score`` contract). This
-is **not** the paper's A_AUC (that needs a held-out test set; see ``mepo_stream.anytime``).
-
-Checkpoints hold plain tensors and lists, never pickled river objects, replayed into fresh river objects on
-restore: both accuracies come back exactly, the detector's window too (its internal bucket layout may differ).
+Each mini-batch is predicted *before* the learner trains on it; **not** the paper's A_AUC (``mepo_stream.anytime``).
+Checkpoints hold plain tensors and lists, never pickled river objects, replayed into fresh ones on restore.
 
 Example:
     >>> monitor = StreamMonitor(MonitorConfig(rolling_window=2))
@@ -27,8 +24,7 @@ from mepo_stream.errors import ConfigError
 from server.config import MonitorConfig
 
 MAX_REPLAY = 20_000  # most errors replayed into a restored detector
-DETECTORS: dict[str, Callable[[], Any]] = {"ADWIN": drift.ADWIN, "PageHinkley": drift.PageHinkley,
-                                           "KSWIN": drift.KSWIN}
+DETECTORS: dict[str, Callable[[], Any]] = {"ADWIN": drift.ADWIN, "PageHinkley": drift.PageHinkley, "KSWIN": drift.KSWIN}
 
 
 class StreamMonitor:

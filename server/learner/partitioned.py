@@ -1,32 +1,10 @@
 """A learner in a group (``--kafka.state_topic``): state per partition, kept in Kafka, one merged model.
 
-Kafka Streams scales stateful work out the same way: state per partition, partitions spread over a consumer
-group, state that moves with its partition. Here the state of a partition is the label-indexed sums of what was
-learned from it (``mepo_stream.label_statistics``), with its next offset and learned ids, written together to the
-state topic (``server.state_topic``). Sums of disjoint parts of a stream add up to the sums of the whole stream,
-so every learner serves exactly the model one learner would have built from the same records:
-
-* **Learning.** Mini-batches are cut per partition. A step predicts the batch with the merged model (its
-  prequential hits choose the shrinkage, summed over partitions), adds the batch's features to its partition's
-  sums, and loads the new total into the classifier (``OnlineLearner.load_statistics``).
-* **Persisting.** Where a single learner writes its checkpoint file, this one writes the state of every partition
-  that moved to the state topic, waits for the broker, then commits the same offsets. A crash rolls each partition
-  back to its last state: the records after it are learned again once, by whichever learner owns it next.
-* **Rebalancing.** A revoked partition is learned up, persisted and let go (its sums stay in the model, now as
-  another learner's); an assigned one is restored from the newest state on the topic (read to its end) and the
-  consumer seeks to its offset.
-* **Merging.** A follower thread tails the state topic; every other partition's newer state replaces its sums in
-  the model. The any-time evaluations take place at global sample counts (the sum over partitions).
-* **Corrections** (``--corrections.enabled``). Each owned partition has its own sample table, which moves with
-  the partition through a changelog (``server.learner.table_changelog``): a change is learned in its partition's
-  sums, and the table's changes are written before the state that includes them.
-The group is a strategy the state is handed (``InGroup``, a ``Membership`` of ``server.learner.state``), not a
-kind of state: the step, the intake and the evaluation are the same as a learner alone's.
-
-* **Refusals.** A model whose state depends on the order of the stream (gradient-trained hosts, EMA alignment)
-  is refused at start; so is a state of another model (configuration, backbone or bundle) on the topic, or of
-  another format. A single learner's checkpoint in ``--checkpoint_dir`` becomes its partition's state
-  (migration) if it covers one partition, and is refused with what to do if it covers several.
+As in Kafka Streams, state is kept per partition and moves with it: the label-indexed sums learned from it, its next
+offset and learned ids, written together to the state topic (``server.state_topic``) before the offsets are committed.
+Sums of disjoint parts of a stream add up, so every learner serves exactly the model one learner would have built; a
+follower thread merges the other partitions' newer states, and each sample table moves through a changelog
+(``server.learner.table_changelog``). A model whose state depends on the stream's order is refused at start.
 """
 
 from __future__ import annotations
@@ -66,10 +44,8 @@ log = logging.getLogger(__name__)
 MIGRATED = ".migrated"
 
 
-def migrated_state(path: Path, origin: Origin, learner_id: str, shape: tuple[int, int, int]
-                   ) -> PartitionState | None:
-    """A single learner's checkpoint as the state of the one partition it learned (None: no checkpoint); one over
-    several partitions is refused (its sums cannot be split), and so is one of another model's shape."""
+def migrated_state(path: Path, origin: Origin, learner_id: str, shape: tuple[int, int, int]) -> PartitionState | None:
+    """A single learner's checkpoint as its one partition's state (None: none); refused where it cannot be split."""
     if not path.is_file():
         return None
     saved = LearnerCheckpoint.load(path)
@@ -91,30 +67,9 @@ def migrated_state(path: Path, origin: Origin, learner_id: str, shape: tuple[int
                           time.time(), 0.0, 0)
 
 
-def check_origin(state: PartitionState, mine: Origin, topic: str | None) -> None:
-    """Refuse a partition state of another model than ``mine``: its sums mean something else."""
-    if state.origin == mine:
-        return
-    what = [name for name in ("model", "model_config", "class_names", "backbone_sha256", "bundle_sha256")
-            if getattr(state.origin, name) != getattr(mine, name)]
-    raise StateRefused(f"the state topic {topic} holds {state.key}'s state written by {state.learner} for another "
-                       f"model (its {', '.join(what)} differ from this learner's): every learner of a group needs the "
-                       f"same options, backbone and bundle. Start this one with the group's options, or use another "
-                       f"--kafka.state_topic and --kafka.group_id")
-
-
-def partition_groups(pending: list[Pending]) -> list[tuple[str | None, list[Pending]]]:
-    """The pending records, one group per partition (with its key), in the order the partitions first appear."""
-    groups: dict[str | None, list[Pending]] = {}
-    for p in pending:
-        groups.setdefault(p.key, []).append(p)
-    return list(groups.items())
-
-
 @dataclass(frozen=True)
 class GroupCapture(Capture):
-    """A learner in a group's: the state of every partition whose offset moved, and the sample-table changes
-    those states include (written first)."""
+    """A learner in a group's: the states of the partitions that moved, and the table changes they include."""
 
     states: list[PartitionState]
     tables: list[Write]
@@ -126,10 +81,8 @@ class PartitionEdits:
 
     part: LabelStatistics
     learner: OnlineLearner
-    moved: Callable[[int], None]
-    """Told how many samples a change moved (the group then loads the new total)."""
-    lock: threading.Lock
-    """The group's: its view reads the sums from other threads."""
+    moved: Callable[[int], None]  # told how many samples a change moved (the group then loads the new total)
+    lock: threading.Lock  # the group's: its view reads the sums from other threads
 
     def forget_features(self, features: torch.Tensor, labels: torch.Tensor) -> None:
         with self.lock:
@@ -143,16 +96,14 @@ class PartitionEdits:
 
 
 class InGroup:
-    """A learner in a group: sums per owned partition in ``own``, the others' newest states in ``remote``; the
-    learner it is handed always holds their total. Its fields are the model thread's; ``lock`` guards what the
-    HTTP threads read (``group_view``)."""
+    """Sums per owned partition in ``own``, the others' newest states in ``remote``; the learner holds their total.
+    Its fields are the model thread's; ``lock`` guards what the HTTP threads read (``group_view``)."""
 
     def __init__(self, cfg: ServeConfig, metrics: ServerMetrics, changelog: Changelog, learner_id: str,
                  tables: PartitionTables | None = None):
         self.cfg, self.metrics, self.changelog, self.learner_id = cfg, metrics, changelog, learner_id
         self.checkpoint_path = cfg.checkpoint_dir / CHECKPOINT
-        self.tables = tables
-        """The owned partitions' sample tables on Kafka (``--corrections.enabled``; None: off)."""
+        self.tables = tables  # the owned partitions' sample tables on Kafka (None: corrections off)
         self.lock = threading.Lock()
         self.own: dict[str, LabelStatistics] = {}
         self.steps: dict[str, int] = {}  # per owned partition: samples learned and changes applied, ever
@@ -168,7 +119,6 @@ class InGroup:
         self.rate_mark = (time.monotonic(), 0)  # (when, learned_here) at the last persist
         self.learned_here = 0  # samples this learner learned (not merged from others)
 
-    # --- start ------------------------------------------------------------------------------------------------
     def restore(self, learner: OnlineLearner, origin: Origin) -> Restored | None:
         """Refuse what cannot be merged, prepare a migration, and load every partition's newest state."""
         if (why := learner.not_mergeable) is not None:
@@ -190,12 +140,18 @@ class InGroup:
         return Restored(self.next_version(0))
 
     def _check(self, state: PartitionState) -> None:
-        check_origin(state, self.origin, self.cfg.kafka.state_topic)
+        """Refuse a partition state of another model than this learner's: its sums mean something else."""
+        if state.origin == self.origin:
+            return
+        what = [name for name in ("model", "model_config", "class_names", "backbone_sha256", "bundle_sha256")
+                if getattr(state.origin, name) != getattr(self.origin, name)]
+        raise StateRefused(f"the state topic {self.cfg.kafka.state_topic} holds {state.key}'s state written by "
+                           f"{state.learner} for another model (its {', '.join(what)} differ from this learner's): "
+                           f"every learner of a group needs the same options, backbone and bundle. Start this one "
+                           f"with the group's options, or use another --kafka.state_topic and --kafka.group_id")
 
-    # --- partitions come and go -------------------------------------------------------------------------------
     def read(self, keys: list[str], corrections: Corrections | None) -> Incoming:
-        """Every partition's newest state (the assigned ones' from a migrated checkpoint if it has none yet), and
-        the assigned partitions' sample tables rebuilt from the changelog."""
+        """Every partition's newest state (or a migrated checkpoint's), and the assigned ones' rebuilt tables."""
         states = self.changelog.read_all()
         for state in states.values():
             self._check(state)
@@ -210,8 +166,7 @@ class InGroup:
         return Incoming(states, tables)
 
     def adopt(self, learner: OnlineLearner, keys: list[str], incoming: Incoming) -> list[Adopted]:
-        """Own each assigned partition from its newest state (or nothing), keep the others' newer states, and load
-        the new total."""
+        """Own each assigned partition from its newest state (or nothing), keep the others' newer states."""
         adopted = []
         with self.lock:
             for key, state in incoming.states.items():
@@ -253,8 +208,7 @@ class InGroup:
         return keys
 
     def merge(self, learner: OnlineLearner, state: PartitionState) -> bool:
-        """Another learner's newer state of a partition: its sums replace the old ones (False: not newer); another
-        model's is refused (``StateRefused``)."""
+        """Another learner's newer state of a partition replaces its sums (False: not newer)."""
         self._check(state)
         with self.lock:
             if not self._newer_remote(state):
@@ -264,8 +218,7 @@ class InGroup:
 
     def start_following(self, lag: dict[str, int], on_state: Callable[[PartitionState], None],
                         on_error: Callable[[StateRefused], None]) -> None:
-        """Tail the state topic for the other learners' states; ``lag`` (the loop's, per partition) is what this
-        learner's partition states report."""
+        """Tail the state topic for the other learners' states; ``lag`` is what this learner's states report."""
         self.lag = lag
         self.follower = ChangelogFollower(self.cfg.kafka, on_state, on_error)
         self.follower.start()
@@ -276,8 +229,7 @@ class InGroup:
         self.changelog.close()
 
     def _newer_remote(self, state: PartitionState) -> bool:
-        """Keep ``state`` as a partition's remote sums if it is not owned here and is newer than the kept one (the
-        follower may trail a restore that already read a newer state, and it re-reads what the start read)."""
+        """Keep ``state`` as a partition's remote sums if not owned here and newer than the kept one."""
         kept = self.remote.get(state.key)
         if state.key in self.own or (kept is not None and (kept.offset, kept.written_at) >= (state.offset,
                                                                                               state.written_at)):
@@ -292,14 +244,13 @@ class InGroup:
         return True
 
     def _load_total(self, learner: OnlineLearner) -> None:
-        """The classifier becomes the sum of every partition's sums. The remote partitions' total is kept: a newer
-        state replaces its partition's part in it (two additions, whatever the number of partitions), and it is
-        summed afresh once every ``len(remote)`` replacements, so a merge costs O(1) parts amortised."""
+        """Load the sum of every partition's sums; the remote total is kept and patched per merge (O(1) parts)."""
         start = time.perf_counter()
         if self._remote_total is None:
             self._remote_total = LabelStatistics.total([s.stats for s in self.remote.values()], like=self._empty)
             self._replaced = 0
         learner.load_statistics(LabelStatistics.total([self._remote_total, *self.own.values()]))
+        learner.flush_novelty()  # its partitions' thresholds whole before they are summed: the learners agree
         if self._remote_novelty is None:  # the other partitions' thresholds change only when their states do
             self._remote_novelty = NoveltyThreshold.merged([self._threshold(s.novelty) for s in self.remote.values()]
                                                            or [self._threshold({})])
@@ -307,19 +258,22 @@ class InGroup:
         self.metrics.merge_seconds.observe(time.perf_counter() - start)
 
     def _threshold(self, state: dict[str, torch.Tensor]) -> NoveltyThreshold:
-        """A partition's novelty threshold, from its state (empty: new); the learner's is the sum of every
-        partition's, so every learner of the group calibrates the same threshold."""
+        """A partition's novelty threshold from its state (empty: new); summed over partitions, every learner agrees."""
         threshold = NoveltyThreshold(self.cfg.novelty.false_alarm, self.cfg.novelty.half_life)
         if state:
             threshold.load_state_dict(state)
         return threshold
 
-    # --- learning ---------------------------------------------------------------------------------------------
     def new_book(self, learn_replays: bool) -> StreamBook:
         """A book that keeps the ids learned from each partition: a partition's state carries them."""
         return StreamBook(learn_replays=learn_replays, by_partition=True)
 
-    groups = staticmethod(partition_groups)  # one partition's records a mini-batch: each adds to its partition's sums
+    def groups(self, pending: list[Pending]) -> list[tuple[str | None, list[Pending]]]:
+        """One partition's records a mini-batch (partitions in the order they first appear): each adds to its sums."""
+        groups: dict[str | None, list[Pending]] = {}
+        for p in pending:
+            groups.setdefault(p.key, []).append(p)
+        return list(groups.items())
 
     def check_assignment(self, images: set[int], everything: set[int] | None) -> StateRefused | None:
         """Any share of the partitions: the group's states add up to the model."""
@@ -327,9 +281,7 @@ class InGroup:
 
     def update(self, learner: OnlineLearner, images: torch.Tensor, labels: torch.Tensor, encoded: Encoded | None,
                key: str | None, positions: torch.Tensor) -> torch.Tensor | None:
-        """Score the batch's novelty into its partition's threshold (``positions``: its sample indices), predict
-        with the merged model, add the batch to its partition's sums (``key``: the state cuts each mini-batch from
-        one partition, ``groups``), load the new total."""
+        """Score novelty into ``key``'s threshold, predict with the merged model, add the batch to ``key``'s sums."""
         assert key is not None
         encoded = learner.encode(images) if encoded is None else encoded
         learner.observe_novelty(encoded, labels, positions, self.novelty[key])  # its partition's, before learning
@@ -351,15 +303,12 @@ class InGroup:
         self._load_total(learner)
 
     def next_version(self, version: int) -> int:
-        """How often the merged model moved, summed over partitions (samples learned, changes applied): the same on
-        every learner once they have the same states, and growing whatever a change takes out."""
+        """Moves of the merged model over all partitions (deletions too): the same on learners with the same states."""
         return sum(self.steps.values()) + sum(state.moves for state in self.remote.values())
 
-    # --- persisting: the state topic instead of a checkpoint file --------------------------------------------
     def capture(self, checkpoint: Callable[[], LearnerCheckpoint], moved: list[tuple[str, int | None, dict]],
                 corrections: Corrections | None) -> GroupCapture:
-        """The state of every partition whose offset moved since the last capture (``moved``: key, offset,
-        learned ids), with the sample-table changes they include."""
+        """The state of every partition that ``moved`` (key, offset, learned ids), with its sample-table changes."""
         now = time.time()
         (then, learned), rate_mark = self.rate_mark, (time.monotonic(), self.learned_here)
         rate, self.rate_mark = (self.learned_here - learned) / max(rate_mark[0] - then, 1e-3), rate_mark
@@ -374,8 +323,7 @@ class InGroup:
         return GroupCapture({s.key: s.offset for s in states}, now, states, tables)
 
     def write(self, captured: Capture, corrections: Corrections | None) -> None:
-        """Write the captured table changes to the sample changelog, then the partition states that include them
-        to the state topic, each acknowledged."""
+        """Write the table changes, then the partition states that include them, each acknowledged."""
         assert isinstance(captured, GroupCapture)  # what this membership's capture took
         written = self.tables.changelog.write(captured.tables) if self.tables and captured.tables else 0
         written += self.changelog.write(captured.states) if captured.states else 0
@@ -404,8 +352,7 @@ class InGroup:
 
 def open_group_learner(cfg: ServeConfig, metrics: ServerMetrics, model_thread: ModelThread | None = None
                        ) -> LearnerState:
-    """The factory of a learner in a group: the state of ``open_learner`` with an ``InGroup`` membership, which
-    reads every partition's newest state from the state topic."""
+    """The factory of a learner in a group: ``open_learner`` with an ``InGroup`` membership."""
     if cfg.kafka.labels_topic is not None:
         raise ConfigError("--kafka.labels_topic with --kafka.state_topic: a label must reach the learner that "
                           "holds its image, which a group's partitioning does not promise yet; learn labels "

@@ -1,13 +1,8 @@
 """The learner's snapshot publisher: its newest snapshot to the compacted snapshot topic, from its own thread.
 
-``notify`` is all a learning step does (it sets a flag and wakes the thread), so publishing never blocks
-learning. The thread then asks the learner for a snapshot of its newest version (``LearnerState.snapshot``,
-made then, between two steps: never one per step), encodes it (``server.snapshot_topic``), sends its parts and
-waits for the broker's acknowledgement, then rests ``publish_interval_s``; versions learned meanwhile are
-skipped, the newest one is always published (at shutdown too, once). A broker that cannot be reached is retried
-every 2 s with the newest snapshot; nothing queues up.
-
-A learner's publisher is ``SnapshotPublisher.create(state)``: none with ``--kafka.snapshot_topic null``.
+A learning step only ``notify``s, so publishing never blocks learning. The thread sends the newest version,
+acknowledged, then rests ``publish_interval_s``: versions learned meanwhile are skipped, the newest always goes out
+(at shutdown too), and a broker that cannot be reached is retried with the newest; nothing queues up.
 """
 
 from __future__ import annotations
@@ -21,21 +16,13 @@ from kafka import KafkaProducer
 from kafka.errors import KafkaError
 
 from server.config import ServeConfig
+from server.learner.changelog import ACK_TIMEOUT_S, RETRY_S, send_acked
 from server.learner.state import LearnerState
 from server.metrics import ServerMetrics
 from server.snapshot import Snapshot
-from server.snapshot_topic import (
-    Origin,
-    close_quietly,
-    encode,
-    ensure_snapshot_topic,
-    open_parts_producer,
-    to_records,
-)
+from server.snapshot_topic import Origin, close_quietly, encode, ensure_snapshot_topic, open_parts_producer, to_records
 
 log = logging.getLogger(__name__)
-RETRY_S = 2.0
-ACK_TIMEOUT_S = 30.0
 
 
 class SnapshotPublisher:
@@ -50,8 +37,7 @@ class SnapshotPublisher:
         self._wake = threading.Condition()
         self._stop = threading.Event()
         self._producer: KafkaProducer | None = None
-        self.error: str | None = None
-        """Why publishing stopped, if a bug stopped it (a broker's errors are retried): readiness fails on it."""
+        self.error: str | None = None  # why a bug stopped publishing (a broker's errors are retried): not ready
         self.thread = threading.Thread(target=self._run, name="mepo-publisher", daemon=True)
 
     @classmethod
@@ -117,12 +103,8 @@ class SnapshotPublisher:
         blob = self.run(encode, snapshot.model.trainable_state_dict(), self.origin, snapshot.version,
                         snapshot.samples_seen, snapshot.exposed, time.time(), snapshot.novelty_score,
                         snapshot.novelty_threshold)
-        producer = self._connect()
         records = to_records(blob, self.origin.model, snapshot.version, self.kafka.snapshot_chunk_bytes)
-        futures = [producer.send(self.kafka.snapshot_topic, key=key, value=value, headers=headers)
-                   for key, value, headers in records]
-        for future in futures:
-            future.get(timeout=ACK_TIMEOUT_S)
+        send_acked(self._connect(), self.kafka.snapshot_topic, records)
         self._sent_version = snapshot.version
         m = self.metrics
         m.snapshot_publish_seconds.observe(time.perf_counter() - start)

@@ -1,15 +1,7 @@
 """What a learner shows of itself: ``/v1/status`` and the Prometheus series, read from its state's view.
 
-The state (``server.learner.state``) learns and checkpoints; its reporter reads a ``LearnerView``
-(``server.learner.view``), a typed copy the state makes on demand, and writes nothing back. The state tells it to
-``export`` when the model changed, and every read of ``/metrics`` exports first (``server.metrics.LiveRegistry``), so
-``/metrics`` and ``/v1/status`` say the same at every moment; ``status`` is read by the routers (``/v1/status``) and
-by ``mepo demo``'s summary.
-
-Example (a learner in a group also reports its partitions, from the view's ``group``)::
-
-    reporter = state.reporter
-    reporter.status(loop.health()).samples_seen, reporter.settled(expected=1000)
+It reads a ``LearnerView`` the state makes on demand and writes nothing back; every read of ``/metrics`` exports
+first, so ``/metrics`` and ``/v1/status`` say the same at every moment.
 """
 
 from __future__ import annotations
@@ -103,27 +95,19 @@ class StateReporter:
             "partition_samples": dict(sorted(v.group.partition_samples.items()))}
         return LearnerStatus.model_validate({
             **health.status_fields(), "learner_error": health.error,
-            "samples_seen": v.samples_seen,
-            "classes_seen": v.classes_seen,
-            "model_version": v.version,
+            "samples_seen": v.samples_seen, "classes_seen": v.classes_seen, "model_version": v.version,
             "anytime_accuracy": {"last": curve.accuracy[-1] if curve.accuracy else None,
                                  "a_auc": curve.a_auc if curve.accuracy else None,
                                  "evaluations": len(curve.accuracy), "samples": curve.samples,
                                  "accuracy": curve.accuracy, "novelty_auroc": curve.novelty_auroc,
                                  "novelty_auroc_mean": None if math.isnan(curve.novelty_auroc_mean)
                                  else curve.novelty_auroc_mean},
-            "a_last": curve.a_last if curve.task_accuracy else None,
-            "novelty": v.novelty,
+            "a_last": curve.a_last if curve.task_accuracy else None, "novelty": v.novelty,
             "prequential_accuracy": {"cumulative": v.prequential_cumulative if seen else None,
                                      "rolling": v.prequential_rolling if seen else None, "samples": seen},
-            "drift_events": v.drift_events,
-            "dead_lettered": v.dead_lettered,
-            "replays_skipped": v.replays_skipped,
+            "drift_events": v.drift_events, "dead_lettered": v.dead_lettered, "replays_skipped": v.replays_skipped,
             "checkpoint_age_seconds": None if math.isnan(v.last_checkpoint_time)
             else round(time.time() - v.last_checkpoint_time, 1),
             "idle_seconds": None if math.isnan(v.last_learned_time) else round(time.time() - v.last_learned_time, 1),
             "class_accuracy": {v.class_names.get(c, str(c)): acc for c, acc in sorted(v.class_accuracy.items())},
-            "label_join": v.label_join,
-            "corrections": v.corrections,
-            **group,
-        })
+            "label_join": v.label_join, "corrections": v.corrections, **group})

@@ -1,18 +1,12 @@
 """The table of learned samples: per id, the feature it was learned from, its label and its record time, in LMDB.
 
-A streaming-LDA model is a sum over its samples, so a sample can be taken out (a deletion) or moved to another class
-(a correction) exactly by subtracting what it added (``OnlineLearner.forget_features``): the table keeps that, on
-disk, long after its record was read. It is the learner's view of a KTable: the latest label of each id.
+A streaming-LDA model is a sum over its samples, so a sample is deleted or relabelled exactly by subtracting what it
+added (``OnlineLearner.forget_features``): the table keeps that on disk (a KTable: the latest label of each id).
 
-It commits with the checkpoint: ``commit(g)`` writes the changes held in memory in one transaction with their undo
-records, and the checkpoint file that follows records ``g``. A restart's ``restore`` undoes every later generation,
-so a kill -9 between the two writes neither loses nor doubles a change; ``settle(g)`` drops the undo records once
-checkpoint ``g`` is on disk.
-
-Ids older than ``retention_s`` of record time are dropped (``expire``): they stay in the model, but can no longer be
-corrected or deleted. LMDB writes copy-on-write, so a deleted entry's bytes stay in the file until its page is
-reused: at most ``compact_every_s`` after a deletion, a settle swaps in a compacted copy. In a group, a partition's
-table is rebuilt from a changelog instead (``server.learner.table_changelog``).
+``commit(g)`` writes the changes with their undo records, and the checkpoint that follows records ``g``; a restart's
+``restore`` undoes every later generation, so a kill -9 between the two neither loses nor doubles a change. Ids past
+``retention_s`` are dropped (still in the model, no longer correctable); a settle at most ``compact_every_s`` after a
+deletion swaps in a compacted copy, without the deleted entries' bytes.
 
 Key layout (four named databases): ``samples``: the id's 16-byte hash -> entry (the id is in the entry);
 ``by_time``: 8-byte big-endian milliseconds + hash -> b""; ``undo``: 8-byte generation + hash -> b"\\x00" (absent
@@ -38,11 +32,10 @@ import torch
 
 from mepo_stream.errors import StateRefused
 
-MAP_SIZE = 1 << 40
-"""LMDB's address-space reservation (a sparse file: disk is used only as entries are written)."""
+MAP_SIZE = 1 << 40  # LMDB's address-space reservation (a sparse file: disk is used only as entries are written)
+# the tables open in this process, by resolved path: LMDB allows one environment per file per process (a second one
+# shares the first's lock table, and py-lmdb warns it may crash the interpreter)
 _OPEN: weakref.WeakValueDictionary[Path, SampleTable] = weakref.WeakValueDictionary()
-"""The tables open in this process, by resolved path: LMDB allows one environment per file per process (a second
-one shares the lock file's reader table and locks with the first, and py-lmdb warns it may crash the interpreter)."""
 _HEAD = struct.Struct("<idH")  # label (int32), record time (float64 s), the id's length in bytes (uint16)
 
 
@@ -51,12 +44,9 @@ class Entry:
     """What a learned sample added to the model, and when it came."""
 
     label: int
-    time: float
-    """Its record's time (s): what retention measures."""
-    feature: torch.Tensor
-    """[D] float32: ``OnlineLearner.forget_features``'s input."""
-    id: str = ""
-    """The sample's id (the table sets it)."""
+    time: float  # its record's time (s): what retention measures
+    feature: torch.Tensor  # [D] float32: ``OnlineLearner.forget_features``'s input
+    id: str = ""  # the sample's id (the table sets it)
 
     def encode(self) -> bytes:
         id = self.id.encode()
@@ -71,8 +61,7 @@ class Entry:
 
 
 def _key(id: str) -> bytes:
-    """An id's key: a hash, so the id itself is only in its entry's value. A B+tree keeps copies of keys in its
-    branch pages, which a deletion need not update: a hash there names no one once the entry is gone."""
+    """An id's key: a hash, so a key left in a B+tree's branch pages after a deletion names no one."""
     return hashlib.blake2b(id.encode(), digest_size=16).digest()
 
 
@@ -109,12 +98,9 @@ class SampleTable:
                 shutil.rmtree(leftover)
         self.path.mkdir(parents=True, exist_ok=True)
         self.closed = False
-        self.env = lmdb.open(str(self.path), map_size=MAP_SIZE, max_dbs=4, metasync=True, sync=True,
-                             readahead=False)
-        self._samples = self.env.open_db(b"samples")
-        self._by_time = self.env.open_db(b"by_time")
-        self._undo = self.env.open_db(b"undo")
-        self._meta = self.env.open_db(b"meta")
+        self.env = lmdb.open(str(self.path), map_size=MAP_SIZE, max_dbs=4, metasync=True, sync=True, readahead=False)
+        self._samples, self._by_time, self._undo, self._meta = (self.env.open_db(name) for name in
+                                                                (b"samples", b"by_time", b"undo", b"meta"))
 
     def _replace(self, txn, key: bytes, value: Entry | None) -> bytes | None:
         """Replace ``key``'s entry and its time index key by ``value`` (None: delete); returns the entry before."""
@@ -131,12 +117,10 @@ class SampleTable:
 
     @contextmanager
     def _txn(self, write: bool = False, db: str | None = None) -> Iterator:
-        """A transaction on database ``db`` (an attribute's name: its handle is read under the lock, since a
-        compaction or an unmap reopens the environment with new handles)."""
+        """A transaction on database ``db`` (an attribute's name, read under the lock: a reopen changes handles)."""
         with self._env_lock, self.env.begin(write=write, db=None if db is None else getattr(self, db)) as txn:
             yield txn
 
-    # --- reading ---------------------------------------------------------------------------------------------
     def get(self, id: str) -> Entry | None:
         key = _key(id)
         with self._lock:
@@ -171,7 +155,6 @@ class SampleTable:
             info, stat = self.env.info(), self.env.stat()
         return (info["last_pgno"] + 1) * stat["psize"]
 
-    # --- changing (the learning step) --------------------------------------------------------------------------
     def put(self, id: str, entry: Entry) -> None:
         self._change(_key(id), replace(entry, id=id))
 
@@ -206,10 +189,8 @@ class SampleTable:
             self._count -= len(old)
         return len(old)
 
-    # --- persisting, with the checkpoint ------------------------------------------------------------------------
     def commit(self, generation: int) -> dict[bytes, Entry | None]:
-        """Write the changes since the last commit as ``generation``, with what each changed id was before it;
-        returns them (by key; None: deleted) for a changelog."""
+        """Write the changes since the last commit as ``generation``, with undo records; returns them (None: gone)."""
         with self._lock:
             changes = dict(self._changed)
         prefix = struct.pack(">Q", generation)
@@ -227,9 +208,8 @@ class SampleTable:
         return changes
 
     def rebuild(self, records: Iterable[list[tuple[bytes, Entry | None, bool]]]) -> int:
-        """Fill this (empty) table from batches of changelog records (key, entry or None, whether to apply it); a key
-        not applied is written out again at the next commit. Returns how many were not applied. A deletion across
-        batches leaves its bytes in a freed page, so the table is compacted before it is used."""
+        """Fill this (empty) table from batches of changelog records (key, entry or None, applied); returns how many
+        keys were not applied: they are written out again at the next commit."""
         skipped: set[bytes] = set()
         for batch in records:
             with self._txn(write=True) as txn:
@@ -257,9 +237,7 @@ class SampleTable:
         self._reopen(compact=self._deleted and time.monotonic() - self._compacted_at >= self.compact_every_s)
 
     def _reopen(self, compact: bool = False) -> None:
-        """Close and reopen the environment, so the pages this process mapped leave its resident set: a long
-        stream's table does not grow the learner's RSS. ``compact``: first copy the table without its free pages (a
-        deleted entry's bytes are gone there) and swap the copy in; only when no undo record is needed."""
+        """Reopen the environment, so its mapped pages leave the RSS; ``compact``: first swap in a compacted copy."""
         copy, old = self.path.with_name(self.path.name + ".compact"), self.path.with_name(self.path.name + ".old")
         with self._env_lock:
             if compact:
@@ -315,8 +293,7 @@ class SampleTable:
 
 
 def _claim(table: SampleTable) -> None:
-    """Record ``table`` as its path's one open environment in this process; refuse a path another table holds open.
-    A table nobody holds any more closes when it is collected, so garbage is collected once before refusing."""
+    """Record ``table`` as its path's one open environment here; refuse one another live table holds (after a gc)."""
     key = table.path.resolve()
     if _held_elsewhere(key, table):
         gc.collect()

@@ -1,5 +1,4 @@
-"""One running learner: its state, the loop that feeds it, the batcher predictions go through, and the publisher
-of its snapshots. The FastAPI lifespan starts and stops it; a replica's counterpart is ``ReplicaService``."""
+"""One running learner: its state, its loop, the prediction batcher and the snapshot publisher."""
 
 from __future__ import annotations
 
@@ -46,7 +45,7 @@ class Service(Serving):
     def stop(self) -> None:
         """Learn the records in hand, checkpoint and commit, then stop learning; publish the last snapshot."""
         self.loop.stop()
-        self.state.stop_following()
+        self.state.membership.stop_following()
         if self.publisher is not None:
             self.publisher.stop()
         self.state.model_thread.shutdown()
@@ -69,15 +68,13 @@ class Service(Serving):
         corrections = self.state.intake.corrections
         if corrections is None:
             raise CorrectionsOff("the learner keeps no sample table: start it with --corrections.enabled")
-        entry = self.state.model_thread.run(corrections.held, id)
-        if entry is None:
+        if (entry := self.state.model_thread.run(corrections.held, id)) is None:
             return None
         return HeldSample(id=id, label=entry.label, class_name=self.class_names.get(entry.label, str(entry.label)),
                           time=entry.time, file=sample_file(id))
 
     def readiness(self) -> LearnerReadiness:
-        """``/readyz``'s checks and errors: replicas that no longer get snapshots serve an ever older model, so a
-        stopped publisher is not ready."""
+        """``/readyz``'s checks: a stopped publisher is not ready (replicas would serve an ever older model)."""
         health = self.loop.health()
         publisher_error = None if self.publisher is None else self.publisher.error
         checks = {"model_loaded": True, "kafka_connected": health.kafka_connected, "learner_running": health.running,

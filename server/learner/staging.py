@@ -8,8 +8,7 @@ import torch
 
 
 def stack_images(images: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The images as one uint8 batch [B, 3, S, S], stacked straight into pinned memory (no extra copy) when
-    ``device`` is CUDA; on a CPU learner pinning buys nothing."""
+    """The images as one uint8 batch [B, 3, S, S], stacked straight into pinned memory when ``device`` is CUDA."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return torch.stack(images)
     out = torch.empty((len(images), *images[0].shape), dtype=images[0].dtype, pin_memory=True)

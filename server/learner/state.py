@@ -1,25 +1,9 @@
 """The learner's state: the learning step over the concerns it composes, and a learner alone's checkpoint file.
 
-Kafka Streams splits a stateful task the same way (StreamTask, RecordCollector, StateStore, ProcessorContext):
-
-* the **intake** (``server.learner.intake``) claims, decodes and books each record the loop hands it;
-* the **learning step** (``LearnerState``, here) learns the pending samples in mini-batches, in the model thread,
-  and marks them learned in the same step; it makes snapshots on demand;
-* the **evaluation** (``server.learner.evaluation``) runs the any-time evaluations at their sample counts;
-* the **persistence** is a strategy handed in (``Membership``): ``Alone`` here, a learner with a checkpoint file
-  of its own, or ``InGroup`` (``server.learner.partitioned``), a learner in a group whose partitions' states are
-  in the state topic. Both answer the same verbs (``new_book``, ``restore``, ``groups``, ``update``,
-  ``check_assignment``, ``capture``, ``write``, ``adopt``, ...): they are handed what they act on, return typed
-  values (a checkpoint, partitions to adopt at their offsets, keys to let go) that this state applies, and never
-  write its fields; nothing asks which one it is.
-
-A record goes from the poll to the model update through the loop, the intake, its book, this state (which the model
-thread runs, taking its mini-batches from the book itself) and the learner (docs/architecture.md).
-
-A learner alone's checkpoint is a ``mepo_stream.checkpoint.LearnerCheckpoint``. Constructing a ``LearnerState``
-reads nothing: ``open_learner`` (here) and
-``open_group_learner`` (``server.learner.partitioned``) load the test split, build the model and restore.
-Status and metrics are read by the state's ``reporter`` (``server.learner.reporter``) through ``view``.
+As Kafka Streams splits a stateful task: the intake (``server.learner.intake``) books each record, the learning
+step (``LearnerState``) learns pending samples in the model thread, the ``Evaluator`` runs the any-time evaluations,
+and a ``Membership`` persists: ``Alone`` (a checkpoint file) or ``InGroup`` (``server.learner.partitioned``, partition
+states in the state topic), both answering the same verbs. ``open_learner`` and ``open_group_learner`` restore.
 """
 
 from __future__ import annotations
@@ -34,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from functools import partial
+from itertools import groupby
 from pathlib import Path
 from typing import Protocol
 
@@ -69,9 +54,7 @@ CHECKPOINT = "learner.pt"
 
 
 class StateWriteFailed(RuntimeError):
-    """A write of the learner's state (its checkpoint file, or its partitions' states) failed: the learner stops,
-    since what it learned since its last written state is in no state. Not a ``KafkaError``, which the loop takes for
-    a broker to reconnect to: nothing was committed past the last written state, so a restart resumes exactly."""
+    """A failed state write stops the learner (a ``KafkaError`` reconnects): nothing was committed past it."""
 
     def __init__(self, offsets: dict[str, int], cause: BaseException):
         where = ", ".join(f"{key} at offset {offset}" for key, offset in sorted(offsets.items())) or "no partition"
@@ -83,13 +66,10 @@ class StateWriteFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class Capture:
-    """What one write persists, copied between two steps in the model thread: consistent, and detached (learning on
-    changes none of it), so the write may run while the learner goes on. Each membership adds what it writes."""
+    """What one write persists, copied between two steps in the model thread so the write may run meanwhile."""
 
-    offsets: dict[str, int]
-    """The next offset to read per ``topic:partition``: safe to commit once the capture is written."""
-    time: float
-    """Wall time it was taken."""
+    offsets: dict[str, int]  # the next offset to read per ``topic:partition``: safe to commit once written
+    time: float  # wall time it was taken
 
 
 @dataclass(frozen=True)
@@ -101,8 +81,7 @@ class CheckpointCapture(Capture):
 
 @dataclass(frozen=True)
 class Restored:
-    """What a membership's restore brings back: the version to show, and a learner alone's checkpoint for the state
-    to load (a group loads its sums into the learner it is handed)."""
+    """What a restore brings back: the version to show, and a learner alone's checkpoint to load."""
 
     version: int
     checkpoint: LearnerCheckpoint | None = None
@@ -116,17 +95,13 @@ class Adopted:
     offset: int
     learned: dict[str, list[int]]
     table: SampleTable | None = None
-    changes: dict[str, int] | None = None
-    """The counts of the corrections its state includes."""
-    stale: bool = False
-    """Its changelog holds writes its state does not include: the partition is written again at the next capture."""
+    changes: dict[str, int] | None = None  # the counts of the corrections its state includes
+    stale: bool = False  # its changelog holds writes its state does not include: written again at the next capture
 
 
 @dataclass(frozen=True)
 class Incoming:
-    """What a group's rebalance read for the partitions assigned: every partition's newest state on the topic, and
-    the assigned ones' sample tables rebuilt from the changelog, each with whether it holds writes its state does
-    not include."""
+    """A rebalance's read: every partition's newest state, the assigned ones' sample tables (and whether stale)."""
 
     states: dict[str, PartitionState]
     tables: dict[str, tuple[SampleTable, bool]]
@@ -134,48 +109,33 @@ class Incoming:
 
 @dataclass(frozen=True)
 class Booked:
-    """What a booking hands the loop, copied in the model thread: what to send, and the numbers the loop steers by,
-    so that it never reads the state the model thread owns."""
+    """What a booking hands the loop, copied in the model thread: the loop never reads the model thread's state."""
 
-    outgoing: list[Outgoing]
-    """Dead letters and predictions, for the loop to send before its next checkpoint."""
-    learns: bool
-    """Whether the model thread goes on to learn everything pending (the loop polls meanwhile)."""
-    waiting: Counter[str]
-    """Records waiting for a mini-batch after the booking, per partition."""
-    limit: int
-    """The next mini-batch's size (``LearnerState.batch_limit``)."""
-    changes_waiting: bool
-    """A correction or deletion waits for its turn (``changes_waiting``)."""
-    checkpoint_due: bool
-    """The periodic checkpoint is due (``checkpoint_due``, with the writer idle)."""
+    outgoing: list[Outgoing]  # dead letters and predictions, sent before the next checkpoint
+    learns: bool  # the model thread goes on to learn everything pending (the loop polls meanwhile)
+    waiting: Counter[str]  # records waiting for a mini-batch after the booking, per partition
+    limit: int  # the next mini-batch's size (``LearnerState.batch_limit``)
+    changes_waiting: bool  # a correction or deletion waits for its turn (``changes_waiting``)
+    checkpoint_due: bool  # the periodic checkpoint is due (``checkpoint_due``, with the writer idle)
 
 
 def runs_of_samples(samples: list[Sample]) -> list[list[Sample]]:
     """The pending samples cut into runs of samples (to learn in mini-batches) and runs of changes.
 
-    Why not simply in order: a change between two samples would cut their mini-batch in two, and each mini-batch
-    costs its test-then-train solves. The model is a sum, so the samples can be learned first and the changes
-    applied after, unless a change names a sample that comes after it (an id deleted, then received again): then
-    in order."""
+    Samples first, then changes: a change between two samples would cut their mini-batch in two (each costs its
+    test-then-train solves), and the model is a sum. In order only where a change names a later sample (an id
+    deleted, then received again)."""
     changes = [s for s in samples if s.change is not None]
     named = {s.change.id for s in changes if s.change is not None}
     first = next((i for i, s in enumerate(samples) if s.change is not None), len(samples))
     later = {s.joined.id if s.joined is not None else s.meta.id for s in samples[first:] if s.change is None}
     if not named & later:
         return [run for run in ([s for s in samples if s.change is None], changes) if run]
-    out: list[list[Sample]] = []
-    for s in samples:
-        if out and (s.change is None) == (out[-1][0].change is None):
-            out[-1].append(s)
-        else:
-            out.append([s])
-    return out
+    return [list(run) for _, run in groupby(samples, key=lambda s: s.change is None)]
 
 
 def build_learner(cfg: ServeConfig, n_classes: int) -> OnlineLearner:
-    """The learner around the model the factory builds from ``cfg`` (every part of the MePo bundle it has), scoring
-    novelty as ``--novelty.*`` says and calibrating its threshold on the stream."""
+    """The learner around the model ``cfg`` builds, scoring novelty and calibrating its threshold on the stream."""
     learner = OnlineLearner(create_model(model_config(cfg), n_classes, device()), cfg.learner)
     learner.novelty_score = cfg.novelty.score
     learner.novelty_threshold = NoveltyThreshold(cfg.novelty.false_alarm, cfg.novelty.half_life)
@@ -183,10 +143,8 @@ def build_learner(cfg: ServeConfig, n_classes: int) -> OnlineLearner:
 
 
 class Membership(Protocol):
-    """One learner alone, or a learner in a group: where its state persists and how its steps are cut and taken.
-
-    Every call but ``read`` (the rebalance's reading, on the thread it comes on), ``group_view`` (any reader) and the
-    following runs in the model thread; each is handed what it acts on and returns what the state applies."""
+    """Where a learner alone's or a group's state persists and how its steps are cut; every call but ``read``,
+    ``group_view`` and the following runs in the model thread, returning what the state applies."""
 
     def new_book(self, learn_replays: bool) -> StreamBook: ...
     def restore(self, learner: OnlineLearner, origin: Origin) -> Restored | None: ...
@@ -208,6 +166,7 @@ class Membership(Protocol):
                         on_error: Callable[[StateRefused], None]) -> None: ...
     def stop_following(self) -> None: ...
 
+
 def watch_drift(monitor: StreamMonitor, metrics: ServerMetrics, labels: torch.Tensor, pred: torch.Tensor | None,
                 seen_before: int) -> None:
     """Feed the test-then-train predictions (None before any class is known) to the drift monitor."""
@@ -219,27 +178,23 @@ def watch_drift(monitor: StreamMonitor, metrics: ServerMetrics, labels: torch.Te
 
 
 def checkpoint_due(s: LearnerState) -> bool:
-    """``--checkpoint_every`` samples were learned since the state's last capture, at least
-    ``--checkpoint_min_interval_s`` ago."""
+    """``--checkpoint_every`` samples learned since the last capture, ``--checkpoint_min_interval_s`` ago at least."""
     return (s.since_checkpoint >= s.cfg.checkpoint_every
             and time.monotonic() - s.captured_at >= s.cfg.checkpoint_min_interval_s)
 
 
 def changes_waiting(s: LearnerState) -> bool:
-    """A correction or deletion waits for its turn: the loop learns it once the topic goes quiet, without waiting for
-    samples to fill the mini-batch (a deletion's wait is its user's; a backlog still fills it)."""
+    """A correction or deletion waits: learned once the topic goes quiet, not waiting to fill the mini-batch."""
     return s.intake.corrections is not None and any(p.sample.change is not None for p in s.intake.book.pending)
 
 
 class LearnerState:
-    """The learning step over its intake, evaluation and persistence; shared by the learner thread (writes) and
-    request handlers (read the snapshot)."""
+    """The learning step over its intake, evaluation and persistence, owned by the model thread."""
 
     def __init__(self, cfg: ServeConfig, metrics: ServerMetrics, model_thread: ModelThread, learner: OnlineLearner,
                  class_names: dict[int, str], origin: Origin, evaluator: Evaluator, membership: Membership):
         self.cfg, self.metrics, self.model_thread, self.learner = cfg, metrics, model_thread, learner
         self.class_names, self.origin, self.evaluator = class_names, origin, evaluator
-        """``origin``: what this learner's snapshots and partition states share, and what a reader must match."""
         self.lock = threading.Lock()  # the model thread writes under it; the HTTP threads' view reads under it
         self.intake = Intake(cfg, learner, class_names, metrics, model_thread, self.lock, lambda: self.version,
                              membership.new_book(cfg.learn_replays))
@@ -253,20 +208,12 @@ class LearnerState:
         self.on_learned: Callable[[], None] | None = None  # told of every new version (the publisher)
         self.reporter = StateReporter(self.view, metrics)
         self.membership = membership
-        self.refusal: StateRefused | None = None
-        """Why learning must stop (a state another model wrote on the group's topic); the loop raises it."""
+        self.refusal: StateRefused | None = None  # why learning must stop (another model's state): the loop raises it
         self._snapshot: Snapshot | None = None
 
-    # --- serving ------------------------------------------------------------------------------------------
     @property
     def snapshot(self) -> Snapshot:
-        """What predictions use: the learner's newest version, made if the learner moved on since the last one, in
-        the model thread (a prediction's batch runs there; from any other thread, through its queue).
-
-        Why on demand: making one solves the LDA and copies the trainable state, work that a learner taking many
-        mini-batches a second would otherwise spend on every one of them, for snapshots nobody reads
-        (docs/performance.md).
-        """
+        """The newest version, made on demand in the model thread: not on every mini-batch (docs/performance.md)."""
         if self._snapshot is not None and self._snapshot.version == self.version:
             return self._snapshot
         return self._fresh() if self.model_thread.owns() else self.model_thread.run(self._fresh)
@@ -294,8 +241,8 @@ class LearnerState:
         with self.lock:  # the model thread moves it
             threshold = self.learner.novelty_threshold
             assert threshold is not None  # ``build_learner`` sets one
-            detection = threshold.detection()
-        return {"score": score, "threshold": threshold.threshold if math.isfinite(threshold.threshold) else None,
+            value, detection = threshold.threshold, threshold.detection()
+        return {"score": score, "threshold": value if math.isfinite(value) else None,
                 "false_alarm": threshold.false_alarm, "detection": None if math.isnan(detection) else detection}
 
     @property
@@ -303,30 +250,22 @@ class LearnerState:
         """Next offset per partition with every record before it handled: where a consumer seeks."""
         return self.intake.book.offsets
 
-    # --- learning -------------------------------------------------------------------------------------------
     @property
     def batch_limit(self) -> int:
-        """The most samples the next mini-batch may hold: the learner's batch size, cut at the next scheduled
-        any-time evaluation so that it runs exactly there, as in ``mepo evaluate``."""
+        """The learner's batch size, cut at the next scheduled any-time evaluation so it runs exactly there."""
         return self.evaluator.room(self.learner, self.cfg.learner.batch_size)
 
     def learn_pending(self) -> None:
-        """Learn the pending records in mini-batches of at most ``batch_limit`` (cut at a scheduled evaluation; in a
-        group, per partition), in one turn of the model thread, which takes them from the book itself."""
+        """Learn the pending records in mini-batches of at most ``batch_limit``, in one turn of the model thread."""
         self.model_thread.run(self._learn_pending)
 
     def accept(self, records: list) -> Booked:
-        """Book one poll's records (claim, decode, book, in offset order) in the model thread, learning nothing: what
-        the loop must send, and the numbers it steers by."""
+        """Book one poll's records in the model thread, learning nothing."""
         return self.model_thread.run(self._book, records, True)
 
     def accept_then_learn(self, records: list, booked: Future[Booked], writer_idle: bool) -> None:
-        """In the model thread: book ``records`` and hand back what the loop must send and steers by (``booked``),
-        then learn what is pending once a mini-batch is full, or once a poll came back empty.
-
-        A full mini-batch waits for the next turn where a checkpoint is due (and the writer idle): the loop's
-        capture, queued right behind this, then holds what was learned before this poll without waiting for
-        another step."""
+        """In the model thread: book ``records`` into ``booked``, then learn once a mini-batch is full or a poll came
+        back empty; not where a checkpoint is due, so the capture queued behind this need not wait for a step."""
         try:
             result = self._book(records, writer_idle)
         except BaseException as e:
@@ -348,23 +287,16 @@ class LearnerState:
         self.model_thread.check()
         for key, group in self.membership.groups(self.intake.book.pending):
             for run in runs_of_samples([p.sample for p in group]):
-                if run[0].change is not None:  # corrections and deletions in a row: one version
-                    self.learn(run, key)
-                    continue
-                while run:
-                    limit = self.batch_limit
-                    batch, run = run[:limit], run[limit:]
-                    self.learn(batch, key)
+                while run:  # corrections and deletions in a row: one version
+                    n = len(run) if run[0].change is not None else self.batch_limit
+                    self.learn(run[:n], key)
+                    run = run[n:]
         if (corrections := self.intake.corrections) is not None:  # the disk stays bounded without any correction
             corrections.expire(self.intake.stream_time)
 
     def learn(self, batch: list[Sample], key: str | None = None) -> None:
-        """Test-then-train one mini-batch (of partition ``key``, in a group) and run a due evaluation, then show the
-        new version: ``version`` and ``samples_seen`` move only once the step is whole, so a reader who sees them
-        sees the model behind them. A batch of corrections and deletions (``Sample.change``) applies them in order,
-        as one version.
-
-        It runs in the model thread only (``learn_pending``, or handed to it)."""
+        """Test-then-train one mini-batch (of partition ``key``), or apply a run of changes, as one version: ``version``
+        and ``samples_seen`` move only once the step is whole."""
         self.model_thread.check()
         if batch[0].change is not None:
             assert self.intake.corrections is not None
@@ -404,8 +336,7 @@ class LearnerState:
         self.announce(len(batch))
 
     def restore(self) -> None:
-        """Restore what the membership persisted (a learner alone: its checkpoint file's model, monitor, book,
-        join, sample table, curve and RNG), and show its version."""
+        """Restore what the membership persisted, and show its version."""
         self.model_thread.check()
         restored = self.membership.restore(self.learner, self.origin)
         if (saved := None if restored is None else restored.checkpoint) is not None:
@@ -448,8 +379,7 @@ class LearnerState:
         self.reporter.export()
 
     def on_idle(self) -> None:
-        """The topic is drained: snapshot the newest version (requests then never wait for it), and measure the
-        accuracy here (A_last of the stream so far) once per new stretch of learning."""
+        """The topic is drained: snapshot the newest version, and measure A_last once per stretch of learning."""
         self.model_thread.run(self._idle)
 
     def _idle(self) -> None:
@@ -461,19 +391,15 @@ class LearnerState:
             self.reporter.export()
 
     def reread(self) -> None:
-        """Forget what was read and not learned (``Intake.reread``): the loop reads it again from the book's
-        offsets, which ``positions`` tells."""
+        """Forget what was read and not learned: the loop reads it again from ``positions``."""
         self.model_thread.run(self.intake.reread)
 
     def positions(self, keys: list[str]) -> dict[str, int]:
         """Where each of these partitions stands in the book (the next offset to read): where a consumer seeks."""
         return self.model_thread.run(lambda: {k: o for k, o in self.intake.book.offsets.items() if k in keys})
 
-    # --- persisting -----------------------------------------------------------------------------------------
     def capture(self) -> Capture | None:
-        """A copy of everything the membership persists (``Capture``), taken in the model thread between two steps,
-        or None when it would equal the last one. The book counts its offsets as saved from here (a failed write
-        counts them unsaved again, and stops the loop)."""
+        """A copy of what the membership persists (None: unchanged); the book counts its offsets as saved from here."""
         return self.model_thread.run(self._capture)
 
     def _capture(self) -> Capture | None:
@@ -483,6 +409,7 @@ class LearnerState:
         book = self.intake.book
         with self.lock:
             moved = [(key, *book.partition(key)) for key in book.unsaved_keys()]
+            self.learner.flush_novelty()  # the scores waiting for the calibration are in the states captured
             captured = self.membership.capture(self._checkpoint, moved, self.intake.corrections)
             book.mark_saved(book.offsets)
             self.since_checkpoint, self.captured_at = 0, time.monotonic()
@@ -497,8 +424,7 @@ class LearnerState:
             None if corrections is None else corrections.checkpoint()))
 
     def write(self, captured: Capture) -> dict[str, int]:
-        """Persist what ``capture`` took (the membership's way) and time it; returns its offsets. A failed write
-        raises ``StateWriteFailed``, and the book no longer counts its offsets as saved."""
+        """Persist what ``capture`` took; returns its offsets, or raises ``StateWriteFailed`` and unsaves them."""
         start = time.perf_counter()
         try:
             self.membership.write(captured, self.intake.corrections)
@@ -510,14 +436,8 @@ class LearnerState:
         self.metrics.last_checkpoint.set(self.last_checkpoint_time)
         return captured.offsets
 
-    # --- a group's partitions come and go (``InGroup``; nothing for a learner alone) ---------------------------
-    def check_assignment(self, images: set[int], everything: set[int] | None) -> StateRefused | None:
-        """Whether this learner may learn these partitions of the image topic (``Membership.check_assignment``)."""
-        return self.membership.check_assignment(images, everything)
-
     def assign(self, keys: list[str]) -> None:
-        """Partitions assigned (the rebalance's thread): read their states here, then adopt them in the model
-        thread, each where its state stands."""
+        """Partitions assigned (the rebalance's thread): read their states here, adopt them in the model thread."""
         if (incoming := self.membership.read(keys, self.intake.corrections)) is not None:
             self.model_thread.run(self._adopt, keys, incoming)
 
@@ -536,8 +456,7 @@ class LearnerState:
         self.announce(0)
 
     def revoke(self, keys: list[str]) -> None:
-        """Partitions taken away, persisted just before: the membership lets them go, and so do the book and the
-        sample tables (a learner alone keeps them: its checkpoint holds them)."""
+        """Partitions taken away, persisted just before: the membership, book and sample tables let them go."""
         self.model_thread.run(self._let_go, keys)
 
     def _let_go(self, keys: list[str]) -> None:
@@ -550,7 +469,7 @@ class LearnerState:
         self.reporter.export()
 
     def merge_remote(self, remote: PartitionState) -> None:
-        """Another learner's newer state of a partition (the follower's thread): merged in the model thread."""
+        """Another learner's newer state of a partition (the follower's thread), merged in the model thread."""
         self.model_thread.run(self._merge, remote)
 
     def _merge(self, remote: PartitionState) -> None:
@@ -572,9 +491,6 @@ class LearnerState:
 
     def _refuse(self, refused: StateRefused) -> None:
         self.refusal = refused
-
-    def stop_following(self) -> None:
-        self.membership.stop_following()
 
 
 class Alone:
@@ -599,9 +515,7 @@ class Alone:
 
     def update(self, learner: OnlineLearner, images: torch.Tensor, labels: torch.Tensor, encoded: Encoded | None,
                key: str | None, positions: torch.Tensor) -> torch.Tensor | None:
-        """Fold the batch into the model (from ``encoded``, its encoding, where the caller has it); its
-        test-then-train predictions (None: not prequential) feed the drift monitor, and its novelty scores the
-        learner's threshold (at the learner's own sample count: ``positions`` are for a group)."""
+        """Score the batch's novelty, then fold it into the model; returns its test-then-train predictions (or None)."""
         if not self.cfg.prequential:  # scored for the novelty threshold all the same, before it is learned
             learner.observe_novelty(learner.encode(images) if encoded is None else encoded, labels)
             learner.observe(images, labels, encoded)
@@ -613,8 +527,7 @@ class Alone:
         return learner
 
     def check_assignment(self, images: set[int], everything: set[int] | None) -> StateRefused | None:
-        """A learner alone must have the whole topic: a second one in its group would split the stream between two
-        models that nothing adds up (None: it has; also while the partitions are not known yet)."""
+        """A learner alone must have the whole topic (None: it has, or the partitions are not known yet)."""
         if not everything or images == everything:
             return None
         kafka = self.cfg.kafka
@@ -628,7 +541,6 @@ class Alone:
 
     def capture(self, checkpoint: Callable[[], LearnerCheckpoint], moved: list[tuple[str, int | None, dict]],
                 corrections: Corrections | None) -> CheckpointCapture:
-        """A detached copy of everything the checkpoint holds."""
         saved = checkpoint()
         return CheckpointCapture(saved.position.offsets, saved.time, saved)
 
@@ -640,8 +552,7 @@ class Alone:
             corrections.settle(captured.checkpoint.corrections)
 
     def read(self, keys: list[str], corrections: Corrections | None) -> None:
-        """Partitions assigned: the checkpoint already holds where each one stands."""
-        return None
+        """The checkpoint already holds where each assigned partition stands."""
 
     def adopt(self, learner: OnlineLearner, keys: list[str], incoming: Incoming) -> list[Adopted]:
         return []
@@ -667,9 +578,7 @@ class Alone:
 
 def open_learner(cfg: ServeConfig, metrics: ServerMetrics, model_thread: ModelThread | None = None,
                  membership: Membership | None = None) -> LearnerState:
-    """The factory: list the classes, load the test split, build the model (seeded: the augmentation's draws
-    follow from the seed), then restore what ``membership`` persisted (default: this learner's checkpoint file),
-    all in the model thread (a new one unless given), which owns the state from then on."""
+    """Build the learner and restore what ``membership`` persisted (default: its checkpoint), in the model thread."""
     model_thread = model_thread or ModelThread()
     return model_thread.run(_open, cfg, metrics, model_thread, membership)
 

@@ -1,9 +1,8 @@
 """The learner loop: read the labelled image topic, hand each poll to the model thread, send the dead letters and
-predictions it hands back, checkpoint and commit (docs/architecture.md: the threads, what each owns, a record's path).
+predictions it hands back, checkpoint and commit (docs/architecture.md: the threads, what each owns).
 
-Offsets reach Kafka only through ``persist``: checkpoint first, then commit the same offsets. A crash therefore
-rolls model and offsets back together: records after the checkpoint are learned again once, none is lost or learned
-twice. A broker that cannot be reached makes the loop wait and retry (``mepo_learner_up`` 0) without losing anything.
+Offsets reach Kafka only through ``persist``: checkpoint first, then commit the same offsets, so a crash rolls model
+and offsets back together: none is lost or learned twice. An unreachable broker makes the loop wait and retry.
 """
 
 from __future__ import annotations
@@ -53,17 +52,12 @@ def send(producer: KafkaProducer | None, kafka: KafkaConfig, metrics: ServerMetr
 
 
 def fill_wait_ms(consumer: Consumer, labels_topic: str | None, changes_waiting: bool) -> int:
-    """How long a poll waits for samples to fill a partial mini-batch: 500 ms, but 20 where a correction or deletion
-    waits and nothing more is there to read (its user waits for it; records still to read fill the mini-batch)."""
-    if changes_waiting and not any(unread(consumer, labels_topic, Counter()).values()):
-        return 20
-    return 500
+    """500 ms to fill a partial mini-batch, but 20 where a change waits (its user does) and nothing is left to read."""
+    return 20 if changes_waiting and not any(unread(consumer, labels_topic, Counter()).values()) else 500
 
 
 def unread(consumer: Consumer, labels_topic: str | None, waiting: Counter[str]) -> dict[str, int]:
-    """Per image partition: records behind the high watermark plus those read but ``waiting`` for a mini-batch
-    (a partition without a position or a high watermark yet is left out). The labels topic's lag is the join's
-    backlog, not learning's."""
+    """Per image partition with a position and a high watermark: records behind it plus those ``waiting``."""
     lags = {}
     for key in consumer.assignment():
         if key.topic != labels_topic and (behind := consumer.unread(key)) is not None:
@@ -72,30 +66,21 @@ def unread(consumer: Consumer, labels_topic: str | None, waiting: Counter[str]) 
 
 
 def open_consumer(client: str, kafka: KafkaConfig, max_records: int) -> Consumer:
-    """The learner's consumer on ``client`` (``--consumer``, checked at start)."""
     if client == "librdkafka":
         return LibrdkafkaConsumer(kafka, **TIMING)
     return KafkaPythonConsumer(kafka, max_records, **TIMING)
 
 
-BROKER_ERRORS = (KafkaError, BrokerUnavailable)
-"""What a broker that cannot be reached raises: the consumer's type, and kafka-python's (producer, state topic)."""
+BROKER_ERRORS = (KafkaError, BrokerUnavailable)  # a broker that cannot be reached: the consumer's, kafka-python's
 
 
 class Persist(Enum):
     """The loop's occasions to write its state, each with whether it waits for the write and commits after."""
 
-    NOW = "now"
-    """Idle or stopping: write, wait for it, commit its offsets."""
-    BEFORE_REVOKE = "before_revoke"
-    """Partitions being revoked: write and wait, commit nothing (a blocking consumer call would stall the rebalance
-    that called)."""
-    ASKED = "asked"
-    """An admin's request: write in the checkpoint thread while the loop learns on; commit at the first turn after
-    it is on disk."""
-    IF_DUE = "if_due"
-    """The periodic write: as ``ASKED``, once ``--checkpoint_every`` samples were learned since the last capture, at
-    least ``--checkpoint_min_interval_s`` ago, and no write is in flight."""
+    NOW = "now"  # idle or stopping: write, wait for it, commit its offsets
+    BEFORE_REVOKE = "before_revoke"  # write and wait, commit nothing (a blocking call would stall the rebalance)
+    ASKED = "asked"  # an admin's: written while the loop learns on, committed at the first turn after it is on disk
+    IF_DUE = "if_due"  # the periodic write: as ``ASKED``, once ``checkpoint_due`` and no write is in flight
 
     @property
     def waits(self) -> bool:
@@ -163,8 +148,7 @@ class LearnerLoop(ConsumerThread):
         return None
 
     def take_over(self, assigned: tuple[PartitionKey, ...]) -> dict[PartitionKey, int]:
-        """On assignment: restore the partitions' state (in a group), or check that a learner alone has the whole
-        topic (a second one would split the stream between two models); each starts at the book's offset."""
+        """On assignment: restore the partitions' state, or check that a learner alone has the whole topic."""
         keys = [str(key) for key in assigned]
         try:
             self.state.assign(keys)
@@ -175,15 +159,13 @@ class LearnerLoop(ConsumerThread):
         if self.refusal is None and self.consumer is not None:
             everything = self.consumer.partitions_of(self.cfg.kafka.topic)  # None: not known yet
             images = {key.partition for key in assigned if key.topic != self.cfg.kafka.labels_topic}
-            self.refusal = self.state.check_assignment(images, everything)
+            self.refusal = self.state.membership.check_assignment(images, everything)
         log.info("assigned %s", keys)
         return {PartitionKey.parse(key): offset for key, offset in self.state.positions(keys).items()}
 
     def let_go(self, keys: list[str]) -> None:
-        """On revocation: learn what is pending and persist before another consumer takes the partitions over, then
-        let them go whatever happened. No commit (a blocking consumer call would stall the rebalance), and nothing
-        raises (``poll`` would, and the loop reconnect forever): a failed write stops the loop, a broker error
-        reconnects."""
+        """On revocation: learn what is pending and persist, then let the partitions go whatever happened; nothing
+        raises (``poll`` would, and the loop reconnect forever)."""
         try:
             if self.failure is None:  # after a failed write (the consumer closing), nothing more is written
                 self.learn_pending()
@@ -216,7 +198,6 @@ class LearnerLoop(ConsumerThread):
         self._close()
         self.writer.shutdown()
 
-    # --- the loop -----------------------------------------------------------------------------------------------
     def _consume(self) -> None:
         assert self.consumer is not None
         while not self.stop_event.is_set():
@@ -225,8 +206,7 @@ class LearnerLoop(ConsumerThread):
         self.persist()
 
     def _turn(self) -> None:
-        """A checkpoint asked for, or (unless paused) a poll; then, in this thread, what may wait for the broker or
-        the disk: the idle checkpoint, the commit of a checkpoint on disk, the periodic checkpoint, the lag."""
+        """A checkpoint asked for, or (unless paused) a poll; then what may wait for the broker or the disk."""
         self._check_rebalance()
         if self._checkpoint_request.is_set():
             self._checkpoint_request.clear()
@@ -247,10 +227,7 @@ class LearnerLoop(ConsumerThread):
         self.update_lag()
 
     def _read_while_learning(self) -> list:
-        """Read a poll while the model thread learns, and have it book the records and learn what is then due.
-
-        While a step runs the poll waits for nothing (the step learns everything pending); else it waits to fill the
-        pending mini-batch (``fill_wait_ms``). An empty poll learns what is pending (the topic went quiet)."""
+        """Poll while the model thread learns (waiting only to fill a mini-batch), then have it book and learn."""
         assert self.consumer is not None
         try:
             learning = self.booked.learns and self.stepping is not None and not self.stepping.done()
@@ -275,8 +252,7 @@ class LearnerLoop(ConsumerThread):
             raise
 
     def settle(self, raises: bool) -> None:
-        """Wait for the model thread's turn in flight; ``raises``: its error, if it failed (a step's error, since its
-        booking's is raised where it is handed back). A turn that learned leaves nothing waiting."""
+        """Wait for the model thread's turn in flight; ``raises``: its step's error, if it failed."""
         stepping, self.stepping = self.stepping, None
         if stepping is None:
             return
@@ -293,8 +269,7 @@ class LearnerLoop(ConsumerThread):
         self.booked = replace(self.booked, waiting=Counter())
 
     def _poll(self, wait_ms: int, max_records: int) -> list[Record]:
-        """Up to ``max_records`` records, images first (by partition and offset), then labels; a rebalance's outcome
-        is checked before any is booked, and every few seconds whether the broker answers."""
+        """Up to ``max_records`` records, images first (by partition and offset), then labels."""
         assert self.consumer is not None
         polled = self.consumer.poll(wait_ms, max_records)
         self._check_rebalance()
@@ -319,11 +294,8 @@ class LearnerLoop(ConsumerThread):
         send(self.producer, self.cfg.kafka, self.state.metrics, self.booked.outgoing)
 
     def persist(self, when: Persist = Persist.NOW) -> None:
-        """The one way offsets leave the loop: checkpoint model and offsets together, then commit the same offsets.
-
-        Dead letters are flushed first, so they are durable before the offsets that skip them. The commit never
-        precedes the checkpoint, and its failure is only logged: the checkpoint is the source of truth. One write is
-        in flight at a time."""
+        """The one way offsets leave the loop: flush the dead letters, checkpoint, then commit the same offsets (a
+        failed commit is only logged: the checkpoint is the truth). One write is in flight at a time."""
         if when is Persist.IF_DUE and self.writing is not None and not self.writing.done():
             return  # the next turn asks again
         self._finish_write(when.commits)
@@ -336,24 +308,17 @@ class LearnerLoop(ConsumerThread):
             self._finish_write(when.commits)
 
     def _finish_write(self, commit: bool) -> None:
-        """Wait for the checkpoint in flight to be on disk, then, if ``commit``, commit its offsets without waiting
-        (closing the consumer waits for them)."""
+        """Wait for the write in flight, then commit its offsets if ``commit``; a failure is kept in ``failure``."""
         if self.writing is None:
             return
-        offsets = self._written()
-        if commit and offsets and self.consumer is not None:
-            self.consumer.commit({PartitionKey.parse(key): offset for key, offset in offsets.items()})
-
-    def _written(self) -> dict[str, int]:
-        """The offsets of the checkpoint in flight, once on disk. A failed write raises here, in the loop, once: it
-        is kept in ``failure``, and learning stops."""
-        assert self.writing is not None
         writing, self.writing = self.writing, None
         try:
-            return writing.result()
+            offsets = writing.result()
         except StateWriteFailed as e:
             self.failure = e
             raise
+        if commit and offsets and self.consumer is not None:
+            self.consumer.commit({PartitionKey.parse(key): offset for key, offset in offsets.items()})
 
     def update_lag(self) -> None:
         assert self.consumer is not None

@@ -1,14 +1,9 @@
 """A partition's sample table on Kafka, for learners in a group: the table moves with its partition.
 
-As Kafka Streams backs a state store with a co-partitioned changelog topic, partition p of ``<state topic>.samples``
-holds the sample table changes of partition p of the image topic, and whoever is assigned p rebuilds the table from
-it: a record per changed id, keyed by the id's hash, valued by its entry (None: the id left the table).
-
-Its headers ``epoch`` and ``seq`` exist because a kill -9 may fall between a table's write and the partition state
-that includes it (``server.learner.partitioned``). Each owner writes under an epoch of its own and numbers its
-writes; the state names the last write it includes per epoch (``PartitionState.table``). A restore applies only the
-writes its state includes, and the new owner writes the skipped ids out again (``SampleTable.rebuild``), so a
-compaction that keeps a key's last record keeps one that some state includes.
+As Kafka Streams backs a state store, partition p of ``<state topic>.samples`` holds the table changes of image
+partition p: a record per changed id, keyed by its hash, valued by its entry (None: gone). Each owner numbers its
+writes under an epoch of its own (headers ``epoch``, ``seq``) and a partition state names the last write it includes
+per epoch, so a restore after a kill -9 applies only those, and writes the skipped ids out again.
 
 Example:
     >>> Write(2, "e1", 3, {b"k" * 16: None}).headers()
@@ -31,9 +26,8 @@ from server.learner.sample_table import Entry, SampleTable
 from server.snapshot_topic import close_quietly
 from server.state_topic import PartitionState
 
+# a day: a record no state includes is written over by the next owner before a compaction drops the one before it
 TOPIC_CONFIGS = {"cleanup.policy": "compact", "min.compaction.lag.ms": str(24 * 3600 * 1000)}
-"""Not within a day of its write: a record no state includes is written over by the partition's next owner before a
-compaction can drop the one before it."""
 
 
 @dataclass(frozen=True)
@@ -53,11 +47,6 @@ def included(record, committed: dict[str, int]) -> bool:
     """Whether a changelog record belongs to a write that ``committed`` (a state's epoch -> last seq) includes."""
     head = {k: v.decode() for k, v in record.headers or []}
     return int(head["seq"]) <= committed.get(head["epoch"], 0)
-
-
-def partition_of(key: str) -> int:
-    """The image topic partition of a book key ``topic:partition``: the changelog partition of its table."""
-    return PartitionKey.parse(key).partition
 
 
 class TableChangelog:
@@ -83,10 +72,8 @@ class TableChangelog:
             future.get(timeout=ACK_TIMEOUT_S)
         return sent
 
-    def restore(self, partition: int, committed: dict[str, int], table: SampleTable, timeout_s: float = 120.0
-                ) -> int:
-        """Fill ``table`` (empty) with the partition's records of the writes ``committed`` names (epoch -> last seq),
-        in order; returns how many records it skipped (writes no state includes: their keys are written again)."""
+    def restore(self, partition: int, committed: dict[str, int], table: SampleTable, timeout_s: float = 120.0) -> int:
+        """Fill ``table`` with the writes ``committed`` names (epoch -> last seq); returns how many it skipped."""
         consumer = KafkaConsumer(**self.kafka.client_options(), group_id=None, enable_auto_commit=False,
                                  auto_offset_reset="earliest", fetch_max_bytes=64 * 1024 * 1024)
         tp = TopicPartition(self.topic, partition)
@@ -119,23 +106,21 @@ class PartitionTables:
 
     def __init__(self, kafka: KafkaConfig):
         self.changelog = TableChangelog(kafka)
-        self.writes: dict[str, tuple[str, dict[str, int]]] = {}
-        """Per owned partition: this owner's epoch, and the changelog writes its next state includes."""
+        self.writes: dict[str, tuple[str, dict[str, int]]] = {}  # per partition: this owner's epoch, what it includes
 
     def restore(self, keys: list[str], states: dict[str, PartitionState], corrections: Corrections
                 ) -> dict[str, tuple[SampleTable, bool]]:
-        """Each partition's table rebuilt from the writes its state includes, and whether the changelog holds writes
-        it does not."""
+        """Each partition's table rebuilt from the writes its state includes, and whether the changelog holds more."""
         out = {}
         for key in keys:
             table = corrections.new_table(key)
-            skipped = self.changelog.restore(partition_of(key), states[key].table if key in states else {}, table)
+            committed = states[key].table if key in states else {}
+            skipped = self.changelog.restore(PartitionKey.parse(key).partition, committed, table)
             out[key] = (table, skipped > 0)
         return out
 
     def adopt(self, key: str, state: PartitionState | None) -> None:
-        """Own ``key`` from its state (None: none yet), under a new epoch: unique, so no two owners' writes of a
-        partition are ever taken for each other."""
+        """Own ``key`` from its state (None: none yet) under a new, unique epoch: no two owners' writes are confused."""
         self.writes[key] = (uuid.uuid4().hex, {} if state is None else dict(state.table))
 
     def drop(self, key: str) -> None:
@@ -154,4 +139,4 @@ class PartitionTables:
         if not changes:
             return None
         included[epoch] = seq
-        return Write(partition_of(key), epoch, seq, changes)
+        return Write(PartitionKey.parse(key).partition, epoch, seq, changes)

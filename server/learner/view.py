@@ -1,6 +1,5 @@
-"""What a learner's state shows of itself, read-only: the typed view its reporter (``server.learner.reporter``)
-turns into ``/v1/status`` and the Prometheus gauges. The state builds one on demand (``LearnerState.view``); the
-reporter never holds the state, so it can neither write it nor depend on its fields."""
+"""What a learner's state shows of itself: a read-only copy (``LearnerState.view``) the reporter turns into
+``/v1/status`` and the Prometheus gauges, never holding the state itself."""
 
 from __future__ import annotations
 
@@ -15,10 +14,8 @@ class GroupView:
     """A learner in a group (``--kafka.state_topic``): who learns which partitions, and each partition's samples."""
 
     learner_id: str
-    learners: dict[str, dict]
-    """Per learner: its ``partitions``, ``samples_per_second`` (since its last persist) and ``lag`` per partition."""
-    partition_samples: dict[str, int]
-    """What the model holds of each partition: this learner's own sums, or the newest state another one wrote."""
+    learners: dict[str, dict]  # per learner: its ``partitions``, ``samples_per_second`` and ``lag`` per partition
+    partition_samples: dict[str, int]  # what the model holds of each partition: own sums, or another's newest state
 
 
 @dataclass(frozen=True)
@@ -29,30 +26,21 @@ class LearnerView:
     version: int
     classes_seen: int
     class_names: dict[int, str]
-    curve: AnytimeCurve
-    """The any-time accuracy curve (empty without a test set)."""
-    class_accuracy: dict[int, float]
-    """Per class id, of the latest evaluation."""
-    idle_evaluation_due: bool
-    """The stream went idle after new learning and its accuracy there is not measured yet."""
+    curve: AnytimeCurve  # the any-time accuracy curve (empty without a test set)
+    class_accuracy: dict[int, float]  # per class id, of the latest evaluation
+    idle_evaluation_due: bool  # the stream went idle after new learning and its accuracy there is not measured yet
     prequential_samples: int
     prequential_cumulative: float
     prequential_rolling: float
     drift_events: list[dict]
     dead_lettered: int
     replays_skipped: int
-    last_checkpoint_time: float
-    """Wall time of the last checkpoint (NaN before the first)."""
-    last_learned_time: float
-    """Wall time of the last learned mini-batch (NaN before the first)."""
-    label_join: dict | None
-    """Labels that come later (``join_summary``); None where labels come with their images."""
-    group: GroupView | None
-    """None for a learner alone."""
-    corrections: dict | None = None
-    """Corrections and deletions applied and refused, and the sample table's size (None: not enabled)."""
-    novelty: dict | None = None
-    """The novelty score, its calibrated threshold (None: not yet), target and detection rate."""
+    last_checkpoint_time: float  # wall time (NaN before the first)
+    last_learned_time: float  # wall time of the last learned mini-batch (NaN before the first)
+    label_join: dict | None  # labels that come later (``join_summary``); None where they come with their images
+    group: GroupView | None  # None for a learner alone
+    corrections: dict | None = None  # changes applied and refused, and the sample table's size (None: not enabled)
+    novelty: dict | None = None  # the novelty score, its calibrated threshold (None: not yet), target, detection rate
 
 
 def join_summary(join: LabelJoin | None) -> dict | None:

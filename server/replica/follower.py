@@ -1,26 +1,11 @@
 """A prediction replica (``mepo replica``): the learner's snapshots, followed from the compacted snapshot
 topic and served through the same routers, in a process (or on a machine) of its own.
 
-Users who outgrow one process scale predictions out with replicas; the learner stays one ordered consumer. A
-replica needs the broker and the weights on its disk (the backbone's, and the bundle at the learner's ``--mepo``
-path or its own): the model's definition comes with every snapshot (the learner's ``ModelConfig``). It reads the
-snapshot topic from its beginning, with no consumer group: a restarted replica catches up from what the topic
-keeps. For each snapshot put back together (``server.snapshot_topic``):
-
-* a record that is not a well-formed part, or a blob whose sha256 or contents do not check out, is skipped and
-  counted (``mepo_replica_snapshots_refused_total{reason="corrupt"}``), never loaded;
-* an option given to the replica that contradicts the snapshot's configuration (``--backbone.img_size 112``
-  where the learner runs 84) is refused with a log line naming the option and both values (reason
-  ``backbone_mismatch`` for ``--backbone.*``, else ``incompatible``); so is a backbone or bundle whose sha256
-  differs from the learner's (the weights on this disk are not the learner's: ``backbone_mismatch``,
-  ``bundle_mismatch``), and tensors that do not fit the model (``incompatible``);
-* otherwise the factory builds the model (``mepo_stream.model.create_model``, once per configuration), the
-  tensors are loaded into it, and its inference copy becomes a new ``Snapshot``, swapped in by one reference
-  assignment: a request sees the old model or the new one, whole. A replica at version v answers exactly what
-  the learner answers at v.
-
-When the learner is down the replica keeps serving its last snapshot; when the broker is down too it retries
-every 2 s, still serving. ``/readyz`` is ready once a snapshot is loaded.
+A replica reads the topic from its beginning with no consumer group and builds the model each snapshot's
+``ModelConfig`` defines, with the backbone and bundle on its own disk. A snapshot is refused and counted
+(``mepo_replica_snapshots_refused_total{reason}``: ``corrupt``, ``backbone_mismatch``, ``bundle_mismatch``,
+``incompatible``), or swapped in by one reference assignment, so a replica at version v answers exactly what the
+learner answers at v. Without the learner or the broker it keeps serving its last snapshot.
 
 Example (a replica before its first snapshot: not ready, predictions answer 503):
     >>> NO_SNAPSHOT.version, NO_SNAPSHOT.exposed
@@ -47,14 +32,7 @@ from server.metrics import ServerMetrics
 from server.model_thread import ModelThread
 from server.serving import Serving
 from server.snapshot import Snapshot
-from server.snapshot_topic import (
-    Assembler,
-    CorruptSnapshot,
-    Origin,
-    SnapshotMessage,
-    decode,
-    ensure_snapshot_topic,
-)
+from server.snapshot_topic import Assembler, CorruptSnapshot, Origin, SnapshotMessage, decode, ensure_snapshot_topic
 from server.status import ReplicaReadiness, ReplicaStatus, ReplicaView
 
 log = logging.getLogger(__name__)
@@ -92,17 +70,15 @@ def contradictions(given, learner, default, prefix: str = "--") -> list[tuple[st
 
 
 class ReplicaModel:
-    """The model a snapshot defines: its ``ModelConfig`` (from the learner), built by the factory with the weights
-    and bundle on this machine, and checked against the hashes the learner published."""
+    """The model a snapshot's ``ModelConfig`` defines, built with the weights and bundle on this machine."""
 
     def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
         self._built: tuple[str, int, ContinualMethod] | None = None  # (config JSON, classes, model)
 
     def config(self, origin: Origin) -> ModelConfig:
-        """The learner's model configuration, with this replica's ``--mepo`` path if it has one (the same bundle
-        elsewhere on this disk); ``SnapshotRefused`` if an option of the replica contradicts it, or the bundle
-        differs."""
+        """The learner's model configuration with this replica's ``--mepo`` path, if any; ``SnapshotRefused`` if an
+        option contradicts it or the bundle differs."""
         learner = ModelConfig.from_json(origin.model_config)
         mine, unset = model_config(self.cfg), model_config(ServeConfig())
         mine_but_bundle, learner_but_bundle = replace(mine, mepo=BundleParts()), replace(learner, mepo=BundleParts())
@@ -153,6 +129,7 @@ class ReplicaState:
         self.published_at: float | None = None
         self.newest_version: int | None = None  # of the last snapshot record seen on the topic
         metrics.snapshot_age.set_function(lambda: self.age if self.age is not None else float("nan"))
+        metrics.replica_lag.set_function(lambda: self.lag)
 
     @property
     def loaded(self) -> bool:
@@ -177,26 +154,20 @@ class ReplicaState:
             return
         self.class_names = dict(enumerate(message.origin.class_names))
         self.snapshot, self.published_at = snapshot, message.published_at  # the swap
-        config = ModelConfig.from_json(message.origin.model_config)
-        bundles = ",".join(map(str, config.mepo.bundles))
-        self.metrics.info.info({"backbone": config.backbone.name, "mepo_bundle": bundles,
-                                "method": config.method, "role": "replica",
-                                "backbone_sha256": message.origin.backbone_sha256 or ""})
-        m = self.metrics
+        config, m = ModelConfig.from_json(message.origin.model_config), self.metrics
+        m.info.info({"backbone": config.backbone.name, "mepo_bundle": ",".join(map(str, config.mepo.bundles)),
+                     "method": config.method, "role": "replica",
+                     "backbone_sha256": message.origin.backbone_sha256 or ""})
         m.snapshot_load_seconds.observe(time.perf_counter() - start)
         m.snapshots_loaded.inc()
         m.model_version.set(snapshot.version)
         m.seen_classes.set(len(snapshot.exposed))
-        self.export_lag()
         log.info("serving snapshot version %d (%d samples, %d classes), published %.1f s ago", snapshot.version,
                  snapshot.samples_seen, len(snapshot.exposed), self.age)
 
     def refuse(self, reason: str, message: str) -> None:
         self.metrics.snapshots_refused.labels(reason).inc()
         log.error("%s [%s]; still serving version %d", message, reason, self.snapshot.version)
-
-    def export_lag(self) -> None:
-        self.metrics.replica_lag.set(self.lag)
 
     @property
     def lag(self) -> int:
@@ -214,9 +185,7 @@ class ReplicaState:
 
 
 class SnapshotFollower(ConsumerThread):
-    """The replica's loop: reads the snapshot topic in a thread and swaps in the newest complete snapshot of each
-    poll (older ones in the same poll are skipped: on a catch-up only the newest is loaded). Pausing stops
-    swapping in new snapshots; the current one keeps serving."""
+    """The replica's loop: swaps in the newest complete snapshot of each poll (none while paused)."""
 
     def __init__(self, state: ReplicaState):
         self.state, self.kafka = state, state.cfg.kafka
@@ -225,7 +194,6 @@ class SnapshotFollower(ConsumerThread):
         self.consumer: KafkaConsumer | None = None
         super().__init__("mepo-replica")
 
-    # --- the loop -----------------------------------------------------------------------------------------------
     def _run(self) -> None:
         while not self.stop_event.is_set():
             try:
@@ -244,10 +212,8 @@ class SnapshotFollower(ConsumerThread):
 
     def _connect(self) -> None:
         """Assign every partition of the snapshot topic, at the offsets reached so far or at its beginning."""
+        ensure_snapshot_topic(self.kafka)  # a replica needs --kafka.snapshot_topic: refused without one
         topic = self.kafka.snapshot_topic
-        if topic is None:
-            raise ValueError("a replica needs --kafka.snapshot_topic")
-        ensure_snapshot_topic(self.kafka)
         self.consumer = consumer = KafkaConsumer(
             **self.kafka.client_options(), group_id=None, enable_auto_commit=False, auto_offset_reset="earliest",
             max_partition_fetch_bytes=4 * self.kafka.snapshot_chunk_bytes, fetch_max_bytes=64 * 1024 * 1024)
@@ -282,7 +248,6 @@ class SnapshotFollower(ConsumerThread):
             self.state.newest_version = self.assembler.newest_version
             if newest is not None:
                 self.state.load(newest)
-            self.state.export_lag()
 
     def _probe(self, got_records: bool) -> None:
         """Records prove the broker answers; otherwise ask it every few seconds (and while disconnected)."""

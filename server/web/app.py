@@ -1,6 +1,5 @@
-"""The FastAPI application: routers, and a lifespan that starts the service it is given (and, with ``--grpc_port``,
-the Open Inference Protocol over gRPC beside it). It knows no role: ``server.serve`` hands ``create_app`` the
-function that starts a learner or a replica, and the routes reach the service only as a ``ServingModel``.
+"""The FastAPI application: routers, and a lifespan that starts the service it is given (a learner or a replica,
+seen only as a ``ServingModel``), with ``--grpc_port`` the Open Inference Protocol over gRPC beside it.
 
 Example (without ``with``, the test client runs no lifespan: no model is loaded and no broker is needed):
     >>> from fastapi.testclient import TestClient
@@ -41,18 +40,14 @@ log = logging.getLogger(__name__)
 
 
 def allowed_methods(app: FastAPI, path: str) -> str:
-    """Every method the app serves at ``path``, for a 405's ``Allow``: Starlette's names only the first matching
-    route's, and one path may be several routes' (``GET`` and ``DELETE /v1/samples/{id}``)."""
+    """Every method served at ``path``, for a 405's ``Allow`` (Starlette names only the first matching route's)."""
     return ", ".join(sorted({method for route in iter_route_contexts(app.routes) if route.methods
                              and route.path_regex.match(path) for method in route.methods}))
 
 
 def create_app(settings: ServeConfig, start: Starter | None = None) -> FastAPI:
-    """The app for ``settings``; ``start`` starts the service in the lifespan (without it, only liveness is served).
-
-    Once started, the lifespan freezes the heap (``gc.freeze``): the modules, the model and the app live as long as
-    the service, yet every full collection would scan them, holding the interpreter lock that the learning steps
-    and the requests need (docs/performance.md)."""
+    """The app for ``settings``; ``start`` starts the service in the lifespan (without it, only liveness is served),
+    which then freezes the heap so full collections skip it, not holding the GIL from learning (docs/performance.md)."""
     metrics = ServerMetrics(settings.role)
 
     @asynccontextmanager
@@ -67,7 +62,7 @@ def create_app(settings: ServeConfig, start: Starter | None = None) -> FastAPI:
             raise
         grpc = None if settings.grpc_port is None else serve_grpc(service, settings)
         gc.collect()
-        gc.freeze()  # the heap built so far (modules, model, app) stays: full collections skip it (see create_app)
+        gc.freeze()
         yield
         if grpc is not None:
             grpc.stop(grace=2).wait()
@@ -77,8 +72,7 @@ def create_app(settings: ServeConfig, start: Starter | None = None) -> FastAPI:
     # FastAPIOffline: /docs and /redoc serve their assets from the installed fastapi-offline package, no CDN
     app = FastAPIOffline(title="mepo-stream", version=__version__, lifespan=lifespan,
                   description="Streaming continual learner (MePo) with a real-time prediction API.")
-    app.state.settings = settings
-    app.state.metrics = metrics
+    app.state.settings, app.state.metrics = settings, metrics
     app.add_middleware(BodyLimit, settings=settings)
     app.add_middleware(PredictCounter, metrics=metrics)  # added last, so outside the limit: it counts its 413s
     for module in (predict, inference_v2, ops, samples, page):

@@ -1,7 +1,5 @@
-"""Pure ASGI middleware around every route: the request-body limits and the prediction-request counter. Both sit
-below the routers so that they hold on every path: a limit in a route runs after FastAPI has read the body, and a
-counter there misses the requests refused before it runs (docs/reliability.md).
-"""
+"""Pure ASGI middleware: the request-body limits and the prediction-request counter, below the routers so that they
+hold on every path, before FastAPI reads a body or refuses a request (docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -22,8 +20,7 @@ PREDICT_ROUTES = {"v1": re.compile(r"/v1/predict/?"), "v2": re.compile(r"/v2/mod
 
 
 def body_limit(settings: ServeConfig, headers: Headers) -> int:
-    """The most bytes a request body may have: one image for a raw image body, ``max_files`` images for a multipart
-    upload or a binary-extension inference request, as many base64-encoded images plus some JSON otherwise."""
+    """The most bytes a body may have: one image raw, else ``max_files`` images (base64 in JSON) and some JSON."""
     image, content_type = settings.limits.max_bytes, headers.get("content-type", "")
     if content_type.startswith("image/"):
         return image
@@ -35,17 +32,13 @@ def body_limit(settings: ServeConfig, headers: Headers) -> int:
 
 
 class BodyLimit:
-    """Refuses a body over ``body_limit`` with 413: at once from its Content-Length, else as soon as the bytes that
-    arrived pass the limit (a chunked upload has no Content-Length), before the route has buffered more.
-
-    A request that would take the bytes in flight past ``max_inflight_bytes`` while others are in flight gets 503
-    with Retry-After, so many large requests cannot take the server's memory. Counts run on the event loop: no lock."""
+    """413 for a body over ``body_limit`` (declared, or as it arrives), 503 with Retry-After for one that would pass
+    ``max_inflight_bytes`` beside others in flight. Counts run on the event loop: no lock."""
 
     RETRY_AFTER_S = 1
 
     def __init__(self, app: ASGIApp, settings: ServeConfig) -> None:
-        self.app = app
-        self.settings = settings
+        self.app, self.settings = app, settings
         self.inflight = 0  # body bytes held by the requests in flight
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -60,8 +53,7 @@ class BodyLimit:
                                  "too_large")(scope, receive, send)
             return
         if declared is not None and not self._room(declared):
-            await error_response(*self._busy(), headers={"Retry-After": str(self.RETRY_AFTER_S)})(
-                scope, receive, send)
+            await error_response(*self._busy(), headers={"Retry-After": str(self.RETRY_AFTER_S)})(scope, receive, send)
             return
         held = declared or 0
         self.inflight += held
@@ -96,12 +88,10 @@ class BodyLimit:
 
 
 class PredictCounter:  # pragma: no mutate block (metrics: tests/test_http_api.py)
-    """Counts every prediction request, those refused before their route ran included (not an unhandled error's 500:
-    Starlette renders it outside every middleware)."""
+    """Counts every prediction request, those refused before their route ran included (not an unhandled 500)."""
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
+        self.app, self.metrics = app, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         protocol = next((p for p, route in PREDICT_ROUTES.items()

@@ -1,8 +1,5 @@
-"""The served OpenAPI schema: FastAPI's, with the bounds that only the running app knows written in.
-
-A route's models are built at import, yet the model's name, the images a request may hold and the class count are
-fixed only once the app runs, and the routes refuse what breaks them: in the schema, clients and the fuzz test see
-those refusals coming. The class count is read on each request: a replica learns it from its first snapshot.
+"""The served OpenAPI schema: FastAPI's, with the bounds only the running app knows (the model's name, the images a
+request may hold, the class count), so clients and the fuzz test see the routes' refusals coming.
 
 Example (no service yet: no class count, so no label bound):
     >>> from server.config import ServeConfig

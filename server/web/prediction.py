@@ -16,13 +16,11 @@ STATUS_BY_REASON = {"too_large": 413, "too_many_pixels": 413}
 
 
 def decode_all(items: list[tuple[str, bytes]], settings: ServeConfig, limits: ImageLimits) -> list[torch.Tensor]:
-    """uint8 images [3, S, S] each, S ``limits.size`` (stacked in the model thread, which runs every tensor op that
-    PyTorch may parallelise); the first bad one fails the request with a 4xx naming it."""
+    """uint8 images [3, S, S] each, unstacked (the model thread stacks); the first bad one fails the request."""
     if not items:
         raise ApiError(400, "no image in the request", "no_image")
     if len(items) > settings.max_files:
-        raise ApiError(413, f"{len(items)} images in one request; the limit is {settings.max_files}",
-                       "too_many_files")
+        raise ApiError(413, f"{len(items)} images in one request; the limit is {settings.max_files}", "too_many_files")
     images = []
     for name, data in items:
         try:
@@ -34,8 +32,7 @@ def decode_all(items: list[tuple[str, bytes]], settings: ServeConfig, limits: Im
 
 def predict_uploads(service: ServingModel, items: list[tuple[str, bytes]], settings: ServeConfig,
                     top_k: int) -> tuple[dict, list[dict]]:
-    """Decode and predict in one call: a route hands a request to a worker thread once, not once per step (each
-    hand-over costs the event loop a wake-up)."""
+    """Decode and predict in one call: one hand-over to a worker thread, one wake-up of the event loop."""
     return predict_images(service, decode_all(items, settings, upload_limits(service, settings)), top_k)
 
 
@@ -50,8 +47,7 @@ def upload_limits(service: ServingModel, settings: ServeConfig) -> ImageLimits:
 
 
 def predict_images(service: ServingModel, images: list[torch.Tensor], top_k: int) -> tuple[dict, list[dict]]:
-    """Per image from the current snapshot: its top-k labels, novelty score and flag (``Answers.rows``); and the
-    snapshot's identity."""
+    """The answering snapshot's identity, and per image its top-k labels, novelty score and flag."""
     start = time.perf_counter()
     try:
         answers = service.predict(images)

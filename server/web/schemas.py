@@ -1,8 +1,5 @@
-"""The typed answers of every route: what the OpenAPI schema promises and what the routes return.
-
-Each route declares one of these as its return type, so FastAPI validates and serialises the answer against
-the model the served schema shows; the fuzz test (``tests/test_reliability.py``, schemathesis's
-``response_schema_conformance``) checks real answers against it. Errors are ``server.web.dependencies.ErrorBody``.
+"""The typed answers of the /v1 routes, declared as their return types, so FastAPI validates each answer against the
+served schema (the Open Inference Protocol's are ``server.web.routers.inference_v2``'s).
 
 Example:
     >>> Label(label=3, name="cat", probability=0.91).model_dump()
@@ -20,7 +17,6 @@ from server.status import Readiness, Status
 __all__ = ["Readiness", "Status"]  # the operations routes' answers, which the roles build (server.status)
 
 
-# --- /v1 ----------------------------------------------------------------------------------------------------------
 class Label(BaseModel):
     """One of an image's top-k classes."""
 
@@ -57,126 +53,3 @@ class Action(BaseModel):
     """What an admin action did (``checkpoint requested``, ``paused``, ``resumed``)."""
 
     status: str
-
-
-# --- /v2: the Open Inference Protocol (and Triton's extensions) ---------------------------------------------------
-class ServerMetadata(BaseModel):
-    name: str
-    version: str
-    extensions: list[str]
-
-
-class ServerLive(BaseModel):
-    live: bool
-
-
-class ServerReady(BaseModel):
-    ready: bool
-
-
-class TensorMetadata(BaseModel):
-    name: str
-    datatype: str
-    shape: list[int]
-
-
-class ModelMetadata(BaseModel):
-    name: str
-    versions: list[str]
-    platform: str
-    inputs: list[TensorMetadata]
-    outputs: list[TensorMetadata]
-
-
-class ModelReady(BaseModel):
-    name: str
-    ready: bool
-
-
-class ConfigTensor(BaseModel):
-    name: str
-    data_type: str
-    dims: list[int]
-
-
-class StringValue(BaseModel):
-    string_value: str
-
-
-class ModelConfiguration(BaseModel):
-    """Triton's model-configuration extension."""
-
-    name: str
-    platform: str
-    backend: str
-    max_batch_size: int
-    input: list[ConfigTensor]
-    output: list[ConfigTensor]
-    parameters: dict[str, StringValue]
-
-
-class Duration(BaseModel):
-    count: int
-    ns: int
-
-
-class InferenceStatistics(BaseModel):
-    success: Duration
-    fail: Duration
-
-
-class ModelStatistics(BaseModel):
-    name: str
-    version: str
-    last_inference: int
-    inference_count: int
-    execution_count: int
-    inference_stats: InferenceStatistics
-
-
-class ModelStatisticsList(BaseModel):
-    """Triton's statistics extension."""
-
-    model_stats: list[ModelStatistics]
-
-
-class RepositoryModel(BaseModel):
-    """An entry of Triton's model-repository index."""
-
-    name: str
-    version: str
-    state: Literal["READY", "UNAVAILABLE"]
-    reason: str
-
-
-class RawSize(BaseModel):
-    binary_data_size: int = Field(description="Bytes of this output in the raw data after the JSON header")
-
-
-class InferOutput(BaseModel):
-    """An output in JSON (``data``, row-major), or raw after the JSON header (``parameters.binary_data_size``)."""
-
-    name: str
-    datatype: Literal["INT64", "FP32", "BOOL"]
-    shape: list[int]
-    data: list[int] | list[float] | list[bool] | None = None
-    parameters: RawSize | None = None
-
-
-class InferParametersOut(BaseModel):
-    samples_seen: int
-    names: list[list[str]] = Field(description="The class name of each label, per image")
-    novelty_threshold: float | None = Field(None, description="Above it ``novel`` is true (null: not calibrated "
-                                                              "yet)")
-
-
-class InferResponse(BaseModel):
-    """``label`` (INT64 [N, k]), ``probability`` (FP32 [N, k]), ``novelty`` (FP32 [N]) and ``novel`` (BOOL [N])
-    per request."""
-
-    model_config = ConfigDict(protected_namespaces=())
-    model_name: str
-    model_version: str
-    id: str | None
-    parameters: InferParametersOut
-    outputs: list[InferOutput]

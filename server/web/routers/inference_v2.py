@@ -1,11 +1,9 @@
-"""The Open Inference Protocol (KServe v2) REST routes, for KServe/Triton-style clients.
+"""The Open Inference Protocol (KServe v2) REST routes and their models, for KServe/Triton-style clients.
 
-Images travel as one ``BYTES`` input of shape ``[N]``: in JSON, ``data`` holds base64-encoded JPEG/PNG files; in
-Triton's binary tensor data extension (what ``tritonclient.http`` sends by default), the JSON header of
-``Inference-Header-Content-Length`` bytes gives the input ``parameters.binary_data_size`` and the raw files follow
-it (``server.oip``). The answer has two outputs: ``label`` (INT64 ``[N, k]``) and ``probability`` (FP32 ``[N, k]``),
-plus ``parameters.names`` with the class names; an output asked for with ``binary_data`` (or every output, with
-``parameters.binary_data_output``) comes back raw after a JSON header in the same way.
+Images travel as one ``BYTES`` input (``server.oip``): in JSON, ``data`` holds base64-encoded files; in Triton's
+binary tensor data extension (``tritonclient.http``'s default), they follow a JSON header of
+``Inference-Header-Content-Length`` bytes whose input gives ``parameters.binary_data_size``. An output asked for with
+``binary_data`` (or every output, with ``parameters.binary_data_output``) comes back raw after a JSON header alike.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ import base64
 import json
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Path, Request
+from fastapi import APIRouter, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -22,51 +20,21 @@ from pydantic.config import JsonDict
 from starlette.concurrency import run_in_threadpool
 
 from mepo_stream import __version__
-from server.config import ServeConfig
-from server.oip import (
-    INPUT_NAME,
-    OUTPUTS,
-    SHAPES,
-    TRITON_TYPES,
-    TensorError,
-    deserialize_bytes,
-    model_metadata,
-    output_arrays,
-)
+from server import oip
 from server.serving import ServingModel
-from server.web.dependencies import ApiError, errors, get_service, get_settings
+from server.web.dependencies import ApiError, Service, Settings, errors, served_model
 from server.web.prediction import predict_uploads
-from server.web.schemas import (
-    ConfigTensor,
-    Duration,
-    InferenceStatistics,
-    InferOutput,
-    InferParametersOut,
-    InferResponse,
-    ModelConfiguration,
-    ModelMetadata,
-    ModelReady,
-    ModelStatistics,
-    ModelStatisticsList,
-    RepositoryModel,
-    ServerLive,
-    ServerMetadata,
-    ServerReady,
-    StringValue,
-)
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"], strict_content_type=False)
-MAX_TOP_K = 100
 HEADER_LENGTH = "inference-header-content-length"
 ModelName = Annotated[str, Path(description="The served model's name (`--model_name`)", examples=["mepo"])]
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
-"""The extensions of the protocol these routes implement, by the names Triton gives them: clients read them from
-``GET /v2`` to know what they may call (the model-repository extension is left out: only its index is here)."""
+"""The protocol's extensions (Triton's names) that ``GET /v2`` tells clients they may call (of the model repository's,
+only the index is here)."""
 
 
 BASE64 = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
-"""Standard base64 with its padding, as a pattern: the schema tells clients and the validation refuses (naming the
-item) what the route could not decode."""
+"""Standard padded base64: the schema tells clients, and the validation refuses, what the route could not decode."""
 
 
 class TensorParameters(BaseModel):
@@ -78,10 +46,8 @@ class TensorParameters(BaseModel):
     binary_data: bool = Field(default=None)  # type: ignore[assignment]
 
 
-DATA_OR_RAW: JsonDict = {"oneOf": [
-    {"required": ["data"]},
-    {"required": ["parameters"], "properties": {"parameters": {"type": "object", "required": ["binary_data_size"]}}},
-]}
+DATA_OR_RAW: JsonDict = {"oneOf": [{"required": ["data"]}, {"required": ["parameters"], "properties": {
+    "parameters": {"type": "object", "required": ["binary_data_size"]}}}]}
 """An input's data is in ``data`` or raw after the JSON header, never both (``InferInput``'s check, in JSON Schema)."""
 
 
@@ -124,7 +90,7 @@ class InferParameters(BaseModel):
     ``binary_data_output`` (every output raw); other parameters clients send are ignored."""
 
     model_config = ConfigDict(extra="allow", strict=True)
-    top_k: int = Field(default=None, ge=1, le=MAX_TOP_K,  # type: ignore[assignment]
+    top_k: int = Field(default=None, ge=1, le=oip.MAX_TOP_K,  # type: ignore[assignment]
                        description="labels per image; default the server's --top_k")
     binary_data_output: bool = Field(default=False)
 
@@ -138,6 +104,127 @@ class InferRequest(BaseModel):
     parameters: InferParameters = Field(default=None)  # type: ignore[assignment]
     inputs: list[InferInput] = Field(min_length=1, max_length=1)
     outputs: list[RequestedOutput] = Field(default=None)  # type: ignore[arg-type]
+
+
+class ServerMetadata(BaseModel):
+    name: str
+    version: str
+    extensions: list[str]
+
+
+class ServerLive(BaseModel):
+    live: bool
+
+
+class ServerReady(BaseModel):
+    ready: bool
+
+
+class TensorMetadata(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int]
+
+
+class ModelMetadata(BaseModel):
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[TensorMetadata]
+    outputs: list[TensorMetadata]
+
+
+class ModelReady(BaseModel):
+    name: str
+    ready: bool
+
+
+class ConfigTensor(BaseModel):
+    name: str
+    data_type: str
+    dims: list[int]
+
+
+class StringValue(BaseModel):
+    string_value: str
+
+
+class ModelConfiguration(BaseModel):
+    """Triton's model-configuration extension."""
+
+    name: str
+    platform: str
+    backend: str
+    max_batch_size: int
+    input: list[ConfigTensor]
+    output: list[ConfigTensor]
+    parameters: dict[str, StringValue]
+
+
+class Duration(BaseModel):
+    count: int
+    ns: int
+
+
+class InferenceStatistics(BaseModel):
+    success: Duration
+    fail: Duration
+
+
+class ModelStatistics(BaseModel):
+    name: str
+    version: str
+    last_inference: int
+    inference_count: int
+    execution_count: int
+    inference_stats: InferenceStatistics
+
+
+class ModelStatisticsList(BaseModel):
+    """Triton's statistics extension."""
+
+    model_stats: list[ModelStatistics]
+
+
+class RepositoryModel(BaseModel):
+    """An entry of Triton's model-repository index."""
+
+    name: str
+    version: str
+    state: Literal["READY", "UNAVAILABLE"]
+    reason: str
+
+
+class RawSize(BaseModel):
+    binary_data_size: int = Field(description="Bytes of this output in the raw data after the JSON header")
+
+
+class InferOutput(BaseModel):
+    """An output in JSON (``data``, row-major), or raw after the JSON header (``parameters.binary_data_size``)."""
+
+    name: str
+    datatype: Literal["INT64", "FP32", "BOOL"]
+    shape: list[int]
+    data: list[int] | list[float] | list[bool] | None = None
+    parameters: RawSize | None = None
+
+
+class InferParametersOut(BaseModel):
+    samples_seen: int
+    names: list[list[str]] = Field(description="The class name of each label, per image")
+    novelty_threshold: float | None = Field(None, description="Above it ``novel`` is true (null: not calibrated yet)")
+
+
+class InferResponse(BaseModel):
+    """``label`` (INT64 [N, k]), ``probability`` (FP32 [N, k]), ``novelty`` (FP32 [N]) and ``novel`` (BOOL [N])
+    per request."""
+
+    model_config = ConfigDict(protected_namespaces=())
+    model_name: str
+    model_version: str
+    id: str | None
+    parameters: InferParametersOut
+    outputs: list[InferOutput]
 
 
 def inline_schema(model: type[BaseModel]) -> dict:
@@ -160,12 +247,6 @@ INFER_BODY = {"requestBody": {"required": True, "content": {"application/json": 
 """The infer route reads its body itself (a binary-extension body is not JSON), so the schema is declared here."""
 
 
-def _model(name: str, settings: ServeConfig) -> None:
-    """404 for any model but the one served."""
-    if name != settings.model_name:
-        raise ApiError(404, f"unknown model {name!r}; this server serves {settings.model_name!r}", "unknown_model")
-
-
 @router.get("", summary="Server metadata")
 def server_metadata() -> ServerMetadata:
     return ServerMetadata(name="mepo-stream", version=__version__, extensions=EXTENSIONS)
@@ -177,7 +258,7 @@ def live() -> ServerLive:
 
 
 @router.get("/health/ready", summary="Server readiness", responses=errors(503))
-def ready(service: Annotated[ServingModel, Depends(get_service)]) -> ServerReady:
+def ready(service: Service) -> ServerReady:
     if not (readiness := service.readiness()).ready:
         failed = ", ".join(k for k, ok in readiness.checks.items() if not ok)
         raise ApiError(503, f"not ready: {failed} false", "not_ready")
@@ -185,67 +266,58 @@ def ready(service: Annotated[ServingModel, Depends(get_service)]) -> ServerReady
 
 
 def _statistics(name: str, service: ServingModel) -> ModelStatistics:
-    """Triton's per-model statistics from the service's Prometheus series (both protocols: one model serves
-    them); durations in nanoseconds, successes being the 200 answers."""
+    """Triton's per-model statistics from the Prometheus series of both protocols; successes are the 200 answers."""
     metrics = service.metrics
     counts = [s for m in metrics.predict_requests.collect() for s in m.samples if s.name.endswith("_total")]
     success = int(sum(s.value for s in counts if s.labels["status"] == "200"))
-    seconds = metrics.registry.get_sample_value("mepo_predict_duration_seconds_sum") or 0.0
-    return ModelStatistics(
-        name=name, version=str(service.snapshot.version), last_inference=0, inference_count=success,
-        execution_count=success,
-        inference_stats=InferenceStatistics(success=Duration(count=success, ns=int(seconds * 1e9)),
-                                            fail=Duration(count=int(sum(s.value for s in counts)) - success, ns=0)),
-    )
+    ns = int((metrics.registry.get_sample_value("mepo_predict_duration_seconds_sum") or 0.0) * 1e9)
+    failed = int(sum(s.value for s in counts)) - success
+    stats = InferenceStatistics(success=Duration(count=success, ns=ns), fail=Duration(count=failed, ns=0))
+    return ModelStatistics(name=name, version=str(service.snapshot.version), last_inference=0, inference_count=success,
+                           execution_count=success, inference_stats=stats)
 
 
 # declared before /models/{name}, which would match it
-@router.get("/models/stats", summary="Statistics of every model (Triton's statistics extension)",
-            responses=errors(503))
-def all_statistics(service: Annotated[ServingModel, Depends(get_service)],
-                   settings: Annotated[ServeConfig, Depends(get_settings)]) -> ModelStatisticsList:
+@router.get("/models/stats", summary="Statistics of every model (Triton's statistics extension)", responses=errors(503))
+def all_statistics(service: Service, settings: Settings) -> ModelStatisticsList:
     return ModelStatisticsList(model_stats=[_statistics(settings.model_name, service)])
 
 
 @router.get("/models/{name}", summary="Model metadata", responses=errors(404, 422))
-def model_metadata_route(name: ModelName, settings: Annotated[ServeConfig, Depends(get_settings)]) -> ModelMetadata:
-    _model(name, settings)
-    return ModelMetadata(**model_metadata(name))
+def model_metadata_route(name: ModelName, settings: Settings) -> ModelMetadata:
+    served_model(name, settings)
+    return ModelMetadata(**oip.model_metadata(name))
 
 
 @router.get("/models/{name}/ready", summary="Model readiness", responses=errors(404, 422, 503))
-def model_ready(name: ModelName, service: Annotated[ServingModel, Depends(get_service)],
-                settings: Annotated[ServeConfig, Depends(get_settings)]) -> ModelReady:
-    _model(name, settings)
+def model_ready(name: ModelName, service: Service, settings: Settings) -> ModelReady:
+    served_model(name, settings)
     return ModelReady(name=name, ready=bool(service.snapshot.exposed))
 
 
 @router.get("/models/{name}/config", summary="Model configuration (Triton's model-configuration extension)",
             responses=errors(404, 422))
-def model_config(name: ModelName, settings: Annotated[ServeConfig, Depends(get_settings)]) -> ModelConfiguration:
-    _model(name, settings)
+def model_config(name: ModelName, settings: Settings) -> ModelConfiguration:
+    served_model(name, settings)
     return ModelConfiguration(
         name=name, platform="pytorch", backend="mepo-stream", max_batch_size=0,
-        input=[ConfigTensor(name=INPUT_NAME, data_type=TRITON_TYPES["BYTES"], dims=[-1])],
-        output=[ConfigTensor(name=out, data_type=TRITON_TYPES[kind], dims=SHAPES[out])
-                for out, kind in OUTPUTS.items()],
+        input=[ConfigTensor(name=oip.INPUT_NAME, data_type=oip.TRITON_TYPES["BYTES"], dims=[-1])],
+        output=[ConfigTensor(name=out, data_type=oip.TRITON_TYPES[kind], dims=oip.SHAPES[out])
+                for out, kind in oip.OUTPUTS.items()],
         parameters={"top_k": StringValue(string_value=str(settings.top_k)),
-                    "max_images": StringValue(string_value=str(settings.max_files))},
-    )
+                    "max_images": StringValue(string_value=str(settings.max_files))})
 
 
 @router.get("/models/{name}/stats", summary="Model statistics (Triton's statistics extension)",
             responses=errors(404, 422, 503))
-def model_statistics(name: ModelName, service: Annotated[ServingModel, Depends(get_service)],
-                     settings: Annotated[ServeConfig, Depends(get_settings)]) -> ModelStatisticsList:
-    _model(name, settings)
+def model_statistics(name: ModelName, service: Service, settings: Settings) -> ModelStatisticsList:
+    served_model(name, settings)
     return ModelStatisticsList(model_stats=[_statistics(name, service)])
 
 
 @router.post("/repository/index", summary="Model repository index (Triton's model-repository extension)",
              responses=errors(503))
-def repository_index(service: Annotated[ServingModel, Depends(get_service)],
-                     settings: Annotated[ServeConfig, Depends(get_settings)]) -> list[RepositoryModel]:
+def repository_index(service: Service, settings: Settings) -> list[RepositoryModel]:
     ready = bool(service.snapshot.exposed)
     return [RepositoryModel(name=settings.model_name, version=str(service.snapshot.version),
                             state="READY" if ready else "UNAVAILABLE",
@@ -264,16 +336,15 @@ def parse_infer(body: bytes, header_length: str | None) -> tuple[InferRequest, l
     except ValidationError as e:
         raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from e
     tensor, raw = request.inputs[0], memoryview(body)[split:]
-    size = tensor.raw_size
     if tensor.data is not None:  # base64 (``BASE64``), and no binary_data_size (``InferInput.data_or_raw``)
         items = [base64.b64decode(d) for d in tensor.data]
-    elif size != len(raw):
-        raise ApiError(400, f"inputs[0] says {size} binary bytes but {len(raw)} follow the JSON header",
+    elif tensor.raw_size != len(raw):
+        raise ApiError(400, f"inputs[0] says {tensor.raw_size} binary bytes but {len(raw)} follow the JSON header",
                        "invalid_request")
     else:
         try:
-            items = deserialize_bytes(raw, tensor.shape[0])
-        except TensorError as e:
+            items = oip.deserialize_bytes(raw, tensor.shape[0])
+        except oip.TensorError as e:
             raise ApiError(400, f"inputs[0]: {e}", "invalid_request") from e
     if tensor.shape != [len(items)]:
         raise ApiError(400, f"shape {tensor.shape} does not match {len(items)} data items", "invalid_request")
@@ -282,20 +353,21 @@ def parse_infer(body: bytes, header_length: str | None) -> tuple[InferRequest, l
 
 def infer_answer(name: str, request: InferRequest, meta: dict, rows: list[dict]) -> InferResponse | Response:
     """The outputs asked for (all by default), in JSON, or with the raw ones after a JSON header."""
-    arrays, default_raw = output_arrays(rows), bool(request.parameters and request.parameters.binary_data_output)
-    asked = request.outputs or [RequestedOutput.model_validate({"name": out}) for out in OUTPUTS]
+    arrays, default_raw = oip.output_arrays(rows), bool(request.parameters and request.parameters.binary_data_output)
+    asked = request.outputs or [RequestedOutput.model_validate({"name": out}) for out in oip.OUTPUTS]
     outputs: list[InferOutput] = []
     raw: list[bytes] = []
     for out in asked:
         array = arrays[out.name]  # [N, k]
-        wants_raw = out.parameters.binary_data if out.parameters and out.parameters.binary_data is not None \
-            else default_raw
-        tensor = {"name": out.name, "datatype": OUTPUTS[out.name], "shape": list(array.shape)}
-        if wants_raw:
+        tensor = InferOutput.model_validate({"name": out.name, "datatype": oip.OUTPUTS[out.name],
+                                             "shape": list(array.shape)})
+        wants_raw = out.parameters and out.parameters.binary_data  # None: as ``binary_data_output`` says
+        if default_raw if wants_raw is None else wants_raw:
             raw.append(array.tobytes())
-            outputs.append(InferOutput.model_validate({**tensor, "parameters": {"binary_data_size": len(raw[-1])}}))
+            tensor.parameters = RawSize(binary_data_size=len(raw[-1]))
         else:
-            outputs.append(InferOutput.model_validate({**tensor, "data": array.ravel().tolist()}))
+            tensor.data = array.ravel().tolist()
+        outputs.append(tensor)
     answer = InferResponse(model_name=name, model_version=str(meta["model_version"]), id=request.id,
                            parameters=InferParametersOut(samples_seen=meta["samples_seen"],
                                                          names=[[c["name"] for c in r["top_k"]] for r in rows],
@@ -310,9 +382,8 @@ def infer_answer(name: str, request: InferRequest, meta: dict, rows: list[dict])
 
 @router.post("/models/{name}/infer", summary="Inference", response_model=InferResponse, openapi_extra=INFER_BODY,
              response_model_exclude_none=True, responses=errors(400, 404, 413, 422, 503))
-async def infer(name: ModelName, raw: Request, service: Annotated[ServingModel, Depends(get_service)],
-                settings: Annotated[ServeConfig, Depends(get_settings)]) -> Any:
-    _model(name, settings)
+async def infer(name: ModelName, raw: Request, service: Service, settings: Settings) -> Any:
+    served_model(name, settings)
     request, items = parse_infer(await raw.body(), raw.headers.get(HEADER_LENGTH))
     top_k = (request.parameters and request.parameters.top_k) or settings.top_k
     named = [(f"{request.inputs[0].name}[{i}]", data) for i, data in enumerate(items)]

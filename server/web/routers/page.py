@@ -1,8 +1,5 @@
-"""``GET /``: the live page, so a person who runs ``mepo demo`` sees the learner work without Grafana.
-
-The page is static HTML, CSS and hand-written JavaScript from ``server/web/static`` (no build step, nothing fetched
-from the internet). It polls ``/v1/status`` and posts to ``/v1/predict`` with URLs relative to itself, so it works
-on any process that serves those routes, behind a path prefix too.
+"""``GET /``: the live page of ``mepo demo``, static files from ``server/web/static`` (nothing from the internet) that
+poll ``/v1/status`` and post to ``/v1/predict`` with relative URLs, so it works behind a path prefix too.
 
 Example:
     >>> from fastapi import FastAPI
@@ -29,7 +26,6 @@ NO_CACHE = {"Cache-Control": "no-cache"}  # a restarted server with a newer page
 
 @router.get("/")
 def page() -> HTMLResponse:
-    """The live page."""
     return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"), headers=NO_CACHE)
 
 

@@ -1,31 +1,21 @@
 """Corrections and deletions over HTTP, for people who do not write Kafka records (admin token).
 
-``POST /v1/labels/{id}`` writes a label for the id to the labels topic, ``DELETE /v1/samples/{id}`` a tombstone
-(where labels come with their images, both go to the image topic, keyed by the id); each answers 202 once the
-broker has the record, with where it landed. The learner reads them as it reads every
-label: a label for an id it learned corrects it, a tombstone deletes it (``server.learner.corrections``), so an
-HTTP change has the stream's guarantees (ordered with the stream's other changes to that id, never lost, applied
-once). ``GET /v1/samples/{id}`` answers what the learner holds of an id now (its label, time and file), so a change
-can be checked where it landed.
-
-A replayed image's id is ``<stream id>/<file>``: its stream's id (the dataset's folder name, the sampler's settings,
-the seed; ``mepo_stream.records.stream_id``) and its file relative to the dataset's root, also in its ``file`` header.
+A label or tombstone is written to the labels topic (or the image topic, where labels come inline), answered 202
+with where the broker put it, and learned as every label: with the stream's guarantees. A replayed image's id is
+``<stream id>/<file>`` (``mepo_stream.records.stream_id``).
 """
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path
-from kafka.errors import KafkaError
+from fastapi import APIRouter, Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from mepo_stream.records import MAX_ID
-from server.config import ServeConfig
 from server.serving import CorrectionsOff, HoldsSamples, ServingModel
 from server.status import HeldSample
-from server.uploads import LabelsOff
-from server.web.dependencies import ApiError, errors, get_service, get_settings, require_admin
+from server.web.dependencies import ADMIN, ApiError, Service, Settings, errors, writing
 
 router = APIRouter(tags=["samples"])
 Id = Annotated[str, Path(min_length=1, max_length=MAX_ID, description="The sample's id, as its image record named it")]
@@ -49,19 +39,19 @@ class Written(BaseModel):
     offset: int
 
 
-@router.post("/v1/labels/{id:path}", dependencies=[Depends(require_admin)], status_code=202,
+@router.post("/v1/labels/{id:path}", dependencies=ADMIN, status_code=202,
              responses=errors(400, 401, 403, 409, 413, 422, 503),
              summary="Label a sample by id, or correct its label (a record on the labels topic)")
-def label(id: Id, body: NewLabel, service: Annotated[ServingModel, Depends(get_service)]) -> Written:
+def label(id: Id, body: NewLabel, service: Service) -> Written:
     if body.label >= len(service.class_names):
         raise ApiError(422, f"label {body.label} is outside the label space [0, {len(service.class_names)})",
                        "label_out_of_range")
     return _write(service, id, body.label)
 
 
-@router.get("/v1/samples/{id:path}", dependencies=[Depends(require_admin)], responses=errors(401, 403, 404, 503),
+@router.get("/v1/samples/{id:path}", dependencies=ADMIN, responses=errors(401, 403, 404, 503),
             summary="What the learner holds of a learned id: its label, time and file (--corrections.enabled)")
-def held(id: Id, service: Annotated[ServingModel, Depends(get_service)]) -> HeldSample:
+def held(id: Id, service: Service) -> HeldSample:
     try:
         sample = service.sample(id) if isinstance(service, HoldsSamples) else None
     except CorrectionsOff as e:
@@ -72,22 +62,15 @@ def held(id: Id, service: Annotated[ServingModel, Depends(get_service)]) -> Held
     return sample
 
 
-@router.delete("/v1/samples/{id:path}", dependencies=[Depends(require_admin)], status_code=202,
-               responses=errors(401, 403, 409, 422, 503),
+@router.delete("/v1/samples/{id:path}", dependencies=ADMIN, status_code=202, responses=errors(401, 403, 409, 422, 503),
                summary="Delete a sample by id from the model and every store (a tombstone on the labels topic)")
-def delete(id: Id, service: Annotated[ServingModel, Depends(get_service)],
-           settings: Annotated[ServeConfig, Depends(get_settings)]) -> Written:
+def delete(id: Id, service: Service, settings: Settings) -> Written:
     if not settings.corrections.enabled:
         raise ApiError(409, "deletions need the learner started with --corrections.enabled", "corrections_off")
     return _write(service, id, None)
 
 
 def _write(service: ServingModel, id: str, label: int | None) -> Written:
-    try:
+    with writing("the record"):
         meta = service.write_label(id, label)
-    except LabelsOff as e:
-        raise ApiError(409, str(e), "labels_not_later") from e
-    except KafkaError as e:
-        raise ApiError(503, f"the broker did not take the record: {e}", "kafka_unavailable",
-                       headers={"Retry-After": "1"}) from e
     return Written(id=id, topic=meta.topic, partition=meta.partition, offset=meta.offset)
