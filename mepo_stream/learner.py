@@ -53,7 +53,6 @@ from mepo_stream.novelty import (
     FrozenScore,
     NoveltyScore,
     NoveltyThreshold,
-    check_score,
     freeze,
     novelty_scores,
     resolve,
@@ -357,19 +356,12 @@ class OnlineLearner:
         it costs one quadratic form more than the logits (its factorisations are cached until the next update), and
         a distance score needs no logits."""
         chosen = resolve(self.method.classifier, self.novelty_score if score is None else score)
-        logits = self.logits(encoded, (align_mode,))[align_mode] if chosen in LOGIT_SCORES else None
-        return self._novelty_of(encoded, logits, align_mode, chosen)
-
-    def _novelty_of(self, encoded: Encoded, logits: torch.Tensor | None, align_mode: AlignMode,
-                    score: NoveltyScore | None = None) -> torch.Tensor:
-        """Novelty scores [B] of an encoding whose logits [B, C] are computed already (None: the score needs
-        none)."""
-        chosen = self.novelty_score if score is None else check_score(score)
         if not self.exposed:
             return torch.full((len(encoded.feature),), float("inf"))
-        h = self.method.aligned(encoded, align_mode)  # [B, D]
-        seen = None if logits is None else logits[:, : len(self.exposed)]
-        return novelty_scores(self.method.classifier, h, seen, chosen).cpu()
+        logits = None
+        if chosen in LOGIT_SCORES:
+            logits = self.logits(encoded, (align_mode,))[align_mode][:, : len(self.exposed)]  # [B, C seen]
+        return novelty_scores(self.method.classifier, self.method.aligned(encoded, align_mode), logits, chosen).cpu()
 
     @torch.no_grad()
     def observe_novelty(self, encoded: Encoded, labels: torch.Tensor, positions: torch.Tensor | int | None = None,
