@@ -56,6 +56,22 @@ class StreamPosition:
 
 
 @dataclass(frozen=True)
+class CorrectionsState:
+    """What a checkpoint keeps of the corrections: the sample table's generation it names, so the table rolls back
+    with the model, and the change counts."""
+
+    generation: int
+    counts: dict[str, int]
+
+    def to_dict(self) -> dict[str, int]:
+        return {"generation": self.generation, **self.counts}
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, int]) -> CorrectionsState:
+        return cls(int(saved["generation"]), {k: int(v) for k, v in saved.items() if k != "generation"})
+
+
+@dataclass(frozen=True)
 class LearnerCheckpoint:
     """A learner alone's checkpoint. The file is one flat dict of tensors and plain values (``save``; the position's
     fields beside the others), which ``load`` types again."""
@@ -73,8 +89,8 @@ class LearnerCheckpoint:
     """The any-time evaluation's curve and schedule (None: no evaluation)."""
     rng: torch.Tensor
     """The CPU RNG: the augmentation draws go on as if nothing had happened."""
-    corrections: dict | None = None
-    """The sample table's generation and the corrections' counts (None: off)."""
+    corrections: CorrectionsState | None = None
+    """None: corrections off."""
 
     @property
     def samples_seen(self) -> int:
@@ -84,7 +100,8 @@ class LearnerCheckpoint:
         """Write atomically, as one flat dict."""
         flat = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "position"}
         position = {f.name: getattr(self.position, f.name) for f in fields(self.position)}
-        return save_checkpoint(path, {"format": FORMAT, **flat, **position})
+        corrections = None if self.corrections is None else self.corrections.to_dict()
+        return save_checkpoint(path, {"format": FORMAT, **flat, **position, "corrections": corrections})
 
     @classmethod
     def load(cls, path: str | Path) -> LearnerCheckpoint:
@@ -98,6 +115,8 @@ class LearnerCheckpoint:
                                f"learning from scratch")
         try:
             position = StreamPosition(**{f.name: state.pop(f.name) for f in fields(StreamPosition) if f.name in state})
+            if (corrections := state.pop("corrections", None)) is not None:
+                state["corrections"] = CorrectionsState.from_dict(corrections)
             return cls(position=position, **{f.name: state[f.name] for f in fields(cls) if f.name in state})
-        except TypeError as e:
+        except (TypeError, KeyError) as e:
             raise StateRefused(f"{path} is no learner checkpoint ({e}); move it away to learn from scratch") from e

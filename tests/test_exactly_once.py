@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 import torch
 
-from mepo_stream.checkpoint import load_checkpoint, save_checkpoint
+from mepo_stream.checkpoint import LearnerCheckpoint
 from mepo_stream.records import RecordMeta
 from server.learner.book import Sample, StreamBook
 from server.learner.state import CHECKPOINT, LearnerState
@@ -26,7 +26,7 @@ def assert_each_learned_once(state: LearnerState, learned: list[tuple[str, int]]
     assert not [i for i, n in counts.items() if n > 1], "learned twice"
     assert sorted(i for _, i in learned) == list(indices)
     assert state.learner.samples_seen == len(indices)
-    assert sorted(state.intake.book.state_dict()["learned"][STREAM_ID].tolist()) == list(indices)
+    assert sorted(state.intake.book.position().learned[STREAM_ID].tolist()) == list(indices)
 
 
 # --- the race: replays of samples still pending in a partial mini-batch ---------------------------------------
@@ -44,7 +44,7 @@ def test_replays_of_samples_still_in_a_partial_batch_are_skipped_through_the_loo
     assert state.intake.book.replays_skipped == 100
     assert state.metrics.registry.get_sample_value("mepo_replayed_samples_skipped_total") == 100
     assert state.intake.book.offsets == {"images:0": 300} and consumer.committed == {"images:0": 300}
-    assert state.intake.book.state_dict()["offsets"] == {"images:0": 300}
+    assert state.intake.book.position().offsets == {"images:0": 300}
 
 
 def test_a_replay_of_a_pending_sample_is_skipped(tmp_path):
@@ -122,8 +122,8 @@ def test_a_restart_restores_learned_ids_and_nothing_in_flight(tmp_path, monkeypa
         if len(state.intake.book.pending) == 16:
             loop.state.learn_pending()
     loop.persist()  # 0..15 learned, 16..19 in flight
-    saved = state.intake.book.state_dict()
-    assert saved["offsets"] == {"images:0": 16} and saved["learned"][STREAM_ID].tolist() == list(range(16))
+    saved = state.intake.book.position()
+    assert saved.offsets == {"images:0": 16} and saved.learned[STREAM_ID].tolist() == list(range(16))
     restarted, loop2, learned = service(tmp_path)
     assert restarted.learner.samples_seen == 16 and restarted.intake.book.offsets == {"images:0": 16}
     consumer = run_loop(monkeypatch, loop2, log + records([0, 19], start=20))  # read again from offset 16
@@ -140,7 +140,7 @@ def test_before_a_revocation_the_state_is_written_and_nothing_committed(tmp_path
     for r in records(list(range(20))):
         loop.accept([r])
     loop.let_go(["images:0"])
-    assert load_checkpoint(state.cfg.checkpoint_dir / CHECKPOINT)["offsets"] == {"images:0": 20}
+    assert LearnerCheckpoint.load(state.cfg.checkpoint_dir / CHECKPOINT).position.offsets == {"images:0": 20}
     assert state.samples_seen == 20 and consumer.committed == {}
     loop.accept([record(20, 20)])
     loop.state.learn_pending()
@@ -196,14 +196,14 @@ def test_stream_book_claims(learn_replays):
     book.reread()
     assert book.claim("t", 1)  # its claim was dropped with the pending records
     assert book.replays_skipped == (0 if learn_replays else 2)
-    assert {k: v.tolist() for k, v in book.state_dict()["learned"].items()} == {"s": [1]}
+    assert {k: v.tolist() for k, v in book.position().learned.items()} == {"s": [1]}
 
 
 def sample(stream_id: str, index: int) -> Sample:
     return Sample(torch.zeros(3, 2, 2, dtype=torch.uint8), RecordMeta(index % 10, index, index, stream_id))
 
 
-def test_stream_book_state_dict_round_trips_through_a_checkpoint_file(tmp_path):
+def test_stream_book_position_round_trips_through_a_checkpoint_file(tmp_path):
     """Learned ids, offsets and counters survive a checkpoint file; what was pending or claimed does not."""
     book = StreamBook()
     samples = [sample("s", i) for i in range(4)]
@@ -216,19 +216,19 @@ def test_stream_book_state_dict_round_trips_through_a_checkpoint_file(tmp_path):
     book.skip("images:0", 4)
     book.skip("images:0", 5, dead_letter=True)
     book.mark_learned(samples[:3] + [t9])  # s3 stays pending at offset 3
-    saved = book.state_dict()
-    assert saved["offsets"] == {"images:0": 3, "images:1": 1}  # stops at the pending record
-    assert {k: v.tolist() for k, v in saved["learned"].items()} == {"s": [0, 1, 2], "t": [9]}
+    saved = book.position()
+    assert saved.offsets == {"images:0": 3, "images:1": 1}  # stops at the pending record
+    assert {k: v.tolist() for k, v in saved.learned.items()} == {"s": [0, 1, 2], "t": [9]}
     book.mark_learned(samples[3:])  # what was saved does not move with the book
-    assert saved["offsets"] == {"images:0": 3, "images:1": 1}
+    assert saved.offsets == {"images:0": 3, "images:1": 1}
     assert book.offsets == {"images:0": 6, "images:1": 1}
 
-    save_checkpoint(tmp_path / "book.pt", saved)  # tensors and plain values: it loads with weights_only
+    LearnerCheckpoint({}, 0, 0.0, saved, {}, None, torch.get_rng_state()).save(tmp_path / "c.pt")
     restored = StreamBook()
-    restored.load_state_dict(load_checkpoint(tmp_path / "book.pt"))
-    again = restored.state_dict()
-    assert {k: v.tolist() for k, v in again.pop("learned").items()} == {"s": [0, 1, 2], "t": [9]}
-    assert again == {"offsets": {"images:0": 3, "images:1": 1}, "dead_lettered": 1, "replays_skipped": 1}
+    restored.load(LearnerCheckpoint.load(tmp_path / "c.pt").position)  # tensors and plain values: weights_only
+    again = restored.position()
+    assert {k: v.tolist() for k, v in again.learned.items()} == {"s": [0, 1, 2], "t": [9]}
+    assert (again.offsets, again.dead_lettered, again.replays_skipped) == ({"images:0": 3, "images:1": 1}, 1, 1)
     assert restored.pending == [] and not restored.unsaved_keys()  # the offsets restored are the saved ones
     assert restored.claim("s", 3)  # it was pending, not learned: it is read and claimed again
     assert not restored.claim("s", 2) and not restored.claim("t", 9) and restored.replays_skipped == 3
@@ -245,19 +245,19 @@ def test_a_checkpoint_stores_the_offsets_before_the_pending_records_and_only_whe
         if len(state.intake.book.pending) == 16:
             loop.state.learn_pending()
     loop.persist()  # 0..15 learned, 16..19 pending
-    saved = load_checkpoint(path)
-    assert saved["offsets"] == {"images:0": 16} and saved["learned"][STREAM_ID].tolist() == list(range(16))
-    assert saved["learner"]["samples_seen"] == 16 and saved["replays_skipped"] == 0
+    saved = LearnerCheckpoint.load(path)
+    assert saved.position.offsets == {"images:0": 16} and saved.position.learned[STREAM_ID].tolist() == list(range(16))
+    assert saved.samples_seen == 16 and saved.position.replays_skipped == 0
     loop.state.learn_pending()
     loop.accept([record(20, 3)])  # a replay: handled, nothing learned
     assert state.intake.book.offsets == {"images:0": 21} and state.intake.book.unsaved_keys()
     loop.persist()
-    saved = load_checkpoint(path)
-    assert saved["offsets"] == {"images:0": 21} and saved["learner"]["samples_seen"] == 20
-    assert torch.equal(saved["learned"][STREAM_ID], torch.arange(20)) and saved["replays_skipped"] == 1
+    saved = LearnerCheckpoint.load(path)
+    assert saved.position.offsets == {"images:0": 21} and saved.samples_seen == 20
+    assert torch.equal(saved.position.learned[STREAM_ID], torch.arange(20)) and saved.position.replays_skipped == 1
     loop.accept([record(21, 4)])  # only a replay again: the offset moved, so it is saved
     loop.persist()
-    assert load_checkpoint(path)["offsets"] == {"images:0": 22}
+    assert LearnerCheckpoint.load(path).position.offsets == {"images:0": 22}
     written = path.stat().st_mtime_ns
     loop.persist()  # nothing changed since
     assert path.stat().st_mtime_ns == written and state.capture() is None

@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from mepo_stream.checkpoint import StreamPosition
 from mepo_stream.label_join import Joined
 from mepo_stream.records import RecordMeta
 from server.learner.consumer import PartitionKey
@@ -188,18 +189,19 @@ class StreamBook:
         with self._lock:
             return [k for k, v in self._handled.items() if self._saved.get(k) != v]
 
-    def state_dict(self) -> dict:
-        """The checkpoint's bookkeeping keys (learned ids as index tensors per stream; never the in-flight)."""
+    def position(self) -> StreamPosition:
+        """Where the stream stands for a checkpoint: offsets, learned ids as index tensors per stream, the counters
+        (never the in-flight; the join is the intake's)."""
         with self._lock:
-            return {"offsets": dict(self._handled),
-                    "learned": {k: torch.tensor(sorted(v)) for k, v in self._learned.items()},
-                    "dead_lettered": self.dead_lettered, "replays_skipped": self.replays_skipped}
+            return StreamPosition(dict(self._handled), {k: torch.tensor(sorted(v)) for k, v in self._learned.items()},
+                                  self.dead_lettered, self.replays_skipped)
 
-    def load_state_dict(self, state: dict) -> None:
-        """Back to a checkpoint: its offsets, learned ids and counters; nothing pending, nothing in flight."""
+    def load(self, saved: StreamPosition) -> None:
+        """Back to a checkpoint's position: its offsets, learned ids and counters; nothing pending, nothing in
+        flight."""
         with self._lock:
-            self._handled = {k: int(v) for k, v in state["offsets"].items()}
+            self._handled = {k: int(v) for k, v in saved.offsets.items()}
             self._saved, self._read = dict(self._handled), dict(self._handled)
-            self._learned = {k: set(v.tolist()) for k, v in state["learned"].items()}
+            self._learned = {k: set(v.tolist()) for k, v in saved.learned.items()}
             self._in_flight, self._pending = {}, []
-            self.dead_lettered, self.replays_skipped = int(state["dead_lettered"]), int(state["replays_skipped"])
+            self.dead_lettered, self.replays_skipped = int(saved.dead_lettered), int(saved.replays_skipped)

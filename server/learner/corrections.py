@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from mepo_stream.checkpoint import CorrectionsState
 from mepo_stream.errors import ConfigError
 from mepo_stream.label_join import LabelJoin
 from mepo_stream.learner import OnlineLearner
@@ -193,21 +194,21 @@ class Corrections:
         if n := sum(table.expire(now) for table in list(self.tables.values())):
             log.info("%d ids past --corrections.retention_s left the sample table", n)
 
-    def checkpoint(self) -> dict:
+    def checkpoint(self) -> CorrectionsState:
         """Commit the table's changes as the next generation; returns what the checkpoint keeps."""
         table = self.tables[None]
         generation = table.generation + 1
         table.commit(generation)
-        return {"generation": generation, **self.counts[None]}
+        return CorrectionsState(generation, dict(self.counts[None]))
 
-    def settle(self, saved: dict) -> None:
+    def settle(self, saved: CorrectionsState) -> None:
         """The checkpoint holding ``saved`` (``checkpoint``'s) is on disk."""
-        self.tables[None].settle(saved["generation"])
+        self.tables[None].settle(saved.generation)
 
-    def restore(self, saved: dict | None) -> None:
+    def restore(self, saved: CorrectionsState | None) -> None:
         """Back to a checkpoint's corrections (None: no checkpoint, or one written without them)."""
-        self.tables[None].restore(0 if saved is None else saved["generation"])
-        self.counts[None] = {k: int(saved[k]) if saved else 0 for k in COUNTS}
+        self.tables[None].restore(0 if saved is None else saved.generation)
+        self.adopt(None, self.tables[None], {} if saved is None else saved.counts)
 
     def summary(self) -> dict:
         counts, tables = list(self.counts.values()), list(self.tables.values())  # a rebalance may change them

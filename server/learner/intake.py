@@ -299,14 +299,12 @@ class Intake:
 
     def position(self) -> StreamPosition:
         """Where the stream stands for a checkpoint: the book's offsets, learned ids and counts, the join, its clock."""
-        book = self.book.state_dict()
-        return StreamPosition(book["offsets"], book["learned"], book["dead_lettered"], book["replays_skipped"],
-                              None if self.join is None else self.join.state_dict(), self.stream_time)
+        return replace(self.book.position(), join=None if self.join is None else self.join.state_dict(),
+                       stream_time=self.stream_time)
 
     def restore(self, saved: StreamPosition) -> None:
         """Back to a checkpoint's position: nothing pending, nothing in flight."""
-        self.book.load_state_dict({"offsets": saved.offsets, "learned": saved.learned,
-                                   "dead_lettered": saved.dead_lettered, "replays_skipped": saved.replays_skipped})
+        self.book.load(saved)
         if self.join is not None and saved.join is not None:
             self.join.load_state_dict(saved.join)
             self.stream_time = float(saved.stream_time)
