@@ -147,8 +147,10 @@ def test_a_revocation_is_an_event_handled_before_the_partitions_go_to_another_me
     polling.start()
     second = Member(client, kafka)
     try:
-        wait_for(lambda: second.consumer.poll(100, 10) is not None and any(
-            isinstance(e, Assigned) and e.keys for e, _, _ in second.events), 60, "the newcomer's assignment")
+        # Each poll long enough to finish a join: on a loaded machine kafka-python's 100 ms polls each gave up
+        # mid-join, and the newcomer was told its assignment after 50 s to over 200 s (7 s with 1 s polls).
+        wait_for(lambda: second.consumer.poll(1000, 10) is not None and any(
+            isinstance(e, Assigned) and e.keys for e, _, _ in second.events), 120, "the newcomer's assignment")
         revoked = [(e, end) for e, _, end in first.events if isinstance(e, Revoked) and e.keys]
         granted = [began for e, began, _ in second.events if isinstance(e, Assigned) and e.keys]
         assert revoked and granted and revoked[0][1] <= granted[0]
