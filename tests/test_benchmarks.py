@@ -71,23 +71,12 @@ def _results_with_committed(folder: Path, names: tuple[str, ...]) -> None:
         (folder / f"{name}.json").write_text((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
 
 
-@pytest.mark.timeout(1200)  # a few processes each; on a busy 2-core machine it has taken 4 minutes
-def test_run_all_smoke_writes_every_result_and_the_performance_table(tmp_path):
-    """Every one-core benchmark once at its smallest size through run_all (the two-core ones keep their committed
-    results, which the table shows beside the new ones: ``--only`` keeps the others' rows)."""
-    readme = tmp_path / "performance.md"
-    readme.write_text(f"# x\n\nbefore\n{START}\nold table\n{END}\nafter\n")
-    _results_with_committed(tmp_path / "results", TWO_CORES + OWN_SMOKE)
-    kept = _results(tmp_path / "results")
-    only = ",".join(b for b in ALL if b not in TWO_CORES + OWN_SMOKE)
-    out = _run("benchmarks.run_all", "--quick", "true", "--gpu", "false", *TINY, "--results", str(tmp_path / "results"),
-               "--page", str(readme), "--only", only, "--fresh_processes", "false",  # one process for them all
-               env={"CUDA_VISIBLE_DEVICES": ""})  # the CPU rows, CUDA or not (the GPU rows test: fresh processes)
-    assert "GPU rows skipped" in out
-    results = _results(tmp_path / "results")
-    assert set(results) == set(BENCHMARKS)  # the GPU rows skipped (and the CPU rows on the CPU, CUDA or not)
-    assert {name: results[name] for name in TWO_CORES + OWN_SMOKE} == kept  # not run: left as they were
-    assert all(math.isfinite(n) for r in results.values() for n in _numbers(r))
+SERVING_ROWS = ("predict_latency", "predict_throughput", "protocol_latency", "corrections_service")
+"""The rows that answer requests or changes through a live service: about half the smoke's time, run as its second
+half, so that two workers run the halves side by side."""
+
+
+def _check_learning(results: dict[str, dict]) -> None:
     assert {"alignment_s", "step_s", "step_without_alignment_s", "differential_share"} <= set(
         results["alignment_cost"])
     arithmetic = results["model_arithmetic"]["precisions"]
@@ -95,11 +84,9 @@ def test_run_all_smoke_writes_every_result_and_the_performance_table(tmp_path):
     learner = results["learner_throughput"]  # one configuration at the smoke sizes (the others: the test below)
     assert learner["stream_samples"] == 100 and len(learner["prequential"]["rounds"]) == 1
     assert "ratio" in learner["prequential"] and not {"learn_only", "paper_recipe", "int8_learn_only"} & set(learner)
-    assert results["predict_throughput"]["answered"] > 0 and results["predict_throughput"]["failed"] == 0
     quality = results["learning_quality"]
     assert 0 < quality["ceiling"] <= 1 and quality["ratio"] == pytest.approx(quality["a_last"] / quality["ceiling"])
     assert quality["spec"]["method"] == "frozen" and quality["stream_samples"] == 100
-    assert 0 < results["predict_latency"]["requests_while_learning"] <= 10
     decode = results["decode"]["streams"]  # the camera sizes decode near the full decode's pixels; others exactly
     assert {"1280x960 JPEG", "1920x1080 JPEG", "1280x960 PNG", "1280x960 WEBP"} <= set(decode)
     assert all(s["pixels_apart_mean"] < 2 and s["pixels_apart_max"] <= 32 for s in decode.values())
@@ -107,16 +94,44 @@ def test_run_all_smoke_writes_every_result_and_the_performance_table(tmp_path):
     changes = results["corrections"]  # corrections and deletions applied, none refused; the table on disk
     assert changes["long"]["counts"]["deletions_applied"] > 0 and changes["long"]["counts"]["corrections_refused"] == 0
     assert changes["table_bytes_per_id"] > 0 and changes["memory_at_end"]["anon_bytes"] > 0 and changes["ratio"] > 0
-    live = results["corrections_service"]  # through Kafka: both streams learned, each tombstone applied and timed
-    assert live["without"]["images"] == live["with_changes"]["images"] > 0 and live["tombstone_waits_s"]["n"] == 5
-    assert live["with_changes"]["status"]["deletions_applied"] == live["with_changes"]["deletions"]
     join = results["label_join_memory"]  # the bound holds, and every image is joined, expired or waiting
     assert join["store_bounded"] and join["long"]["images"] == 10 * join["short"]["images"]
     assert join["long"]["counts"]["expired_images"] > 0 and join["long"]["counts"]["joined"] > 0
+
+
+def _check_serving(results: dict[str, dict]) -> None:
+    assert results["predict_throughput"]["answered"] > 0 and results["predict_throughput"]["failed"] == 0
+    assert 0 < results["predict_latency"]["requests_while_learning"] <= 10
+    live = results["corrections_service"]  # through Kafka: both streams learned, each tombstone applied and timed
+    assert live["without"]["images"] == live["with_changes"]["images"] > 0 and live["tombstone_waits_s"]["n"] == 5
+    assert live["with_changes"]["status"]["deletions_applied"] == live["with_changes"]["deletions"]
+
+
+@pytest.mark.timeout(1200)  # a few processes each; on a busy 2-core machine the whole smoke has taken 4 minutes
+@pytest.mark.parametrize("serving", [False, True], ids=["learning_rows", "serving_rows"])
+def test_run_all_smoke_writes_every_result_and_the_performance_table(tmp_path, serving):
+    """Every one-core benchmark once at its smallest size through run_all, in two halves (the two-core ones and the
+    other half keep their committed results, which the table shows beside the new ones: ``--only`` keeps the others'
+    rows)."""
+    readme = tmp_path / "performance.md"
+    readme.write_text(f"# x\n\nbefore\n{START}\nold table\n{END}\nafter\n")
+    ran = [b for b in BENCHMARKS if b not in TWO_CORES + OWN_SMOKE and (b in SERVING_ROWS) == serving]
+    _results_with_committed(tmp_path / "results", tuple(b for b in BENCHMARKS if b not in ran))
+    kept = _results(tmp_path / "results")
+    out = _run("benchmarks.run_all", "--quick", "true", "--gpu", "false", *TINY, "--results", str(tmp_path / "results"),
+               "--page", str(readme), "--only", ",".join([*ran, *GPU_BENCHMARKS]),
+               "--fresh_processes", "false",  # one process for them all
+               env={"CUDA_VISIBLE_DEVICES": ""})  # the CPU rows, CUDA or not (the GPU rows test: fresh processes)
+    assert "GPU rows skipped" in out
+    results = _results(tmp_path / "results")
+    assert set(results) == set(BENCHMARKS)  # the GPU rows skipped (and the CPU rows on the CPU, CUDA or not)
+    assert {name: results[name] for name in kept} == kept  # not run: left as they were
+    assert all(math.isfinite(n) for name in ran for n in _numbers(results[name]))
+    (_check_serving if serving else _check_learning)(results)
     auto = str(resolve_precision("auto", torch.device("cpu"))).removeprefix("torch.")  # bf16 where the CPU has it
-    assert all(r["machine"]["device"] == "cpu" and r["machine"]["dtype"] in {"float32", auto}
-               and r["machine"]["device_name"] and "cuda" in r["machine"] and r["machine"]["torch_threads"] > 0
-               for name, r in results.items() if name not in TWO_CORES + OWN_SMOKE)
+    assert all(results[name]["machine"]["device"] == "cpu" and results[name]["machine"]["dtype"] in {"float32", auto}
+               and results[name]["machine"]["device_name"] and "cuda" in results[name]["machine"]
+               and results[name]["machine"]["torch_threads"] > 0 for name in ran)
     text = readme.read_text()
     assert "old table" not in text and text.startswith("# x\n\nbefore\n") and text.endswith(f"{END}\nafter\n")
     assert text.count("| ") > 7 and "Learner throughput" in text and "Alignment" in text
