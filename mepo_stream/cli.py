@@ -266,11 +266,16 @@ def parse(argv: list[str]) -> object:
         >>> parse(["produce", "--replay.partitions", "4"]).subcommand
         'produce'
     """
+    return _parser().parse_args(_underscore_options(argv))
+
+
+@functools.cache
+def _parser():
+    """The whole CLI's parser, built once: building it takes most of a check's time."""
     from jsonargparse import auto_parser, set_parsing_settings
 
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    parser = auto_parser(_flatten(commands(), {}), as_positional=False, prog="mepo")
-    return parser.parse_args(_underscore_options(argv))
+    return auto_parser(_flatten(commands(), {}), as_positional=False, prog="mepo")
 
 
 def main(argv: list[str] | None = None) -> None:
