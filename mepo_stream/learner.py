@@ -388,6 +388,7 @@ class OnlineLearner:
         if self._frozen is None:  # a logit score, or nothing learned yet: scored now
             known = [int(y) in self._index for y in labels.tolist()]
             threshold.observe(self.novelty(encoded), torch.tensor(known, dtype=torch.bool), positions)
+            threshold.settle()
             return
         known = [self._index.get(int(y), -1) in self._frozen.learned for y in labels.tolist()]
         self._waiting.append((threshold, self.method.aligned(encoded, "running"), known, positions))
@@ -403,6 +404,8 @@ class OnlineLearner:
         scores = self._frozen(torch.cat([h for _, h, _, _ in waiting])).cpu().split([len(k) for _, _, k, _ in waiting])
         for (threshold, _, known, positions), batch in zip(waiting, scores, strict=True):
             threshold.observe(batch, torch.tensor(known, dtype=torch.bool), positions)
+        for threshold in {id(t): t for t, _, _, _ in waiting}.values():
+            threshold.settle()
 
     def state_dict(self) -> dict:
         """Everything the learner changes: trainable tensors (the backbone only if it trains), optimizer, labels

@@ -364,10 +364,17 @@ class NoveltyThreshold(nn.Module):
         """The weighted share of stream images of classes new when they came that the current threshold flags
         (NaN before any came; computed once per change, as the threshold)."""
         if self._detection is None:
-            total = float(self.novel.sum())
+            threshold, total = self.threshold, float(self.novel.sum())
             low = torch.sinh(torch.linspace(-self.span, self.span, len(self.novel) + 1, dtype=torch.float64)[:-1])
-            self._detection = float(self.novel[low >= self.threshold].sum()) / total if total > 0 else float("nan")
+            self._detection = float(self.novel[low >= threshold].sum()) / total if total > 0 else float("nan")
         return self._detection
+
+    def settle(self) -> NoveltyThreshold:
+        """Compute the threshold and its detection rate now, in the thread that changed the scores, so that a reader
+        on another thread (a status read, under the learner's lock) only reads them: computed there, they held the
+        model thread up."""
+        self.detection()  # the threshold first
+        return self
 
     @torch.no_grad()
     def add_(self, other: NoveltyThreshold) -> NoveltyThreshold:

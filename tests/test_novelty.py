@@ -1,6 +1,7 @@
 """Novelty scores ("not seen yet", issue 67): what they tell, and that they are made of the sums alone."""
 
 import math
+import threading
 
 import pytest
 import torch
@@ -182,6 +183,29 @@ def test_the_calibration_scores_with_the_model_frozen_for_calibrate_every_sample
         expected.observe(scores, known, position)
     torch.testing.assert_close(fed.known, expected.known)
     assert float(fed.count) == 48
+
+
+@pytest.mark.parametrize("score", ["stream_mahalanobis", "max_softmax"])  # waits for a frozen score; a logit score
+def test_the_thread_that_feeds_a_threshold_computes_it_so_readers_elsewhere_only_read(monkeypatch, score):
+    """A status read on another thread, under the learner's lock, once computed the threshold and its detection rate
+    after every change, holding the model thread up; the thread that feeds it computes them as it does."""
+    learner = learner_of("frozen", LearnerConfig(autoaugment=None))
+    learner.novelty_score = score
+    learner.novelty_threshold = threshold = NoveltyThreshold(0.05, half_life=None, min_known=1)
+    g = torch.Generator().manual_seed(5)
+    width = learner.method.classifier.sums.shape[1]
+    labels = torch.zeros(16, dtype=torch.long)
+    learner.observe_features(torch.randn(16, width, generator=g), labels)
+    learner.observe_features(torch.randn(16, width, generator=g), labels)
+    learner.flush_novelty()
+    computed = []
+    monkeypatch.setattr(NoveltyThreshold, "detection", lambda self: computed.append("detection"))
+    monkeypatch.setattr(NoveltyThreshold, "_quantile", lambda self: computed.append("threshold"))
+    answer = []
+    reader = threading.Thread(target=lambda: answer.append(threshold.threshold))
+    reader.start()
+    reader.join()
+    assert computed == [] and math.isfinite(answer[0])
 
 
 def test_auroc_counts_ties_half_and_is_undefined_without_both_kinds():

@@ -254,7 +254,7 @@ class InGroup:
         if self._remote_novelty is None:  # the other partitions' thresholds change only when their states do
             self._remote_novelty = NoveltyThreshold.merged([self._threshold(s.novelty) for s in self.remote.values()]
                                                            or [self._threshold({})])
-        learner.novelty_threshold = NoveltyThreshold.merged([self._remote_novelty, *self.novelty.values()])
+        learner.novelty_threshold = NoveltyThreshold.merged([self._remote_novelty, *self.novelty.values()]).settle()
         self.metrics.merge_seconds.observe(time.perf_counter() - start)
 
     def _threshold(self, state: dict[str, torch.Tensor]) -> NoveltyThreshold:
