@@ -51,12 +51,15 @@ def commands() -> dict:
     return _load_commands()[0]
 
 
-def _load_commands() -> tuple[dict, dict[tuple[str, ...], str]]:
+def _load_commands(asked: str | None = None) -> tuple[dict, dict[tuple[str, ...], str]]:
     """The commands (``commands``), and those whose packages this install leaves out, each with the error that says
-    which extra brings them (``mepo serve`` on a bare ``pip install``)."""
+    which extra brings them (``mepo serve`` on a bare ``pip install``). ``asked``: a command or group name; only
+    its entry points are loaded when it names one (``mepo produce`` then imports neither the server nor torch's
+    model stack, and builds the parser of one command), else all."""
     tree: dict = {}
     missing: dict[tuple[str, ...], str] = {}
-    for ep in entry_points(group=COMMANDS_GROUP):
+    found = entry_points(group=COMMANDS_GROUP)
+    for ep in [ep for ep in found if ep.name.split(".")[0] == asked] or found:
         *parents, leaf = ep.name.split(".")
         node = tree
         try:
@@ -292,15 +295,17 @@ def main(argv: list[str] | None = None) -> None:
     faulthandler.enable(file=2)
     args = _underscore_options(sys.argv[1:] if argv is None else argv)
     runners: dict[type, Callable] = {}
-    available, missing = _load_commands()
-    if (asked := tuple(a for a in args[:2] if not a.startswith("-"))) and (
+    asked = tuple(a for a in args[:2] if not a.startswith("-"))
+    helped = bool({"-h", "--help"} & set(args))  # help lists every command, and a command's help its parent's
+    available, missing = _load_commands(None if helped or not asked else asked[0])
+    if asked and (
             reason := missing.get(asked) or missing.get(asked[:1])):
         print(f"mepo: error: {reason}", file=sys.stderr)
         raise SystemExit(2)
     tree = _flatten(available, runners, given_options(args))
     cli = functools.partial(CLI, tree, args=args, as_positional=False, prog="mepo",
                             description="MePo streaming continual learner: refine, evaluate, serve.")
-    if {"-h", "--help"} & set(args) and (brief := _brief(tree, args)) is not None:
+    if helped and (brief := _brief(tree, args)) is not None:
         full = io.StringIO()
         with contextlib.redirect_stdout(full), contextlib.suppress(SystemExit):
             cli()

@@ -5,6 +5,8 @@ import functools
 import io
 import json
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -310,6 +312,19 @@ def test_a_command_whose_extra_is_not_installed_says_which_to_install(monkeypatc
     monkeypatch.setattr(importlib.metadata.EntryPoint, "load", ours)
     with pytest.raises(ModuleNotFoundError):
         main(["serve"])
+
+
+@pytest.mark.parametrize("argv, loaded", [(["produce", "--nonsense"], set()),
+                                          (["backbone", "import", "--nonsense"], {"offline"}),
+                                          (["produce", "--help"], {"offline", "server"})])
+def test_a_command_loads_only_the_package_that_implements_it(argv, loaded):
+    """A producer's process is a command line away from the server's and the offline stack's imports, which cost
+    most of a process's start: ``mepo produce`` loads neither. Help loads every command (it lists them all, and a
+    command's help shows its parent's options)."""
+    probe = (f"import sys\nfrom mepo_stream.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+             "print(sorted({m.split('.')[0] for m in sys.modules} & {'server', 'offline'}))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert json.loads(done.stdout.strip().splitlines()[-1].replace("'", '"')) == sorted(loaded), done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("option, value, why", [("--novelty.false_alarm", "1.5", "must be in \\(0, 1\\)"),
