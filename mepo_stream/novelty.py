@@ -294,6 +294,7 @@ class NoveltyThreshold(nn.Module):
         self.register_buffer("novel", torch.zeros(bins, dtype=torch.float64))  # [bins]
         self.register_buffer("anchor", torch.zeros((), dtype=torch.float64))  # the position weighing 1
         self.register_buffer("count", torch.zeros((), dtype=torch.float64))  # in-distribution scores, unweighted
+        self._lower = torch.sinh(torch.linspace(-span, span, bins + 1, dtype=torch.float64)[:-1])  # [bins] edges
         self._value: float | None = None  # the threshold, until the histograms next change ...
         self._detection: float | None = None  # ... and its detection rate
 
@@ -365,8 +366,7 @@ class NoveltyThreshold(nn.Module):
         (NaN before any came; computed once per change, as the threshold)."""
         if self._detection is None:
             threshold, total = self.threshold, float(self.novel.sum())
-            low = torch.sinh(torch.linspace(-self.span, self.span, len(self.novel) + 1, dtype=torch.float64)[:-1])
-            self._detection = float(self.novel[low >= threshold].sum()) / total if total > 0 else float("nan")
+            self._detection = float(self.novel[self._lower >= threshold].sum()) / total if total > 0 else float("nan")
         return self._detection
 
     def settle(self) -> NoveltyThreshold:

@@ -322,9 +322,9 @@ def test_a_command_loads_only_the_package_that_implements_it(argv, loaded):
     most of a process's start: ``mepo produce`` loads neither. Help loads every command (it lists them all, and a
     command's help shows its parent's options)."""
     probe = (f"import sys\nfrom mepo_stream.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
-             "print(sorted({m.split('.')[0] for m in sys.modules} & {'server', 'offline'}))")
+             "import json\nprint(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & {'server', 'offline'})))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=Path(__file__).parents[1])
-    assert json.loads(done.stdout.strip().splitlines()[-1].replace("'", '"')) == sorted(loaded), done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == sorted(loaded), done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("option, value, why", [("--novelty.false_alarm", "1.5", "must be in \\(0, 1\\)"),
