@@ -7,12 +7,14 @@ import io
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -109,6 +111,30 @@ def holds_for(predicate: Callable[[], Any], seconds: float, what: str) -> int:
         polls += 1
         time.sleep(0.25)
     return polls
+
+
+def thread_states(pid: int) -> list[str]:
+    """The scheduler state letter of each of a process's threads (``/proc/<pid>/task/*/stat``)."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):  # the thread ended while listed
+            continue
+    return states
+
+
+@contextmanager
+def stalled(process: subprocess.Popen) -> Iterator[None]:
+    """The process stopped (SIGSTOP) for the block, and continued after it. ``kill`` returns before every thread has
+    stopped: on a busy machine a thread waiting for a core answers requests for tens of milliseconds more, so the
+    block starts only when each thread is seen stopped."""
+    process.send_signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: all(s in "Tt" for s in thread_states(process.pid)), 10, "every thread stopped")
+        yield
+    finally:
+        process.send_signal(signal.SIGCONT)
 
 
 # --- the service's configuration --------------------------------------------------------------------------------

@@ -4,7 +4,6 @@ way river's ``check_estimator`` runs every estimator: what the loop relies on, a
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 import uuid
@@ -14,7 +13,7 @@ import pytest
 from mepo_stream.kafka import KafkaConfig, ensure_topics, open_producer
 from server.learner.consumer import Assigned, Consumer, PartitionKey, Rebalance, Record, Revoked
 from server.learner.stream import open_consumer
-from tests.helpers import wait_for
+from tests.helpers import stalled, wait_for
 
 CLIENTS = ["kafka-python", "librdkafka"]
 
@@ -173,8 +172,7 @@ def test_a_stalled_broker_is_reported_by_the_probe_and_bounds_every_call(broker,
     member = Member(client, kafka)
     member.read(6)
     key = PartitionKey(kafka.topic, 0)
-    broker.process.send_signal(signal.SIGSTOP)
-    try:
+    with stalled(broker.process):
         started = time.monotonic()
         member.consumer.commit({key: 2})
         assert time.monotonic() - started < 1.0
@@ -187,5 +185,3 @@ def test_a_stalled_broker_is_reported_by_the_probe_and_bounds_every_call(broker,
         started = time.monotonic()
         member.consumer.close(timeout_s=3)
         assert time.monotonic() - started < 8.0
-    finally:
-        broker.process.send_signal(signal.SIGCONT)

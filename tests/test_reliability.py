@@ -37,6 +37,7 @@ from tests.helpers import (
     http_client,
     serve_process,
     settings,
+    stalled,
     stream_handled,
     wait_for,
 )
@@ -135,15 +136,12 @@ def test_broker_stall_makes_the_learner_wait_unready_and_resume_losing_nothing(b
     try:
         wait_for(lambda: learner.running() and checkpoint_samples(cfg) >= 32, what="learning under way")
         wait_for(lambda: http.get("/readyz").status_code == 200, what="ready", ignore=(httpx.TransportError,))
-        broker.process.send_signal(signal.SIGSTOP)
-        try:
+        with stalled(broker.process):
             wait_for(lambda: http.get("/readyz").status_code == 503, 30, "not ready during the stall")
             # 12 s more: the stall outlasts the consumer's 10-s session (kafka-python's default), so the learner
             # has to rejoin its group after it, not only reconnect
             holds_for(lambda: http.get("/readyz").json()["checks"]["kafka_connected"] is False, 12,
                       "not ready, Kafka not connected, for the whole stall")
-        finally:
-            broker.process.send_signal(signal.SIGCONT)
         wait_for(lambda: http.get("/readyz").status_code == 200, 60, "ready again after the stall")
         n = first + produce(DATA, STREAM, cfg.kafka, ReplayConfig())  # the first 64 again: replays
         wait_for(lambda: learner.running() and stream_handled(cfg, n), 180, "the whole stream")
