@@ -15,7 +15,7 @@ import torch
 from mepo_stream.backbone import create_backbone
 from mepo_stream.data import DataConfig
 from server.broker import EmbeddedBroker
-from tests.helpers import TINY
+from tests.helpers import TINY, ServeProcess
 
 TESTS = Path(__file__).resolve().parent
 
@@ -96,6 +96,12 @@ def tiers(item: pytest.Item) -> set[str]:
         if isinstance(function, types.FunctionType) and _ours(function):
             marks |= _uses(function.__code__, function.__globals__, seen)
     return marks
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """A test that failed while starting or stopping its servers leaves none running for the rest of the suite (a
+    hook, not an autouse fixture: the fixtures' code puts a test in its tiers)."""
+    ServeProcess.reap_all()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -160,8 +160,12 @@ def serve_args(cfg: ServeConfig) -> list[str]:
 class ServeProcess(subprocess.Popen):
     """``mepo serve`` with ``cfg`` as its own process (what a crash test can kill), output appended to ``log``."""
 
+    alive: set[ServeProcess] = set()
+    """Every one started and not yet reaped: ``reap_all`` kills what a test left running (a wait that failed)."""
+
     def __init__(self, cfg: ServeConfig, log: Path):
         self.log = log
+        ServeProcess.alive.add(self)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         with open(log, "ab") as out:
             super().__init__([sys.executable, "-m", "mepo_stream.cli", cfg.command, *serve_args(cfg)], stdout=out,
@@ -173,6 +177,14 @@ class ServeProcess(subprocess.Popen):
         if self.poll() is not None:
             raise AssertionError(f"mepo serve exited with {self.returncode}:\n{self.log.read_text()[-3000:]}")
         return True
+
+    @classmethod
+    def reap_all(cls) -> None:
+        while cls.alive:
+            process = cls.alive.pop()
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 serve_process = ServeProcess
