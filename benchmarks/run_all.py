@@ -58,11 +58,9 @@ from benchmarks.rows import (
     replica_latency,
     scale_out,
 )
-from benchmarks.tools.camera_streams import camera_folder
 from benchmarks.tools.service import ROOT, ServiceSpec, paper_recipe
 from benchmarks.tools.table import Row
 from mepo_stream.cli import config_options
-from mepo_stream.data import DataConfig
 from offline.covariance import CovarianceConfig
 
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
@@ -159,12 +157,11 @@ def job(name: str, spec: ServiceSpec, quick: bool, work: Path, sigma_data: str =
         """ViT-B/16 in bf16 learning a 1280x960 JPEG stream, its JPEGs decoded on the GPU or on the CPU;
         one round each (the GPU's time is short), against its bare loop on tensors already on the device."""
         per_class = int(n(3, CAMERA_PER_CLASS))
-        folder = camera_folder(DataConfig(dataset="cifar10", train_per_class=per_class, test_per_class=5), 1280, 960)
         model, size = VIT_B16
         s = spec if quick else replace(spec, model=model, weights=None, img_size=size, mepo=None)
-        s = replace(s, dataset=str(folder), learner=replace(s.learner, precision="bf16"),
+        s = replace(s, dataset="cifar10", learner=replace(s.learner, precision="bf16"),
                     extra=("--gpu_decode", str(gpu_decode).lower()))
-        return "rows.learner_throughput", [*stream(s, per_class, per_class), "--configs",
+        return "rows.learner_throughput", [*stream(s, per_class, per_class), "--camera", "1280x960", "--configs",
                                            json.dumps(["learn_only"] if quick else list(CAMERA_CONFIGS)),
                                            "--bare_batches", n(2, 8), "--rounds", "1"]
 

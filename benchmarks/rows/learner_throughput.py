@@ -42,9 +42,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.tools.camera_streams import SIZES, camera_folder
 from benchmarks.tools.service import ServiceSpec, bare_learner, paper_recipe, running_service, seconds, write_result
 from benchmarks.tools.table import Row, fmt, spread
-from mepo_stream.data import list_files, load_split
+from mepo_stream.data import DataConfig, list_files, load_split
 from mepo_stream.images import decode_images
 from mepo_stream.learner import OnlineLearner
 from server.config import ServeConfig
@@ -195,12 +196,15 @@ def configurations(spec: ServiceSpec) -> dict[str, tuple[ServiceSpec, bool]]:
 
 
 def main(spec: ServiceSpec = ServiceSpec(), eval_period: int = 0, bare_batches: int = 8, rounds: int = 3,
-         configs: tuple[str, ...] | None = None, work: Path = Path("benchmarks/results/work/learner"),
+         configs: tuple[str, ...] | None = None, camera: str | None = None,
+         work: Path = Path("benchmarks/results/work/learner"),
          out: Path = Path("benchmarks/results/learner_throughput.json")) -> dict:
     """Measure the service's learning rate and memory against the bare loop, in each configuration.
 
     Args:
         spec: Stream, model, learner configuration and MePo bundle of the service under test.
+        camera: Stream the dataset's images upscaled to this camera size (e.g. 1280x960) as JPEGs, built here once
+            (``benchmarks.tools.camera_streams``, 5 test images a class).
         eval_period: The service's any-time evaluation period (0 = off: it is extra model work on the test set,
             which the bare loop does not do).
         bare_batches: Timed mini-batches of each bare run.
@@ -211,6 +215,9 @@ def main(spec: ServiceSpec = ServiceSpec(), eval_period: int = 0, bare_batches: 
         out: JSON result path.
     """
     torch.manual_seed(0)
+    if camera is not None:
+        data = DataConfig(spec.dataset, train_per_class=spec.train_per_class, test_per_class=5)
+        spec = replace(spec, dataset=str(camera_folder(data, *SIZES[camera])))
     spec = replace(spec, extra=(*spec.extra, "--protocol.eval_period", str(eval_period)))
     known = configurations(spec)
     if unknown := set(configs or ()) - set(known):
