@@ -105,15 +105,9 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each test marked with its tiers, and the tiered ones (processes, brokers, servers) run first: the many short
-    tests after them even out the workers' ends (in file order, one worker ran the last long tests alone)."""
-    tiered = set()
     for item in items:
-        for mark in sorted(marks := tiers(item)):
+        for mark in sorted(tiers(item)):
             item.add_marker(mark)
-        if marks:
-            tiered.add(item.nodeid)
-    items.sort(key=lambda item: item.nodeid not in tiered)
 
 
 MISSING_TOOL = re.compile(r"apt-get install ([a-z][a-z0-9 -]*[a-z0-9])")

@@ -13,7 +13,7 @@ import pytest
 from mepo_stream.kafka import KafkaConfig, ensure_topics, open_producer
 from server.learner.consumer import Assigned, Consumer, PartitionKey, Rebalance, Record, Revoked
 from server.learner.stream import open_consumer
-from tests.helpers import stalled, wait_for
+from tests.helpers import holds_for, stalled, wait_for
 
 CLIENTS = ["kafka-python", "librdkafka"]
 
@@ -162,6 +162,38 @@ def test_a_revocation_is_an_event_handled_before_the_partitions_go_to_another_me
     finally:
         stop.set()
         polling.join(30)
+        second.consumer.close(timeout_s=10)
+        first.consumer.close(timeout_s=10)
+
+
+def test_members_that_pause_between_polls_are_assigned_and_the_group_settles(broker, client):
+    """A learner's loop waits for its model thread between polls (a second here, each poll with no wait of its own): a
+    group join that ends in such a pause must not be started over, or the members rejoin for as long as they run."""
+    kafka = topic_with(broker, 3)
+    first = Member(client, kafka)
+    first.read(6)
+    second = Member(client, kafka)
+    stop = threading.Event()
+
+    def paced(member: Member) -> None:
+        while not stop.is_set():
+            member.consumer.poll(0, 10)
+            stop.wait(1.0)  # the model thread's step
+
+    threads = [threading.Thread(target=paced, args=(m,)) for m in (first, second)]
+    for thread in threads:
+        thread.start()
+    try:
+        wait_for(lambda: any(isinstance(e, Assigned) and e.keys for e, _, _ in second.events), 60,
+                 "the newcomer's assignment")
+        events = len(first.events) + len(second.events)
+        holds_for(lambda: len(first.events) + len(second.events) == events, 8, "no rebalance after it")
+        assert first.consumer.assignment() | second.consumer.assignment() == {
+            PartitionKey(kafka.topic, 0), PartitionKey(kafka.topic, 1)}
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
         second.consumer.close(timeout_s=10)
         first.consumer.close(timeout_s=10)
 

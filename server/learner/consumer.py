@@ -1,7 +1,8 @@
 """The learner's consumer: one interface, the project's own types. Its two adapters, kafka-python (the default) and
 librdkafka (``--consumer librdkafka``), keep its promises, checked by ``tests/test_consumer_contract.py``:
 
-* ``poll`` returns ``Record``s, each partition's in offset order, waiting at most ``wait_ms`` for the first.
+* ``poll`` returns ``Record``s, each partition's in offset order, waiting at most ``wait_ms`` for the first; while
+  the member joins its group, until the join is over (kafka-python's adapter: at most ``JOIN_WAIT_S``).
 * A rebalance is an event handed to the ``subscribe`` handler while ``poll`` runs, on the client's thread: a
   revocation before the partitions go (their state is written first); an assignment answered with where each starts.
 * ``commit`` sends offsets without waiting (the checkpoint is the source of truth); ``close`` waits, at most

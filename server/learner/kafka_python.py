@@ -2,11 +2,16 @@
 
 The rebalance listener runs on kafka-python's IO thread while ``poll`` waits, so the handler's seeks are made before
 the fetches of the new assignment begin. ``close`` commits the last offsets sent again, waiting, so none is lost.
+
+A poll does not return while this member's group join is in flight (at most ``JOIN_WAIT_S``): kafka-python 3.0.12
+starts a join over when it finished between two polls (``join_group_async`` replaces a finished join task instead of
+reading it), and a learner whose model thread takes a second between polls would rejoin its group again and again.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 from kafka import ConsumerRebalanceListener, KafkaConsumer, TopicPartition
 from kafka.errors import KafkaError
@@ -17,6 +22,9 @@ from server.consumer import broker_answers
 from server.learner import consumer as contract
 
 log = logging.getLogger(__name__)
+
+JOIN_WAIT_S = 10.0
+"""The longest a poll waits for a group join in flight (the other members answer the rebalance in that time)."""
 
 
 def _on_commit(offsets: dict, result: object) -> None:
@@ -29,6 +37,7 @@ class _Listener(ConsumerRebalanceListener):
         self.consumer, self.on_rebalance = consumer, on_rebalance
 
     def on_partitions_revoked(self, revoked):
+        self.consumer.joining = True  # the eager protocol revokes at the start of every join
         try:
             self.on_rebalance(contract.Revoked(tuple(map(contract.PartitionKey.of, revoked))))
         finally:
@@ -36,6 +45,7 @@ class _Listener(ConsumerRebalanceListener):
                 self.consumer.sent.pop(tp, None)
 
     def on_partitions_assigned(self, assigned):
+        self.consumer.joining = False
         starts = self.on_rebalance(contract.Assigned(tuple(map(contract.PartitionKey.of, assigned)))) or {}
         for key, offset in starts.items():
             self.consumer.seek(key, offset)
@@ -48,13 +58,18 @@ class KafkaPythonConsumer:
                                            enable_auto_commit=False, auto_offset_reset="earliest",
                                            max_poll_records=max_records, **timing)
         self.sent: dict[TopicPartition, OffsetAndMetadata] = {}  # the last committed: ``close`` commits them again
+        self.joining = False  # from a join's start (subscribe, or a revocation) to its assignment
 
     def subscribe(self, topics: list[str], on_rebalance: contract.OnRebalance) -> None:
+        self.joining = True
         self._consumer.subscribe(topics, listener=_Listener(self, on_rebalance))
 
     def poll(self, wait_ms: int, max_records: int) -> list[contract.Record]:
+        deadline = time.monotonic() + max(wait_ms / 1000, JOIN_WAIT_S)
         with contract.unavailable_on(KafkaError):
             polled = self._consumer.poll(timeout_ms=wait_ms, max_records=max_records)
+            while self.joining and not polled and (left := deadline - time.monotonic()) > 0:
+                polled = self._consumer.poll(timeout_ms=int(1000 * min(left, 1.0)), max_records=max_records)
         return [contract.Record(r.topic, r.partition, r.offset, r.key, r.value, list(r.headers or []), r.timestamp)
                 for records in polled.values() for r in records]
 
