@@ -184,12 +184,15 @@ def test_members_that_pause_between_polls_are_assigned_and_the_group_settles(bro
     for thread in threads:
         thread.start()
     try:
-        wait_for(lambda: any(isinstance(e, Assigned) and e.keys for e, _, _ in second.events), 60,
-                 "the newcomer's assignment")
+        both = {PartitionKey(kafka.topic, 0), PartitionKey(kafka.topic, 1)}
+
+        def split() -> bool:  # a partition each
+            mine, theirs = first.consumer.assignment(), second.consumer.assignment()
+            return bool(mine and theirs and not mine & theirs and mine | theirs == both)
+
+        wait_for(split, 60, "a partition assigned to each member")
         events = len(first.events) + len(second.events)
-        holds_for(lambda: len(first.events) + len(second.events) == events, 8, "no rebalance after it")
-        assert first.consumer.assignment() | second.consumer.assignment() == {
-            PartitionKey(kafka.topic, 0), PartitionKey(kafka.topic, 1)}
+        holds_for(lambda: split() and len(first.events) + len(second.events) == events, 8, "no rebalance after it")
     finally:
         stop.set()
         for thread in threads:
