@@ -190,7 +190,7 @@ def list_files(cfg: DataConfig, split: str) -> FileList:
     files, targets, names = [], [], []
     for label, folder in enumerate(folders):
         found = [(path, root) for root, split_root in zip(roots, split_roots, strict=True)
-                 for path in _images(split_root / folder)][:per_class]
+                 for path in _images(split_root / folder, per_class)][:per_class]
         files += [path for path, _ in found]
         names += [path.relative_to(root).as_posix() for path, root in found]
         targets += [label] * len(found)
@@ -199,13 +199,14 @@ def list_files(cfg: DataConfig, split: str) -> FileList:
     return FileList(files, targets, folders, _class_names(roots[0], folders), names)
 
 
-def _images(folder: Path) -> list[Path]:
-    """The images of a class folder, names sorted as strings (comparing Paths is slow for a large dataset); none
-    when the folder is absent (an extra archive without that class)."""
+def _images(folder: Path, first: int | None) -> list[Path]:
+    """The ``first`` images of a class folder (all: None), names sorted as strings: Paths are made only for those
+    kept (comparing or making a Path for each file of a large dataset is slow); none when the folder is absent (an
+    extra archive without that class)."""
     if not folder.is_dir():
         return []
     names = sorted(e.name for e in os.scandir(folder) if os.path.splitext(e.name)[1].lower() in IMAGE_SUFFIXES)
-    return [folder / name for name in names]
+    return [folder / name for name in names[:first]]
 
 
 def load_split(cfg: DataConfig, split: str) -> ImageSet:
