@@ -206,6 +206,26 @@ def test_learner_throughput_measures_every_configuration_against_its_own_bare_lo
     assert ("frozen + slda, read with librdkafka" in text) == ("librdkafka_learn_only" in names)
 
 
+def test_learner_throughput_streams_the_camera_size_it_is_given(tmp_path, monkeypatch):
+    """``--camera`` (the GPU camera rows): the service and its bare loop learn the dataset's images upscaled to that
+    size as JPEGs, built when the row runs (a stand-in service, as above; the bare loop decodes them for real)."""
+    from PIL import Image
+
+    import benchmarks.rows.learner_throughput as throughput
+    from mepo_stream.cache import cache_dir
+
+    served = []
+    monkeypatch.setattr(throughput, "service_round", lambda spec, prequential, work: served.append(spec) or {
+        "service_samples_per_s": 50.0, "rss_bytes_at_10pct": 100, "rss_bytes_at_100pct": 101, "rss_growth": 0.01,
+        "measured_between_samples": [3, 20], "dead_lettered": 0})
+    result = throughput.main(SMALL, bare_batches=1, rounds=1, configs=("learn_only",), camera="640x480",
+                             work=tmp_path, out=tmp_path / "r.json")
+    folder = Path(served[0].dataset)
+    assert folder.is_relative_to(cache_dir() / "camera") and result["stream_samples"] == 20
+    assert {Image.open(f).size for f in folder.rglob("*.jpg")} == {(640, 480)}
+    assert result["learn_only"]["bare_samples_per_s"] > 0
+
+
 def test_scale_out_same_model_finds_the_sums_of_two_parts_the_whole_and_predicts_identically():
     """scale_out's exactness check (``same_model``) on one learner's sums against two halves' summed, in-process."""
     from benchmarks.rows.scale_out import add_cost_per_element, on_paper, same_model

@@ -50,9 +50,7 @@ class Member:
             else None
 
     def read(self, n: int, timeout: float = 60.0) -> list[Record]:
-        """Poll back to back, as the learner's loop does: kafka-python finishes a group join that outlasts a poll in
-        its own thread, and a poll that comes after it has finished starts the join over (3.0.12 discards the
-        result), so pauses between polls can keep a busy machine's member joining for minutes."""
+        """Poll back to back until ``n`` records came (pauses between polls: the paced members' test below)."""
         deadline = time.monotonic() + timeout
         while len(self.records) < n:
             assert time.monotonic() < deadline, f"{len(self.records)} of {n} records after {timeout:.0f} s"
